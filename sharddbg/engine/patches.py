@@ -1,0 +1,118 @@
+"""Run chosen ops through ShardTensor's DTensor fallback instead of their registered patch.
+
+    with without_patches(torch.nn.functional.conv2d):
+        y = F.conv2d(x, w)      # dtensor_fallback_function instead of function_handler
+
+Compare a patch against the generic path (result, communication, time). The registries are restored
+on exit, also after an exception.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from ..errors import ShardDbgError
+
+__all__ = ["without_patches", "NoPatchError", "registered_patches"]
+
+
+class NoPatchError(ShardDbgError, KeyError):
+    """The op has no ShardTensor patch to remove."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+_REGISTRIES = ("_function_registry", "_named_function_registry", "_dispatch_registry", "_dispatch_registry_by_name")
+
+
+def _st():
+    from physicsnemo.domain_parallel.shard_tensor import ShardTensor
+
+    return ShardTensor
+
+
+def registered_patches() -> dict[str, list[str]]:
+    """Registry name -> the ops registered there (as strings)."""
+    from ._rec_util import op_name
+
+    ST = _st()
+    return {r: sorted(k if isinstance(k, str) else op_name(k) for k in getattr(ST, r)) for r in _REGISTRIES}
+
+
+def _matches(op: Any) -> list[tuple[dict, Any]]:
+    """(registry, key) pairs that route ``op`` to a patch."""
+    import torch
+
+    from ._rec_util import op_name
+
+    ST = _st()
+    found: list[tuple[dict, Any]] = []
+    keys: list[tuple[str, Any]] = []
+    if isinstance(op, str):
+        # a registry key ("aten.view.default", "physicsnemo.knn_cuml.default") or an op name as
+        # sharddbg prints it ("torch.conv2d", "Tensor.mean")
+        for r in _REGISTRIES:
+            for k in getattr(ST, r):
+                if k == op or (not isinstance(k, str) and op_name(k) == op):
+                    keys.append((r, k))
+    else:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            overloads = [getattr(op, o) for o in op.overloads()]
+        else:
+            overloads = [op]
+        for o in overloads:
+            for r in _REGISTRIES:
+                reg = getattr(ST, r)
+                if r.endswith("by_name") or r == "_named_function_registry":
+                    k = str(o)
+                    if k in reg:
+                        keys.append((r, k))
+                else:
+                    try:
+                        if o in reg:
+                            keys.append((r, o))
+                    except TypeError:  # unhashable
+                        pass
+    seen = set()
+    for r, k in keys:
+        if (r, k) not in seen:
+            seen.add((r, k))
+            found.append((getattr(ST, r), k))
+    return found
+
+
+@contextmanager
+def without_patches(*ops: Any) -> Iterator[None]:
+    """Remove ``ops`` from ShardTensor's registries for the duration of the block.
+
+    ``ops``: the callables the patches are registered for (``torch.nn.functional.conv2d``,
+    ``torch.Tensor.mean``), aten ops (``torch.ops.aten.view.default`` or the packet), or their names.
+    Raises NoPatchError (before changing anything) for an op that has no patch.
+    """
+    if not ops:
+        raise ValueError("without_patches() needs at least one op")
+    plan: list[tuple[dict, Any]] = []
+    for op in ops:
+        m = _matches(op)
+        if not m:
+            from ._rec_util import op_name
+
+            name = op if isinstance(op, str) else op_name(op)
+            raise NoPatchError(
+                f"{name} has no ShardTensor patch to remove (it already runs through the DTensor fallback, "
+                "or patches are not registered on this rank: on CPU call "
+                "physicsnemo.domain_parallel.register_custom_ops()). "
+                "sharddbg.engine.patches.registered_patches() lists what is registered."
+            )
+        plan.extend(m)
+    removed: list[tuple[dict, Any, Any]] = []
+    try:
+        for reg, key in plan:
+            if key in reg:
+                removed.append((reg, key, reg.pop(key)))
+        yield
+    finally:
+        for reg, key, val in reversed(removed):
+            reg[key] = val

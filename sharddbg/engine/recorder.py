@@ -1,0 +1,762 @@
+"""Per-rank recorder: every ShardTensor op call, its dispatch path, module, shapes, time and errors.
+
+Usage on one rank::
+
+    with Recorder(max_events=200_000) as rec:
+        y = model(x); y.square().mean().backward()
+    rec.events        # schema.py "op" records, sorted by seq
+    rec.dropped       # records lost to a full buffer
+
+From a cluster (one round trip each): ``start(max_events, unmask)`` on every rank, run the cell,
+``stop()`` -> payload dict; ``snapshot()`` may be called from another thread while the main thread is
+blocked (e.g. in a collective) and returns what was recorded so far plus the ops still in flight.
+
+How it works (see shared/docs/shardtensor-notes.md):
+- ``ShardTensor.__torch_function__`` / ``__torch_dispatch__`` are replaced by classmethods that label
+  the call by mirroring ShardTensor's decision order on the registries at call time, then call the
+  original. The originals are put back on exit, also after an exception.
+- The DTensor fallbacks and ``_promote_plain_tensor_to_dtensor`` are rebound wherever physicsnemo
+  modules hold them (``linear_patches`` imported the fallback by name) to mark fallbacks taken from
+  inside handlers and to record promotions.
+- Global nn.Module forward pre/post hooks give the module path; backward events come from pre/post
+  hooks on the autograd node behind each recorded op's output (no ShardTensor hook runs during
+  backward), and inherit the forward op's module.
+- Nothing is recorded while torch.compile traces; nothing is installed when no recorder is active.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import traceback
+from typing import Any
+
+import torch
+
+from .. import schema
+from ..errors import ShardDbgError
+from . import clock
+from ._hooks import Patches
+from ._rec_util import (
+    collect_tensors,
+    format_frame,
+    op_name,
+    placements_str,
+    qualname,
+    shape_list,
+    sharding_shapes_plain,
+    tensor_info,
+    user_frame,
+    would_swallow_type_error,
+)
+
+__all__ = ["Recorder", "RecorderError", "UnmaskedOpError", "start", "stop", "snapshot", "active"]
+
+
+class RecorderError(ShardDbgError, RuntimeError):
+    """The recorder was misused (nested recorders, stop without start, ...)."""
+
+
+class UnmaskedOpError(ShardDbgError, RuntimeError):
+    """A ShardTensor op raised a TypeError that PyTorch would have turned into the generic
+    "unsupported operand type(s)" message. The original exception is chained (``__cause__``).
+
+    Deliberately not a TypeError: PyTorch's binary-operator machinery swallows TypeErrors.
+    """
+
+    def __init__(self, message: str, op: str = "", rank: int = 0):
+        super().__init__(message)
+        self.op = op
+        self.rank = rank
+
+
+_ACTIVE: "Recorder | None" = None  # the one recorder of this process (nested ones are refused)
+_SESSION: "Recorder | None" = None  # the recorder started by start(), if any
+_LAST_PAYLOAD: dict | None = None  # payload of the last stop(), for a late snapshot()
+_FAKE_KEY = getattr(torch._C, "_TorchDispatchModeKey", None)
+_FAKE_KEY = getattr(_FAKE_KEY, "FAKE", None)
+
+
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+def active() -> "Recorder | None":
+    return _ACTIVE
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _tracing() -> bool:
+    """torch.compile is tracing (FakeTensor mode active / dynamo compiling)."""
+    if _FAKE_KEY is not None and torch._C._get_dispatch_mode(_FAKE_KEY) is not None:
+        return True
+    return torch.compiler.is_compiling()
+
+
+class _ThreadState:
+    __slots__ = ("stack", "modstack", "busy", "tid")
+
+    def __init__(self, tid: int) -> None:
+        self.stack: list[dict] = []  # open op events, innermost last
+        self.modstack: list[str] = []  # module paths, innermost last
+        self.busy = False  # inside our own bookkeeping: let any re-entry pass unrecorded
+        self.tid = tid
+
+
+class Recorder:
+    """Record ShardTensor ops on this rank. See the module docstring."""
+
+    def __init__(self, max_events: int = 200_000, unmask: bool = True) -> None:
+        if int(max_events) < 0:
+            raise ValueError("max_events must be >= 0")
+        self.max_events = int(max_events)
+        self.unmask = bool(unmask)
+        self.dropped = 0
+        self.reentries = 0  # hook calls made by our own bookkeeping (must stay 0)
+        self.internal_errors: list[str] = []  # bugs in the recorder itself; never raised into user code
+        self._buf: list[dict] = []
+        self._seq = itertools.count()
+        self._tls = threading.local()
+        self._states: dict[int, _ThreadState] = {}
+        self._tids = itertools.count()
+        self._modnames: dict[int, str] = {}
+        self._params: dict[int, str] = {}
+        self._roots: list[Any] = []  # keep seen roots alive so their ids are not reused
+        self._exc_seen: dict[int, tuple[BaseException, dict]] = {}
+        self._bw_handles: list[Any] = []
+        self._patches: Patches | None = None
+        self._running = False
+        self._used = False
+        self._final_events: list[dict] | None = None
+        self.rank, self.world_size = _rank_world()
+        self.t_start_ns: int | None = None
+        self.t_stop_ns: int | None = None
+        self.installed_at: list[str] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> "Recorder":
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RecorderError(
+                "a sharddbg recorder is already active on this rank; nested recorders are not supported "
+                "(stop the running one first, e.g. sharddbg.engine.recorder.stop())"
+            )
+        if self._used:
+            raise RecorderError("a Recorder can be entered once; create a new one")
+        self._used = True
+        self._state()  # the starting thread gets tid 0
+        patches = Patches()
+        try:
+            _install(self, patches)
+        except BaseException:
+            patches.restore()
+            raise
+        self._patches = patches
+        self.t_start_ns = clock.now_ns()
+        self._running = True
+        _ACTIVE = self
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        global _ACTIVE
+        if not self._running:
+            return
+        self._running = False
+        if _ACTIVE is self:
+            _ACTIVE = None
+        self.t_stop_ns = clock.now_ns()
+        errs = self._patches.restore() if self._patches else []
+        for h in self._bw_handles:  # hooks left on graph nodes that outlive the recording
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._bw_handles.clear()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # so device_ms of every event can be read
+        self._final_events = self._export_all(include_in_flight=False)
+        self._exc_seen.clear()
+        self._roots.clear()
+        if errs:
+            raise RecorderError(f"restoring hooks failed: {errs!r}")
+
+    @property
+    def events(self) -> list[dict]:
+        if self._final_events is not None:
+            return self._final_events
+        return self._export_all(include_in_flight=False)
+
+    # ---- per-thread state ------------------------------------------------------------------------
+    def _state(self) -> _ThreadState:
+        try:
+            return self._tls.s
+        except AttributeError:
+            s = _ThreadState(next(self._tids))
+            self._tls.s = s
+            self._states[threading.get_ident()] = s
+            return s
+
+    # ---- recording -------------------------------------------------------------------------------
+    def _begin(self, st: _ThreadState, name: str, path: str, handler: str | None, infos: list, phase="forward") -> dict:
+        stack = st.stack
+        parent = stack[-1] if stack else None
+        ev = {
+            "kind": "op",
+            "seq": next(self._seq),
+            "parent_seq": parent["seq"] if parent is not None else None,
+            "depth": len(stack),
+            "op": name,
+            "path": path,
+            "handler": handler,
+            "phase": phase,
+            "autograd_node": None,
+            "fwd_seq": None,
+            "module": st.modstack[-1] if st.modstack else None,
+            "_frame": user_frame(3),
+            "_in": infos,
+            "_out": None,
+            "out_bytes": 0,
+            "fallback": False,
+            "promotions": None,
+            "error": None,
+            "not_implemented": False,
+            "thread": st.tid,
+            "_cuda": None,
+            "t_end_ns": None,
+        }
+        if any(i[6] == 2 for i in infos):
+            ev["_cuda"] = _cuda_begin()
+        ev["t_start_ns"] = clock.now_ns()
+        node = _current_node()
+        if node is not None:  # called by the autograd engine (e.g. detach for AccumulateGrad)
+            ev["phase"] = "backward"
+            ev["autograd_node"] = node.name()
+        stack.append(ev)
+        return ev
+
+    def _pop(self, st: _ThreadState, ev: dict) -> None:
+        stack = st.stack
+        while stack:  # robust to a child that never closed
+            if stack.pop() is ev:
+                return
+
+    def _keep(self, ev: dict) -> None:
+        if len(self._buf) < self.max_events:
+            self._buf.append(ev)
+        else:
+            self.dropped += 1
+
+    def _end(self, st: _ThreadState, ev: dict, res: Any) -> None:
+        ev["t_end_ns"] = clock.now_ns()
+        if ev["_cuda"] is not None:
+            _cuda_end(ev["_cuda"])
+        self._pop(st, ev)
+        if res is NotImplemented:
+            ev["not_implemented"] = True
+        else:
+            outs = _result_tensors(res)
+            if outs:
+                infos = [i for i in (tensor_info(t, _ST) for t in outs) if i is not None]
+                ev["_out"] = infos[0] if infos else None
+                ev["out_bytes"] = sum(i[3] for i in infos)
+                if torch.is_grad_enabled():
+                    self._hook_backward(ev, outs)
+        self._keep(ev)
+
+    def _record_error(self, st: _ThreadState, ev: dict, e: BaseException, unmasked: bool) -> dict:
+        ev["t_end_ns"] = clock.now_ns()
+        if ev["_cuda"] is not None:
+            _cuda_end(ev["_cuda"])
+        self._pop(st, ev)
+        seen = self._exc_seen.get(id(e))
+        if seen is not None and seen[0] is e:
+            err = dict(seen[1], unmasked=seen[1]["unmasked"] or unmasked)  # propagated: point at origin
+        else:
+            err = {
+                "exc_type": f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
+                "message": str(e),
+                "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+                "origin_seq": ev["seq"],
+                "unmasked": unmasked,
+            }
+            self._exc_seen[id(e)] = (e, err)
+        ev["error"] = err
+        self._keep(ev)
+        return err
+
+    def _hook_backward(self, ev: dict, outs: list) -> None:
+        node = None
+        for t in outs:
+            # ShardTensor.grad_fn is a shielded property (no __torch_function__); plain/DTensor reads
+            # are C getters.
+            node = t.grad_fn
+            if node is not None:
+                break
+        if node is None:
+            return
+        md = node.metadata
+        box = md.get("sharddbg")
+        if box is not None and box[1] is self:
+            box[0] = ev  # the same node ends an enclosing op too: attribute it to the outer (later) one
+            return
+        box = [ev, self, None, None, node.name()]
+        md["sharddbg"] = box
+        # The hooks capture the box, not the node: a node -> hook -> node cycle would leak the graph.
+        self._bw_handles.append(node.register_prehook(_make_bw_pre(box)))
+        self._bw_handles.append(node.register_hook(_make_bw_post(box)))
+
+    def _backward_event(self, box: list, grad_inputs: Any, grad_outputs: Any) -> None:
+        fwd = box[0]
+        st = self._state()
+        stack = st.stack
+        parent = stack[-1] if stack else None
+        t0 = box[2] if box[2] is not None else clock.now_ns()
+        gout = [i for i in (tensor_info(g, _ST) for g in grad_outputs or ()) if i is not None]
+        gin = [i for i in (tensor_info(g, _ST) for g in grad_inputs or ()) if i is not None]
+        ev = {
+            "kind": "op",
+            "seq": next(self._seq),
+            "parent_seq": parent["seq"] if parent is not None else None,
+            "depth": len(stack),
+            "op": fwd["op"],
+            "path": fwd["path"],
+            "handler": fwd["handler"],
+            "phase": "backward",
+            "autograd_node": box[4],
+            "fwd_seq": fwd["seq"],
+            "module": fwd["module"],
+            "_frame": user_frame(3) or fwd["_frame"],
+            "_in": gout,
+            "_out": gin[0] if gin else None,
+            "out_bytes": sum(i[3] for i in gin),
+            "fallback": fwd["fallback"],
+            "promotions": None,
+            "error": None,
+            "not_implemented": False,
+            "thread": st.tid,
+            "_cuda": None,
+            "t_start_ns": t0,
+            "t_end_ns": clock.now_ns(),
+        }
+        box[2] = None
+        self._keep(ev)
+
+    def _module_name(self, m: Any, st: _ThreadState) -> str:
+        name = self._modnames.get(id(m))
+        if name is not None:
+            return name
+        if not st.modstack:  # a new outermost module: name its whole tree once
+            self._roots.append(m)
+            root = type(m).__name__
+            for n, sub in m.named_modules():
+                self._modnames.setdefault(id(sub), n or root)
+            for n, p in itertools.chain(m.named_parameters(), m.named_buffers()):
+                self._params.setdefault(id(p), n)
+            return self._modnames[id(m)]
+        name = f"{st.modstack[-1]}.<{type(m).__name__}>"  # created on the fly inside a forward
+        self._roots.append(m)
+        self._modnames[id(m)] = name
+        return name
+
+    # ---- export ----------------------------------------------------------------------------------
+    def _export_all(self, include_in_flight: bool) -> list[dict]:
+        done = list(self._buf)  # list() of a list is atomic under the GIL: safe from another thread
+        out = [_export(ev, False) for ev in done]
+        if include_in_flight:
+            for st in list(self._states.values()):
+                for ev in list(st.stack):
+                    out.append(_export(dict(ev), True))
+        out.sort(key=lambda e: e["seq"])
+        return out
+
+    def payload(self, complete: bool | None = None) -> dict:
+        running = self._running
+        events = self._export_all(include_in_flight=running) if running or self._final_events is None else self._final_events
+        return {
+            "format": schema.PAYLOAD_FORMAT,
+            "schema_version": schema.SCHEMA_VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "complete": (not running) if complete is None else complete,
+            "events": events,
+            "dropped": self.dropped,
+            "clock": dict(clock.describe(), t_start_ns=self.t_start_ns, t_stop_ns=self.t_stop_ns, t_payload_ns=clock.now_ns()),
+            "meta": _meta(self),
+        }
+
+
+# ---- export helpers (run at stop/snapshot time, never on the hot path) ---------------------------
+
+def _export(ev: dict, in_flight: bool) -> dict:
+    ins = ev["_in"] or []
+    out = ev["_out"]
+    first = out if out is not None else (ins[0] if ins else None)
+    dist_out = out if out is not None and out[2] is not None else next((i for i in ins if i[2] is not None), None)
+    t0, t1 = ev["t_start_ns"], ev["t_end_ns"]
+    dev_ms, mem = _cuda_read(ev["_cuda"])
+    return {
+        "kind": "op",
+        "seq": ev["seq"],
+        "parent_seq": ev["parent_seq"],
+        "depth": ev["depth"],
+        "op": ev["op"],
+        "path": ev["path"],
+        "handler": ev["handler"],
+        "phase": ev["phase"],
+        "autograd_node": ev["autograd_node"],
+        "module": ev["module"],
+        "user_frame": format_frame(ev["_frame"]),
+        "in_local_shapes": [shape_list(i[0]) for i in ins],
+        "in_global_shapes": [shape_list(i[1]) for i in ins],
+        "out_local_shape": shape_list(out[0]) if out is not None else None,
+        "out_global_shape": shape_list(out[1]) if out is not None else None,
+        "placements": placements_str(dist_out[2]) if dist_out is not None else None,
+        "dtype": str(first[4]).removeprefix("torch.") if first is not None else None,
+        "sharding_shapes": sharding_shapes_plain(out[5]) if out is not None else None,
+        "in_bytes": int(sum(i[3] for i in ins)),
+        "out_bytes": int(ev["out_bytes"]),
+        "t_start_ns": int(t0),
+        "t_end_ns": int(t1) if t1 is not None else None,
+        "host_ms": (t1 - t0) / 1e6 if t1 is not None else None,
+        "device_ms": dev_ms,
+        "mem_delta_bytes": mem,
+        "error": dict(ev["error"]) if ev["error"] is not None else None,
+        "fwd_seq": ev["fwd_seq"],
+        "in_placements": [placements_str(i[2]) for i in ins],
+        "fallback": bool(ev["fallback"]),
+        "promotions": [
+            {"param": p[0], "shape": shape_list(p[1]), "dtype": str(p[2]).removeprefix("torch.")}
+            for p in list(ev["promotions"] or ())
+        ],
+        "not_implemented": bool(ev["not_implemented"]),
+        "in_flight": in_flight,
+        "thread": ev["thread"],
+    }
+
+
+def _meta(rec: Recorder) -> dict:
+    import platform
+
+    try:
+        import physicsnemo
+
+        pn = getattr(physicsnemo, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        pn = None
+    ST = _shard_tensor_cls()
+    return {
+        "torch": torch.__version__,
+        "physicsnemo": pn,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "patch_mode": "registered" if ST is not None and ST._function_registry else "fallback_only",
+        "n_function_handlers": len(ST._function_registry) if ST is not None else 0,
+        "n_named_handlers": len(ST._named_function_registry) if ST is not None else 0,
+        "n_dispatch_handlers": len(ST._dispatch_registry) if ST is not None else 0,
+        "cuda": bool(torch.cuda.is_available()),
+        "unmask": rec.unmask,
+        "max_events": rec.max_events,
+        "recording": rec._running,
+        "reentries": rec.reentries,
+        "internal_errors": list(rec.internal_errors[-5:]),
+        "installed_at": list(rec.installed_at),
+    }
+
+
+def _result_tensors(res: Any) -> list:
+    if isinstance(res, torch.Tensor):
+        return [res]
+    if isinstance(res, (tuple, list)):
+        return [r for r in res[:64] if isinstance(r, torch.Tensor)]
+    return []
+
+
+def _cuda_begin() -> list:
+    e0 = torch.cuda.Event(enable_timing=True)
+    e0.record()
+    return [e0, None, torch.cuda.memory_allocated()]
+
+
+def _cuda_end(c: list) -> None:
+    e1 = torch.cuda.Event(enable_timing=True)
+    e1.record()
+    c[1] = e1
+    c[2] = torch.cuda.memory_allocated() - c[2]
+    c.append(True)  # closed: c[2] is now a delta
+
+
+def _cuda_read(c: list | None) -> tuple[float | None, int | None]:
+    if c is None or len(c) < 4:
+        return None, None
+    try:
+        if c[1].query():  # never blocks: snapshot() may run while the rank is hung
+            return float(c[0].elapsed_time(c[1])), int(c[2])
+    except Exception:  # noqa: BLE001
+        pass
+    return None, int(c[2])
+
+
+# ---- the hooks ---------------------------------------------------------------------------------
+
+_ST = None  # ShardTensor class, bound at install time
+
+
+def _shard_tensor_cls():
+    try:
+        from physicsnemo.domain_parallel.shard_tensor import ShardTensor
+
+        return ShardTensor
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _make_bw_pre(box: list):
+    def _sharddbg_bw_pre(grad_outputs):
+        if _ACTIVE is box[1]:
+            box[2] = clock.now_ns()
+        return None
+
+    return _sharddbg_bw_pre
+
+
+def _make_bw_post(box: list):
+    def _sharddbg_bw_post(grad_inputs, grad_outputs):
+        rec = box[1]
+        if _ACTIVE is rec:
+            try:
+                rec._backward_event(box, grad_inputs, grad_outputs)
+            except Exception:  # noqa: BLE001 - never break the user's backward
+                rec.internal_errors.append(traceback.format_exc())
+        return None
+
+    return _sharddbg_bw_post
+
+
+def _install(rec: Recorder, patches: Patches) -> None:
+    global _ST
+    import physicsnemo.domain_parallel.shard_tensor as stm
+    from torch.nn.modules import module as nnmod
+
+    ST = stm.ShardTensor
+    _ST = ST
+    orig_tf = ST.__dict__["__torch_function__"].__func__
+    orig_td = ST.__dict__["__torch_dispatch__"].__func__
+    orig_fb_fn = stm._torch_function_fallback_via_dtensor
+    orig_fb_td = stm._dispatch_fallback_via_dtensor
+    orig_promote = stm._promote_plain_tensor_to_dtensor
+    conversion_active = stm._conversion_active
+    fb_fn_name = qualname(orig_fb_fn)
+    fb_td_name = qualname(orig_fb_td)
+
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        r = _ACTIVE
+        if r is None:
+            return orig_tf(cls, func, types, args, kwargs)
+        st = r._state()
+        if st.busy:
+            r.reentries += 1
+            return orig_tf(cls, func, types, args, kwargs)
+        st.busy = True
+        ev = None
+        try:
+            infos = collect_tensors(args, kwargs, ST)
+            if not (any(i[6] == 1 for i in infos) or _tracing()):
+                # ShardTensor's own order (shard_tensor.py, __torch_function__), read at call time.
+                if conversion_active():
+                    path, h = "conversion", None
+                elif func in cls._autograd_passthrough_functions:
+                    path, h = "autograd_passthrough", None
+                elif func in cls._function_registry and cls._enable_shard_patches:
+                    path, h = "function_handler", qualname(cls._function_registry[func])
+                elif cls._enable_shard_patches and str(func) in cls._named_function_registry:
+                    path, h = "named_handler", qualname(cls._named_function_registry[str(func)])
+                else:
+                    path, h = "dtensor_fallback_function", fb_fn_name
+                ev = r._begin(st, op_name(func), path, h, infos)
+        except Exception:  # noqa: BLE001 - a recorder bug must not change the user's result
+            r.internal_errors.append(traceback.format_exc())
+            ev = None
+        finally:
+            st.busy = False
+        if ev is None:
+            return orig_tf(cls, func, types, args, kwargs)
+        try:
+            res = orig_tf(cls, func, types, args, kwargs)
+        except BaseException as e:
+            unmask = r.unmask and isinstance(e, TypeError) and would_swallow_type_error(func, args, sys._getframe(1))
+            st.busy = True
+            try:
+                err = r._record_error(st, ev, e, unmask)
+            finally:
+                st.busy = False
+            if unmask:
+                new = UnmaskedOpError(
+                    f"{ev['op']} raised {err['exc_type']} on rank {r.rank}: {err['message']}\n"
+                    "(sharddbg unmasked it: without the recorder PyTorch reports only "
+                    "\"unsupported operand type(s)\". The original exception is chained above; "
+                    "pass unmask=False / --no-unmask for PyTorch's behaviour.)",
+                    op=ev["op"],
+                    rank=r.rank,
+                )
+                r._exc_seen[id(new)] = (new, err)  # outer ops point at the original, not at this
+                raise new from e
+            raise
+        st.busy = True
+        try:
+            r._end(st, ev, res)
+        except Exception:  # noqa: BLE001
+            r.internal_errors.append(traceback.format_exc())
+        finally:
+            st.busy = False
+        return res
+
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        r = _ACTIVE
+        if r is None:
+            return orig_td(cls, func, types, args, kwargs)
+        st = r._state()
+        if st.busy:
+            r.reentries += 1
+            return orig_td(cls, func, types, args, kwargs)
+        st.busy = True
+        ev = None
+        try:
+            infos = collect_tensors(args, kwargs, ST)
+            if not (any(i[6] == 1 for i in infos) or _tracing()):
+                handler = cls._dispatch_registry.get(func)
+                if handler is None:
+                    handler = cls._dispatch_registry_by_name.get(str(func))
+                if handler is not None:
+                    path, h = "dispatch_handler", qualname(handler)
+                else:
+                    path, h = "dtensor_fallback_dispatch", fb_td_name
+                ev = r._begin(st, op_name(func), path, h, infos)
+        except Exception:  # noqa: BLE001
+            r.internal_errors.append(traceback.format_exc())
+            ev = None
+        finally:
+            st.busy = False
+        if ev is None:
+            return orig_td(cls, func, types, args, kwargs)
+        try:
+            res = orig_td(cls, func, types, args, kwargs)
+        except BaseException as e:
+            st.busy = True
+            try:
+                r._record_error(st, ev, e, False)
+            finally:
+                st.busy = False
+            raise
+        st.busy = True
+        try:
+            r._end(st, ev, res)
+        except Exception:  # noqa: BLE001
+            r.internal_errors.append(traceback.format_exc())
+        finally:
+            st.busy = False
+        return res
+
+    def _mark_fallback():
+        r = _ACTIVE
+        if r is not None:
+            st = r._state()
+            if st.stack:
+                st.stack[-1]["fallback"] = True
+
+    def _torch_function_fallback_via_dtensor(*a, **k):
+        _mark_fallback()
+        return orig_fb_fn(*a, **k)
+
+    def _dispatch_fallback_via_dtensor(*a, **k):
+        _mark_fallback()
+        return orig_fb_td(*a, **k)
+
+    def _promote_plain_tensor_to_dtensor(tensor, mesh, *a, **k):
+        r = _ACTIVE
+        if r is not None:
+            st = r._state()
+            if st.stack and not st.busy:
+                ev = st.stack[-1]
+                if ev["promotions"] is None:
+                    ev["promotions"] = []
+                ev["promotions"].append((r._params.get(id(tensor)), tensor.shape, tensor.dtype))
+        return orig_promote(tensor, mesh, *a, **k)
+
+    for w, o in ((_torch_function_fallback_via_dtensor, orig_fb_fn),
+                 (_dispatch_fallback_via_dtensor, orig_fb_td),
+                 (_promote_plain_tensor_to_dtensor, orig_promote)):
+        w.__wrapped__ = o  # type: ignore[attr-defined]
+        w.__qualname__ = o.__qualname__
+        w.__module__ = o.__module__
+        rec.installed_at += patches.replace_global_everywhere(o, w)
+
+    patches.setattr(ST, "__torch_function__", classmethod(__torch_function__))
+    patches.setattr(ST, "__torch_dispatch__", classmethod(__torch_dispatch__))
+
+    def _mod_pre(m, inputs):
+        r = _ACTIVE
+        if r is not None:
+            st = r._state()
+            st.modstack.append(r._module_name(m, st))
+
+    def _mod_post(m, inputs, output):
+        r = _ACTIVE
+        if r is not None:
+            st = r._state()
+            if st.modstack:
+                st.modstack.pop()
+
+    h1 = nnmod.register_module_forward_pre_hook(_mod_pre)
+    patches.add_undo(h1.remove)
+    # always_call: the pop also happens when the forward raises.
+    h2 = nnmod.register_module_forward_hook(_mod_post, always_call=True)
+    patches.add_undo(h2.remove)
+
+
+# ---- module-level API for clusters (one round trip each) -----------------------------------------
+
+def start(max_events: int = 200_000, unmask: bool = True) -> dict:
+    """Start recording on this rank; returns {"rank", "t_start_ns"}. Refused if one is running."""
+    global _SESSION, _LAST_PAYLOAD
+    rec = Recorder(max_events=max_events, unmask=unmask)
+    rec.__enter__()
+    _SESSION = rec
+    _LAST_PAYLOAD = None
+    return {"rank": rec.rank, "t_start_ns": rec.t_start_ns}
+
+
+def stop() -> dict:
+    """Stop the recording started by start(); returns the payload (schema.py)."""
+    global _SESSION, _LAST_PAYLOAD
+    rec = _SESSION
+    if rec is None:
+        raise RecorderError("stop(): no recording was started on this rank with start()")
+    _SESSION = None
+    rec.close()
+    _LAST_PAYLOAD = rec.payload(complete=True)
+    return _LAST_PAYLOAD
+
+
+def snapshot() -> dict:
+    """The events so far, without stopping (complete=False while running; in-flight ops included).
+
+    Safe from another thread while the main thread is blocked: copies lists, takes no locks, never
+    synchronizes a device or calls a collective.
+    """
+    rec = _SESSION
+    if rec is not None:
+        return rec.payload()
+    if _LAST_PAYLOAD is not None:
+        return _LAST_PAYLOAD
+    raise RecorderError("snapshot(): no recording was started on this rank with start()")

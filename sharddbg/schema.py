@@ -1,0 +1,204 @@
+"""The versioned records that cross from the ranks (engine/) to the client (trace.py, analysis/, views/).
+
+This module is the ONLY contract between the two sides: everything an engine sends is a plain,
+JSON-able dict described here, never a tensor or a live object. Bump ``SCHEMA_VERSION`` on any change
+a reader must know about; readers refuse versions newer than theirs.
+
+Records (``event["kind"]``)
+---------------------------
+``op``          one call of a ShardTensor op on one rank, forward (a ``__torch_function__`` /
+                ``__torch_dispatch__`` call) or backward (the autograd node behind a recorded forward op's
+                output). Fields: ``OP_FIELDS``.
+``collective``  reserved for issue 4 (one collective call, attributed to the op on the stack). Shares
+                ``seq`` numbering, ``t_*_ns`` clock and ``phase``/``autograd_node`` meaning with ``op``.
+                Draft fields: ``COLLECTIVE_FIELDS``; only the common fields are validated so far.
+``meta``        a free-form marker (``name`` + JSON-able ``data``), e.g. "cell started".
+
+All records carry ``kind`` and ``seq`` (per-rank, strictly increasing in start order, shared by all
+kinds so that records of one rank interleave correctly). Times are ns on the rank's sharddbg clock
+(``sharddbg.engine.clock``); the client subtracts the per-rank offset it measured. ``None`` means
+"not measured" (e.g. ``device_ms`` on CPU) and becomes NaN in DataFrames.
+
+Payload (what ``recorder.stop()`` / ``recorder.snapshot()`` return on one rank)::
+
+    {"format": "sharddbg.payload", "schema_version": 1, "rank": 0, "world_size": 4,
+     "complete": True,            # False for a snapshot of a recorder still running (e.g. a hung rank)
+     "events": [...],             # records above, sorted by seq; a snapshot adds in-flight ops
+     "dropped": 0,                # records not kept because the buffer (max_events) was full
+     "clock": {"source": ..., "injected_offset_ns": ..., "t_start_ns": ..., "t_stop_ns": ...},
+     "meta": {"torch": ..., "physicsnemo": ..., "patch_mode": "registered" | "fallback_only", ...}}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import ShardDbgError
+
+SCHEMA_VERSION = 1
+PAYLOAD_FORMAT = "sharddbg.payload"
+
+KIND_OP = "op"
+KIND_COLLECTIVE = "collective"
+KIND_META = "meta"
+KINDS = (KIND_OP, KIND_COLLECTIVE, KIND_META)
+
+PHASES = ("forward", "backward")
+
+# Dispatch paths, in ShardTensor's own decision order (see shard_tensor.py, __torch_function__ then
+# __torch_dispatch__). compile_tracing is listed for completeness: the recorder records nothing while
+# torch.compile traces, so it never appears in a trace.
+PATHS = (
+    "conversion",  # ShardTensor<->DTensor conversion in progress: the op runs plain
+    "autograd_passthrough",  # register_hook, retain_grad, torch.autograd.grad, ...: run on the real tensor
+    "function_handler",  # ShardTensor._function_registry[func]
+    "named_handler",  # ShardTensor._named_function_registry[str(func)]
+    "compile_tracing",  # FakeTensor operands: routed to aten
+    "dtensor_fallback_function",  # _torch_function_fallback_via_dtensor
+    "dispatch_handler",  # ShardTensor._dispatch_registry(_by_name)
+    "dtensor_fallback_dispatch",  # _dispatch_fallback_via_dtensor
+)
+FALLBACK_PATHS = ("dtensor_fallback_function", "dtensor_fallback_dispatch")
+
+# name -> (JSON types allowed, meaning). Order is the column order of Trace.get_ops() (after "rank").
+OP_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "kind": ((str,), '"op"'),
+    "seq": ((int,), "per-rank sequence number, in start order"),
+    "parent_seq": ((int, type(None)), "seq of the enclosing recorded op on the same thread, or None"),
+    "depth": ((int,), "nesting depth (0 = called by user code or the autograd engine)"),
+    "op": ((str,), "the function, e.g. 'torch.conv2d', 'Tensor.add', 'aten.add.Tensor'"),
+    "path": ((str,), "dispatch path, one of PATHS (backward events repeat their forward op's path)"),
+    "handler": ((str, type(None)), "qualified name of the function that handled it (handler or fallback)"),
+    "phase": ((str,), "'forward' or 'backward'"),
+    "autograd_node": ((str, type(None)), "backward: name of the autograd node that ran"),
+    "module": ((str, type(None)), "nn.Module path (relative to the outermost module) the op ran in"),
+    "user_frame": ((str, type(None)), "'file:line in function' of the first frame outside torch/physicsnemo/sharddbg"),
+    "in_local_shapes": ((list,), "per tensor argument: the shape this rank holds"),
+    "in_global_shapes": ((list,), "per tensor argument: the global shape (plain tensors: their shape)"),
+    "out_local_shape": ((list, type(None)), "first tensor result: local shape"),
+    "out_global_shape": ((list, type(None)), "first tensor result: global shape"),
+    "placements": ((str, type(None)), "first distributed result's placements, e.g. '(Shard(dim=2),)'"),
+    "dtype": ((str, type(None)), "first tensor result's dtype (else the first argument's)"),
+    "sharding_shapes": ((dict, type(None)), "first result's _spec._sharding_shapes: {mesh_dim: [shape per rank]}"),
+    "in_bytes": ((int,), "bytes of the local data of all tensor arguments on this rank"),
+    "out_bytes": ((int,), "bytes of the local data of all tensor results on this rank"),
+    "t_start_ns": ((int,), "start, rank clock"),
+    "t_end_ns": ((int, type(None)), "end, rank clock (None: still running at snapshot time)"),
+    "host_ms": ((float, int, type(None)), "wall time on the host, (t_end_ns - t_start_ns) / 1e6"),
+    "device_ms": ((float, int, type(None)), "CUDA event time; None on CPU or not finished"),
+    "mem_delta_bytes": ((int, type(None)), "CUDA allocator delta over the call; None on CPU"),
+    "error": ((dict, type(None)), "ERROR_FIELDS if the call raised, else None"),
+    # beyond the issue's minimum
+    "fwd_seq": ((int, type(None)), "backward: seq of the forward op this node belongs to"),
+    "in_placements": ((list,), "per tensor argument: placements string, None for a plain tensor"),
+    "fallback": ((bool,), "the DTensor fallback ran for this call (directly or from inside its handler)"),
+    "promotions": ((list,), "PROMOTION_FIELDS for each plain tensor promoted to Replicate during the call"),
+    "not_implemented": ((bool,), "the call returned NotImplemented (recorded, passed through)"),
+    "in_flight": ((bool,), "the call had not returned when the snapshot was taken"),
+    "thread": ((int,), "0 = the thread that started the recorder, 1.. = other threads (autograd, ...)"),
+}
+
+ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "exc_type": ((str,), "qualified exception class name"),
+    "message": ((str,), "str(exception)"),
+    "traceback": ((str,), "formatted traceback of the original exception"),
+    "origin_seq": ((int,), "seq of the innermost op where this exception object was first seen"),
+    "unmasked": ((bool,), "the recorder re-raised it as UnmaskedOpError (PyTorch would have hidden it)"),
+}
+
+PROMOTION_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "param": ((str, type(None)), "parameter/buffer name from the modules seen, else None"),
+    "shape": ((list,), "shape of the plain tensor"),
+    "dtype": ((str,), "its dtype"),
+}
+
+# Draft for issue 4; not validated beyond the common fields yet.
+COLLECTIVE_FIELDS: dict[str, str] = {
+    "kind": '"collective"',
+    "seq": "shared per-rank numbering",
+    "group_seq": "k-th collective of its process group",
+    "coll": "collective kind, e.g. all_to_all_single",
+    "group_ranks": "ranks of the group",
+    "mesh_dim": "mesh dim name or None",
+    "bytes_sent": "bytes",
+    "bytes_recv": "bytes",
+    "t_issue_ns": "issue time, rank clock",
+    "t_done_ns": "time its wait returned",
+    "async": "bool",
+    "op_seq": "innermost recorded op on the stack",
+    "outer_op_seq": "outermost recorded op on the stack",
+    "phase": "'forward' / 'backward'",
+    "autograd_node": "backward: node name",
+    "param": "parameter name for weight-gradient reductions",
+}
+
+META_FIELDS: dict[str, str] = {"kind": '"meta"', "seq": "shared numbering", "name": "str", "t_ns": "int", "data": "JSON-able"}
+
+PAYLOAD_FIELDS: dict[str, tuple[type, ...]] = {
+    "format": (str,),
+    "schema_version": (int,),
+    "rank": (int,),
+    "world_size": (int,),
+    "complete": (bool,),
+    "events": (list,),
+    "dropped": (int,),
+    "clock": (dict,),
+    "meta": (dict,),
+}
+
+
+class SchemaError(ShardDbgError, ValueError):
+    """A record or payload does not follow this schema (corrupt, or from an incompatible sharddbg)."""
+
+
+def _check_fields(rec: Any, fields: dict, what: str) -> None:
+    if not isinstance(rec, dict):
+        raise SchemaError(f"{what}: expected a dict, got {type(rec).__name__}")
+    missing = [k for k in fields if k not in rec]
+    if missing:
+        raise SchemaError(f"{what}: missing field(s) {missing}")
+    for k, (types, _doc) in fields.items():
+        v = rec[k]
+        # bool is an int in Python; an int field holding True is still a bug worth catching.
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            raise SchemaError(f"{what}: field {k!r} = {v!r} has type {type(v).__name__}, expected {[t.__name__ for t in types]}")
+
+
+def validate_event(ev: Any, where: str = "event") -> None:
+    """Raise SchemaError unless ``ev`` is a well-formed record of a known kind."""
+    if not isinstance(ev, dict):
+        raise SchemaError(f"{where}: expected a dict, got {type(ev).__name__}")
+    kind = ev.get("kind")
+    if kind not in KINDS:
+        raise SchemaError(f"{where}: unknown kind {kind!r} (known: {KINDS})")
+    if not isinstance(ev.get("seq"), int):
+        raise SchemaError(f"{where}: 'seq' must be an int")
+    if kind != KIND_OP:
+        return
+    _check_fields(ev, OP_FIELDS, f"{where} (op seq {ev['seq']})")
+    if ev["path"] not in PATHS:
+        raise SchemaError(f"{where}: unknown path {ev['path']!r}")
+    if ev["phase"] not in PHASES:
+        raise SchemaError(f"{where}: unknown phase {ev['phase']!r}")
+    if ev["error"] is not None:
+        _check_fields(ev["error"], ERROR_FIELDS, f"{where} error")
+    for p in ev["promotions"]:
+        _check_fields(p, PROMOTION_FIELDS, f"{where} promotion")
+
+
+def validate_payload(p: Any) -> None:
+    """Raise SchemaError unless ``p`` is a payload of this schema version with valid records."""
+    if not isinstance(p, dict) or p.get("format") != PAYLOAD_FORMAT:
+        raise SchemaError("not a sharddbg payload (missing format 'sharddbg.payload')")
+    v = p.get("schema_version")
+    if not isinstance(v, int) or v > SCHEMA_VERSION or v < 1:
+        raise SchemaError(f"payload schema_version {v!r} is not supported (this sharddbg reads 1..{SCHEMA_VERSION})")
+    _check_fields(p, {k: (t, "") for k, t in PAYLOAD_FIELDS.items()}, f"payload of rank {p.get('rank')}")
+    for i, ev in enumerate(p["events"]):
+        validate_event(ev, f"rank {p['rank']} event #{i}")
+
+
+def nan_if_none(x: Any) -> float:
+    """``None`` (not measured) -> NaN, for DataFrames."""
+    return math.nan if x is None else x
