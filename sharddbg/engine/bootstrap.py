@@ -1,0 +1,255 @@
+"""Per-rank set-up inside an engine: physicsnemo import and patch registration, torch.distributed, the
+named ("ddp", "domain") mesh and the DistributedManager state that physicsnemo's helpers read.
+
+The client calls these through ipyparallel; everything returned is plain data.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import platform
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+
+# The one mutable record of this rank's set-up; read by status() and by engine helpers (scatter, mesh).
+STATE: dict = {
+    "rank": None,
+    "world_size": None,
+    "mesh_shape": None,
+    "backend": None,
+    "device": None,
+    "patch_mode": None,
+    "patch_reason": "",
+    "n_patches": 0,
+    "mesh": None,
+    "dist_inits": 0,
+}
+
+_PATCH_FACTS: dict = {}
+
+
+def _count_patches() -> int:
+    from physicsnemo.domain_parallel import ShardTensor
+
+    return sum(
+        len(getattr(ShardTensor, name, {}) or {})
+        for name in ("_function_registry", "_named_function_registry", "_dispatch_registry", "_dispatch_registry_by_name")
+    )
+
+
+def import_physicsnemo(register_on_cpu: bool = True) -> dict:
+    """Import physicsnemo's domain_parallel and make sure its shard patches are registered.
+
+    physicsnemo registers them itself only when CUDA is available; on a CPU host we call its own
+    ``register_custom_ops()`` (all of it, not a subset). Returns the patch mode and why.
+    """
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        # warp prints a CUDA-driver warning on CPU hosts and physicsnemo a FutureWarning: known noise.
+        warnings.simplefilter("ignore", FutureWarning)
+        import physicsnemo  # noqa: F401
+        import physicsnemo.distributed  # noqa: F401
+        import physicsnemo.domain_parallel as dp
+
+    facts = {"physicsnemo": getattr(physicsnemo, "__version__", "unknown")}
+    if torch.cuda.is_available() and _count_patches() > 0:
+        mode, reason = "registered-by-physicsnemo", ""
+    elif not register_on_cpu:
+        mode, reason = "none", "registration not requested"
+    else:
+        try:
+            dp.register_custom_ops()
+            mode, reason = "registered-by-sharddbg", "CPU host: physicsnemo registers patches only when CUDA is available"
+        except Exception as exc:  # reported per rank, never fatal: the fallback paths still run
+            mode, reason = "none", f"register_custom_ops() failed: {type(exc).__name__}: {exc}"
+    facts.update(patch_mode=mode, patch_reason=reason, n_patches=_count_patches())
+    _PATCH_FACTS.update(facts)
+    return facts
+
+
+def on_fork(rank: int) -> None:
+    """First thing in a freshly forked engine, before ipyparallel starts."""
+    STATE["rank"] = rank
+    # A C-level stack dump on SIGUSR1, for a rank so stuck that even the control thread cannot answer.
+    log_dir = os.environ.get("SHARDDBG_LOG_DIR")
+    if log_dir:
+        dump = open(os.path.join(log_dir, f"stack-rank{rank}.txt"), "w")  # noqa: SIM115 - lives with the process
+        faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+
+
+def _fill_distributed_manager(rank, world_size, local_rank, device, mesh, mesh_shape) -> None:
+    """What physicsnemo's ``scatter_tensor``/``get_mesh_group`` read from the manager.
+
+    ``DistributedManager.initialize()`` fails on CPU hosts (it needs LOCAL_RANK and an accelerator
+    device_id), and on GPU hosts it would pick its own port and timeout, so we fill its shared state.
+    """
+    import torch
+    from physicsnemo.distributed import DistributedManager
+
+    state = DistributedManager._shared_state
+    state.clear()
+    state.update(
+        _is_initialized=True,
+        _distributed=True,
+        _rank=rank,
+        _world_size=world_size,
+        _local_rank=local_rank,
+        _device=device,
+        _cuda=device.type == "cuda",
+        _initialization_method="sharddbg",
+        _global_mesh=mesh,
+        _mesh_dims={"ddp": mesh_shape[0], "domain": mesh_shape[1]},
+    )
+    DistributedManager()  # fills remaining defaults; raises if the state were unusable
+    assert isinstance(device, torch.device)
+
+
+def init_rank(rank: int, world_size: int, mesh_shape, backend: str, master_port: int,
+              collective_timeout_s: float, use_cuda: bool) -> dict:
+    """Initialise torch.distributed on a fresh port, build the mesh, fill the manager. Returns status()."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    t0 = time.perf_counter()
+    if not _PATCH_FACTS:
+        import_physicsnemo(register_on_cpu=True)
+    if dist.is_initialized():
+        teardown()
+    if use_cuda:
+        local_rank = rank % torch.cuda.device_count()
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        local_rank = rank
+        device = torch.device("cpu")
+    kwargs = {}
+    if use_cuda:
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=collective_timeout_s),
+        **kwargs,
+    )
+    mesh = init_device_mesh(device.type, tuple(mesh_shape), mesh_dim_names=("ddp", "domain"))
+    _fill_distributed_manager(rank, world_size, local_rank, device, mesh, mesh_shape)
+    STATE.update(
+        rank=rank,
+        world_size=world_size,
+        mesh_shape=tuple(mesh_shape),
+        backend=backend,
+        device=str(device),
+        mesh=mesh,
+        collective_timeout_s=collective_timeout_s,
+        dist_inits=STATE["dist_inits"] + 1,
+        **{k: _PATCH_FACTS[k] for k in ("patch_mode", "patch_reason", "n_patches")},
+    )
+    _silence_known_noise()
+    _install_user_namespace()
+    from . import diagnose
+
+    diagnose.install_control_handler()
+    out = status()
+    out["t_init_s"] = time.perf_counter() - t0
+    return out
+
+
+def _silence_known_noise() -> None:
+    """physicsnemo 2.2.2 calls funcol.all_gather_tensor in a way torch deprecates: one FutureWarning per
+    gather, about physicsnemo's code, not the user's."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*all_gather_tensor.*", category=FutureWarning)
+
+
+def teardown() -> None:
+    """Destroy this rank's process groups (releases peers blocked in a collective with it)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    try:
+        from physicsnemo.distributed import DistributedManager
+
+        DistributedManager._shared_state.clear()
+    except ImportError:
+        pass
+    STATE["mesh"] = None
+
+
+def _install_user_namespace() -> None:
+    """Names a %px cell can use without imports (documented in the README)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    import physicsnemo
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from physicsnemo.domain_parallel import ShardTensor
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    import sharddbg
+
+    shell.user_ns.update(
+        torch=torch, nn=nn, F=F, dist=dist, physicsnemo=physicsnemo, sharddbg=sharddbg,
+        ShardTensor=ShardTensor, Shard=Shard, Replicate=Replicate, Partial=Partial,
+        rank=STATE["rank"], world_size=STATE["world_size"], mesh=STATE["mesh"],
+    )
+
+
+def status() -> dict:
+    """One row of ``Cluster.status()``."""
+    import torch
+
+    mesh_shape = STATE["mesh_shape"] or (1, 1)
+    rank = STATE["rank"]
+    versions = {"torch": torch.__version__, "physicsnemo": _PATCH_FACTS.get("physicsnemo", "not imported"),
+                "python": platform.python_version()}
+    try:
+        import torch.distributed as dist
+
+        dist_up = dist.is_initialized()
+    except Exception:
+        dist_up = False
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "device": STATE["device"],
+        "backend": STATE["backend"],
+        "dist_initialized": dist_up,
+        "ddp": None if rank is None else rank // mesh_shape[1],
+        "domain": None if rank is None else rank % mesh_shape[1],
+        "torch": versions["torch"],
+        "physicsnemo": versions["physicsnemo"],
+        "python": versions["python"],
+        "patch_mode": STATE["patch_mode"],
+        "n_patches": STATE["n_patches"],
+        "patch_reason": STATE["patch_reason"],
+        "collective_timeout_s": STATE.get("collective_timeout_s"),
+        "threads": torch.get_num_threads(),
+        "argv0": sys.argv[0] if sys.argv else "",
+    }
+
+
+def clock_sample() -> int:
+    """This rank's recorder clock, for the client's offset estimate."""
+    from .clock import now_ns
+
+    return now_ns()

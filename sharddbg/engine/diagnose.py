@@ -1,0 +1,148 @@
+"""Where is this rank stuck? Answered from the kernel's control thread, which still runs while the main
+thread is blocked inside a gloo/NCCL collective (they release the GIL while waiting).
+
+The client sends a ``sharddbg_diagnose_request`` on the control channel; the reply carries the main
+thread's Python stack, torch's Flight Recorder entries (the collectives this rank issued and whether they
+completed), the ranks of each process group, and the recorder's events so far when one is running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import traceback
+
+MSG_TYPE = "sharddbg_diagnose_request"
+REPLY_TYPE = "sharddbg_diagnose_reply"
+
+# Frames from these places are library internals; the rest (the user's cell, their modules) come first.
+_LIBRARY_MARKERS = (
+    f"{os.sep}torch{os.sep}", f"{os.sep}physicsnemo{os.sep}", f"{os.sep}sharddbg{os.sep}",
+    f"{os.sep}ipykernel{os.sep}", f"{os.sep}ipyparallel{os.sep}", f"{os.sep}IPython{os.sep}",
+    f"{os.sep}tornado{os.sep}", f"{os.sep}asyncio{os.sep}", f"{os.sep}zmq{os.sep}", f"{os.sep}traitlets{os.sep}",
+    f"{os.sep}concurrent{os.sep}",
+)
+
+
+def is_user_file(filename: str) -> bool:
+    return not any(marker in filename for marker in _LIBRARY_MARKERS) and not filename.startswith("<frozen")
+
+
+def main_thread_stack() -> list[dict]:
+    """The main thread's frames, outermost first, each tagged user/library."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    frames = []
+    for summary in traceback.extract_stack(frame) if frame is not None else []:
+        frames.append({
+            "file": summary.filename,
+            "line": summary.lineno,
+            "function": summary.name,
+            "code": (summary.line or "").strip(),
+            "user": is_user_file(summary.filename),
+        })
+    return frames
+
+
+def _process_groups() -> dict[str, list[int]]:
+    """Process-group name -> global ranks, for every group this rank knows."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not dist.is_initialized():
+            return {}
+        groups = {}
+        for pg in list(c10d._world.pg_map):
+            try:
+                groups[str(pg.group_name)] = list(dist.get_process_group_ranks(pg))
+            except Exception:
+                continue
+        return groups
+    except Exception:
+        return {}
+
+
+def flight_recorder() -> dict:
+    """torch's Flight Recorder dump for this rank, reduced to what a hang report needs."""
+    try:
+        from torch._C import _distributed_c10d as c10d_ext
+    except ImportError:
+        return {"available": False, "reason": "torch has no distributed support"}
+    raw = None
+    errors = []
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        dump = getattr(c10d_ext, name, None)
+        if dump is None:
+            continue
+        try:
+            raw = dump(True, False)
+            break
+        except Exception as exc:
+            errors.append(f"{name}: {exc}")
+    if raw is None:
+        return {"available": False, "reason": "; ".join(errors) or "no flight recorder in this torch"}
+    data = json.loads(raw if isinstance(raw, str) else raw.decode())
+    entries = []
+    for e in data.get("entries", []):
+        group = e.get("process_group") or ["", ""]
+        entries.append({
+            "group": str(group[0]),
+            "group_desc": str(group[1]) if len(group) > 1 else "",
+            "seq": int(e.get("collective_seq_id", 0)),
+            "p2p_seq": int(e.get("p2p_seq_id", 0)),
+            "is_p2p": bool(e.get("is_p2p", False)),
+            "name": e.get("profiling_name", ""),
+            "input_sizes": e.get("input_sizes", []),
+            "dtypes": e.get("input_dtypes", []),
+            "completed": bool(e.get("retired")) or e.get("state") == "completed",
+            "state": e.get("state", ""),
+            "timeout_ms": e.get("timeout_ms"),
+            "time_created_ns": e.get("time_created_ns"),
+        })
+    return {"available": True, "entries": entries, "version": data.get("version")}
+
+
+def diagnose() -> dict:
+    from . import bootstrap
+
+    report = {
+        "rank": bootstrap.STATE.get("rank"),
+        "pid": os.getpid(),
+        "stack": main_thread_stack(),
+        "flight_recorder": flight_recorder(),
+        "groups": _process_groups(),
+    }
+    try:
+        from . import recorder
+
+        snapshot = getattr(recorder, "snapshot", None)
+        if snapshot is not None and getattr(recorder, "is_recording", lambda: False)():
+            report["recording"] = snapshot()
+    except Exception as exc:  # a diagnosis must answer even when the recorder is broken
+        report["recording_error"] = f"{type(exc).__name__}: {exc}"
+    return report
+
+
+def install_control_handler() -> bool:
+    """Register :func:`diagnose` on this engine's control channel (idempotent)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None:
+        return False
+
+    def handle(stream, ident, parent):
+        try:
+            content = {"status": "ok", "report": diagnose()}
+        except Exception as exc:
+            content = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
+                       "traceback": traceback.format_exc().splitlines()}
+        kernel.session.send(stream, REPLY_TYPE, content, parent, ident=ident)
+
+    kernel.control_handlers[MSG_TYPE] = handle
+    return True
