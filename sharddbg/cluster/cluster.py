@@ -130,6 +130,7 @@ class Cluster:
         self._ipp = None
         self._record: registry.ClusterRecord | None = None
         self._stuck: dict = {}  # msg_id -> rank, from calls that timed out and still run
+        self._last_trace = None
         self.running = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -491,7 +492,90 @@ class Cluster:
 
     def hang_report(self, timeout, finished, unfinished, what="the cell") -> hang.HangReport:
         diagnoses = self.diagnose(range(self.n))
-        return hang.build_report(timeout, finished, unfinished, diagnoses, self.pids, what=what)
+        report = hang.build_report(timeout, finished, unfinished, diagnoses, self.pids, what=what)
+        report.diagnoses = diagnoses
+        return report
+
+    def clock_offsets(self, samples: int = 15, timeout: float = 5.0) -> dict[int, dict]:
+        """How far each rank's recorder clock is ahead of this process's ``time.monotonic_ns()``.
+
+        NTP-style: for each rank, ``samples`` round trips on the control channel; the one with the
+        shortest round trip wins, offset = engine time - midpoint, uncertainty = half its round trip.
+        """
+        from ..engine.diagnose import CLOCK_MSG_TYPE
+
+        self._require_running()
+        offsets = {}
+        for rank, eid in enumerate(self.engine_ids):
+            ident = self.client._build_targets([eid])[0][0]
+            best = None
+            for _ in range(samples):
+                t0 = time.monotonic_ns()
+                future = self.client._send(self.client._control_stream, CLOCK_MSG_TYPE, content={}, ident=ident)
+                try:
+                    msg = future.result(timeout=timeout)
+                except Exception as exc:
+                    raise ClusterError(f"rank {rank} did not answer a clock request within {timeout} s") from exc
+                t1 = time.monotonic_ns()
+                engine_ns = int(msg["content"]["now_ns"])
+                if best is None or t1 - t0 < best[0]:
+                    best = (t1 - t0, engine_ns - (t0 + t1) // 2)
+            offsets[rank] = {"offset_ns": best[1], "uncertainty_ns": best[0] // 2}
+        return offsets
+
+    # ------------------------------------------------------------------ recording
+    def trace(self, code: str, *, timeout: float | None = None, max_events: int = 200_000, unmask: bool = True,
+              display: bool = True):
+        """Run ``code`` on every rank under the recorder and gather one :class:`sharddbg.trace.Trace`.
+
+        The trace is kept even when the cell fails or times out (ranks that timed out contribute their
+        events up to then, marked incomplete): ``last_trace()`` returns it, and the error is re-raised.
+        """
+        from ..engine import recorder
+        from ..trace import Trace
+
+        self._require_running()
+        if not isinstance(max_events, int) or max_events < 1:
+            raise ClusterError(f"max_events must be a positive integer, got {max_events!r}")
+        self._check_not_stuck(range(self.n))
+        self._wait(self.view.apply_async(recorder.start, max_events, unmask), self.timeout, what="recorder start")
+        t0 = time.perf_counter()
+        failure = None
+        payloads: dict[int, dict | None] = {}
+        incomplete: list[int] = []
+        try:
+            self.run(code, timeout=timeout, display=display)
+        except RankTimeoutError as exc:
+            failure = exc
+            diagnoses = getattr(exc.report, "diagnoses", {})
+            for rank in exc.report.unfinished:
+                payloads[rank] = (diagnoses.get(rank) or {}).get("recording")
+                incomplete.append(rank)
+        except RankError as exc:
+            failure = exc
+        wall_s = time.perf_counter() - t0
+        done = [r for r in range(self.n) if r not in payloads]
+        stopped = self._wait(self._view_of(done).apply_async(recorder.stop), self.timeout, what="recorder stop")
+        payloads.update(zip(done, stopped))
+        offsets = self.clock_offsets()
+        trace = Trace.from_payloads(
+            payloads, {r: o["offset_ns"] for r, o in offsets.items()},
+            meta={"code": code, "wall_s": wall_s, "cluster_id": self.cluster_id, "mesh": self.mesh.as_dict(),
+                  "backend": self.backend, "clock_uncertainty_ns": {r: o["uncertainty_ns"] for r, o in offsets.items()},
+                  "failed": None if failure is None else f"{type(failure).__name__}: {str(failure).splitlines()[0]}"},
+            incomplete_ranks=incomplete)
+        self._last_trace = trace
+        if failure is not None:
+            raise failure
+        return trace
+
+    def last_trace(self):
+        """The Trace of the last ``trace()`` / ``%%shard_trace`` on this cluster."""
+        if self._last_trace is None:
+            from ..errors import ShardDbgError
+
+            raise ShardDbgError("nothing was traced on this cluster yet; run a cell with %%shard_trace or cl.trace(code)")
+        return self._last_trace
 
     def status(self):
         """One row per rank: pid, host, device, backend, mesh coordinate, versions, patch mode."""

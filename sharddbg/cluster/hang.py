@@ -56,7 +56,9 @@ class RankDiagnosis:
             lines.append(f"  did not answer the diagnosis request: {self.note}")
             return "\n".join(lines)
         user = self.user_frames()
-        library = [f for f in self.stack if not f.get("user")]
+        # Library frames inside the innermost user frame: where the user's call went to wait.
+        last_user = max((i for i, f in enumerate(self.stack) if f.get("user")), default=-1)
+        library = [f for f in self.stack[last_user + 1:] if not f.get("user")]
         if user:
             lines.append("  in your code (innermost last):")
             lines += [f"    {f['file']}:{f['line']} in {f['function']}: {f['code']}" for f in user[-6:]]

@@ -173,9 +173,22 @@ def _silence_known_noise() -> None:
 
 
 def teardown() -> None:
-    """Destroy this rank's process groups (releases peers blocked in a collective with it)."""
+    """Destroy this rank's process groups (releases peers blocked in a collective with it).
+
+    The gloo sockets close only when the process-group objects are freed, so drop every reference we
+    hold (the manager's group cache, the mesh in the user namespace) and collect.
+    """
+    import gc
+
     import torch.distributed as dist
 
+    from . import recorder
+
+    if recorder._SESSION is not None:  # a recording cut short by a hang: unhook before anything else
+        try:
+            recorder.stop()
+        except Exception:
+            pass
     if dist.is_initialized():
         dist.destroy_process_group()
     try:
@@ -185,6 +198,15 @@ def teardown() -> None:
     except ImportError:
         pass
     STATE["mesh"] = None
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            shell.user_ns.pop("mesh", None)
+    except ImportError:
+        pass
+    gc.collect()
 
 
 def _install_user_namespace() -> None:

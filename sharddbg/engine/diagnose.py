@@ -16,6 +16,8 @@ import traceback
 
 MSG_TYPE = "sharddbg_diagnose_request"
 REPLY_TYPE = "sharddbg_diagnose_reply"
+CLOCK_MSG_TYPE = "sharddbg_clock_request"
+CLOCK_REPLY_TYPE = "sharddbg_clock_reply"
 
 # Frames from these places are library internals; the rest (the user's cell, their modules) come first.
 _LIBRARY_MARKERS = (
@@ -117,9 +119,8 @@ def diagnose() -> dict:
     try:
         from . import recorder
 
-        snapshot = getattr(recorder, "snapshot", None)
-        if snapshot is not None and getattr(recorder, "is_recording", lambda: False)():
-            report["recording"] = snapshot()
+        if recorder._SESSION is not None:
+            report["recording"] = recorder.snapshot()
     except Exception as exc:  # a diagnosis must answer even when the recorder is broken
         report["recording_error"] = f"{type(exc).__name__}: {exc}"
     return report
@@ -144,5 +145,12 @@ def install_control_handler() -> bool:
                        "traceback": traceback.format_exc().splitlines()}
         kernel.session.send(stream, REPLY_TYPE, content, parent, ident=ident)
 
+    def clock(stream, ident, parent):
+        # Answered on the control thread: no queue behind user code, so the round trip is short.
+        from .clock import now_ns
+
+        kernel.session.send(stream, CLOCK_REPLY_TYPE, {"status": "ok", "now_ns": now_ns()}, parent, ident=ident)
+
     kernel.control_handlers[MSG_TYPE] = handle
+    kernel.control_handlers[CLOCK_MSG_TYPE] = clock
     return True

@@ -1,0 +1,192 @@
+"""IPython magics: a thin layer that parses arguments and calls the API (ipyparallel's style).
+
+``%shard_cluster start|status|stop|restart|recover|diagnose``, ``%px`` / ``%%px`` (bounded waits on the
+sharddbg cluster), ``%%shard_trace`` (run a cell under the recorder on every rank), ``%shard_inspect``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+
+from IPython.core.magic import Magics, line_cell_magic, line_magic, cell_magic, magics_class
+
+from . import errors
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a UsageError instead of exiting the kernel."""
+
+    def error(self, message):
+        from IPython.core.error import UsageError
+
+        raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
+
+    def exit(self, status=0, message=None):
+        from IPython.core.error import UsageError
+
+        if message:
+            raise UsageError(message)
+        raise UsageError(self.format_help())
+
+
+def _cluster_parser() -> _Parser:
+    parser = _Parser(prog="%shard_cluster", description="Start, inspect and stop the sharddbg cluster.")
+    sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    start = sub.add_parser("start", help="start N ranks (CPU+gloo here, GPU+NCCL where GPUs exist)")
+    start.add_argument("-n", type=int, default=None, help="number of ranks")
+    start.add_argument("--mesh", default=None, help="e.g. ddp=1,domain=4 (one axis may be left out)")
+    start.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    start.add_argument("--timeout", type=float, default=60.0, help="default wait for engine calls, seconds")
+    start.add_argument("--collective-timeout", type=float, default=60.0,
+                       help="torch.distributed collective timeout, seconds")
+    sub.add_parser("status", help="one row per rank")
+    stop = sub.add_parser("stop", help="stop the active cluster")
+    stop.add_argument("--all", action="store_true",
+                      help="also reap every other cluster sharddbg started on this machine (orphans included)")
+    sub.add_parser("restart", help="new engines, same settings")
+    recover = sub.add_parser("recover", help="release ranks blocked in a collective, new process group")
+    recover.add_argument("--timeout", type=float, default=None)
+    diagnose = sub.add_parser("diagnose", help="where is every rank now (stack, pending collective)")
+    diagnose.add_argument("--timeout", type=float, default=5.0)
+    return parser
+
+
+def _px_parser() -> _Parser:
+    parser = _Parser(prog="%px", description="Run code on the ranks of the sharddbg cluster, with a bounded wait.")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds to wait (default: the cluster's)")
+    parser.add_argument("--targets", "-t", default=None, help="ranks, e.g. 0 or 0,2 or 1:3")
+    return parser
+
+
+def _trace_parser() -> _Parser:
+    parser = _Parser(prog="%%shard_trace", description="Run the cell on every rank under the recorder.")
+    parser.add_argument("--max-events", type=int, default=200_000)
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--no-unmask", action="store_true",
+                        help="leave the generic 'unsupported operand type(s)' TypeError as PyTorch raises it")
+    parser.add_argument("--quiet", action="store_true", help="no summary line after the cell")
+    return parser
+
+
+def parse_targets(text: str | None):
+    if text is None:
+        return None
+    text = text.strip()
+    if ":" in text:
+        start, _, stop = text.partition(":")
+        return list(range(int(start or 0), int(stop)))
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+_PX_OPTION = re.compile(r"^\s*(--timeout|--targets|-t)(?:=|\s+)(\S+)")
+
+
+def split_px_line(line: str):
+    """``--timeout 5 -t 0,1 print(rank)`` -> (options, "print(rank)"): options first, then code verbatim."""
+    words = []
+    while (match := _PX_OPTION.match(line)) is not None:
+        words += [match.group(1), match.group(2)]
+        line = line[match.end():]
+    return _px_parser().parse_args(words), line.strip()
+
+
+@magics_class
+class ShardMagics(Magics):
+    @line_magic
+    def shard_cluster(self, line):
+        from .cluster import Cluster, active_cluster, registry
+
+        args = _cluster_parser().parse_args(shlex.split(line))
+        if args.action == "start":
+            current = active_cluster(required=False)
+            if current is not None:
+                raise errors.ClusterError(
+                    f"a sharddbg cluster is already running ({current.n} ranks, mesh {current.mesh}); "
+                    f"%shard_cluster stop it first, or %shard_cluster restart")
+            cl = Cluster(n=args.n, mesh=args.mesh, backend=args.backend, timeout=args.timeout,
+                         collective_timeout=args.collective_timeout)
+            cl.start()
+            print(f"sharddbg: {cl.n} ranks ready in {cl.timings['start_s']:.1f} s, mesh ddp={cl.mesh.ddp} x "
+                  f"domain={cl.mesh.domain}, backend {cl.backend}, patches {cl._statuses[0].get('patch_mode')}. "
+                  f"%px / %%px now run on these ranks.")
+            return None
+        if args.action == "stop":
+            current = active_cluster(required=False)
+            if current is None and not args.all:
+                raise errors.NoActiveClusterError(
+                    "no sharddbg cluster is running in this kernel; nothing to stop "
+                    "(%shard_cluster stop --all reaps clusters left by other, dead kernels)")
+            if current is not None:
+                current.stop()
+                print(f"sharddbg: stopped {current.n} ranks in {current.timings['stop_s']:.1f} s")
+            if args.all:
+                reaped = registry.reap_orphans(include_live_owners=True)
+                for cluster_id, pids in reaped.items():
+                    print(f"sharddbg: reaped cluster {cluster_id} ({len(pids)} processes)")
+            return None
+        cl = active_cluster()
+        if args.action == "status":
+            return cl.status()
+        if args.action == "restart":
+            cl.restart()
+            print(f"sharddbg: restarted {cl.n} ranks in {cl.timings['start_s']:.1f} s")
+            return None
+        if args.action == "recover":
+            cl.recover(timeout=args.timeout)
+            print("sharddbg: process group re-created on every rank; rebuild ShardTensors made before")
+            return None
+        if args.action == "diagnose":
+            from .cluster import hang
+
+            busy = cl.busy_ranks()
+            report = cl.hang_report(0, [r for r in range(cl.n) if r not in busy], busy, what="their current work")
+            print(report.format() if busy else "every rank is idle")
+            return report
+        return None
+
+    @line_cell_magic
+    def px(self, line, cell=None):
+        """Run code on every rank of the sharddbg cluster; output per rank; bounded wait."""
+        from .cluster import active_cluster
+
+        args, code = split_px_line(line)
+        if cell is not None:
+            if code:
+                from IPython.core.error import UsageError
+
+                raise UsageError(f"%%px options are --timeout S and --targets RANKS; not understood: {code!r}")
+            code = cell
+        if not code.strip():
+            from IPython.core.error import UsageError
+
+            raise UsageError("%px needs code: %px print(rank)  or a %%px cell")
+        active_cluster().run(code, timeout=args.timeout, targets=parse_targets(args.targets))
+
+    @cell_magic
+    def shard_trace(self, line, cell):
+        """Run the cell on every rank under the recorder, gather one Trace (``sharddbg.last_trace()``)."""
+        from .cluster import active_cluster
+
+        args = _trace_parser().parse_args(shlex.split(line))
+        cl = active_cluster()
+        trace = cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask)
+        if not args.quiet:
+            print(trace.summary() if hasattr(trace, "summary") else repr(trace))
+
+    @line_magic
+    def shard_inspect(self, line):
+        """Show the ShardTensor named on the line (a variable on the engines)."""
+        import sharddbg
+
+        name = line.strip()
+        if not name.isidentifier():
+            from IPython.core.error import UsageError
+
+            raise UsageError(f"%shard_inspect takes the name of a variable on the engines, got {name!r}")
+        return sharddbg.inspect(name)
+
+
+def load_ipython_extension(ipython) -> None:
+    ipython.register_magics(ShardMagics)
