@@ -402,6 +402,22 @@ class Cluster:
         return [o.result for o in self._collect(ar, ranks, timeout, display=True,
                                                 what=f"{getattr(fn, '__name__', 'the call')}()")]
 
+    def pull(self, name: str, *, timeout: float | None = None, targets=None) -> list:
+        """The value of variable ``name`` on every rank (or ``targets``), in rank order."""
+        from ..engine import bootstrap
+
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ClusterError(f"pull() takes a variable name, got {name!r}")
+        return self.apply(bootstrap.user_value, name, timeout=timeout, targets=targets)
+
+    def eval(self, expression: str, *, timeout: float | None = None, targets=None) -> list:
+        """Evaluate a Python expression in every rank's namespace; values in rank order."""
+        from ..engine import bootstrap
+
+        if not isinstance(expression, str):
+            raise ClusterError(f"eval() takes an expression as a string, got {type(expression).__name__}")
+        return self.apply(bootstrap.user_eval, expression, timeout=timeout, targets=targets)
+
     def _wait(self, ar, timeout, what):
         ranks = [self.engine_ids.index(eid) for eid in ar._targets] if hasattr(ar, "_targets") else None
         return [o.result for o in self._collect(ar, ranks, timeout, display=False, what=what)]

@@ -270,6 +270,23 @@ def status() -> dict:
     }
 
 
+def user_value(name: str):
+    """A variable of the rank's %px namespace (for ``Cluster.pull``)."""
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    if name not in namespace:
+        raise NameError(f"no variable {name!r} on rank {STATE.get('rank')}; define it in a %px cell first")
+    return namespace[name]
+
+
+def user_eval(expression: str):
+    """Evaluate ``expression`` in the rank's %px namespace (for ``Cluster.eval``)."""
+    from IPython import get_ipython
+
+    return eval(expression, get_ipython().user_ns)  # noqa: S307 - the user's own code, on their own engines
+
+
 def clock_sample() -> int:
     """This rank's recorder clock, for the client's offset estimate."""
     from .clock import now_ns

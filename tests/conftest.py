@@ -1,0 +1,34 @@
+"""Shared real clusters: starting one costs ~7 s on 2 cores, so tests share them per session/module."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _start(**kwargs):
+    import sharddbg
+
+    cl = sharddbg.Cluster(**kwargs)
+    cl.start()
+    return cl
+
+
+@pytest.fixture(scope="session")
+def cluster4():
+    """4 CPU ranks, mesh ddp=1 x domain=4, physicsnemo patches registered."""
+    cl = _start(n=4, mesh={"ddp": 1, "domain": 4}, timeout=120)
+    yield cl
+    if cl.running:
+        cl.stop()
+
+
+@pytest.fixture
+def fresh_cluster4(cluster4):
+    """The shared 4-rank cluster, with a clean namespace-independent state check before each test."""
+    if cluster4.busy_ranks():
+        cluster4.recover()
+    return cluster4

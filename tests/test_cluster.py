@@ -1,0 +1,125 @@
+"""A real 4-rank CPU cluster: gloo, physicsnemo ShardTensor with its own patches, ipyparallel engines."""
+
+import numpy as np
+import pytest
+import torch
+
+import sharddbg
+from sharddbg.engine._scatter import balanced_sizes
+from sharddbg.errors import ClusterError, RankError
+
+pytestmark = pytest.mark.cluster
+
+CONV_CELL = """
+torch.manual_seed(0)
+x_full = torch.randn(1, 3, 66, 64)
+w = torch.randn(4, 3, 3, 3, requires_grad=True)
+x = sharddbg.engine.scatter(x_full, dim=2)
+y = F.conv2d(x, w, padding=1)
+loss = y.square().mean()
+loss.backward()
+local_shape = tuple(x._local_tensor.shape)
+y_full = y.full_tensor().detach().numpy()
+w_grad = w.grad.detach().numpy()
+"""
+
+
+def reference():
+    """The same computation in this process, on one device, unsharded."""
+    torch.manual_seed(0)
+    x_full = torch.randn(1, 3, 66, 64)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    y = torch.nn.functional.conv2d(x_full, w, padding=1)
+    y.square().mean().backward()
+    return y.detach().numpy(), w.grad.numpy()
+
+
+def rel_err(a, b):
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def test_uneven_scatter_gives_balanced_local_heights(cluster4):
+    cluster4.run(CONV_CELL, display=False)
+    heights = [shape[2] for shape in cluster4.pull("local_shape")]
+    expected = [66 // 4 + (1 if r < 66 % 4 else 0) for r in range(4)]  # computed here, independently
+    assert heights == expected == [17, 17, 16, 16]
+    assert balanced_sizes(66, 4) == expected
+    spec = cluster4.eval("(tuple(x._spec.tensor_meta.shape), x._spec._sharding_shapes[0])")
+    for global_shape, shard_shapes in spec:
+        assert global_shape == (1, 3, 66, 64)
+        assert [s[2] for s in shard_shapes] == expected
+
+
+def test_conv2d_forward_and_weight_gradient_match_single_process(cluster4):
+    cluster4.run(CONV_CELL, display=False)
+    y_ref, grad_ref = reference()
+    for y_full, w_grad in zip(cluster4.pull("y_full"), cluster4.pull("w_grad")):
+        assert y_full.shape == y_ref.shape
+        assert rel_err(y_full, y_ref) <= 1e-5
+        # physicsnemo already reduces plain weights' gradients over the domain mesh: equal, not 4x.
+        assert rel_err(w_grad, grad_ref) <= 1e-5
+
+
+def test_status_reports_every_rank(cluster4):
+    status = cluster4.status()
+    assert list(status.index) == [0, 1, 2, 3]
+    assert list(status["domain"]) == [0, 1, 2, 3] and set(status["ddp"]) == {0}
+    assert set(status["backend"]) == {"gloo"} and set(status["device"]) == {"cpu"}
+    assert set(status["patch_mode"]) == {"registered-by-sharddbg"}
+    assert (status["n_patches"] > 10).all()
+    assert sorted(status["pid"]) == sorted(cluster4.pids.values())
+    assert list(status["pid"]) == [cluster4.pids[r] for r in range(4)]
+    assert set(status["physicsnemo"]) == {"2.2.2"}
+    assert (status["dist_initialized"]).all()
+
+
+def test_patches_really_registered_on_cpu(cluster4):
+    # conv2d must take physicsnemo's halo handler, not the (silently wrong on CPU) fallback
+    found = cluster4.eval("torch.nn.functional.conv2d in ShardTensor._function_registry")
+    assert found == [True] * 4
+
+
+def test_batch_of_two_is_refused_on_every_rank(cluster4):
+    with pytest.raises(RankError) as info:
+        cluster4.run("sharddbg.engine.scatter(torch.randn(2, 3, 66, 64), dim=2)", display=False)
+    assert sorted(info.value.errors) == [0, 1, 2, 3]
+    for ename, message, _ in info.value.errors.values():
+        assert ename == "ScatterError"
+        assert "batch size per domain group must be 1" in message and "'ddp'" in message
+    # nobody was left waiting in a collective: the cluster still answers
+    assert cluster4.eval("1", timeout=10) == [1] * 4
+
+
+def test_scatter_without_batch_axis_and_replicate(cluster4):
+    cluster4.run("p = sharddbg.engine.scatter(torch.arange(10.0).reshape(10, 1), dim=0, batch_dim=None)\n"
+                 "r = sharddbg.engine.scatter(torch.ones(1, 5), replicate=True)", display=False)
+    assert [s[0] for s in cluster4.eval("tuple(p._local_tensor.shape)")] == [3, 3, 2, 2]
+    assert cluster4.eval("(tuple(r._local_tensor.shape), str(r._spec.placements[0]))") == [((1, 5), "R")] * 4
+
+
+def test_source_rank_tensor_is_the_one_that_counts(cluster4):
+    # every rank passes a different tensor; the result must be rank 0's
+    cluster4.run("s = sharddbg.engine.scatter(torch.full((1, 8), float(rank)), dim=1)", display=False)
+    assert cluster4.eval("s.full_tensor().sum().item()") == [0.0] * 4
+
+
+def test_double_start_and_bad_targets_are_clear_errors(cluster4):
+    with pytest.raises(ClusterError, match="already running"):
+        cluster4.start()
+    with pytest.raises(ClusterError, match="ranks \\[7\\] do not exist"):
+        cluster4.run("1", targets=[7])
+
+
+def test_stop_without_start_is_a_clear_error():
+    with pytest.raises(ClusterError, match="not running"):
+        sharddbg.Cluster(n=2).stop()
+
+
+def test_cluster_output_is_per_rank_and_in_rank_order(cluster4, capsys):
+    cluster4.run("print('hello from', rank)")
+    out = capsys.readouterr().out.splitlines()
+    assert out == [f"[rank {r}] hello from {r}" for r in range(4)]
+
+
+def test_active_cluster_is_the_last_started(cluster4):
+    assert sharddbg.active_cluster() is cluster4

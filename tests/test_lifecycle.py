@@ -1,0 +1,146 @@
+"""Start/stop/restart, hangs and recovery, orphans: checked by pid, on real processes."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import sharddbg
+from sharddbg.cluster import registry
+from sharddbg.errors import ClusterError, RankTimeoutError
+
+pytestmark = pytest.mark.cluster
+
+
+def processes_of(cl) -> set[int]:
+    """Every process the cluster's record names, plus the controller's and fork server's children."""
+    return {p.pid for p in cl._record.live_processes()}
+
+
+def assert_all_gone(pids, within_s=5.0):
+    deadline = time.monotonic() + within_s
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
+        time.sleep(0.05)
+    assert not alive, f"processes left behind: {[(p, psutil.Process(p).cmdline()) for p in alive]}"
+
+
+def test_2x2_mesh_scatters_per_domain_group_and_stops_clean():
+    cl = sharddbg.Cluster(n=4, mesh="ddp=2,domain=2", timeout=60)
+    cl.start()
+    try:
+        pids = processes_of(cl)
+        assert len(pids) >= 6  # fork server, controller, 4 engines
+        cl.run("x = sharddbg.engine.scatter(torch.full((1, 1, 66, 4), float(rank)), dim=2)", display=False)
+        assert [s[2] for s in cl.eval("tuple(x._local_tensor.shape)")] == [33, 33, 33, 33]
+        # each domain group broadcasts from its own first rank: ranks 0,1 hold 0.0; ranks 2,3 hold 2.0
+        assert cl.eval("x._local_tensor.mean().item()") == [0.0, 0.0, 2.0, 2.0]
+        status = cl.status()
+        assert list(status["ddp"]) == [0, 0, 1, 1] and list(status["domain"]) == [0, 1, 0, 1]
+        assert cl.eval("tuple(mesh.mesh_dim_names), tuple(mesh.shape)") == [(("ddp", "domain"), (2, 2))] * 4
+    finally:
+        cl.stop()
+    assert_all_gone(pids)
+    assert not cl.running
+    # start -> stop -> start works
+    cl.start()
+    try:
+        assert cl.eval("dist.get_world_size()") == [4] * 4
+        pids = processes_of(cl)
+    finally:
+        cl.stop()
+    assert_all_gone(pids)
+
+
+def test_mesh_dims_of_one_are_still_named():
+    with sharddbg.Cluster(n=2, mesh={"ddp": 2, "domain": 1}) as cl:
+        assert cl.eval("(tuple(mesh.mesh_dim_names), tuple(mesh.shape))") == [(("ddp", "domain"), (2, 1))] * 2
+
+
+def test_a_rank_that_skips_a_collective_is_diagnosed_and_recovered():
+    cl = sharddbg.Cluster(n=2, timeout=30)
+    cl.start()
+    try:
+        pids_before = dict(cl.pids)
+        t0 = time.monotonic()
+        with pytest.raises(RankTimeoutError) as info:
+            cl.run(textwrap.dedent("""
+                def exchange(t):
+                    dist.all_reduce(t)
+                    return t
+                if rank == 0:
+                    exchange(torch.ones(4))
+            """), timeout=3, display=False)
+        assert time.monotonic() - t0 < 3 + 5  # bounded: the timeout plus the diagnosis
+        report = info.value.report
+        assert report.finished == [1] and report.unfinished == [0]
+        stuck = report.ranks[0]
+        assert [f["function"] for f in stuck.user_frames()][-1] == "exchange"
+        assert stuck.innermost_function() in ("all_reduce", "wait", "wrapper")
+        [pending] = stuck.pending
+        assert pending.kind == "all_reduce" and pending.input_sizes == [[4]]
+        assert pending.missing_ranks == [1]
+        text = str(info.value)
+        assert "ranks [0] still running" in text and "never joined by: rank 1" in text and "exchange" in text
+        # the kernel is usable, and work for the blocked rank is refused instead of queueing forever
+        with pytest.raises(ClusterError, match="still running an earlier call"):
+            cl.run("1", display=False)
+        cl.recover()
+        assert cl.pids == pids_before
+        assert [p for p in cl.status()["pid"]] == [pids_before[0], pids_before[1]]
+        cl.run("t = torch.ones(3) * (rank + 1)\ndist.all_reduce(t)", display=False)
+        assert cl.eval("t.tolist()") == [[3.0, 3.0, 3.0]] * 2
+        pids = processes_of(cl)
+    finally:
+        cl.stop()
+    assert_all_gone(pids)
+
+
+OWNER = """
+import json, sys, time
+import sharddbg
+cl = sharddbg.Cluster(n=2)
+cl.start()
+print(json.dumps({"cluster_id": cl.cluster_id, "forkserver": cl._forkserver.pid,
+                  "pids": sorted(p.pid for p in cl._record.live_processes())}), flush=True)
+time.sleep(600)
+"""
+
+
+def start_owner():
+    proc = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    import json
+
+    return proc, json.loads(line)
+
+
+def test_killed_owner_leaves_nothing_behind():
+    """A kernel killed with SIGKILL: its fork server notices and takes engines and controller down."""
+    proc, info = start_owner()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert_all_gone(info["pids"], within_s=10)
+    # the stale record is reaped by the next start (or %shard_cluster stop --all)
+    assert any(r.cluster_id == info["cluster_id"] for r in registry.all_records())
+    registry.reap_orphans()
+    assert not any(r.cluster_id == info["cluster_id"] for r in registry.all_records())
+
+
+def test_orphans_whose_fork_server_also_died_are_reaped():
+    """Worst case: owner and fork server both SIGKILLed; engines and controller must be found and reaped."""
+    proc, info = start_owner()
+    os.kill(info["forkserver"], signal.SIGKILL)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    survivors = [pid for pid in info["pids"] if psutil.pid_exists(pid) and pid != info["forkserver"]]
+    assert survivors, "engines/controller should outlive a SIGKILLed fork server until reaped"
+    reaped = registry.reap_orphans()
+    assert info["cluster_id"] in reaped
+    assert_all_gone(info["pids"])

@@ -1,0 +1,75 @@
+"""The magics through IPython itself (run_line_magic / run_cell_magic), on a real cluster."""
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+import sharddbg
+from sharddbg.errors import ClusterError, MeshError, NoActiveClusterError
+from sharddbg.magics import parse_targets, split_px_line
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "sharddbg")
+    yield shell
+    current = sharddbg.active_cluster(required=False)
+    if current is not None:
+        current.stop()
+
+
+def test_px_option_parsing():
+    args, code = split_px_line("--timeout 5 -t 0,2 print(rank, '--timeout')")
+    assert args.timeout == 5.0 and parse_targets(args.targets) == [0, 2]
+    assert code == "print(rank, '--timeout')"
+    assert parse_targets("1:3") == [1, 2]
+
+
+def test_magic_errors_before_start(ip):
+    with pytest.raises(NoActiveClusterError, match="nothing to stop"):
+        ip.run_line_magic("shard_cluster", "stop")
+    with pytest.raises(NoActiveClusterError, match="no sharddbg cluster is running"):
+        ip.run_cell_magic("px", "", "print(1)")
+    with pytest.raises(MeshError, match="has 8 ranks but the cluster has n=6"):
+        ip.run_line_magic("shard_cluster", "start -n 6 --mesh ddp=4,domain=2")
+    with pytest.raises(UsageError):
+        ip.run_line_magic("shard_cluster", "launch")
+
+
+def test_start_px_status_stop(ip):
+    with capture_output() as cap:
+        ip.run_line_magic("shard_cluster", "start -n 4 --mesh ddp=1,domain=4")
+    assert "4 ranks ready" in cap.stdout and "registered-by-sharddbg" in cap.stdout
+    cl = sharddbg.active_cluster()
+    with pytest.raises(ClusterError, match="already running"):
+        ip.run_line_magic("shard_cluster", "start -n 4")
+    with capture_output() as cap:
+        ip.run_cell_magic("px", "", "torch.manual_seed(0)\n"
+                          "x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)\n"
+                          "w = torch.randn(4, 3, 3, 3)\n"
+                          "y = torch.nn.functional.conv2d(x, w, padding=1)\n"
+                          "print(tuple(y._local_tensor.shape))")
+    assert cap.stdout.splitlines() == [f"[rank {r}] (1, 4, {h}, 64)" for r, h in enumerate([17, 17, 16, 16])]
+    with capture_output() as cap:
+        ip.run_line_magic("px", "-t 1 print('only', rank)")
+    assert cap.stdout.strip() == "[rank 1] only 1"
+    status = ip.run_line_magic("shard_cluster", "status")
+    assert list(status.index) == [0, 1, 2, 3]
+    assert set(status["patch_mode"]) == {"registered-by-sharddbg"}
+    with pytest.raises(sharddbg.errors.RankTimeoutError, match="never joined by: rank"):
+        ip.run_cell_magic("px", "--timeout 2", "if rank == 0:\n    dist.barrier()")
+    with capture_output() as cap:
+        ip.run_line_magic("shard_cluster", "recover")
+    assert "re-created" in cap.stdout
+    pids = {p.pid for p in cl._record.live_processes()}
+    with capture_output() as cap:
+        ip.run_line_magic("shard_cluster", "stop")
+    assert "stopped 4 ranks" in cap.stdout
+    import psutil
+
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert sharddbg.active_cluster(required=False) is None
