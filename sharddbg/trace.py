@@ -236,6 +236,10 @@ def load_trace(path: str | os.PathLike) -> Trace:
     if v > TRACE_VERSION:
         raise TraceFileError(f"{path}: trace file version {v} was written by a newer sharddbg; "
                              f"this one reads versions up to {TRACE_VERSION}: upgrade sharddbg")
+    sv = d.get("schema_version")
+    if not isinstance(sv, int) or sv > schema.SCHEMA_VERSION:
+        raise TraceFileError(f"{path}: its events use schema version {sv!r}; this sharddbg reads up to "
+                             f"{schema.SCHEMA_VERSION}: upgrade sharddbg")
     try:
         payloads = d["payloads"]
         ranks = d.get("ranks") or list(range(len(payloads)))
