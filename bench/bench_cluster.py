@@ -1,0 +1,70 @@
+"""Cold start to ready and stop of a 4-rank CPU cluster (dist up, physicsnemo imported, patches registered).
+
+Prints one table: median of several runs of each phase, and the ratio of start/stop to the targets
+(ready <= 15 s, stop <= 3 s). Also the naive path for comparison in the same run: 4 plain processes that
+each import physicsnemo and register its patches at once (what one engine per rank would pay without
+the fork server).
+
+    .venv/bin/python bench/bench_cluster.py [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+NAIVE = ("import torch; torch.set_num_threads(1); import physicsnemo, physicsnemo.distributed;"
+         "import physicsnemo.domain_parallel as dp; dp.register_custom_ops()")
+
+
+def naive_parallel_import(n: int) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", NAIVE], env=env, stderr=subprocess.DEVNULL) for _ in range(n)]
+    for p in procs:
+        p.wait()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("-n", type=int, default=4)
+    args = parser.parse_args()
+    import sharddbg
+
+    phases: dict[str, list[float]] = {}
+    for _ in range(args.runs):
+        cl = sharddbg.Cluster(n=args.n)
+        cl.start()
+        assert cl.eval("dist.get_world_size()") == [args.n] * args.n
+        cl.stop()
+        for key, value in cl.timings.items():
+            phases.setdefault(key, []).append(value)
+    naive = [naive_parallel_import(args.n) for _ in range(max(2, args.runs // 2))]
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    print(f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, n={args.n} ranks, {args.runs} runs")
+    print(f"{'phase':<44} {'median s':>9} {'min s':>7} {'max s':>7}")
+    rows = [("fork server preload (torch+physicsnemo+patches)", "preload_s"),
+            ("controller start (overlaps the preload)", "controller_s"),
+            ("engines forked and registered", "engines_s"),
+            ("torch.distributed + mesh on every rank", "dist_init_s"),
+            ("cold start to ready (total)", "start_s"),
+            ("stop (nothing left running)", "stop_s")]
+    for label, key in rows:
+        values = phases[key]
+        print(f"{label:<44} {med[key]:>9.2f} {min(values):>7.2f} {max(values):>7.2f}")
+    print(f"{'naive: %d processes import + register at once' % args.n:<44} {statistics.median(naive):>9.2f} "
+          f"{min(naive):>7.2f} {max(naive):>7.2f}")
+    print()
+    print(f"ratio start / 15 s target:            {med['start_s'] / 15:.2f}")
+    print(f"ratio stop / 3 s target:              {med['stop_s'] / 3:.2f}")
+    print(f"ratio naive import / fork-server preload: {statistics.median(naive) / med['preload_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

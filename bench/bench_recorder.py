@@ -1,0 +1,151 @@
+"""Overhead of the sharddbg recorder on a small sharded conv net, forward + backward, 4 gloo CPU ranks.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_recorder.py [--ranks 4] [--rounds 7] [--iters 5]
+
+Compares, in ONE run, interleaved round by round so that machine noise hits every mode alike:
+  none        plain eager
+  recorder    sharddbg.engine.recorder.Recorder (everything issue 3 records switched on)
+  commdebug   torch.distributed.tensor.debug.CommDebugMode
+  profiler    torch.profiler (CPU activity, record_shapes=True)
+Each mode runs `iters` fwd+bwd steps inside ONE context per round (as a traced cell would);
+the time per step is the slowest rank's, and the table reports medians over rounds and the ratio
+to `none`. Input (1, 8, 128, 64) sharded on H over the domain ranks, patches registered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MODES = ("none", "recorder", "commdebug", "profiler")
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+def _setup(rank: int, world: int, port: int):
+    import torch
+    import torch.distributed as dist
+    from physicsnemo.distributed import DistributedManager
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import physicsnemo.domain_parallel as dp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gm = init_device_mesh("cpu", (1, world), mesh_dim_names=("ddp", "domain"))
+    DistributedManager._shared_state.update(
+        _is_initialized=True, _distributed=True, _rank=rank, _world_size=world, _local_rank=rank,
+        _device=torch.device("cpu"), _cuda=False, _global_mesh=gm, _mesh_dims={"ddp": 1, "domain": world})
+    dp.register_custom_ops()  # CPU host: physicsnemo does not register its patches by itself
+    return gm["domain"]
+
+
+def _mode_ctx(mode: str):
+    import torch
+
+    if mode == "none":
+        return contextlib.nullcontext()
+    if mode == "recorder":
+        from sharddbg.engine.recorder import Recorder
+
+        return Recorder()
+    if mode == "commdebug":
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        return CommDebugMode()
+    if mode == "profiler":
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+    raise ValueError(mode)
+
+
+def _worker(rank, world, port, rounds, iters, out):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from physicsnemo.domain_parallel import ShardTensor
+    from torch.distributed.tensor import Shard
+
+    mesh = _setup(rank, world, port)
+    torch.manual_seed(0)
+    full = torch.randn(1, 8, 128, 64)
+    parts = torch.tensor_split(full, world, dim=2)
+    local = parts[rank].clone().requires_grad_(True)
+    x = ShardTensor.from_local(local, mesh, (Shard(2),), sharding_shapes={0: [tuple(p.shape) for p in parts]})
+    net = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(16, 8, 3, padding=1))
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        net(x).square().mean().backward()
+
+    for _ in range(3):  # warm-up: first calls build caches in DTensor / physicsnemo
+        step()
+    times = {m: [] for m in MODES}
+    n_events = 0
+    for r in range(rounds):
+        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]  # rotate so no mode always goes first
+        for mode in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            with _mode_ctx(mode) as ctx:
+                for _ in range(iters):
+                    step()
+            dt = (time.perf_counter() - t0) / iters
+            # the slowest rank sets the pace of a synchronous step
+            t = torch.tensor([dt], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[mode].append(float(t))
+            if mode == "recorder":
+                n_events = len(ctx.events)
+    if rank == 0:
+        out.put((times, n_events))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=5)
+    a = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, a.ranks, port, a.rounds, a.iters, q)) for r in range(a.ranks)]
+    for p in procs:
+        p.start()
+    times, n_events = q.get(timeout=1800)
+    for p in procs:
+        p.join(60)
+    base = statistics.median(times["none"])
+    print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; "
+          f"{a.rounds} rounds x {a.iters} steps; recorder kept {n_events} events per round")
+    print(f"{'mode':<10} {'median ms/step':>15} {'min':>8} {'max':>8} {'ratio':>7} {'overhead':>9}")
+    res = {}
+    for m in MODES:
+        med = statistics.median(times[m])
+        res[m] = med / base
+        print(f"{m:<10} {med * 1e3:>15.2f} {min(times[m]) * 1e3:>8.2f} {max(times[m]) * 1e3:>8.2f} "
+              f"{med / base:>7.3f} {100 * (med / base - 1):>+8.1f}%")
+    return res
+
+
+if __name__ == "__main__":
+    main()
