@@ -40,6 +40,13 @@ def last_trace():
     return active_cluster().last_trace()
 
 
+def inspect(name: str, **kwargs):
+    """The shard inspector for the ShardTensor named ``name`` on the active cluster's ranks."""
+    from .cluster import active_cluster
+
+    return active_cluster().inspect(name, **kwargs)
+
+
 def load_ipython_extension(ipython):
     from .magics import load_ipython_extension as _load
 

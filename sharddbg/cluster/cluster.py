@@ -585,6 +585,12 @@ class Cluster:
             raise failure
         return trace
 
+    def inspect(self, name: str, *, timeout: float | None = None):
+        """The shard inspector for the ShardTensor named ``name`` on the ranks (see sharddbg.cluster.inspect)."""
+        from .inspect import inspect_tensor
+
+        return inspect_tensor(self, name, timeout=timeout)
+
     def last_trace(self):
         """The Trace of the last ``trace()`` / ``%%shard_trace`` on this cluster."""
         if self._last_trace is None:
