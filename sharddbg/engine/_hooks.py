@@ -34,23 +34,22 @@ class Patches:
     def add_undo(self, fn: Callable[[], None]) -> None:
         self._undo.append(fn)
 
-    def replace_global_everywhere(self, original: Any, replacement: Any, package: str = "physicsnemo") -> list[str]:
-        """Rebind every module-global name in ``package`` that holds ``original`` (by identity).
+    def replace_globals(self, replacements: dict[int, tuple[Any, Any]], package: str) -> list[str]:
+        """Rebind every module-global name in ``package`` that holds one of the originals (by identity).
 
-        Needed because functions are called through the module they were imported into: e.g.
-        ``linear_patches`` did ``from ..shard_tensor import _torch_function_fallback_via_dtensor``,
-        so patching only ``shard_tensor`` would miss its calls.
+        ``replacements``: id(original) -> (original, replacement). Needed because functions are called
+        through the module they were imported into: ``linear_patches`` did ``from ..shard_tensor import
+        _torch_function_fallback_via_dtensor``, so patching only ``shard_tensor`` would miss its calls.
         """
         where = []
-        for modname, mod in list(sys.modules.items()):
-            if mod is None or not (modname == package or modname.startswith(package + ".")):
-                continue
+        for modname, mod in _modules_of(package):
             d = getattr(mod, "__dict__", None)
             if not d:
                 continue
             for name, val in list(d.items()):
-                if val is original:
-                    self.setattr(mod, name, replacement)
+                hit = replacements.get(id(val))
+                if hit is not None and hit[0] is val:
+                    self.setattr(mod, name, hit[1])
                     where.append(f"{modname}.{name}")
         return where
 
@@ -64,3 +63,19 @@ class Patches:
             except BaseException as e:  # noqa: BLE001 - restoring must not stop half way
                 errors.append(e)
         return errors
+
+
+_mod_cache: dict[str, tuple[int, list]] = {}
+
+
+def _modules_of(package: str) -> list:
+    """(name, module) of ``package`` and its submodules; rescans sys.modules only when it grew
+    (a full scan of ~4000 modules costs milliseconds, paid at every recorder start otherwise)."""
+    n = len(sys.modules)
+    hit = _mod_cache.get(package)
+    if hit is not None and hit[0] == n:
+        return hit[1]
+    pre = package + "."
+    mods = [(k, m) for k, m in list(sys.modules.items()) if m is not None and (k == package or k.startswith(pre))]
+    _mod_cache[package] = (n, mods)
+    return mods

@@ -183,9 +183,10 @@ class Recorder:
             except Exception:  # noqa: BLE001
                 pass
         self._bw_handles.clear()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():
             torch.cuda.synchronize()  # so device_ms of every event can be read
-        self._final_events = self._export_all(include_in_flight=False)
+        # Formatting into schema records happens on first access of .events / payload(), not here:
+        # the recorder's exit stays cheap inside timed user code.
         self._exc_seen.clear()
         self._roots.clear()
         if errs:
@@ -193,9 +194,12 @@ class Recorder:
 
     @property
     def events(self) -> list[dict]:
-        if self._final_events is not None:
-            return self._final_events
-        return self._export_all(include_in_flight=False)
+        """Schema records (schema.OP_FIELDS), sorted by seq; formatted on first access after exit."""
+        if self._running:
+            return self._export_all(include_in_flight=False)
+        if self._final_events is None:
+            self._final_events = self._export_all(include_in_flight=False)
+        return self._final_events
 
     # ---- per-thread state ------------------------------------------------------------------------
     def _state(self) -> _ThreadState:
@@ -382,7 +386,7 @@ class Recorder:
 
     def payload(self, complete: bool | None = None) -> dict:
         running = self._running
-        events = self._export_all(include_in_flight=running) if running or self._final_events is None else self._final_events
+        events = self._export_all(include_in_flight=True) if running else self.events
         return {
             "format": schema.PAYLOAD_FORMAT,
             "schema_version": schema.SCHEMA_VERSION,
@@ -693,13 +697,16 @@ def _install(rec: Recorder, patches: Patches) -> None:
                 ev["promotions"].append((r._params.get(id(tensor)), tensor.shape, tensor.dtype))
         return orig_promote(tensor, mesh, *a, **k)
 
+    repl = {}
     for w, o in ((_torch_function_fallback_via_dtensor, orig_fb_fn),
                  (_dispatch_fallback_via_dtensor, orig_fb_td),
                  (_promote_plain_tensor_to_dtensor, orig_promote)):
         w.__wrapped__ = o  # type: ignore[attr-defined]
         w.__qualname__ = o.__qualname__
         w.__module__ = o.__module__
-        rec.installed_at += patches.replace_global_everywhere(o, w)
+        repl[id(o)] = (o, w)
+    # physicsnemo.domain_parallel is where these private helpers are imported from
+    rec.installed_at += patches.replace_globals(repl, package="physicsnemo.domain_parallel")
 
     patches.setattr(ST, "__torch_function__", classmethod(__torch_function__))
     patches.setattr(ST, "__torch_dispatch__", classmethod(__torch_dispatch__))
