@@ -459,12 +459,20 @@ def _meta(rec: Recorder) -> dict:
     except Exception:  # noqa: BLE001
         pn = None
     ST = _shard_tensor_cls()
+    boot_mode = None
+    try:  # how the cluster set this rank up, when it did (registered-by-physicsnemo / -by-sharddbg / none)
+        from . import bootstrap
+
+        boot_mode = bootstrap.STATE.get("patch_mode")
+    except Exception:  # noqa: BLE001
+        pass
     return {
         "torch": torch.__version__,
         "physicsnemo": pn,
         "python": platform.python_version(),
         "host": platform.node(),
         "patch_mode": "registered" if ST is not None and ST._function_registry else "fallback_only",
+        "patch_mode_bootstrap": boot_mode,
         "n_function_handlers": len(ST._function_registry) if ST is not None else 0,
         "n_named_handlers": len(ST._named_function_registry) if ST is not None else 0,
         "n_dispatch_handlers": len(ST._dispatch_registry) if ST is not None else 0,
