@@ -6,8 +6,8 @@ running physicsnemo's ``register_custom_ops()`` costs seconds of CPU per process
 once on a 2-core laptop take four times as long as one process doing it and forking.
 
 Fork safety: the process stays single-threaded (no torch compute, no zmq context, no CUDA init) until it
-forks. On a CUDA host only torch itself is preloaded (warp and physicsnemo may touch the CUDA driver at
-import), so each engine imports physicsnemo after the fork.
+forks. On a CUDA host the CUDA libraries start native threads at import, so there only ipyparallel is
+preloaded and each engine imports torch and physicsnemo after the fork.
 
 When its stdin closes (the client process ended, even by SIGKILL) it kills its engines and the processes
 it was told to adopt (the controller), so a killed notebook kernel leaves nothing behind.
@@ -15,9 +15,11 @@ it was told to adopt (the controller), so a killed notebook kernel leaves nothin
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import select
+import subprocess
 import signal
 import sys
 import time
@@ -29,25 +31,40 @@ def _reply(out, **payload) -> None:
     out.flush()
 
 
+def _nvidia_device_present() -> bool:
+    """Device nodes, not a CUDA call: nothing here may start driver threads in a process that forks."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _count_gpus_in_subprocess() -> int:
+    probe = "import torch; print(torch.cuda.device_count())"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        return int(out.stdout.strip().splitlines()[-1])
+    except Exception:
+        return 0
+
+
 def _preload(config: dict) -> dict:
     """Import what every engine needs. Returns facts for the client (GPU count, patch mode, timings)."""
     facts: dict = {"pid": os.getpid(), "python": sys.version.split()[0]}
     t0 = time.perf_counter()
-    # NVML answers the GPU count without initialising the CUDA driver in a process that will fork.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    import torch
+    if _nvidia_device_present():
+        # A CUDA host: torch, warp and the CUDA libraries start native threads at import, and forking a
+        # multi-threaded process can deadlock the child. Count GPUs in a throw-away process and let
+        # each engine import the heavy stack itself after the fork (GPU hosts have the cores for it).
+        facts["cuda_count"] = _count_gpus_in_subprocess()
+        facts["preload"] = "light"
+    else:
+        import torch
 
-    torch.set_num_threads(int(config.get("threads_per_rank") or 1))
-    facts["torch"] = torch.__version__
-    try:
-        facts["cuda_count"] = int(torch.cuda.device_count())
-    except Exception:  # a broken driver is a CPU host for us
+        torch.set_num_threads(int(config.get("threads_per_rank") or 1))
+        facts["torch"] = torch.__version__
         facts["cuda_count"] = 0
-    facts["t_torch_s"] = time.perf_counter() - t0
-
-    use_cuda = facts["cuda_count"] > 0 and config.get("backend") != "gloo"
-    facts["preload"] = "torch" if use_cuda else "full"
-    if not use_cuda:
+        facts["t_torch_s"] = time.perf_counter() - t0
+        facts["preload"] = "full"
         from sharddbg.engine import bootstrap
 
         t1 = time.perf_counter()

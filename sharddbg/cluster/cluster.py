@@ -459,7 +459,7 @@ class Cluster:
                 if isinstance(value, Exception):
                     tb = getattr(value, "traceback", None) or ""
                     out.error = (getattr(value, "ename", type(value).__name__),
-                                 getattr(value, "evalue", str(value)), _strip_ansi(tb))
+                                 getattr(value, "evalue", str(value)), _user_traceback(_strip_ansi(tb)))
                 else:
                     out.result = value
                 er = md.get("execute_result")
@@ -638,6 +638,14 @@ def _strip_ansi(text) -> str:
     if isinstance(text, list):
         text = "\n".join(text)
     return _ANSI.sub("", text or "")
+
+
+def _user_traceback(text: str) -> str:
+    """Drop ipyparallel's own frame (the exec of an apply request) from an engine traceback."""
+    blocks = re.split(r"\n(?=File |Cell In)", text)
+    kept = [b for b in blocks if "ipyparallel/engine/kernel.py" not in b.split("\n", 1)[0]
+            and "Could not get source, probably due dynamically evaluated source code" not in b]
+    return "\n".join(kept)
 
 
 def _prefix(prefix: str, text: str) -> str:

@@ -94,9 +94,9 @@ class ForkServer:
         self._send(cmd="fork", ranks=list(ranks), engine_argv=list(engine_argv), env=env, log_dir=self.log_dir)
         return {int(r): int(p) for r, p in self._expect("forked", timeout)["pids"].items()}
 
-    def adopt(self, pids, timeout: float = 10.0) -> None:
+    def adopt(self, pids) -> None:
+        """Ask the fork server to end ``pids`` when we die. Not awaited: it may still be preloading."""
         self._send(cmd="adopt", pids=list(pids))
-        self._expect("adopted", timeout)
 
     def kill_engines(self, timeout: float = 10.0) -> list[int]:
         self._send(cmd="kill_engines")
