@@ -1,0 +1,50 @@
+"""Shared by the views: static assets, colours, HTML escaping and safe JSON embedding."""
+
+from __future__ import annotations
+
+import html
+import json
+from functools import lru_cache
+from pathlib import Path
+
+_STATIC = Path(__file__).with_name("_static")
+
+# Dispatch paths: greens/blues for handled paths, orange/red for the DTensor fallbacks.
+PATH_COLORS = {
+    "function_handler": "#2e8b57",
+    "named_handler": "#17a2b8",
+    "dispatch_handler": "#4e79a7",
+    "autograd_passthrough": "#9aa0a6",
+    "conversion": "#c7c7c7",
+    "compile_tracing": "#b07aa1",
+    "dtensor_fallback_function": "#f28e2b",
+    "dtensor_fallback_dispatch": "#d62728",
+}
+ERROR_COLOR = "#8b0000"
+COLLECTIVE_COLORS = ["#6a3d9a", "#1f78b4", "#b15928", "#e31a1c", "#33a02c", "#ff7f00", "#a6cee3", "#fb9a99"]
+
+
+def path_color(path: str) -> str:
+    return PATH_COLORS.get(path, "#7f7f7f")
+
+
+@lru_cache(maxsize=None)
+def static(name: str) -> str:
+    return (_STATIC / name).read_text()
+
+
+def esc(value) -> str:
+    """HTML-escape anything that came from a trace (op names, messages, paths, module names)."""
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def json_for_script(obj) -> str:
+    """JSON safe inside <script>: no '</script>', no '<!--' (every '<', '>', '&' as \\u escapes)."""
+    text = json.dumps(obj, separators=(",", ":"), allow_nan=False, default=str)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026") \
+        .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+def module_as_script(js: str, name: str) -> str:
+    """An ES module's text as plain script defining ``name`` (for the standalone report)."""
+    return js.replace("export function ", "function ").replace("export default", f"const {name} =")

@@ -1,0 +1,154 @@
+"""The shard inspector on a real 4-rank CPU cluster: snapshots, offsets, checks, the widget's data.
+
+Expected shapes and offsets are computed here independently (balanced row split, cumulative sums),
+never read back from the inspector.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import sharddbg
+from sharddbg.cluster.inspect import InspectError, ShardLayout
+from sharddbg.views.inspector import ShardInspector
+
+N = 4
+SHAPE = (1, 3, 66, 64)
+ROWS = [SHAPE[2] // N + (1 if r < SHAPE[2] % N else 0) for r in range(N)]  # 17, 17, 16, 16
+OFFS = [sum(ROWS[:r]) for r in range(N)]  # 0, 17, 34, 50
+
+SETUP = f"""
+torch.manual_seed(0)
+x = sharddbg.engine.scatter(torch.randn{SHAPE}, dim=2)
+not_a_tensor = 42
+plain = torch.zeros(rank + 1, 5)
+from torch.distributed.device_mesh import DeviceMesh
+mesh22 = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("ddp", "domain"))
+_i, _j = mesh22.get_coordinate()
+ROWS2, COLS2 = [34, 32], [33, 31]
+x22 = ShardTensor.from_local(torch.randn(1, 3, ROWS2[_i], COLS2[_j]), mesh22, (Shard(2), Shard(3)),
+    sharding_shapes={{0: [(1, 3, r, COLS2[_j]) for r in ROWS2], 1: [(1, 3, ROWS2[_i], c) for c in COLS2]}})
+# the same (1, 3, 66, 64) sample per ddp group, sharded over its 2-rank domain sub-mesh
+_rows = [33, 33]
+xdom = ShardTensor.from_local(torch.randn(1, 3, _rows[_j], 64), mesh22["domain"], (Shard(2),),
+    sharding_shapes={{0: [(1, 3, r, 64) for r in _rows]}})
+xrep = ShardTensor.from_local(torch.randn(1, 3, _rows[_j], 64), mesh22, (Replicate(), Shard(2)),
+    sharding_shapes={{1: [(1, 3, r, 64) for r in _rows]}})
+part = ShardTensor.from_local(torch.ones(2, 5), mesh["domain"], (Partial(),), sharding_shapes={{}})
+# deliberately inconsistent: the spec lists the rows of ranks 0..3 as 16,16,17,17; they hold 17,17,16,16
+WRONG = [(1, 3, r, 64) for r in (16, 16, 17, 17)]
+bad = ShardTensor.from_local(x._local_tensor, mesh["domain"], (Shard(2),), sharding_shapes={{0: WRONG}})
+"""
+
+
+@pytest.fixture(scope="module")
+def cl(cluster4):
+    cluster4.run(SETUP, timeout=120)
+    return cluster4
+
+
+def test_uneven_scatter(cl):
+    w = cl.inspect("x")
+    assert isinstance(w, ShardInspector)
+    lay = w.shard_layout
+    df = lay.get_ranks()
+    assert list(df["rank"]) == list(range(N))
+    assert [s[2] for s in df["local_shape"]] == ROWS
+    assert all(s == (1, 3, r, 64) for s, r in zip(df["local_shape"], ROWS))
+    assert [o[2] for o in df["offsets"]] == OFFS
+    assert all(o[:2] + o[3:] == (0, 0, 0) for o in df["offsets"])
+    assert list(df["local_bytes"]) == [3 * r * 64 * 4 for r in ROWS]
+    assert df["ok"].all() and lay.warnings == []
+    assert list(df["coordinate"]) == [f"domain={r}" for r in range(N)]  # x lives on the domain sub-mesh
+    assert lay.global_shape == list(SHAPE) and lay.dtype == "torch.float32" and lay.kind == "ShardTensor"
+    assert any("uneven split of tensor dim 2" in n and "17, 17, 16, 16" in n for n in lay.notes)
+    # the real local tensors agree (independent read through eval)
+    assert cl.eval("tuple(x._local_tensor.shape)") == [tuple(s) for s in df["local_shape"]]
+    # diagram: one block per rank along dim 2 (rows) x dim 3 (cols), sized by the real rows
+    data = w.data
+    pair = data["pairs"][data["default_pair"]]
+    assert pair["dims"] == [2, 3]
+    blocks = pair["blocks"]
+    assert [b["ranks"] for b in blocks] == [[r] for r in range(N)]
+    assert [(b["row0"], b["row1"]) for b in blocks] == [(o, o + r) for o, r in zip(OFFS, ROWS)]
+    assert all((b["col0"], b["col1"]) == (0, 64) for b in blocks)
+    assert [b["uneven"] for b in blocks] == [r < max(ROWS) for r in ROWS]
+    # every pair of dims is drawable (4-d: 6 pairs); dims 0 x 1: the sharded dim 2 becomes facets
+    assert len(data["pairs"]) == 6
+    b01 = data["pairs"][0]["blocks"]
+    assert [(b["facet"], b["ranks"]) for b in b01] == \
+        [(f"dim 2 in [{o}, {o + r})", [k]) for k, (o, r) in enumerate(zip(OFFS, ROWS))]
+    # module-level entry point and plain-text rendering
+    assert "rank 3 [domain=3] local (1, 3, 16, 64) offsets (0, 0, 50, 0)" in repr(sharddbg.inspect("x"))
+
+
+def test_spec_disagrees_with_local(cl):
+    lay = cl.inspect("bad").shard_layout
+    df = lay.get_ranks()
+    assert [s[2] for s in df["local_shape"]] == ROWS  # what the ranks really hold
+    assert [s[2] for s in df["spec_local_shape"]] == [16, 16, 17, 17]
+    assert not df["ok"].any()
+    for r in range(N):
+        msgs = [m for m in lay.warnings if m.startswith(f"rank {r} holds a local tensor of shape (1, 3, {ROWS[r]}, 64)")]
+        assert len(msgs) == 1, lay.warnings
+        assert "the spec disagrees with the local tensor" in msgs[0]
+        assert "(1, 3, %d, 64)" % (16 if r < 2 else 17) in msgs[0]
+        assert "ranks [0, 1, 2, 3]" in msgs[0]
+    # offsets come from the real shapes, not the wrong spec
+    assert [o[2] for o in df["offsets"]] == OFFS
+
+
+def test_multi_dim_mesh(cl):
+    rows2, cols2 = [34, 32], [33, 31]
+    lay = cl.inspect("x22").shard_layout
+    df = lay.get_ranks()
+    assert lay.warnings == [], lay.warnings
+    for r in range(N):
+        i, j = divmod(r, 2)
+        assert df.loc[r, "local_shape"] == (1, 3, rows2[i], cols2[j])
+        assert df.loc[r, "offsets"] == (0, 0, sum(rows2[:i]), sum(cols2[:j]))
+        assert df.loc[r, "coordinate"] == f"ddp={i}, domain={j}"
+    assert lay.global_shape == [1, 3, 66, 64]
+    blocks = ShardLayout.blocks(lay, 2, 3)
+    assert sorted((b["row0"], b["col0"], tuple(b["ranks"])) for b in blocks) == \
+        [(0, 0, (0,)), (0, 33, (1,)), (34, 0, (2,)), (34, 33, (3,))]
+    # dims 1 x 2: dim 3 is sharded but not drawn -> two facets (its two column ranges)
+    facets = {b["facet"] for b in lay.blocks(1, 2)}
+    assert facets == {"dim 3 in [0, 33)", "dim 3 in [33, 64)"}
+
+    # a sample per ddp group, sharded over the domain sub-mesh: two groups of two ranks
+    lay = cl.inspect("xdom").shard_layout
+    assert [g["ranks"] for g in lay.groups] == [[0, 1], [2, 3]]
+    assert [o[2] for o in lay.get_ranks()["offsets"]] == [0, 33, 0, 33]
+    assert lay.warnings == []
+    # Replicate over ddp, Shard(2) over domain: replicas share one block each
+    lay = cl.inspect("xrep").shard_layout
+    assert lay.warnings == []
+    assert [(b["row0"], b["ranks"]) for b in lay.blocks(2, 3)] == [(0, [0, 2]), (33, [1, 3])]
+    assert any("Replicate over mesh dim 'ddp'" in n for n in lay.notes)
+
+
+def test_partial_and_plain(cl):
+    lay = cl.inspect("part").shard_layout
+    (b,) = lay.blocks(0, 1)
+    assert b["partial"] and b["ranks"] == list(range(N)) and (b["row1"], b["col1"]) == (2, 5)
+    assert any(n.startswith("Partial(sum) over mesh dim 'domain'") for n in lay.notes)
+    lay = cl.inspect("plain").shard_layout
+    assert lay.kind == "Tensor" and len(lay.groups) == N
+    assert [s for s in lay.get_ranks()["local_shape"]] == [(r + 1, 5) for r in range(N)]
+
+
+def test_bad_input_messages(cl):
+    with pytest.raises(InspectError) as e:
+        cl.inspect("nope")
+    assert "'nope'" in str(e.value) and "[0, 1, 2, 3]" in str(e.value) and "Define it" in str(e.value)
+    cl.run("if rank == 2:\n    only_some = x", timeout=30)
+    with pytest.raises(InspectError) as e:
+        cl.inspect("only_some")
+    assert "on ranks [0, 1, 3]; it exists on ranks [2]" in str(e.value)
+    with pytest.raises(InspectError) as e:
+        cl.inspect("not_a_tensor")
+    assert "not a tensor on ranks [0, 1, 2, 3]" in str(e.value) and "builtins.int" in str(e.value) and "42" in str(e.value)
+    with pytest.raises(InspectError) as e:
+        cl.inspect("x[0]")
+    assert "x[0]" in str(e.value)
