@@ -121,26 +121,51 @@ def start_owner():
     return proc, json.loads(line)
 
 
-def test_killed_owner_leaves_nothing_behind():
+def test_killed_owner_leaves_nothing_behind_and_the_next_start_reaps_its_record():
     """A kernel killed with SIGKILL: its fork server notices and takes engines and controller down."""
     proc, info = start_owner()
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert_all_gone(info["pids"], within_s=10)
-    # the stale record is reaped by the next start (or %shard_cluster stop --all)
     assert any(r.cluster_id == info["cluster_id"] for r in registry.all_records())
-    registry.reap_orphans()
-    assert not any(r.cluster_id == info["cluster_id"] for r in registry.all_records())
+    with sharddbg.Cluster(n=1) as cl:  # the next start reaps what a dead owner left
+        assert not any(r.cluster_id == info["cluster_id"] for r in registry.all_records())
+        assert cl.eval("dist.get_world_size()") == [1]
 
 
-def test_orphans_whose_fork_server_also_died_are_reaped():
+def test_orphans_whose_fork_server_also_died_are_reaped_by_stop_all():
     """Worst case: owner and fork server both SIGKILLed; engines and controller must be found and reaped."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
     proc, info = start_owner()
     os.kill(info["forkserver"], signal.SIGKILL)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     survivors = [pid for pid in info["pids"] if psutil.pid_exists(pid) and pid != info["forkserver"]]
     assert survivors, "engines/controller should outlive a SIGKILLed fork server until reaped"
-    reaped = registry.reap_orphans()
-    assert info["cluster_id"] in reaped
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "sharddbg")
+    with capture_output() as cap:
+        ip.run_line_magic("shard_cluster", "stop --all")
+    assert f"reaped cluster {info['cluster_id']}" in cap.stdout
     assert_all_gone(info["pids"])
+
+
+def test_untested_versions_warn_once_and_clearly():
+    import warnings
+
+    from sharddbg.cluster import cluster as cluster_module
+    from sharddbg.errors import ShardDbgWarning
+
+    statuses = [{"torch": "2.14.1+cu130", "physicsnemo": "2.2.2"}, {"torch": "2.9.0", "physicsnemo": "2.3.0"}]
+    cluster_module._WARNED_VERSIONS.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cluster_module._warn_untested(statuses)
+        cluster_module._warn_untested(statuses)  # a second cluster: no second warning
+    messages = [str(w.message) for w in caught if issubclass(w.category, ShardDbgWarning)]
+    assert len(messages) == 2
+    assert any("torch 2.9.0" in m and "still run" in m for m in messages)
+    assert any("physicsnemo 2.3.0" in m for m in messages)
+    assert cluster_module._version_ok("torch", "2.11.0+cu130") and not cluster_module._version_ok("torch", "2.1")
