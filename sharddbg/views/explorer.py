@@ -1,0 +1,141 @@
+"""The trace explorer: every op call of every rank, errors and fallbacks first, filters, and a detail
+panel for the clicked op (the same call on every rank: inputs/outputs, placements, time; its
+collectives; module, handler, user source line; traceback for errors).
+
+``explorer_frame(trace)`` is the list the widget shows, ``op_detail(trace, rank, seq)`` what its detail
+panel shows: both pure and tested on golden traces. ``TraceExplorer`` (anywidget) ships the rows to
+the browser once; filtering and the detail panel then run there without the kernel (so the same front
+end works inside the standalone HTML report). Strings are set as text in the browser, never as HTML.
+"""
+
+from __future__ import annotations
+
+import math
+
+import anywidget
+import pandas as pd
+import traitlets
+
+from ._common import PATH_COLORS, static
+
+ROW_FIELDS = ["rank", "seq", "op", "path", "phase", "kind", "key", "depth", "parent_seq", "module", "user_frame",
+              "handler", "autograd_node", "fwd_seq", "in_local_shapes", "in_global_shapes", "out_local_shape",
+              "out_global_shape", "placements", "in_placements", "dtype", "in_bytes", "out_bytes", "host_ms",
+              "device_ms", "t_start_ms", "exc_type", "error", "traceback", "unmasked", "not_implemented", "in_flight"]
+COLL_FIELDS = ["rank", "seq", "kind", "op_seq", "outer_op_seq", "group_ranks", "mesh_dim", "bytes_sent",
+               "bytes_recv", "duration_ms", "param"]
+KIND_ORDER = {"error": 0, "fallback": 1, "op": 2}
+DEFAULT_MAX_ROWS = 50_000
+
+
+def _plain(v):
+    """JSON-able: NaN/NA -> None, numpy scalars -> Python."""
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    try:
+        if pd.isna(v):
+            return None
+    except (TypeError, ValueError):
+        pass
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
+
+
+def explorer_frame(trace) -> pd.DataFrame:
+    """The explorer's rows: one per op call per rank, ``kind`` = error / fallback / op, errors first,
+    then fallbacks, then everything else in time order. ``key`` names the same call on every rank
+    (phase, op, and its occurrence number on that rank)."""
+    ops = trace.get_ops()
+    if ops.empty:
+        return pd.DataFrame(columns=ROW_FIELDS)
+    ops = ops.sort_values(["rank", "seq"], kind="stable").copy()
+    n = ops.groupby(["rank", "phase", "op"], sort=False).cumcount()
+    ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + n.astype(str)
+    fallback_paths = {"dtensor_fallback_function", "dtensor_fallback_dispatch"}
+    is_err = ops["exc_type"].notna()
+    is_fb = ops["path"].isin(fallback_paths) | ops["fallback"].astype(bool)
+    ops["kind"] = "op"
+    ops.loc[is_fb, "kind"] = "fallback"
+    ops.loc[is_err, "kind"] = "error"
+    t0 = ops["t_start_ns"].min()
+    ops["t_start_ms"] = (ops["t_start_ns"] - t0).astype(float) / 1e6
+    ops["_k"] = ops["kind"].map(KIND_ORDER)
+    ops["_kt"] = ops.groupby("key")["t_start_ns"].transform("min")  # one call's rows together, rank order
+    ops = ops.sort_values(["_k", "_kt", "key", "rank", "seq"], kind="stable")
+    return ops[ROW_FIELDS].reset_index(drop=True)
+
+
+def _collectives(trace) -> pd.DataFrame:
+    fn = getattr(trace, "get_collectives", None)
+    df = fn() if fn is not None else None
+    if not isinstance(df, pd.DataFrame) or df.empty:
+        return pd.DataFrame(columns=COLL_FIELDS)
+    df = df.copy()
+    if "duration_ms" not in df and {"t_issue_ns", "t_done_ns"} <= set(df):
+        df["duration_ms"] = (df["t_done_ns"] - df["t_issue_ns"]) / 1e6
+    for c in COLL_FIELDS:
+        if c not in df:
+            df[c] = None
+    return df[COLL_FIELDS]
+
+
+def op_detail(trace, rank: int, seq: int) -> dict:
+    """What the detail panel shows for op ``seq`` of ``rank``: ``row`` (that call), ``per_rank`` (the same
+    call on every rank, a DataFrame in rank order), ``collectives`` (those it caused, every rank)."""
+    rows = explorer_frame(trace)
+    hit = rows[(rows["rank"] == rank) & (rows["seq"] == seq)]
+    if hit.empty:
+        raise KeyError(f"no op with seq {seq} on rank {rank} in this trace")
+    row = hit.iloc[0]
+    per_rank = rows[rows["key"] == row["key"]].sort_values("rank").reset_index(drop=True)
+    coll = _collectives(trace)
+    pairs = set(zip(per_rank["rank"], per_rank["seq"]))
+    mine = coll[[(r, s) in pairs or (r, o) in pairs for r, s, o in zip(coll["rank"], coll["op_seq"], coll["outer_op_seq"])]] \
+        if len(coll) else coll
+    return {"row": row.to_dict(), "per_rank": per_rank, "collectives": mine.reset_index(drop=True)}
+
+
+def explorer_data(trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
+    """Everything the explorer front end needs, JSON-able: rows (column-wise fields + row arrays),
+    collectives, the filter choices, and how many rows were left out (``max_rows``: errors and fallbacks
+    are always kept, the rest in time order)."""
+    rows = explorer_frame(trace)
+    total = len(rows)
+    shown = rows.iloc[:max_rows]
+    coll = _collectives(trace)
+    return {
+        "fields": ROW_FIELDS,
+        "rows": [[_plain(v) for v in r] for r in shown.itertuples(index=False, name=None)],
+        "total": total, "left_out": total - len(shown),
+        "coll_fields": COLL_FIELDS,
+        "collectives": [[_plain(v) for v in r] for r in coll.itertuples(index=False, name=None)],
+        "has_collectives": hasattr(trace, "get_collectives"),
+        "ranks": [int(r) for r in trace.ranks],
+        "paths": sorted(set(rows["path"])), "phases": sorted(set(rows["phase"])),
+        "path_colors": PATH_COLORS,
+        "counts": {k: int((rows["kind"] == k).sum()) for k in ("error", "fallback", "op")},
+        "incomplete_ranks": [int(r) for r in getattr(trace, "incomplete_ranks", [])],
+        "dropped": int(getattr(trace, "dropped", 0) or 0),
+    }
+
+
+class TraceExplorer(anywidget.AnyWidget):
+    """The trace explorer widget. ``selected`` (synced): [rank, seq] of the op whose detail is open."""
+
+    _esm = static("explorer.js")
+    _css = static("style.css")
+    data = traitlets.Dict().tag(sync=True)
+    selected = traitlets.List([]).tag(sync=True)
+
+    def __init__(self, trace, max_rows: int = DEFAULT_MAX_ROWS, **kwargs):
+        super().__init__(data=explorer_data(trace, max_rows=max_rows), **kwargs)
+        self.trace = trace
+
+    def detail(self) -> dict | None:
+        """``op_detail`` of the op selected in the browser (None before a click)."""
+        return op_detail(self.trace, *self.selected) if self.selected else None

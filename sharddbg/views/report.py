@@ -1,0 +1,128 @@
+"""``to_html(trace, path)``: one standalone HTML file with every view of a trace, viewable offline.
+
+plotly.js is inlined (no CDN: the file opens without internet), the explorer's front end and its data
+are inlined too. Every string from the trace goes through ``html.escape`` (Python-built HTML) or is set
+as text by the explorer's script; the embedded JSON has every ``<``, ``>`` and ``&`` as \\u escapes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+
+import pandas as pd
+
+from . import explorer as _explorer
+from . import timeline as _timeline
+from ._common import esc, json_for_script, module_as_script, path_color, static
+
+
+def _table(df: pd.DataFrame, cols: list[str], cls: str, fmt: dict | None = None) -> str:
+    fmt = fmt or {}
+    head = "".join(f"<th>{esc(c)}</th>" for c in cols)
+    body = []
+    for _, r in df.iterrows():
+        cells = []
+        for c in cols:
+            v = r[c]
+            if c in fmt:
+                cells.append(f"<td>{fmt[c](v)}</td>")  # fmt returns escaped HTML
+            else:
+                cells.append(f"<td>{esc(_text(v))}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f'<table class="sd-table {cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _text(v) -> str:
+    if isinstance(v, float):
+        return "—" if pd.isna(v) else f"{v:.3f}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(str(x) for x in v)
+    return "—" if v is None else str(v)
+
+
+def _errors_html(trace) -> str:
+    errs = trace.get_errors()
+    if errs.empty:
+        return '<p class="sd-meta">No exceptions were raised.</p>'
+    parts = []
+    for (exc, msg, op), g in errs.groupby(["exc_type", "message", "op"], sort=False):
+        ranks = sorted(int(r) for r in g["rank"])
+        r0 = g.iloc[0]
+        unmasked = bool(g["unmasked"].any())
+        parts.append(
+            f'<details class="sd-error" open><summary><span class="sd-error-msg">{esc(exc)}: {esc(msg)}</span> '
+            f'<span class="sd-meta">in {esc(op)} on ranks {esc(ranks)} · {esc(r0["user_frame"])}'
+            f'{" · PyTorch would have hidden this behind “unsupported operand type(s)”" if unmasked else ""}</span></summary>'
+            f'<pre class="sd-tb">{esc(r0["traceback"])}</pre></details>')
+    return "\n".join(parts)
+
+
+def to_html(trace, path: str | os.PathLike, *, title: str | None = None, max_rows: int = _explorer.DEFAULT_MAX_ROWS) -> str:
+    """Write the report for ``trace`` to ``path`` (one self-contained HTML file). Returns the path."""
+    import plotly.io as pio
+
+    path = os.fspath(path)
+    ops = trace.get_ops()
+    fb = trace.get_fallbacks()
+    meta = getattr(trace, "meta", {}) or {}
+    title = title or "sharddbg trace report"
+    figs = [("timeline", _timeline.plot_timeline(trace)), ("comm", _timeline.plot_comm_by_op(trace)),
+            ("imbalance", _timeline.plot_imbalance(trace))]
+    fig_html = {}
+    for i, (name, fig) in enumerate(figs):
+        fig_html[name] = pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), div_id=f"sd-fig-{name}",
+                                     config={"displaylogo": False, "responsive": True})
+    paths = ops["path"].value_counts() if len(ops) else pd.Series(dtype=int)
+    path_summary = " ".join(f'<span class="sd-path" style="background:{path_color(p)}">{esc(p)}</span> {int(n)}'
+                            for p, n in paths.items())
+    facts = [f"{len(trace.ranks)} ranks", f"{len(ops)} op calls", f"{int((ops['exc_type'].notna()).sum()) if len(ops) else 0} op calls raised",
+             f"{len(fb)} ops fell back to DTensor"]
+    if getattr(trace, "dropped", 0):
+        facts.append(f"{trace.dropped} events dropped (buffer full)")
+    if getattr(trace, "incomplete_ranks", []):
+        facts.append(f"incomplete ranks {trace.incomplete_ranks}")
+    fb_html = _table(fb, ["op", "path", "calls", "ranks", "host_ms_total", "bwd_host_ms_total", "user_frames"], "sd-fallbacks") \
+        if len(fb) else '<p class="sd-meta">No op took a DTensor fallback.</p>'
+    code = meta.get("code")
+    explorer_js = module_as_script(static("explorer.js"), "_sdExplorer")
+    doc = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
+<style>{static("style.css")}
+body {{ margin: 16px 24px; background: #fff; }} h1 {{ font-size: 20px; }} h2 {{ font-size: 16px; margin-top: 26px; border-bottom: 1px solid #ddd; }}
+details.sd-error {{ margin: 6px 0; }} pre.sd-code {{ background: #f6f8fa; padding: 8px; border-radius: 4px; }}
+</style></head>
+<body class="sd-root">
+<h1>{esc(title)}</h1>
+<p class="sd-meta">{esc(" · ".join(facts))} · generated {esc(_dt.datetime.now().isoformat(timespec="seconds"))} by sharddbg</p>
+<p>{path_summary}</p>
+{f'<details><summary>recorded code</summary><pre class="sd-code">{esc(code)}</pre></details>' if code else ""}
+<h2>Errors</h2>
+{_errors_html(trace)}
+<h2>DTensor fallbacks</h2>
+{fb_html}
+<h2>Timeline</h2>
+{fig_html["timeline"]}
+<h2>Communication per op</h2>
+{fig_html["comm"]}
+<h2>Imbalance</h2>
+{fig_html["imbalance"]}
+<h2>Explorer</h2>
+<div id="sd-explorer"></div>
+<script type="application/json" id="sd-explorer-data">{json_for_script(_explorer.explorer_data(trace, max_rows=max_rows))}</script>
+<script>
+{explorer_js}
+(function () {{
+  const data = JSON.parse(document.getElementById("sd-explorer-data").textContent);
+  const state = {{ data: data, selected: [] }};
+  const model = {{ get: (k) => state[k], set: (k, v) => {{ state[k] = v; }}, on: () => {{}}, save_changes: () => {{}} }};
+  _sdExplorer.render({{ model: model, el: document.getElementById("sd-explorer") }});
+}})();
+</script>
+</body></html>
+"""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(doc)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,279 @@
+"""The data behind every view, on golden traces recorded from a real 4-rank run (tests/data, regenerate
+with tests/data/make_golden.py). No cluster, no browser. Expected values are computed here from the
+sample's shape (66 rows over 4 ranks) or from the raw per-rank payloads, not from the views.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import sharddbg
+from sharddbg.cluster.inspect import ShardLayout
+from sharddbg.trace import Trace
+from sharddbg.views import explorer as ex
+from sharddbg.views import timeline as tl
+from sharddbg.views.report import to_html
+
+DATA = Path(__file__).parent / "data"
+N = 4
+ROWS = [66 // N + (1 if r < 66 % N else 0) for r in range(N)]  # 17, 17, 16, 16
+OFFS = [sum(ROWS[:r]) for r in range(N)]
+HTML_MSG = "<b>bold</b> & <script>alert('sharddbg')</script> in the add handler"
+
+
+@pytest.fixture(scope="module")
+def trace() -> Trace:
+    return sharddbg.load_trace(DATA / "conv4.sdtrace.json")
+
+
+def _raw(path=DATA / "conv4.sdtrace.json") -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def _raw_ops(trace):
+    """(rank, seq) -> raw op event, straight from the payloads."""
+    return {(r, e["seq"]): e for r in trace.ranks for e in trace.events(r) if e["kind"] == "op"}
+
+
+class CollTrace(Trace):
+    """The golden trace plus collectives derived from its own conv2d calls: one all_to_all_single per
+    forward conv per rank, sending the bytes of one halo row each way. Only to exercise the views'
+    collective paths until collective recording (issue 4) lands; the numbers are recomputed here."""
+
+    def get_collectives(self):
+        ops = self.get_ops()
+        conv = ops[(ops["op"] == "torch.conv2d") & (ops["phase"] == "forward")]
+        rows = []
+        for o in conv.itertuples():
+            c, w = o.in_local_shapes[0][1], o.in_local_shapes[0][3]
+            halo = 2 * c * w * 4
+            rows.append({"rank": o.rank, "seq": 1000 + o.seq, "kind": "all_to_all_single", "group_ranks": [0, 1, 2, 3],
+                         "mesh_dim": "domain", "bytes_sent": halo, "bytes_recv": halo,
+                         "t_issue_ns": int(o.t_start_ns) + 1000, "t_done_ns": int(o.t_start_ns) + 501000,
+                         "duration_ms": 0.5, "async": False, "op": o.op, "op_seq": o.seq, "outer_op": o.op,
+                         "outer_op_seq": o.seq, "phase": "forward", "autograd_node": None, "param": None})
+        return pd.DataFrame(rows)
+
+
+# ---- timeline -------------------------------------------------------------------------------------
+def test_timeline_frame_matches_payloads(trace):
+    df = tl.timeline_frame(trace)
+    raw = _raw_ops(trace)
+    assert len(df) == len(raw)
+    t0 = min(e["t_start_ns"] - trace.clock_offsets_ns[r] for (r, _), e in raw.items())
+    for row in df.itertuples():
+        e = raw[(row.rank, row.seq)]
+        off = trace.clock_offsets_ns[row.rank]
+        assert row.start_ms == pytest.approx((e["t_start_ns"] - off - t0) / 1e6)
+        assert row.end_ms == pytest.approx((e["t_end_ns"] - off - t0) / 1e6)
+        assert row.category == ("error" if e["error"] else e["path"])
+        assert row.rank - 0.5 < row.y < row.rank + 0.5  # inside its rank's band
+    conv = df[(df["op"] == "torch.conv2d") & (df["phase"] == "forward")]
+    for r in range(N):  # hover shows the real local shapes of the conv input
+        assert all(f"(1, 3, {ROWS[r]}, 64)" in h or f"(1, 4, {ROWS[r]}, 64)" in h for h in conv[conv["rank"] == r]["hover"])
+
+
+def test_plot_timeline_one_row_per_rank(trace):
+    fig = tl.plot_timeline(trace)
+    assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(N)]
+    assert list(fig.layout.yaxis.tickvals) == list(range(N))
+    assert fig.layout.yaxis.range[0] > fig.layout.yaxis.range[1]  # rank 0 on top
+    ops = trace.get_ops()
+    spans = {d.name: sum(1 for x in d.x if x is None) for d in fig.data if d.mode == "lines"}
+    expected = ops.assign(cat=ops["path"].where(ops["exc_type"].isna(), "error"))["cat"].value_counts()
+    assert spans == {k.replace("_", " "): int(v) for k, v in expected.items()}
+    assert all(d.type == "scattergl" for d in fig.data)
+    assert "no collectives recorded" in fig.layout.title.text
+
+
+def test_timeline_with_collectives_and_aggregation(trace):
+    ct = CollTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
+    coll = tl.collective_spans(ct)
+    assert len(coll) == 2 * N and set(coll["kind"]) == {"all_to_all_single"}
+    assert (coll["end_ms"] - coll["start_ms"]).round(6).eq(0.5).all()
+    fig = tl.plot_timeline(ct)
+    kinds = [d for d in fig.data if d.name == "all_to_all_single"]
+    assert len(kinds) == 1 and sum(1 for x in kinds[0].x if x is None) == 2 * N
+    assert "8 collectives" in fig.layout.title.text
+    # aggregation: only depth-0 ops are drawn
+    agg = tl.timeline_frame(trace, aggregate=True)
+    assert len(agg) == int((trace.get_ops()["depth"] == 0).sum()) < len(trace.get_ops())
+
+
+def test_comm_by_op(trace):
+    assert tl.comm_by_op_frame(trace).empty
+    fig = tl.plot_comm_by_op(trace)
+    assert "no collectives recorded" in fig.layout.annotations[0].text
+    ct = CollTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
+    df = tl.comm_by_op_frame(ct)
+    assert list(df["op"]) == ["torch.conv2d"] and int(df["calls"].iloc[0]) == 2 * N
+    # conv1 input has 3 channels, conv2 4; 64 columns; 2 rows x 4 B, sent and received, per rank
+    assert int(df["bytes"].iloc[0]) == N * (2 * 3 * 64 * 4 + 2 * 4 * 64 * 4) * 2
+    assert df["comm_ms"].iloc[0] == pytest.approx(0.5 * 2 * N)
+    fig = tl.plot_comm_by_op(ct)
+    assert [d.name for d in fig.data] == ["all_to_all_single", "all_to_all_single"]
+
+
+def test_imbalance_from_ops(trace):
+    df = tl.imbalance_frame(trace)
+    conv = df[df["op"] == "torch.conv2d"].set_index("rank")
+    for r in range(N):  # conv1 reads (1, 3, rows, 64), conv2 (1, 4, rows, 64)
+        assert conv.loc[r, "volume"] == (3 + 4) * ROWS[r] * 64
+        assert conv.loc[r, "calls"] == 2
+    ops = trace.get_ops()
+    host = ops[(ops["op"] == "torch.conv2d") & (ops["phase"] == "forward")].groupby("rank")["host_ms"].sum()
+    assert conv["host_ms"].to_dict() == pytest.approx(host.to_dict())
+    fig = tl.plot_imbalance(trace)
+    vol = fig.data[0]
+    assert list(vol.x) == [f"rank {r}" for r in range(N)] and vol.visible
+    fwd0 = ops[(ops["phase"] == "forward") & (ops["depth"] == 0)]
+    expected = [sum(math.prod(s[0]) for s in fwd0[fwd0["rank"] == r]["in_local_shapes"] if s) for r in range(N)]
+    assert list(vol.y) == expected
+    assert fig.layout.updatemenus[0].buttons[0].label == "(all ops)"
+
+
+def test_imbalance_uses_get_imbalance_when_present(trace):
+    class ImbTrace(Trace):
+        def get_imbalance(self):
+            return pd.DataFrame({"op": ["torch.conv2d"] * N, "rank": list(range(N)),
+                                 "shard_bytes": [r * 4 for r in ROWS], "host_ms": [1.0] * N,
+                                 "comm_ms": [0.5] * N, "wait_ms": [float(r) for r in range(N)]})
+
+    it = ImbTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
+    df = tl.imbalance_frame(it)
+    assert list(df["volume"]) == [r * 4 for r in ROWS] and set(df["volume_unit"]) == {"bytes"}
+    assert {"host_ms", "comm_ms", "wait_ms"} <= set(df.columns)
+    fig = tl.plot_imbalance(it)
+    assert {d.name for d in fig.data} == {"shard volume", "host ms", "comm ms", "wait ms"}
+
+
+# ---- explorer -------------------------------------------------------------------------------------
+def test_explorer_order_and_counts(trace):
+    df = ex.explorer_frame(trace)
+    assert len(df) == len(trace.get_ops())
+    kinds = list(df["kind"])
+    assert kinds == sorted(kinds, key=ex.KIND_ORDER.get)  # errors, then fallbacks, then the rest
+    errs = trace.get_errors()
+    assert (df["kind"] == "error").sum() == len(errs) == N
+    fb = trace.get_fallbacks()
+    n_fb_fwd = int(fb["calls"].sum())
+    assert ((df["kind"] == "fallback") & (df["phase"] == "forward")).sum() == n_fb_fwd
+    first = df.iloc[:N]
+    assert list(first["rank"]) == list(range(N)) and set(first["op"]) == {"Tensor.add"}
+    assert set(first["error"]) == {f"TypeError: {HTML_MSG}"}
+
+
+def test_op_detail_same_call_every_rank(trace):
+    df = ex.explorer_frame(trace)
+    conv0 = df[(df["op"] == "torch.conv2d") & (df["phase"] == "forward") & (df["rank"] == 2)].sort_values("seq").iloc[0]
+    d = ex.op_detail(trace, 2, int(conv0["seq"]))
+    pr = d["per_rank"]
+    assert list(pr["rank"]) == list(range(N))
+    assert [s[0] for s in pr["in_local_shapes"]] == [[1, 3, r, 64] for r in ROWS]
+    assert all(s[0] == [1, 3, 66, 64] for s in pr["in_global_shapes"])
+    assert [s for s in pr["out_local_shape"]] == [[1, 4, r, 64] for r in ROWS]
+    assert d["row"]["module"] == "0" and d["row"]["path"] == "function_handler"
+    assert d["row"]["user_frame"] and d["collectives"].empty
+    ct = CollTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
+    d = ex.op_detail(ct, 2, int(conv0["seq"]))
+    assert list(d["collectives"]["rank"]) == list(range(N))
+    assert list(d["collectives"]["bytes_sent"]) == [2 * 3 * 64 * 4] * N
+    with pytest.raises(KeyError, match="no op with seq 9999 on rank 0"):
+        ex.op_detail(trace, 0, 9999)
+
+
+def test_explorer_data_json_and_row_cap(trace):
+    data = ex.explorer_data(trace)
+    json.dumps(data, allow_nan=False)  # strict JSON: what the widget and the report ship
+    assert data["total"] == len(trace.get_ops()) and data["left_out"] == 0
+    assert data["counts"] == {"error": N, "fallback": int((ex.explorer_frame(trace)["kind"] == "fallback").sum()),
+                              "op": len(trace.get_ops()) - N - int((ex.explorer_frame(trace)["kind"] == "fallback").sum())}
+    small = ex.explorer_data(trace, max_rows=10)
+    assert len(small["rows"]) == 10 and small["left_out"] == data["total"] - 10
+    kinds = [r[small["fields"].index("kind")] for r in small["rows"]]
+    assert kinds[:N] == ["error"] * N and "op" not in kinds  # errors and fallbacks survive the cap
+    w = trace.show()
+    assert w.data["total"] == data["total"] and w.selected == []
+    w.selected = [0, 0]
+    assert w.detail()["row"]["op"] == "torch.conv2d"
+
+
+# ---- inspector from saved snapshots ---------------------------------------------------------------
+def test_inspector_layout_from_saved_snapshots():
+    snaps = json.loads((DATA / "x_snapshots.json").read_text())
+    lay = ShardLayout(snaps)
+    df = lay.get_ranks()
+    assert [s[2] for s in df["local_shape"]] == ROWS and [o[2] for o in df["offsets"]] == OFFS
+    assert lay.warnings == []
+    data = lay.to_json()
+    json.dumps(data, allow_nan=False)
+    blocks = data["pairs"][data["default_pair"]]["blocks"]
+    assert [(b["row0"], b["row1"]) for b in blocks] == [(o, o + r) for o, r in zip(OFFS, ROWS)]
+    # the same snapshots with rank 2 holding one row more than every spec says
+    bad = copy.deepcopy(snaps)
+    bad[2]["local_shape"][2] += 1
+    lay = ShardLayout(bad)
+    assert not lay.get_ranks().loc[2, "ok"] and lay.get_ranks()["ok"].sum() == N - 1
+    assert any(w.startswith("rank 2 holds a local tensor of shape (1, 3, 17, 64)") and "(1, 3, 16, 64)" in w for w in lay.warnings)
+    assert any("adding up to 67, but the global shape says 66" in w for w in lay.warnings)
+
+
+# ---- report and escaping --------------------------------------------------------------------------
+def _hostile_trace(tmp_path) -> Trace:
+    """The golden trace with an op name and a module path that contain HTML."""
+    d = _raw()
+    for p in d["payloads"]:
+        for e in p["events"]:
+            if e.get("op") == "Tensor.abs":
+                e["op"] = "<img src=x onerror=alert(1)>"
+                e["module"] = "<i>mod</i>"
+    path = tmp_path / "hostile.sdtrace.json"
+    path.write_text(json.dumps(d))
+    return sharddbg.load_trace(path)
+
+
+def test_report_standalone_and_escaped(trace, tmp_path):
+    t = _hostile_trace(tmp_path)
+    out = t.to_html(tmp_path / "report.html")
+    html = Path(out).read_text()
+    # offline: plotly.js inlined, nothing fetched from a CDN
+    assert not re.search(r"<script[^>]+src=", html) and not re.search(r"<link[^>]+href=", html)
+    assert "plotly.js v" in html and len(html) > 3_000_000  # (its code mentions a topojson CDN, for maps only)
+    # every string from the trace escaped: the raw markup never appears, its escaped form does
+    for raw in ("<b>bold</b>", "<script>alert('sharddbg')", "<img src=x", "<i>mod</i>"):
+        assert raw not in html, raw
+    assert "&lt;b&gt;bold&lt;/b&gt; &amp; &lt;script&gt;alert(&#x27;sharddbg&#x27;)&lt;/script&gt;" in html
+    assert "\\u003cimg src=x onerror=alert(1)\\u003e" in html  # inside the explorer's JSON
+    # the sections are all there, with the trace's own numbers
+    for section in ("Errors", "DTensor fallbacks", "Timeline", "Communication per op", "Imbalance", "Explorer"):
+        assert f"<h2>{section}</h2>" in html
+    assert f"{len(trace.ranks)} ranks · {len(trace.get_ops())} op calls" in html
+
+
+def test_plotly_text_escaped(tmp_path):
+    t = _hostile_trace(tmp_path)
+    fig = tl.plot_timeline(t)
+    texts = [h for d in fig.data if d.hovertext is not None for h in list(d.hovertext) if h]
+    assert any("&lt;img src=x onerror=alert(1)&gt;" in h for h in texts)
+    assert any("&lt;b&gt;bold&lt;/b&gt;" in h for h in texts)
+    assert not any("<img" in h or "<b>bold" in h or "<i>mod" in h for h in texts)
+    imb = tl.plot_imbalance(t)
+    labels = [b.label for b in imb.layout.updatemenus[0].buttons]
+    assert "&lt;img src=x onerror=alert(1)&gt;" in labels and not any("<img" in lab for lab in labels)
+
+
+def test_trace_does_not_import_views():
+    code = ("import sys, sharddbg; t = sharddbg.load_trace(sys.argv[1]); t.get_ops(); t.get_fallbacks(); "
+            "bad = [m for m in ('plotly', 'anywidget', 'ipywidgets', 'sharddbg.views') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code, str(DATA / "conv4.sdtrace.json")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
