@@ -159,6 +159,37 @@ class Trace:
             json.dump(perfetto_dict(self), f, allow_nan=False)
         return path
 
+    # ---- views (imported lazily: the data layer never needs plotly or widgets) ----------------------
+    def show(self, **kwargs):
+        """The trace explorer widget: errors and fallbacks first, filters, per-rank detail of an op."""
+        from .views.explorer import TraceExplorer
+
+        return TraceExplorer(self, **kwargs)
+
+    def plot_timeline(self, **kwargs):
+        """plotly Figure: one row per rank, op spans by dispatch path, collective spans by kind."""
+        from .views.timeline import plot_timeline
+
+        return plot_timeline(self, **kwargs)
+
+    def plot_comm_by_op(self, **kwargs):
+        """plotly Figure: bytes and time per op, split by collective kind."""
+        from .views.timeline import plot_comm_by_op
+
+        return plot_comm_by_op(self, **kwargs)
+
+    def plot_imbalance(self, **kwargs):
+        """plotly Figure: per-rank shard volume beside per-rank time, per op."""
+        from .views.timeline import plot_imbalance
+
+        return plot_imbalance(self, **kwargs)
+
+    def to_html(self, path: str | os.PathLike, **kwargs) -> str:
+        """One standalone HTML report (explorer, timeline, comm, imbalance), viewable offline."""
+        from .views.report import to_html
+
+        return to_html(self, path, **kwargs)
+
 
 def _clean(v: Any) -> Any:
     """NaN / pandas NA -> None, numpy scalars -> Python: what strict JSON accepts."""
