@@ -1,0 +1,116 @@
+"""The tutorial notebooks, executed top to bottom on a real 4-rank CPU cluster (nbclient, the venv's
+kernel). Each notebook starts and stops its own cluster; checks read the cells' real outputs."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+N = 4
+ROWS = [66 // N + (1 if r < 66 % N else 0) for r in range(N)]
+
+pytestmark = pytest.mark.cluster
+
+
+def run_notebook(name: str, timeout: int = 240) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    # "python3" is the native kernel: jupyter_client starts it with this interpreter (the venv's)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute(env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return nb
+
+
+def outputs_text(cell) -> str:
+    parts = []
+    for o in cell.get("outputs", []):
+        if o.get("output_type") == "stream":
+            parts.append(o["text"])
+        elif "data" in o:
+            parts.append(o["data"].get("text/plain", ""))
+            parts.append(o["data"].get("text/html", ""))
+        elif o.get("output_type") == "error":
+            parts.append("\n".join(o["traceback"]))
+    return "\n".join(parts)
+
+
+def result_of(nb, snippet: str):
+    """The value shown by the cell's execute_result (a Python literal, e.g. cl.eval's list per rank)."""
+    import ast
+
+    (res,) = [o for o in cell_with(nb, snippet).outputs if o.get("output_type") == "execute_result"]
+    return ast.literal_eval(res["data"]["text/plain"])
+
+
+def cell_with(nb, snippet: str):
+    return next(c for c in nb.cells if c.cell_type == "code" and snippet in c.source)
+
+
+def test_01_quickstart():
+    nb = run_notebook("01_quickstart.ipynb")
+    assert result_of(nb, 'cl.eval("tuple(x._local_tensor.shape)")') == [(1, 3, r, 64) for r in ROWS]
+    insp = cell_with(nb, 'sharddbg.inspect("x")')
+    (out,) = [o for o in insp.outputs if "data" in o]
+    assert "application/vnd.jupyter.widget-view+json" in out["data"]
+    for r in range(N):
+        assert f"rank {r} [domain={r}] local (1, 3, {ROWS[r]}, 64) offsets (0, 0, {sum(ROWS[:r])}, 0)" in out["data"]["text/plain"]
+    fb = outputs_text(cell_with(nb, "get_fallbacks()"))
+    assert "Tensor.abs" in fb and "dtensor_fallback_function" in fb
+    assert "application/vnd.jupyter.widget-view+json" in cell_with(nb, "t.show()").outputs[0]["data"]
+    tl = cell_with(nb, "t.plot_timeline()").outputs[0]["data"]
+    fig = tl["application/vnd.plotly.v1+json"]
+    assert fig["layout"]["yaxis"]["ticktext"] == [f"rank {r}" for r in range(N)]
+    assert re.search(r"sharddbg_quickstart_report\.html \d+\.\d MB", outputs_text(cell_with(nb, "to_html(")))
+
+
+def test_02_dispatch_paths():
+    nb = run_notebook("02_dispatch_paths.ipynb")
+    fb = outputs_text(cell_with(nb, "fb = t_net.get_fallbacks()"))
+    assert "gelu" in fb and "dtensor_fallback_function" in fb
+    cost = outputs_text(cell_with(nb, "t_conv = sharddbg.last_trace()"))
+    assert re.search(r"dtensor_fallback_function\s+4\s", cost) and re.search(r"function_handler\s+4\s", cost)
+    check = result_of(nb, 'eval("check")')
+    bounds = [sum(ROWS[:r]) for r in range(1, N)]  # 17, 34, 50: the first row of each later shard
+    wrong = sorted({b - 1 for b in bounds} | set(bounds))  # rows on either side of a boundary need a halo
+    assert len(check) == N
+    for r, (patch_err, rows) in enumerate(check):
+        lo, hi = sum(ROWS[:r]), sum(ROWS[:r + 1])
+        assert patch_err < 1e-4 and rows == [i for i in wrong if lo <= i < hi], check
+    insp = [o for o in cell_with(nb, 'inspect("y1_fb")').outputs if "data" in o][0]["data"]["text/plain"]
+    assert "WARNING" in insp, insp
+
+
+def test_03_hidden_errors():
+    nb = run_notebook("03_hidden_errors.ipynb")
+    both = result_of(nb, 'eval("(plain, unmasked)")')
+    assert both == [("TypeError: unsupported operand type(s) for +: 'ShardTensor' and 'ShardTensor' | cause: None",
+                     "UnmaskedOpError -> TypeError('my_add() takes 2 positional arguments but 4 were given')")] * N
+    errs = outputs_text(cell_with(nb, "errs = t.get_errors()"))
+    assert errs.count("my_add() takes 2 positional arguments") >= N
+    assert result_of(nb, 'eval("tuple(twice._local_tensor.shape)")') == [(1, 3, r, 64) for r in ROWS]
+
+
+def test_04_comm_profile():
+    nb = run_notebook("04_comm_profile.ipynb")
+    summary = outputs_text(cell_with(nb, "def summary"))
+    assert "halo patch" in summary and "function_handler" in summary and "dtensor_fallback_function" in summary
+    imb = cell_with(nb, "plot_imbalance").outputs[0]["data"]["application/vnd.plotly.v1+json"]
+    vol = [d for d in imb["data"] if d.get("name") == "shard volume" and d.get("visible") is True][0]
+    # three conv2d calls per rank on (1, 8, rows, 64)
+    assert list(_arr(vol["y"])) == [3 * 8 * r * 64 for r in ROWS]
+
+
+def _arr(v):
+    """A plotly JSON array: a list, or {"dtype", "bdata"} (base64 typed array, plotly >= 6)."""
+    if isinstance(v, dict) and "bdata" in v:
+        import base64
+
+        import numpy as np
+
+        return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"])).tolist()
+    return v
