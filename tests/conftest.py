@@ -32,3 +32,10 @@ def fresh_cluster4(cluster4):
     if cluster4.busy_ranks():
         cluster4.recover()
     return cluster4
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the tests that start their own clusters (notebooks, browser) first, before the shared
+    cluster4 exists: never two clusters at once on a small machine."""
+    own = ("test_browser.py", "test_notebooks.py")
+    items.sort(key=lambda item: 0 if item.path.name in own else 1)

@@ -18,10 +18,10 @@ import pandas as pd
 from ._common import COLLECTIVE_COLORS, ERROR_COLOR, PATH_COLORS, esc, path_color
 
 # Lanes inside one rank's band (the y axis is reversed: rank 0 on top).
-OP_LANE0 = -0.28  # depth-0 ops; deeper ops below, LANE_STEP apart
+OP_LANE0 = -0.16  # depth-0 ops; deeper ops below, LANE_STEP apart
 LANE_STEP = 0.12
 MAX_LANES = 3
-COLL_LANE = 0.32
+COLL_LANE = 0.3
 # Above this many op spans, nested ops (depth > 0) are merged into their depth-0 parent's lane.
 AGGREGATE_ABOVE = 60_000
 
