@@ -41,5 +41,33 @@ class TraceFileError(ShardDbgError, ValueError):
     """A trace file is not a sharddbg trace, is corrupt, or has an unsupported version."""
 
 
+class RecorderError(ShardDbgError, RuntimeError):
+    """The recorder was misused (nested recorders, stop without start, ...)."""
+
+
+class UnmaskedOpError(ShardDbgError, RuntimeError):
+    """A ShardTensor op raised a TypeError that PyTorch would have turned into the generic
+    "unsupported operand type(s)" message. The original exception is chained (``__cause__``).
+
+    Deliberately not a TypeError: PyTorch's binary-operator machinery swallows TypeErrors.
+    """
+
+    def __init__(self, message: str, op: str = "", rank: int = 0):
+        super().__init__(message)
+        self.op = op
+        self.rank = rank
+
+
+class NoPatchError(ShardDbgError, KeyError):
+    """The op has no ShardTensor patch to remove."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SchemaError(ShardDbgError, ValueError):
+    """A record or payload does not follow this schema (corrupt, or from an incompatible sharddbg)."""
+
+
 class ShardDbgWarning(UserWarning):
     """Warnings sharddbg issues (untested versions, dropped events, ...)."""

@@ -9,9 +9,10 @@ Records (``event["kind"]``)
 ``op``          one call of a ShardTensor op on one rank, forward (a ``__torch_function__`` /
                 ``__torch_dispatch__`` call) or backward (the autograd node behind a recorded forward op's
                 output). Fields: ``OP_FIELDS``.
-``collective``  reserved for issue 4 (one collective call, attributed to the op on the stack). Shares
-                ``seq`` numbering, ``t_*_ns`` clock and ``phase``/``autograd_node`` meaning with ``op``.
-                Draft fields: ``COLLECTIVE_FIELDS``; only the common fields are validated so far.
+``collective``  one collective call on one rank (functional collective, c10d collective, point-to-point
+                send/recv, barrier), attributed to the recorded op that caused it. Shares ``seq``
+                numbering (assigned at issue), the ``t_*_ns`` clock and the ``phase``/``autograd_node``
+                meaning with ``op``. Fields: ``COLLECTIVE_FIELDS`` (since schema version 2).
 ``meta``        a free-form marker (``name`` + JSON-able ``data``), e.g. "cell started".
 
 All records carry ``kind`` and ``seq`` (per-rank, strictly increasing in start order, shared by all
@@ -21,7 +22,7 @@ kinds so that records of one rank interleave correctly). Times are ns on the ran
 
 Payload (what ``recorder.stop()`` / ``recorder.snapshot()`` return on one rank)::
 
-    {"format": "sharddbg.payload", "schema_version": 1, "rank": 0, "world_size": 4,
+    {"format": "sharddbg.payload", "schema_version": 2, "rank": 0, "world_size": 4,
      "complete": True,            # False for a snapshot of a recorder still running (e.g. a hung rank)
      "events": [...],             # records above, sorted by seq; a snapshot adds in-flight ops
      "dropped": 0,                # records not kept because the buffer (max_events) was full
@@ -34,9 +35,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .errors import ShardDbgError
+from .errors import SchemaError, ShardDbgError  # noqa: F401 - SchemaError re-exported (defined in errors.py)
 
-SCHEMA_VERSION = 1
+# Version history
+#   1  op and meta records (issue 3); "collective" reserved, not emitted.
+#   2  collective records defined, emitted by the recorder and validated (issue 4); op records gain
+#      the path "python_method" (ShardTensor.full_tensor / redistribute / backward / from_local, which
+#      bypass __torch_function__). Otherwise op records are unchanged: version-1 payloads read as before.
+SCHEMA_VERSION = 2
 PAYLOAD_FORMAT = "sharddbg.payload"
 
 KIND_OP = "op"
@@ -58,6 +64,9 @@ PATHS = (
     "dtensor_fallback_function",  # _torch_function_fallback_via_dtensor
     "dispatch_handler",  # ShardTensor._dispatch_registry(_by_name)
     "dtensor_fallback_dispatch",  # _dispatch_fallback_via_dtensor
+    # since schema 2: a ShardTensor Python method that bypasses __torch_function__ and may communicate
+    # (full_tensor, redistribute, backward, from_local; engine/recorder.py PYTHON_METHODS)
+    "python_method",
 )
 FALLBACK_PATHS = ("dtensor_fallback_function", "dtensor_fallback_dispatch")
 
@@ -113,24 +122,54 @@ PROMOTION_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "dtype": ((str,), "its dtype"),
 }
 
-# Draft for issue 4; not validated beyond the common fields yet.
-COLLECTIVE_FIELDS: dict[str, str] = {
-    "kind": '"collective"',
-    "seq": "shared per-rank numbering",
-    "group_seq": "k-th collective of its process group",
-    "coll": "collective kind, e.g. all_to_all_single",
-    "group_ranks": "ranks of the group",
-    "mesh_dim": "mesh dim name or None",
-    "bytes_sent": "bytes",
-    "bytes_recv": "bytes",
-    "t_issue_ns": "issue time, rank clock",
-    "t_done_ns": "time its wait returned",
-    "async": "bool",
-    "op_seq": "innermost recorded op on the stack",
-    "outer_op_seq": "outermost recorded op on the stack",
-    "phase": "'forward' / 'backward'",
-    "autograd_node": "backward: node name",
-    "param": "parameter name for weight-gradient reductions",
+_INT_OR_NONE = (int, type(None))
+_STR_OR_NONE = (str, type(None))
+_LIST_OR_NONE = (list, type(None))
+
+# Collective kinds (``coll``) the recorder emits; an unknown c10d op keeps its own name.
+COLLECTIVE_KINDS = ("all_gather_into_tensor", "all_gather", "all_to_all_single", "all_to_all", "all_reduce",
+                    "reduce_scatter_tensor", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+                    "send", "recv", "barrier", "all_gather_coalesced", "all_gather_into_tensor_coalesced",
+                    "reduce_scatter_tensor_coalesced", "all_reduce_coalesced")
+
+COLLECTIVE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "kind": ((str,), '"collective"'),
+    "seq": ((int,), "per-rank sequence number shared with op records, taken when the collective is issued"),
+    "group_seq": ((int,), "k-th collective of this process group on this rank (0-based): lines up across ranks"),
+    "coll": ((str,), "collective kind, one of COLLECTIVE_KINDS (shown as the 'kind' column of get_collectives)"),
+    "aten_op": ((str,), "the dispatcher op seen, e.g. '_c10d_functional.all_to_all_single', 'c10d.send'"),
+    "api": ((str,), "'functional' (funcol, completed by wait_tensor) or 'c10d' (torch.distributed, completed by Work.wait)"),
+    "group_name": ((str,), "process group name (c10d group_name)"),
+    "group_ranks": ((list, type(None)), "global ranks of the group, in group-rank order"),
+    "group_size": (_INT_OR_NONE, "number of ranks in the group"),
+    "mesh_dim": (_STR_OR_NONE, "name of the global mesh dim whose group this is ('ddp', 'domain'), else None"),
+    "peer": (_INT_OR_NONE, "send/recv: global rank of the other side"),
+    "root": (_INT_OR_NONE, "broadcast/reduce/gather/scatter: global rank of the root"),
+    "bytes_sent": ((int,), "size of this rank's send buffer(s) in bytes, from the arguments (the part that stays "
+                           "local included; all_to_all: sum of input splits; root-only sides count on the root)"),
+    "bytes_recv": ((int,), "size of this rank's receive buffer(s) in bytes (all_gather: group_size x the, possibly "
+                           "padded, input; all_to_all: sum of output splits)"),
+    "splits_sent": (_LIST_OR_NONE, "all_to_all: bytes sent to each group rank, in group-rank order"),
+    "splits_recv": (_LIST_OR_NONE, "all_to_all: bytes received from each group rank"),
+    "dtype": (_STR_OR_NONE, "dtype of the first tensor argument"),
+    "shape": (_LIST_OR_NONE, "shape of the first tensor argument (the input)"),
+    "async": ((bool,), "completed by a later wait (funcol always; c10d when the caller passed async_op or p2p)"),
+    "t_issue_ns": ((int,), "just before the collective op was issued, rank clock"),
+    "t_return_ns": (_INT_OR_NONE, "when the issuing op returned (async work may still be running)"),
+    "t_done_ns": (_INT_OR_NONE, "when its wait returned (wait_tensor / Work.wait, whichever op waited); None: "
+                                "not waited while recording"),
+    "wait_op_seq": (_INT_OR_NONE, "seq of the innermost recorded op running when the wait returned"),
+    "waited": ((bool,), "a wait for it was seen while recording"),
+    "op": (_STR_OR_NONE, "innermost recorded op on the stack at issue; in backward the forward op whose autograd node ran"),
+    "op_seq": (_INT_OR_NONE, "seq of that op (in backward: of the forward op)"),
+    "outer_op": (_STR_OR_NONE, "outermost (user-level) recorded op on the stack; in backward, of the forward op"),
+    "outer_op_seq": (_INT_OR_NONE, "its seq"),
+    "phase": ((str,), "'forward' or 'backward' (an autograd node was running)"),
+    "autograd_node": (_STR_OR_NONE, "backward: name of the autograd node that issued it"),
+    "param": (_STR_OR_NONE, "weight-gradient reduction: name of the parameter the node accumulates into"),
+    "device_ms": ((float, int, type(None)), "CUDA event time from issue to wait; None on CPU or not finished"),
+    "in_flight": ((bool,), "the issuing call had not returned when the snapshot was taken"),
+    "thread": ((int,), "recorder thread id (0 = the thread that started the recorder)"),
 }
 
 META_FIELDS: dict[str, str] = {"kind": '"meta"', "seq": "shared numbering", "name": "str", "t_ns": "int", "data": "JSON-able"}
@@ -146,10 +185,6 @@ PAYLOAD_FIELDS: dict[str, tuple[type, ...]] = {
     "clock": (dict,),
     "meta": (dict,),
 }
-
-
-class SchemaError(ShardDbgError, ValueError):
-    """A record or payload does not follow this schema (corrupt, or from an incompatible sharddbg)."""
 
 
 def _check_fields(rec: Any, fields: dict, what: str) -> None:
@@ -174,6 +209,13 @@ def validate_event(ev: Any, where: str = "event") -> None:
         raise SchemaError(f"{where}: unknown kind {kind!r} (known: {KINDS})")
     if not isinstance(ev.get("seq"), int):
         raise SchemaError(f"{where}: 'seq' must be an int")
+    if kind == KIND_COLLECTIVE:
+        _check_fields(ev, COLLECTIVE_FIELDS, f"{where} (collective seq {ev['seq']})")
+        if ev["phase"] not in PHASES:
+            raise SchemaError(f"{where}: unknown phase {ev['phase']!r}")
+        if ev["bytes_sent"] < 0 or ev["bytes_recv"] < 0:
+            raise SchemaError(f"{where}: negative byte count")
+        return
     if kind != KIND_OP:
         return
     _check_fields(ev, OP_FIELDS, f"{where} (op seq {ev['seq']})")

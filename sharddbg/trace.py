@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import pandas as pd
 
 from . import schema
+from .analysis import comm as _comm
 from .analysis import ops as _ops
 from .errors import ShardDbgWarning, TraceFileError
 
@@ -128,6 +129,24 @@ class Trace:
     def get_promotions(self) -> pd.DataFrame:
         """Plain tensors promoted to Replicate, per op, with parameter names where known."""
         return _ops.promotions(self.get_ops())
+
+    def get_collectives(self) -> pd.DataFrame:
+        """One row per collective call per rank (kind, group, bytes, times on the reference clock,
+        duration, bandwidth, the op it belongs to); see analysis/comm.py."""
+        return _comm.collectives_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+                                       self.clock_offsets_ns)
+
+    def get_comm_by_op(self, by: str = "op") -> pd.DataFrame:
+        """Communication per op name and rank (``by="op"``) or per op call (``by="call"``)."""
+        return _comm.comm_by_op(self.get_collectives(), self.get_ops(), by)
+
+    def get_imbalance(self) -> pd.DataFrame:
+        """Per op and rank: shard volume beside host, comm and wait-for-other-ranks time."""
+        return _comm.imbalance(self.get_ops(), self.get_collectives())
+
+    def get_collective_mismatches(self) -> pd.DataFrame:
+        """Collectives whose kind, dtype or sizes differ across the ranks at the same group_seq."""
+        return _comm.collective_mismatches(self.get_collectives())
 
     # ---- files ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

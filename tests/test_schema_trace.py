@@ -19,6 +19,8 @@ from sharddbg.analysis.ops import OPS_COLUMNS
 from sharddbg.errors import ShardDbgWarning, TraceFileError
 from sharddbg.trace import TRACE_VERSION, Trace, load_trace
 
+SV = schema.SCHEMA_VERSION
+
 ISSUE_COLUMNS = ("rank, seq, parent_seq, depth, op, path, handler, phase, autograd_node, module, user_frame, "
                  "in_local_shapes, in_global_shapes, out_local_shape, out_global_shape, placements, dtype, "
                  "sharding_shapes, in_bytes, out_bytes, t_start_ns, t_end_ns, host_ms, device_ms, "
@@ -143,8 +145,8 @@ def test_save_load_round_trip(tmp_path):
     (lambda s: json.dumps({k: v for k, v in json.loads(s).items() if k != "version"}), "version"),
     (lambda s: s.replace('"host_ms"', '"hostms"', 1), "corrupt.*host_ms"),
     (lambda s: s.replace('"function_handler"', '"teleport"', 1), "corrupt.*unknown path"),
-    (lambda s: s.replace('"schema_version":1', '"schema_version":99', 1), "schema version 99.*upgrade"),
-    (lambda s: s.replace('"schema_version":1', '"schema_version":99').replace('"schema_version":99', '"schema_version":1', 1),
+    (lambda s: s.replace(f'"schema_version":{SV}', '"schema_version":99', 1), "schema version 99.*upgrade"),
+    (lambda s: s.replace(f'"schema_version":{SV}', '"schema_version":99').replace('"schema_version":99', f'"schema_version":{SV}', 1),
      "corrupt.*schema_version 99"),
 ])
 def test_wrong_or_corrupt_files_rejected(tmp_path, mutate, match):
@@ -189,7 +191,9 @@ def test_missing_rank_and_schema_validation():
         schema.validate_event({"kind": "teleport", "seq": 0})
     with pytest.raises(schema.SchemaError, match="in_bytes"):
         schema.validate_event(op(0, "x", in_bytes=True))  # a bool is not an int here
-    schema.validate_event({"kind": "collective", "seq": 3, "coll": "all_reduce"})  # issue 4 records pass
+    # since schema 2 collective records are validated field by field (test_comm.py builds full ones)
+    with pytest.raises(schema.SchemaError, match="missing field"):
+        schema.validate_event({"kind": "collective", "seq": 3, "coll": "all_reduce"})
     with pytest.raises(schema.SchemaError, match="two payloads claim rank 0"):
         Trace.from_payloads([payload(0, []), payload(0, [])])
 

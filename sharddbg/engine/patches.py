@@ -12,16 +12,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ..errors import ShardDbgError
+from ..errors import NoPatchError, ShardDbgError  # noqa: F401 - NoPatchError re-exported
 
 __all__ = ["without_patches", "NoPatchError", "registered_patches"]
-
-
-class NoPatchError(ShardDbgError, KeyError):
-    """The op has no ShardTensor patch to remove."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
 
 
 _REGISTRIES = ("_function_registry", "_named_function_registry", "_dispatch_registry", "_dispatch_registry_by_name")

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from .. import schema
-from ..errors import ShardDbgError
-from . import clock
+from ..errors import RecorderError, UnmaskedOpError
+from . import _comm, clock
 from ._hooks import Patches
 from ._rec_util import (
     collect_tensors,
@@ -54,23 +54,6 @@ from ._rec_util import (
 __all__ = ["Recorder", "RecorderError", "UnmaskedOpError", "start", "stop", "snapshot", "active"]
 
 
-class RecorderError(ShardDbgError, RuntimeError):
-    """The recorder was misused (nested recorders, stop without start, ...)."""
-
-
-class UnmaskedOpError(ShardDbgError, RuntimeError):
-    """A ShardTensor op raised a TypeError that PyTorch would have turned into the generic
-    "unsupported operand type(s)" message. The original exception is chained (``__cause__``).
-
-    Deliberately not a TypeError: PyTorch's binary-operator machinery swallows TypeErrors.
-    """
-
-    def __init__(self, message: str, op: str = "", rank: int = 0):
-        super().__init__(message)
-        self.op = op
-        self.rank = rank
-
-
 _ACTIVE: "Recorder | None" = None  # the one recorder of this process (nested ones are refused)
 _SESSION: "Recorder | None" = None  # the recorder started by start(), if any
 _LAST_PAYLOAD: dict | None = None  # payload of the last stop(), for a late snapshot()
@@ -79,6 +62,7 @@ _FAKE_KEY = getattr(_FAKE_KEY, "FAKE", None)
 
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_seq_nr = torch._C._autograd._get_sequence_nr  # next autograd node sequence number on this thread
 
 
 def active() -> "Recorder | None":
@@ -113,11 +97,17 @@ class _ThreadState:
 class Recorder:
     """Record ShardTensor ops on this rank. See the module docstring."""
 
-    def __init__(self, max_events: int = 200_000, unmask: bool = True) -> None:
+    def __init__(self, max_events: int = 200_000, unmask: bool = True, comm: bool = True) -> None:
         if int(max_events) < 0:
             raise ValueError("max_events must be >= 0")
         self.max_events = int(max_events)
         self.unmask = bool(unmask)
+        self.comm = bool(comm)  # record collectives too (engine/_comm.py)
+        self._comm: _comm.CommRecorder | None = None
+        # forward ops of thread 0 in end order: autograd sequence numbers [snr0, snr1) of the nodes they
+        # created, so a backward collective can be attributed to its forward op (engine/_comm.py)
+        self._fwd_snr1: list[int] = []
+        self._fwd_ranges: list[tuple[int, dict]] = []
         self.dropped = 0
         self.reentries = 0  # hook calls made by our own bookkeeping (must stay 0)
         self.internal_errors: list[str] = []  # bugs in the recorder itself; never raised into user code
@@ -155,6 +145,9 @@ class Recorder:
         patches = Patches()
         try:
             _install(self, patches)
+            if self.comm:
+                self._comm = _comm.CommRecorder(self)
+                self._comm.install(patches)
         except BaseException:
             patches.restore()
             raise
@@ -189,6 +182,8 @@ class Recorder:
         # the recorder's exit stays cheap inside timed user code.
         self._exc_seen.clear()
         self._roots.clear()
+        self._fwd_snr1 = []
+        self._fwd_ranges = []
         if errs:
             raise RecorderError(f"restoring hooks failed: {errs!r}")
 
@@ -238,7 +233,9 @@ class Recorder:
             "thread": st.tid,
             "_cuda": None,
             "t_end_ns": None,
+            "_snr0": _seq_nr(),
         }
+        ev["_root"] = stack[0] if stack else ev  # outermost op on the stack (for collective attribution)
         if any(i[6] == 2 for i in infos):
             ev["_cuda"] = _cuda_begin()
         ev["t_start_ns"] = clock.now_ns()
@@ -266,6 +263,9 @@ class Recorder:
         if ev["_cuda"] is not None:
             _cuda_end(ev["_cuda"])
         self._pop(st, ev)
+        if st.tid == 0 and ev["phase"] == "forward":
+            self._fwd_snr1.append(_seq_nr())
+            self._fwd_ranges.append((ev["_snr0"], ev))
         if res is NotImplemented:
             ev["not_implemented"] = True
         else:
@@ -356,6 +356,19 @@ class Recorder:
         box[2] = None
         self._keep(ev)
 
+    def _fwd_op_of_node(self, node: Any) -> dict | None:
+        """The innermost forward op (thread 0) during which this autograd node was created."""
+        try:
+            n = node._sequence_nr()
+        except Exception:  # noqa: BLE001
+            return None
+        ev = _comm.fwd_lookup(self._fwd_snr1, self._fwd_ranges, n)
+        if ev is None:
+            box = node.metadata.get("sharddbg") if hasattr(node, "metadata") else None
+            if box is not None and box[1] is self:
+                ev = box[0]
+        return ev
+
     def _module_name(self, m: Any, st: _ThreadState) -> str:
         name = self._modnames.get(id(m))
         if name is not None:
@@ -376,7 +389,7 @@ class Recorder:
     # ---- export ----------------------------------------------------------------------------------
     def _export_all(self, include_in_flight: bool) -> list[dict]:
         done = list(self._buf)  # list() of a list is atomic under the GIL: safe from another thread
-        out = [_export(ev, False) for ev in done]
+        out = [_export(ev, False) if ev["kind"] == "op" else _comm.export(ev, False) for ev in done]
         if include_in_flight:
             for st in list(self._states.values()):
                 for ev in list(st.stack):
@@ -481,6 +494,8 @@ def _meta(rec: Recorder) -> dict:
         "max_events": rec.max_events,
         "recording": rec._running,
         "reentries": rec.reentries,
+        "comm": rec.comm,
+        "n_collectives": rec._comm.n if rec._comm is not None else 0,
         "internal_errors": list(rec.internal_errors[-5:]),
         "installed_at": list(rec.installed_at),
     }
@@ -522,6 +537,8 @@ def _cuda_read(c: list | None) -> tuple[float | None, int | None]:
 # ---- the hooks ---------------------------------------------------------------------------------
 
 _ST = None  # ShardTensor class, bound at install time
+# ShardTensor methods recorded with path "python_method" (they communicate without __torch_function__)
+PYTHON_METHODS = ("full_tensor", "redistribute", "backward", "from_local")
 
 
 def _shard_tensor_cls():
@@ -719,6 +736,65 @@ def _install(rec: Recorder, patches: Patches) -> None:
     patches.setattr(ST, "__torch_function__", classmethod(__torch_function__))
     patches.setattr(ST, "__torch_dispatch__", classmethod(__torch_dispatch__))
 
+    # ShardTensor's Python methods that communicate bypass __torch_function__ (full_tensor, redistribute,
+    # backward's Partial->Replicate, from_local(..., "infer")): recorded as ops with path "python_method"
+    # so the collectives they issue have an op to belong to.
+    def _wrap_method(name: str, fn):
+        label = f"ShardTensor.{name}"
+        hname = qualname(fn)
+
+        def method(*args, **kwargs):
+            r = _ACTIVE
+            if r is None:
+                return fn(*args, **kwargs)
+            st = r._state()
+            if st.busy:
+                return fn(*args, **kwargs)
+            st.busy = True
+            ev = None
+            try:
+                infos = collect_tensors(args, kwargs, ST)
+                if not (any(i[6] == 1 for i in infos) or _tracing()):
+                    ev = r._begin(st, label, "python_method", hname, infos)
+            except Exception:  # noqa: BLE001
+                r.internal_errors.append(traceback.format_exc())
+                ev = None
+            finally:
+                st.busy = False
+            if ev is None:
+                return fn(*args, **kwargs)
+            try:
+                res = fn(*args, **kwargs)
+            except BaseException as e:
+                st.busy = True
+                try:
+                    r._record_error(st, ev, e, False)
+                finally:
+                    st.busy = False
+                raise
+            st.busy = True
+            try:
+                r._end(st, ev, res)
+            except Exception:  # noqa: BLE001
+                r.internal_errors.append(traceback.format_exc())
+            finally:
+                st.busy = False
+            return res
+
+        method.__wrapped__ = fn  # type: ignore[attr-defined]
+        method.__name__ = fn.__name__
+        method.__qualname__ = fn.__qualname__
+        method.__module__ = fn.__module__
+        method.__doc__ = fn.__doc__
+        return method
+
+    for mname in PYTHON_METHODS:
+        raw = ST.__dict__.get(mname)
+        if isinstance(raw, staticmethod):
+            patches.setattr(ST, mname, staticmethod(_wrap_method(mname, raw.__func__)))
+        elif callable(raw):
+            patches.setattr(ST, mname, _wrap_method(mname, raw))
+
     def _mod_pre(m, inputs):
         r = _ACTIVE
         if r is not None:
@@ -741,10 +817,10 @@ def _install(rec: Recorder, patches: Patches) -> None:
 
 # ---- module-level API for clusters (one round trip each) -----------------------------------------
 
-def start(max_events: int = 200_000, unmask: bool = True) -> dict:
+def start(max_events: int = 200_000, unmask: bool = True, comm: bool = True) -> dict:
     """Start recording on this rank; returns {"rank", "t_start_ns"}. Refused if one is running."""
     global _SESSION, _LAST_PAYLOAD
-    rec = Recorder(max_events=max_events, unmask=unmask)
+    rec = Recorder(max_events=max_events, unmask=unmask, comm=comm)
     rec.__enter__()
     _SESSION = rec
     _LAST_PAYLOAD = None

@@ -1,0 +1,632 @@
+"""Collective recording for the recorder: every collective on this rank, attributed to the op that caused it.
+
+Private to ``recorder.py`` (it installs this while recording when ``comm=True``, the default).
+
+What a ``TorchDispatchMode`` sees in torch 2.14 (measured with gloo, see tests/test_comm.py):
+- functional collectives as ``_c10d_functional.{all_gather_into_tensor, all_to_all_single, all_reduce,
+  reduce_scatter_tensor, ...}`` (the ``_c10d_functional_autograd`` variants arrive as these too, forward
+  and backward) and their completion as ``_c10d_functional.wait_tensor``;
+- every ``torch.distributed`` Python call as its ``c10d.*`` op: ``dist.all_reduce`` -> ``c10d.allreduce_``,
+  ``all_gather`` -> ``allgather_``, ``broadcast(_object_list)`` -> ``broadcast_``, ``barrier`` ->
+  ``barrier``, ``batch_isend_irecv`` / ``isend`` / ``irecv`` -> ``send`` / ``recv_``, ...
+- NOT the Python-level ``Work.wait()`` that completes a c10d call (sync calls wait in Python right after
+  the op returns). ``Work.wait`` is therefore wrapped while recording (restored on exit) and matched to
+  the issuing op through the Python ``Work`` object (``Work.unbox`` of the op's ScriptObject result
+  returns the same pybind object that ``dist.*`` hands back to its caller).
+
+A mode runs its handler with itself switched off. Like ``CommDebugMode`` for ``DTensor``, this mode
+answers ``NotImplemented`` for the tensor subclasses whose own ``__torch_dispatch__`` may communicate
+(ShardTensor, DTensor, AsyncCollectiveTensor; not FakeTensor, which only its own mode may handle), so the subclass's handler runs with the mode still active and the
+collectives it issues (DTensor redistributes, the ``wait_tensor`` of an AsyncCollectiveTensor used by a
+later op) are seen too. ``CommDebugMode`` only does this for ``DTensor`` exactly.
+
+Attribution: ``op`` is the innermost recorded op on the recorder's thread-local stack, ``outer_op`` the
+outermost. In backward (``torch._C._current_autograd_node()`` is set) the node's ``_sequence_nr()`` is
+mapped to the forward op during which the node was created (the recorder notes the autograd sequence
+counter at each op's start and end); ``param`` names the parameter whose ``AccumulateGrad`` the node feeds.
+
+Nothing here calls a collective or dispatches a tensor op; reading shapes/numel/element_size is metadata.
+"""
+
+from __future__ import annotations
+
+import bisect
+import traceback
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import clock
+
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+# aten-level op name -> (kind shown to users, api, handler name)
+_SPECS: dict[str, tuple[str, str, str]] = {
+    # functional collectives (funcol; the autograd variants dispatch as these)
+    "_c10d_functional.all_gather_into_tensor": ("all_gather_into_tensor", "functional", "f_all_gather"),
+    "_c10d_functional.all_to_all_single": ("all_to_all_single", "functional", "f_all_to_all"),
+    "_c10d_functional.all_reduce": ("all_reduce", "functional", "f_same"),
+    "_c10d_functional.all_reduce_": ("all_reduce", "functional", "f_same"),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter_tensor", "functional", "f_reduce_scatter"),
+    "_c10d_functional.broadcast": ("broadcast", "functional", "f_same"),
+    "_c10d_functional.broadcast_": ("broadcast", "functional", "f_same"),
+    "_c10d_functional.all_gather_into_tensor_coalesced": ("all_gather_into_tensor_coalesced", "functional", "f_coalesced_gather"),
+    "_c10d_functional.reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor_coalesced", "functional", "f_coalesced_rs"),
+    "_c10d_functional.all_reduce_coalesced": ("all_reduce_coalesced", "functional", "f_coalesced_same"),
+    "_c10d_functional.all_reduce_coalesced_": ("all_reduce_coalesced", "functional", "f_coalesced_same"),
+    "_c10d_functional.isend": ("send", "functional", "f_send"),
+    "_c10d_functional.irecv": ("recv", "functional", "f_recv"),
+    "_c10d_functional_autograd.all_gather_into_tensor": ("all_gather_into_tensor", "functional", "f_all_gather"),
+    "_c10d_functional_autograd.all_to_all_single": ("all_to_all_single", "functional", "f_all_to_all"),
+    "_c10d_functional_autograd.reduce_scatter_tensor": ("reduce_scatter_tensor", "functional", "f_reduce_scatter"),
+    # c10d ops (torch.distributed Python API)
+    "c10d.allreduce_": ("all_reduce", "c10d", "c_same"),
+    "c10d.allreduce_coalesced_": ("all_reduce_coalesced", "c10d", "c_same"),
+    "c10d.broadcast_": ("broadcast", "c10d", "c_broadcast"),
+    "c10d.allgather_": ("all_gather", "c10d", "c_allgather"),
+    "c10d._allgather_base_": ("all_gather_into_tensor", "c10d", "c_allgather_base"),
+    "c10d.allgather_coalesced_": ("all_gather_coalesced", "c10d", "c_allgather_coalesced"),
+    "c10d.allgather_into_tensor_coalesced_": ("all_gather_into_tensor_coalesced", "c10d", "c_ag_into_coalesced"),
+    "c10d.alltoall_base_": ("all_to_all_single", "c10d", "c_alltoall_base"),
+    "c10d.alltoall_": ("all_to_all", "c10d", "c_alltoall"),
+    "c10d.reduce_scatter_": ("reduce_scatter", "c10d", "c_reduce_scatter"),
+    "c10d._reduce_scatter_base_": ("reduce_scatter_tensor", "c10d", "c_reduce_scatter_base"),
+    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter_tensor_coalesced", "c10d", "c_rs_coalesced"),
+    "c10d.reduce_": ("reduce", "c10d", "c_reduce"),
+    "c10d.gather_": ("gather", "c10d", "c_gather"),
+    "c10d.scatter_": ("scatter", "c10d", "c_scatter"),
+    "c10d.send": ("send", "c10d", "c_send"),
+    "c10d.recv_": ("recv", "c10d", "c_recv"),
+    "c10d.recv_any_source_": ("recv", "c10d", "c_recv"),
+    "c10d.barrier": ("barrier", "c10d", "c_barrier"),
+    "c10d.monitored_barrier_": ("barrier", "c10d", "c_barrier"),
+}
+_WAIT = "_c10d_functional.wait_tensor"
+_WRAP = "_c10d_functional._wrap_tensor_autograd"
+
+_op_spec: dict[Any, Any] = {}  # OpOverload -> spec tuple | "wait" | "wrap" | None (not a collective)
+_plain_type: dict[type, bool] = {}
+
+
+def _spec_of(func) -> Any:
+    try:
+        return _op_spec[func]
+    except KeyError:
+        pass
+    s = None
+    ns = getattr(func, "namespace", "")
+    if ns in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
+        base = f"{ns}.{func._schema.name.split('::', 1)[1]}"
+        if base == _WAIT:
+            s = "wait"
+        elif base == _WRAP:
+            s = "wrap"
+        elif base in _SPECS:
+            kind, api, handler = _SPECS[base]
+            s = (kind, api, handler, [a.name for a in func._schema.arguments], base)
+        else:  # an unknown c10d op: still a collective, bytes unknown
+            s = (func._schema.name.split("::", 1)[1].rstrip("_"), "c10d" if ns == "c10d" else "functional",
+                 "unknown", [a.name for a in func._schema.arguments], base)
+    _op_spec[func] = s
+    return s
+
+
+_DELEGATE: tuple = ()
+
+
+def _is_plain(t: type) -> bool:
+    """False for the subclasses whose own __torch_dispatch__ may issue or complete collectives
+    (ShardTensor, DTensor, AsyncCollectiveTensor): this mode lets them run first and stays active inside.
+    Every other type (plain tensors, FakeTensor during DTensor sharding propagation, ...) is run directly,
+    as CommDebugMode does: a FakeTensor answers NotImplemented to everyone but its own mode."""
+    global _DELEGATE
+    try:
+        return _plain_type[t]
+    except KeyError:
+        if not _DELEGATE:
+            from torch.distributed._functional_collectives import AsyncCollectiveTensor
+            from torch.distributed.tensor import DTensor
+
+            d = [DTensor, AsyncCollectiveTensor]
+            try:
+                from physicsnemo.domain_parallel.shard_tensor import ShardTensor
+
+                d.append(ShardTensor)
+            except Exception:  # noqa: BLE001
+                pass
+            _DELEGATE = tuple(d)
+        p = not issubclass(t, _DELEGATE)
+        _plain_type[t] = p
+        return p
+
+
+def _nb(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nb(x) for x in t)
+    return 0
+
+
+def _first_tensor(x: Any):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            t = _first_tensor(y)
+            if t is not None:
+                return t
+    return None
+
+
+class _CommMode(TorchDispatchMode):
+    """Sees every aten op on plain tensors; handles the c10d / funcol ones, passes the rest through."""
+
+    def __init__(self, comm: "CommRecorder") -> None:
+        super().__init__()
+        self.comm = comm
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in types:
+            if not _is_plain(t):
+                return NotImplemented  # let the subclass run with this mode still active (see module doc)
+        s = _op_spec.get(func, 0)
+        if s == 0:
+            s = _spec_of(func)
+        if s is None:
+            return func(*args, **(kwargs or {}))
+        return self.comm.handle(func, s, args, kwargs or {})
+
+
+class CommRecorder:
+    """State of collective recording for one Recorder (one per rank)."""
+
+    def __init__(self, rec: Any) -> None:
+        self.rec = rec
+        self.mode = _CommMode(self)
+        self.group_seq: dict[str, int] = {}
+        self.groups: dict[str, tuple] = {}  # group_name -> (ranks, mesh_dim)
+        self.pending_t: dict[int, dict] = {}  # id(output tensor) -> record (functional collectives)
+        self.pending_w: dict[int, dict] = {}  # id(python Work) -> record (c10d ops)
+        self.n = 0
+        self.entered = False
+
+    # ---- install / remove ---------------------------------------------------------------------
+    def install(self, patches) -> None:
+        import torch.distributed as dist
+
+        comm = self
+        Work = dist.Work
+        orig_wait = Work.__dict__["wait"]
+
+        def wait(self, *a, **k):
+            res = orig_wait(self, *a, **k)
+            if comm.pending_w:
+                rec = comm.pending_w.pop(id(self), None)
+                if rec is not None:
+                    if rec["_obj"] is self:
+                        comm._done(rec)
+                    else:  # an id reused by another object: not ours
+                        comm.pending_w[id(self)] = rec
+            return res
+
+        wait.__doc__ = getattr(orig_wait, "__doc__", None)
+        patches.setattr(Work, "wait", wait)
+        self.mode.__enter__()
+        self.entered = True
+        patches.add_undo(self.remove)
+
+    def remove(self) -> None:
+        if not self.entered:
+            return
+        self.entered = False
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is self.mode:
+            self.mode.__exit__(None, None, None)
+        else:  # another mode was left on top of ours (a user's unclosed mode): do not pop theirs
+            raise RuntimeError("sharddbg: the collective-recording dispatch mode is not on top of the mode "
+                               "stack at stop (another TorchDispatchMode was left active); it stays installed "
+                               "but inert")
+        # records never waited during the recording keep t_done_ns None; drop the tensor / Work refs
+        for d in (self.pending_t, self.pending_w):
+            for rec in d.values():
+                rec.pop("_obj", None)
+                rec.pop("_keys", None)
+            d.clear()
+
+    # ---- groups -------------------------------------------------------------------------------
+    def _group(self, name: str, pg: Any = None) -> tuple:
+        g = self.groups.get(name)
+        if g is not None:
+            return g
+        import torch.distributed as dist
+
+        try:
+            if pg is None:
+                from torch.distributed.distributed_c10d import _resolve_process_group
+
+                pg = _resolve_process_group(name)
+            ranks = [int(r) for r in dist.get_process_group_ranks(pg)]
+        except Exception:  # noqa: BLE001
+            ranks = None
+        g = (ranks, _mesh_dim_of(name))
+        self.groups[name] = g
+        return g
+
+    # ---- the handler --------------------------------------------------------------------------
+    def handle(self, func, s, args: tuple, kwargs: dict):
+        rec = self.rec
+        from .recorder import _ACTIVE  # noqa: PLC0415 - module attribute read at call time
+
+        if _ACTIVE is not rec:
+            return func(*args, **kwargs)
+        if s == "wait":
+            res = func(*args, **kwargs)
+            if self.pending_t:
+                self._close_tensor(args[0] if args else kwargs.get("tensor"))
+            return res
+        if s == "wrap":
+            res = func(*args, **kwargs)
+            r = self.pending_t.get(id(args[0])) if args and self.pending_t else None
+            if r is not None and r["_obj"][0] is args[0]:
+                r["_obj"].append(res)
+                r["_keys"].append(id(res))
+                self.pending_t[id(res)] = r
+            return res
+        st = rec._state()
+        if st.busy:
+            return func(*args, **kwargs)
+        try:
+            ev = self._begin(func, s, args, kwargs, st)
+        except Exception:  # noqa: BLE001 - a recorder bug must not change the user's result
+            rec.internal_errors.append(traceback.format_exc())
+            return func(*args, **kwargs)
+        ev["t_issue_ns"] = clock.now_ns()
+        res = func(*args, **kwargs)
+        ev["t_return_ns"] = clock.now_ns()
+        try:
+            self._after(ev, s, res)
+        except Exception:  # noqa: BLE001
+            rec.internal_errors.append(traceback.format_exc())
+        return res
+
+    def _begin(self, func, s, args, kwargs, st) -> dict:
+        rec = self.rec
+        kind, api, handler, names, base = s
+        v = dict(zip(names, args))
+        if kwargs:
+            v.update(kwargs)
+        if api == "functional":
+            gname = v.get("group_name")
+            gname = gname if isinstance(gname, str) else str(gname)
+            ranks, mesh_dim = self._group(gname)
+        else:
+            import torch.distributed as dist
+
+            pg = dist.ProcessGroup.unbox(v["process_group"])
+            gname = pg.group_name
+            ranks, mesh_dim = self._group(gname, pg)
+        gsize = len(ranks) if ranks else int(v.get("group_size") or 0) or None
+        sent, recv, ss, sr, peer, root, t0 = _bytes(handler, v, ranks, rec.rank)
+        gs = self.group_seq.get(gname, 0)
+        self.group_seq[gname] = gs + 1
+        stack = st.stack
+        node = _current_node()
+        op = outer = None
+        phase, anode, param = "forward", None, None
+        if node is not None:
+            phase = "backward"
+            anode = node.name()
+            op = rec._fwd_op_of_node(node)
+            if op is not None:
+                outer = op.get("_root") or op
+            param = _param_of(node, rec._params)
+        elif stack:
+            op = stack[-1]
+            outer = stack[0]
+        ev = {
+            "kind": "collective",
+            "seq": next(rec._seq),
+            "group_seq": gs,
+            "coll": kind,
+            "aten_op": base,
+            "api": api,
+            "group_name": gname,
+            "group_ranks": ranks,
+            "group_size": gsize,
+            "mesh_dim": mesh_dim,
+            "peer": peer,
+            "root": root,
+            "bytes_sent": int(sent),
+            "bytes_recv": int(recv),
+            "splits_sent": ss,
+            "splits_recv": sr,
+            "dtype": str(t0.dtype).removeprefix("torch.") if t0 is not None else None,
+            "shape": list(t0.shape) if t0 is not None else None,
+            # functional collectives always complete at a later wait_tensor; c10d: what the caller asked for
+            "async": True if api == "functional" else bool(v.get("async_op", True)),
+            "t_issue_ns": 0,
+            "t_return_ns": None,
+            "t_done_ns": None,
+            "wait_op_seq": None,
+            "waited": False,
+            "op": op["op"] if op is not None else None,
+            "op_seq": op["seq"] if op is not None else None,
+            "outer_op": outer["op"] if outer is not None else None,
+            "outer_op_seq": outer["seq"] if outer is not None else None,
+            "phase": phase,
+            "autograd_node": anode,
+            "param": param,
+            "thread": st.tid,
+            "_cuda": _cuda_begin() if t0 is not None and t0.is_cuda else None,
+        }
+        if handler in ("c_send", "c_recv"):
+            ev["async"] = True  # point-to-point work is always completed by a later wait
+        self.n += 1
+        rec._keep(ev)
+        return ev
+
+    def _after(self, ev: dict, s, res) -> None:
+        if s[1] == "functional":
+            out = res if isinstance(res, torch.Tensor) else _first_tensor(res)
+            if out is None:
+                self._done(ev)
+                return
+            ev["_obj"] = [out]
+            ev["_keys"] = [id(out)]
+            self.pending_t[id(out)] = ev
+            if isinstance(res, (list, tuple)):  # coalesced: any of the outputs closes it
+                for o in res[1:]:
+                    if isinstance(o, torch.Tensor):
+                        ev["_obj"].append(o)
+                        ev["_keys"].append(id(o))
+                        self.pending_t[id(o)] = ev
+            return
+        work = res[-1] if isinstance(res, (tuple, list)) else res
+        if isinstance(work, torch.ScriptObject):
+            import torch.distributed as dist
+
+            try:
+                w = dist.Work.unbox(work)
+            except Exception:  # noqa: BLE001
+                w = None
+            if w is not None:
+                ev["_obj"] = w
+                self.pending_w[id(w)] = ev
+                return
+        self._done(ev)  # returned nothing to wait on (monitored_barrier): complete on return
+
+    def _close_tensor(self, t: Any) -> None:
+        ev = self.pending_t.get(id(t))
+        if ev is None:
+            el = getattr(t, "elem", None)  # an AsyncCollectiveTensor handed to wait_tensor directly
+            ev = self.pending_t.get(id(el)) if el is not None else None
+            if ev is None:
+                return
+            t = el
+        if not any(o is t for o in ev["_obj"]):
+            return
+        self._done(ev)
+
+    def _done(self, ev: dict) -> None:
+        ev["t_done_ns"] = clock.now_ns()
+        ev["waited"] = True
+        st = self.rec._state()
+        ev["wait_op_seq"] = st.stack[-1]["seq"] if st.stack else None
+        if ev["_cuda"] is not None:
+            _cuda_end(ev["_cuda"])
+        for k in ev.pop("_keys", ()):
+            self.pending_t.pop(k, None)
+        ev.pop("_obj", None)
+
+
+# ---- bytes ------------------------------------------------------------------------------------
+
+def _bytes(h: str, v: dict, ranks: list | None, my_rank: int):
+    """(bytes_sent, bytes_recv, splits_sent, splits_recv, peer, root, first tensor) from the arguments.
+
+    bytes_sent / bytes_recv are the sizes of the send and receive buffers of this rank (the part that
+    stays local included, as NCCL-tests' "size"); splits_* are per group rank (all_to_all only).
+    """
+    n = len(ranks) if ranks else None
+    ss = sr = peer = root = None
+
+    def glob(gr):
+        return ranks[gr] if ranks and gr is not None and 0 <= gr < len(ranks) else gr
+
+    if h == "f_all_gather":
+        t = v["input"]
+        s = _nb(t)
+        return s, s * int(v["group_size"]), None, None, None, None, t
+    if h == "f_same":
+        t = v.get("input", v.get("tensor"))
+        s = _nb(t)
+        return s, s, None, None, None, None, t
+    if h == "f_reduce_scatter":
+        t = v["input"]
+        s = _nb(t)
+        return s, s // max(int(v["group_size"]), 1), None, None, None, None, t
+    if h == "f_all_to_all":
+        t = v["input"]
+        return _a2a(t, v.get("input_split_sizes"), v.get("output_split_sizes"), n) + (None, None, t)
+    if h in ("f_coalesced_gather", "f_coalesced_rs", "f_coalesced_same"):
+        ts = v["inputs"]
+        s = _nb(ts)
+        r = s * int(v["group_size"]) if h == "f_coalesced_gather" else (
+            s // max(int(v["group_size"]), 1) if h == "f_coalesced_rs" else s)
+        return s, r, None, None, None, None, _first_tensor(ts)
+    if h == "f_send":
+        t = v["tensor"]
+        return _nb(t), 0, None, None, glob(v.get("dst")), None, t
+    if h == "f_recv":
+        t = v["tensor"]
+        return 0, _nb(t), None, None, glob(v.get("src")), None, t
+    if h == "c_same":
+        ts = v["tensors"]
+        s = _nb(ts)
+        return s, s, None, None, None, None, _first_tensor(ts)
+    if h == "c_broadcast":
+        ts = v["tensors"]
+        s = _nb(ts)
+        root = glob(v.get("root_rank"))
+        return (s if root == my_rank else 0), (0 if root == my_rank else s), None, None, None, root, _first_tensor(ts)
+    if h == "c_allgather":
+        return _nb(v["input_tensors"]), _nb(v["output_tensors"]), None, None, None, None, _first_tensor(v["input_tensors"])
+    if h == "c_allgather_base":
+        return _nb(v["input_tensor"]), _nb(v["output_tensor"]), None, None, None, None, v["input_tensor"]
+    if h == "c_allgather_coalesced":
+        return _nb(v["input_list"]), _nb(v["output_lists"]), None, None, None, None, _first_tensor(v["input_list"])
+    if h == "c_ag_into_coalesced":
+        return _nb(v["inputs"]), _nb(v["outputs"]), None, None, None, None, _first_tensor(v["inputs"])
+    if h == "c_alltoall_base":
+        t = v["input"]
+        return _a2a(t, v.get("input_split_sizes"), v.get("output_split_sizes"), n) + (None, None, t)
+    if h == "c_alltoall":
+        ins, outs = v["input_tensors"], v["output_tensors"]
+        return _nb(ins), _nb(outs), [_nb(x) for x in ins], [_nb(x) for x in outs], None, None, _first_tensor(ins)
+    if h == "c_reduce_scatter":
+        return _nb(v["input_tensors"]), _nb(v["output_tensors"]), None, None, None, None, _first_tensor(v["input_tensors"])
+    if h == "c_reduce_scatter_base":
+        return _nb(v["input_tensor"]), _nb(v["output_tensor"]), None, None, None, None, v["input_tensor"]
+    if h == "c_rs_coalesced":
+        return _nb(v["inputs"]), _nb(v["outputs"]), None, None, None, None, _first_tensor(v["inputs"])
+    if h == "c_reduce":
+        ts = v["tensors"]
+        s = _nb(ts)
+        root = glob(v.get("root_rank"))
+        return s, (s if root == my_rank else 0), None, None, None, root, _first_tensor(ts)
+    if h == "c_gather":
+        root = glob(v.get("root_rank"))
+        return _nb(v["input_tensors"]), (_nb(v["output_tensors"]) if root == my_rank else 0), None, None, None, root, \
+            _first_tensor(v["input_tensors"])
+    if h == "c_scatter":
+        root = glob(v.get("root_rank"))
+        return (_nb(v["input_tensors"]) if root == my_rank else 0), _nb(v["output_tensors"]), None, None, None, root, \
+            _first_tensor(v["output_tensors"])
+    if h == "c_send":
+        ts = v["tensors"]
+        return _nb(ts), 0, None, None, glob(v.get("dst")), None, _first_tensor(ts)
+    if h == "c_recv":
+        ts = v["tensors"]
+        return 0, _nb(ts), None, None, glob(v.get("src")), None, _first_tensor(ts)
+    if h == "c_barrier":
+        return 0, 0, None, None, None, None, None
+    return 0, 0, None, None, None, None, None  # unknown: bytes not computed
+
+
+def _a2a(t: torch.Tensor, in_splits, out_splits, n: int | None):
+    """all_to_all_single: splits are rows of dim 0; empty/None splits mean equal chunks."""
+    row = (t.numel() // t.shape[0] if t.dim() and t.shape[0] else t.numel()) * t.element_size()
+    if in_splits:
+        ss = [int(x) * row for x in in_splits]
+    else:
+        ss = [_nb(t) // n] * n if n else None
+    if out_splits:
+        sr = [int(x) * row for x in out_splits]
+    else:
+        sr = list(ss) if ss is not None else None
+    sent = sum(ss) if ss is not None else _nb(t)
+    recv = sum(sr) if sr is not None else _nb(t)
+    return sent, recv, ss, sr
+
+
+def _param_of(node: Any, params: dict[int, str]) -> str | None:
+    """The parameter a backward node's output accumulates into: an AccumulateGrad among its next
+    functions (or one single-input node further), named from the modules the recorder saw."""
+    try:
+        nexts = node.next_functions
+    except Exception:  # noqa: BLE001
+        return None
+    for fn, _ in nexts:
+        # follow a chain of single-input nodes (a promoted weight: to_local / from_local backward ...)
+        for _depth in range(6):
+            if fn is None:
+                break
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                name = params.get(id(var))
+                if name is not None:
+                    return name
+                break
+            try:
+                nn = [f for f, _ in fn.next_functions if f is not None]
+            except Exception:  # noqa: BLE001
+                break
+            fn = nn[0] if len(nn) == 1 else None
+    return None
+
+
+_mesh_dims_cache: dict[str, str | None] = {}
+
+
+def _mesh_dim_of(group_name: str) -> str | None:
+    """Name of the mesh dim of the DistributedManager's global mesh whose group this is, if any."""
+    try:
+        from physicsnemo.distributed import DistributedManager
+
+        dm = DistributedManager()
+        mesh = dm.global_mesh
+        names = mesh.mesh_dim_names or ()
+        for nm in names:
+            try:
+                if mesh.get_group(nm).group_name == group_name:
+                    return nm
+            except Exception:  # noqa: BLE001
+                continue
+        if len(names) == 0 and mesh.ndim == 1 and mesh.get_group().group_name == group_name:
+            return "0"
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+# ---- CUDA ---------------------------------------------------------------------------------------
+
+def _cuda_begin() -> list:
+    e0 = torch.cuda.Event(enable_timing=True)
+    e0.record()
+    return [e0, None]
+
+
+def _cuda_end(c: list) -> None:
+    e1 = torch.cuda.Event(enable_timing=True)
+    e1.record()
+    c[1] = e1
+
+
+def cuda_ms(c: list | None) -> float | None:
+    if c is None or c[1] is None:
+        return None
+    try:
+        if c[1].query():  # never blocks
+            return float(c[0].elapsed_time(c[1]))
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+EXPORT_KEYS = ("kind", "seq", "group_seq", "coll", "aten_op", "api", "group_name", "group_ranks", "group_size",
+               "mesh_dim", "peer", "root", "bytes_sent", "bytes_recv", "splits_sent", "splits_recv", "dtype",
+               "shape", "async", "t_issue_ns", "t_return_ns", "t_done_ns", "wait_op_seq", "waited", "op", "op_seq",
+               "outer_op", "outer_op_seq", "phase", "autograd_node", "param", "thread")
+
+
+def export(ev: dict, in_flight: bool) -> dict:
+    out = {k: ev.get(k) for k in EXPORT_KEYS}
+    out["device_ms"] = cuda_ms(ev.get("_cuda"))
+    out["in_flight"] = bool(in_flight or ev.get("t_return_ns") is None)
+    return out
+
+
+def fwd_lookup(snr1: list, ranges: list, n: int) -> dict | None:
+    """The innermost forward op whose autograd sequence-number range [snr0, snr1) contains n."""
+    i = bisect.bisect_right(snr1, n)
+    for j in range(i, min(i + 256, len(ranges))):
+        s0, ev = ranges[j]
+        if s0 <= n:
+            return ev
+    return None

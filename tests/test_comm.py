@@ -1,0 +1,293 @@
+"""Collective recording (issue 4) on a real 4-rank CPU cluster (gloo, patches registered).
+
+Every expected kind, count and byte size is computed here from the tensor sizes (uneven rows 17,17,16,16;
+halo of one row for a 3x3 conv; chunked Shard(3)), and cross-checked against torch's CommDebugMode
+run on the same code, for what CommDebugMode can see.
+
+Seen while writing these: CommDebugMode around an ``nn.Module`` call on an UNEVEN ShardTensor (rows
+17,17,16,16) crashes on the 16-row ranks ("shape '[1, 3, 17, 8]' is invalid for input of size 384"): its
+module backward hooks (``BackwardHookFunction.apply``) go through ShardTensor's DTensor fallback, which
+infers even chunks; the 17-row ranks then hang in the halo all_to_all. So the CommDebugMode comparisons
+run the functional conv (``cconv``), the same code as the traced one.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from sharddbg import schema
+from sharddbg.analysis.comm import COLLECTIVE_COLUMNS
+from sharddbg.trace import Trace
+
+N = 4
+H, W, C, CO = 66, 8, 3, 4
+ROWS = [H // N + (1 if r < H % N else 0) for r in range(N)]  # 17, 17, 16, 16
+F32 = 4
+
+SETUP = f"""
+import torch, torch.nn as nn, torch.distributed as dist
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from physicsnemo.distributed import DistributedManager
+from physicsnemo.domain_parallel import ShardTensor
+
+cmesh = DistributedManager().global_mesh["domain"]
+torch.manual_seed(1)
+cX = torch.randn(1, {C}, {H}, {W})
+crank = dist.get_rank()
+_cp = torch.tensor_split(cX, {N}, dim=2)
+_cshapes = {{0: [tuple(p.shape) for p in _cp]}}
+cx = ShardTensor.from_local(_cp[crank].clone().requires_grad_(True), cmesh, (Shard(2),), sharding_shapes=_cshapes)
+
+class CNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d({C}, {CO}, 3, padding=1)
+    def forward(self, x):
+        return self.conv(x)
+
+cnet = CNet()
+_gshapes = {{0: [(1, {CO}, p.shape[2], {W}) for p in _cp]}}
+cgy = ShardTensor.from_local(torch.ones(1, {CO}, _cp[crank].shape[2], {W}), cmesh, (Shard(2),), sharding_shapes=_gshapes)
+
+def cconv(x):  # the conv without the module: CommDebugMode's module hooks break on uneven shards (see below)
+    return torch.nn.functional.conv2d(x, cnet.conv.weight, cnet.conv.bias, padding=1)
+
+def cdm_counts(cdm):
+    return {{str(k).split('.')[-1]: int(v) for k, v in cdm.get_comm_counts().items() if v}}
+"""
+
+
+@pytest.fixture(scope="module")
+def cl(cluster4):
+    cluster4.run(SETUP, timeout=120)
+    return cluster4
+
+
+def _colls(t: Trace, rank: int | None = None) -> pd.DataFrame:
+    c = t.get_collectives()
+    return c if rank is None else c[c["rank"] == rank].reset_index(drop=True)
+
+
+def _halo_splits(r: int) -> list[int]:
+    """3x3 conv, padding 1, rows sharded: one input row (C x W floats) to each neighbouring rank."""
+    return [C * W * F32 if abs(j - r) == 1 else 0 for j in range(N)]
+
+
+def _check_clean(t: Trace) -> None:
+    for p in t.payloads.values():
+        assert p["meta"]["internal_errors"] == [] and p["meta"]["reentries"] == 0
+        for ev in p["events"]:
+            schema.validate_event(ev)
+
+
+def _cdm(cl, code: str) -> list[dict]:
+    """CommDebugMode's counts per rank for ``code`` (run without the recorder)."""
+    cl.run("with CommDebugMode() as _cdm:\n" + "".join("    " + ln + "\n" for ln in code.strip().splitlines())
+           + "_cdm_counts = cdm_counts(_cdm)\n", timeout=60)
+    return cl.eval("_cdm_counts")
+
+
+def _kind_counts(c: pd.DataFrame) -> dict:
+    return {k: int(v) for k, v in c["kind"].value_counts().items()}
+
+
+def test_conv2d_forward_halo_all_to_all(cl):
+    t = cl.trace("cy = cconv(cx)", timeout=60, display=False)
+    _check_clean(t)
+    c = _colls(t)
+    assert list(c.columns[:len(COLLECTIVE_COLUMNS)]) == COLLECTIVE_COLUMNS
+    ops = t.get_ops()
+    for r in range(N):
+        cr = c[c["rank"] == r]
+        assert _kind_counts(cr) == {"all_to_all_single": 1}
+        row = cr.iloc[0]
+        assert row["splits_sent"] == _halo_splits(r) and row["splits_recv"] == _halo_splits(r)
+        assert row["bytes_sent"] == sum(_halo_splits(r)) == row["bytes_recv"]
+        conv = ops[(ops["rank"] == r) & (ops["op"] == "torch.conv2d") & (ops["phase"] == "forward")].iloc[0]
+        assert row["op"] == row["outer_op"] == "torch.conv2d" and row["op_seq"] == conv["seq"]
+        assert conv["t_start_ns"] <= row["t_issue_ns"] <= row["t_done_ns"] <= conv["t_end_ns"]
+        assert row["group_ranks"] == list(range(N)) and row["mesh_dim"] == "domain"
+        assert row["phase"] == "forward" and row["async"] and row["waited"]
+        assert row["duration_ms"] > 0 and row["bandwidth_gbps"] == pytest.approx(
+            row["bytes_sent"] / (row["duration_ms"] / 1e3) / 1e9)
+    # CommDebugMode on the same code sees the same count
+    for counts in _cdm(cl, "_y = cconv(cx)"):
+        assert counts == {"all_to_all_single": 1}
+    # comm per op: the conv owns its collective
+    by_op = t.get_comm_by_op()
+    conv_rows = by_op[by_op["op"] == "torch.conv2d"].set_index("rank")
+    for r in range(N):
+        assert conv_rows.loc[r, "n_collectives"] == 1 and conv_rows.loc[r, "calls"] == 1
+        assert conv_rows.loc[r, "bytes_sent"] == sum(_halo_splits(r))
+        assert 0 < conv_rows.loc[r, "comm_share"] <= 1
+    by_call = t.get_comm_by_op(by="call")
+    assert (by_call[by_call["op"] == "torch.conv2d"]["n_collectives"] == 1).all()
+    imb = t.get_imbalance()
+    ci = imb[imb["op"] == "torch.conv2d"].set_index("rank")
+    for r in range(N):
+        assert ci.loc[r, "shard_elems"] == ROWS[r] * C * W  # the input shard (the weights are replicated)
+    assert ci["shard_imbalance"].iloc[0] == pytest.approx(17 / (66 / 4))
+    assert (ci["wait_ms"] >= 0).all() and (ci["wait_ms"] == 0).any()  # the last rank to arrive waited 0
+
+
+def test_conv2d_backward_weight_grad_all_reduce_named(cl):
+    t = cl.trace("cy = cnet(cx)\ncy.backward(cgy)", timeout=60, display=False)
+    _check_clean(t)
+    c = _colls(t)
+    ops = t.get_ops()
+    for r in range(N):
+        cr = c[(c["rank"] == r) & (c["phase"] == "backward")]
+        assert _kind_counts(cr) == {"all_to_all_single": 1, "all_reduce": 2}
+        conv = ops[(ops["rank"] == r) & (ops["op"] == "torch.conv2d") & (ops["phase"] == "forward")]
+        assert set(cr["op"]) == {"torch.conv2d"} and set(cr["op_seq"]) == {conv["seq"].iloc[0]}  # the forward op
+        ar = cr[cr["kind"] == "all_reduce"].set_index("param")
+        assert ar.loc["conv.weight", "bytes_sent"] == CO * C * 3 * 3 * F32
+        assert ar.loc["conv.bias", "bytes_sent"] == CO * F32
+        assert set(ar["autograd_node"]) == {"GradReducerBackward"}
+        a2a = cr[cr["kind"] == "all_to_all_single"].iloc[0]
+        # the halo's backward returns the gradient of the borrowed rows: the same rows, the other way
+        assert a2a["splits_sent"] == _halo_splits(r) and pd.isna(a2a["param"])
+        assert "Halo" in a2a["autograd_node"]
+    # the gradient arrived where the collectives say: grad of the weight equals the single-process one
+    ok = cl.eval("bool(torch.allclose(cnet.conv.weight.grad, torch.autograd.grad(torch.nn.functional.conv2d("
+                 "cX, cnet.conv.weight, cnet.conv.bias, padding=1), cnet.conv.weight, torch.ones(1, 4, 66, 8))[0], "
+                 "atol=1e-4))")
+    assert ok == [True] * N
+    cl.run("cnet.zero_grad(); cx.grad = None", timeout=30)
+    cl.run("cy = cconv(cx)", timeout=60)
+    for counts in _cdm(cl, "cy.backward(cgy)"):
+        assert counts == {"all_to_all_single": 1, "all_reduce": 2}
+    cl.run("cnet.zero_grad(); cx.grad = None", timeout=30)
+
+
+def test_full_tensor_uneven_and_redistribute(cl):
+    t = cl.trace("cf = cx.full_tensor()\ncz = cx.redistribute(cmesh, (Shard(3),))", timeout=60, display=False)
+    _check_clean(t)
+    assert cl.eval("bool(torch.equal(cf, cX))") == [True] * N
+    c = _colls(t)
+    pad = max(ROWS) * C * W * F32  # all_gather of an uneven tensor: every shard padded to the largest
+    cols = [len(x) for x in __import__("numpy").array_split(range(W), N)]  # Shard(3) chunks: 2,2,2,2
+    for r in range(N):
+        cr = c[c["rank"] == r]
+        assert list(cr["kind"]) == ["all_gather_into_tensor", "all_to_all_single"]
+        ag, a2a = cr.iloc[0], cr.iloc[1]
+        assert ag["bytes_sent"] == pad and ag["bytes_recv"] == N * pad
+        assert ag["outer_op"] == "ShardTensor.full_tensor" and ag["op"] == "ShardTensor.redistribute"
+        assert a2a["splits_sent"] == [C * ROWS[r] * cols[j] * F32 for j in range(N)]
+        assert a2a["splits_recv"] == [C * ROWS[j] * cols[r] * F32 for j in range(N)]
+        assert a2a["bytes_sent"] == ROWS[r] * C * W * F32
+        assert a2a["op"] == a2a["outer_op"] == "ShardTensor.redistribute"
+        assert list(cr["group_seq"]) == sorted(cr["group_seq"])
+    for counts in _cdm(cl, "_f = cx.full_tensor()"):
+        assert counts == {"all_gather_into_tensor": 1}
+    for counts in _cdm(cl, "_z = cx.redistribute(cmesh, (Shard(3),))"):
+        assert counts == {"all_to_all_single": 1}
+
+
+P2P = """
+_n = dist.get_world_size()
+_send = torch.full((7,), float(crank))
+_recv = torch.zeros(7)
+_reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, _send, (crank + 1) % _n),
+                                dist.P2POp(dist.irecv, _recv, (crank - 1) % _n)])
+for _q in _reqs:
+    _q.wait()
+_ar = torch.ones(5)
+dist.all_reduce(_ar)
+"""
+
+
+def test_point_to_point_and_c10d(cl):
+    t = cl.trace(P2P, timeout=60, display=False)
+    _check_clean(t)
+    assert cl.eval("int(_recv[0])") == [(r - 1) % N for r in range(N)]
+    c = _colls(t)
+    for r in range(N):
+        cr = c[c["rank"] == r]
+        assert list(cr["kind"]) == ["send", "recv", "all_reduce"]
+        s, rv, ar = cr.iloc[0], cr.iloc[1], cr.iloc[2]
+        assert (s["bytes_sent"], s["bytes_recv"], s["peer"]) == (7 * F32, 0, (r + 1) % N)
+        assert (rv["bytes_sent"], rv["bytes_recv"], rv["peer"]) == (0, 7 * F32, (r - 1) % N)
+        assert s["async"] and rv["async"] and s["waited"] and rv["waited"]
+        assert s["t_done_ns"] >= s["t_issue_ns"] and rv["t_done_ns"] >= rv["t_issue_ns"]
+        assert ar["bytes_sent"] == ar["bytes_recv"] == 5 * F32 and not ar["async"] and ar["waited"]
+        assert ar["api"] == "c10d" and pd.isna(ar["op"])
+    # CommDebugMode does not count point-to-point traffic at all (what the recorder adds)
+    for counts in _cdm(cl, P2P):
+        assert "send" not in counts and "recv_" not in counts and counts.get("allreduce_", 0) == 1
+    assert t.get_collective_mismatches().empty
+    # everything restored: no dispatch mode left, Work.wait is torch's own again
+    assert cl.eval("(torch._C._len_torch_dispatch_stack(), dist.Work.wait.__name__)") == [(0, "wait")] * N
+    assert cl.eval("type(dist.Work.__dict__['wait']).__name__") != ["function"] * N
+
+
+def test_clock_offset_recovered(cl):
+    shift = 5_000_000_000  # rank 2's clock 5 s ahead
+    cl.run(f"from sharddbg.engine import clock as _clk\nif crank == 2: _clk.set_offset_ns({shift})", timeout=30)
+    try:
+        t = cl.trace("_b = torch.ones(3); dist.all_reduce(_b); dist.all_reduce(_b)", timeout=60, display=False)
+    finally:
+        cl.run("_clk.set_offset_ns(0)", timeout=30)
+    off = t.clock_offsets_ns
+    assert abs((off[2] - off[0]) - shift) < 1_000_000  # recovered within 1 ms
+    raw = {r: [e["t_done_ns"] for e in t.events(r) if e["kind"] == "collective"] for r in range(N)}
+    assert abs(raw[2][0] - raw[0][0] - shift) < 1_000_000_000  # the raw stamps really are ~5 s apart
+    c = _colls(t)
+    for gs, d in c.groupby("group_seq"):
+        # aligned: a synchronous all_reduce completes on every rank at about the same time
+        assert d["t_done_ns"].max() - d["t_done_ns"].min() < 200_000_000
+
+
+def test_group_seq_lines_up_on_a_real_trace(cl):
+    t = cl.trace("cy2 = cnet(cx)\ncy2.backward(cgy)\n_f2 = cx.full_tensor()", timeout=60, display=False)
+    cl.run("cnet.zero_grad(); cx.grad = None", timeout=30)
+    c = _colls(t)
+    assert len(c) == N * 5
+    for (g, gs), d in c.groupby(["group_name", "group_seq"]):
+        assert sorted(d["rank"]) == list(range(N)) and d["kind"].nunique() == 1
+    assert t.get_collective_mismatches().empty
+
+
+# ---- synthetic traces (no cluster) ----------------------------------------------------------------
+
+def _coll(seq, gseq, coll, sent, recv, splits_s=None, splits_r=None, **kw):
+    ev = {
+        "kind": "collective", "seq": seq, "group_seq": gseq, "coll": coll, "aten_op": f"_c10d_functional.{coll}",
+        "api": "functional", "group_name": "1", "group_ranks": [0, 1], "group_size": 2, "mesh_dim": "domain",
+        "peer": None, "root": None, "bytes_sent": sent, "bytes_recv": recv, "splits_sent": splits_s,
+        "splits_recv": splits_r, "dtype": "float32", "shape": [4], "async": True, "t_issue_ns": 1000 + seq,
+        "t_return_ns": 1100 + seq, "t_done_ns": 3000 + seq, "wait_op_seq": None, "waited": True, "op": "torch.conv2d",
+        "op_seq": 0, "outer_op": "torch.conv2d", "outer_op_seq": 0, "phase": "forward", "autograd_node": None,
+        "param": None, "device_ms": None, "in_flight": False, "thread": 0,
+    }
+    ev.update(kw)
+    return ev
+
+
+def _payload(rank, events):
+    return {"format": schema.PAYLOAD_FORMAT, "schema_version": schema.SCHEMA_VERSION, "rank": rank, "world_size": 2,
+            "complete": True, "events": events, "dropped": 0, "clock": {}, "meta": {}}
+
+
+def test_mismatched_pair_flagged_in_synthetic_trace():
+    r0 = [_coll(1, 0, "all_reduce", 16, 16), _coll(2, 1, "all_to_all_single", 16, 16, [8, 8], [8, 8]),
+          _coll(3, 2, "all_reduce", 8, 8), _coll(4, 3, "all_gather_into_tensor", 8, 16)]
+    r1 = [_coll(1, 0, "all_reduce", 16, 16), _coll(2, 1, "all_to_all_single", 16, 12, [4, 12], [8, 4]),
+          _coll(3, 2, "all_gather_into_tensor", 8, 16), _coll(4, 3, "all_gather_into_tensor", 12, 24)]
+    t = Trace.from_payloads([_payload(0, r0), _payload(1, r1)])
+    m = t.get_collective_mismatches()
+    got = {(int(a), b) for a, b in zip(m["group_seq"], m["problem"])}
+    # #0 agrees; #1: rank 1 sends 4 B to rank 0, which expects 8 B (0->1 agrees: 8 B); #2 different
+    # kinds; #3 different sizes
+    assert got == {(1, "splits"), (2, "kind"), (3, "size")}
+    detail = m[m["group_seq"] == 1]["detail"].iloc[0]
+    assert "1->0: sends 4 B, 0 expects 8 B" in detail and "0->1" not in detail
+    # a rank that never issued the 5th collective of the group
+    t2 = Trace.from_payloads([_payload(0, r0[:1] + [_coll(5, 1, "all_reduce", 16, 16)]), _payload(1, r0[:1])])
+    m2 = t2.get_collective_mismatches()
+    assert list(m2["problem"]) == ["missing"] and m2["group_seq"].iloc[0] == 1
+    # and the schema validates these records (a wrong type is refused)
+    with pytest.raises(schema.SchemaError, match="bytes_sent"):
+        schema.validate_event(_coll(9, 9, "all_reduce", 1.5, 2))
