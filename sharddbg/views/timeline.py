@@ -128,15 +128,31 @@ def collective_spans(trace) -> pd.DataFrame:
 
 
 def _segments(df: pd.DataFrame):
-    """x, y, hover arrays for one Scattergl trace drawing every row as a horizontal segment."""
+    """x, y arrays (numpy, NaN between segments: plotly ships them as compact typed arrays) drawing every
+    row as a horizontal segment, and the segments' midpoints (where their hover labels live)."""
+    import numpy as np
+
     n = len(df)
-    x = [None] * (3 * n)
-    y = [None] * (3 * n)
-    text = [None] * (3 * n)
-    x[0::3], x[1::3] = df["start_ms"].tolist(), df["end_ms"].tolist()
-    y[0::3] = y[1::3] = df["y"].tolist()
-    text[0::3] = text[1::3] = df["hover"].tolist()
-    return x, y, text
+    x = np.full(3 * n, np.nan)
+    y = np.full(3 * n, np.nan)
+    x[0::3], x[1::3] = df["start_ms"].to_numpy(float), df["end_ms"].to_numpy(float)
+    y[0::3] = y[1::3] = df["y"].to_numpy(float)
+    mid = (df["start_ms"].to_numpy(float) + df["end_ms"].to_numpy(float)) / 2
+    return x, y, mid
+
+
+def _span_traces(fig, df: pd.DataFrame, name: str, color: str, width: int, group: str, group_title: str | None) -> None:
+    """One WebGL line trace for the spans (no hover) + one of invisible midpoint markers carrying the
+    hover text once per span; they share a legend entry."""
+    import plotly.graph_objects as go
+
+    x, y, mid = _segments(df)
+    extra = {"legendgrouptitle_text": group_title} if group_title else {}
+    fig.add_trace(go.Scattergl(x=x, y=y, mode="lines", line={"color": color, "width": width}, name=name,
+                               legendgroup=group, hoverinfo="skip", connectgaps=False, **extra))
+    fig.add_trace(go.Scattergl(x=mid, y=df["y"].to_numpy(float), mode="markers", name=name, legendgroup=group,
+                               showlegend=False, marker={"color": color, "size": 9, "opacity": 0},
+                               hovertext=df["hover"].tolist(), hoverinfo="text", hoverlabel={"bgcolor": color}))
 
 
 def plot_timeline(trace, *, aggregate: bool | None = None, height: int | None = None):
@@ -149,16 +165,14 @@ def plot_timeline(trace, *, aggregate: bool | None = None, height: int | None = 
     ranks = list(trace.ranks)
     fig = go.Figure()
     order = list(PATH_COLORS) + ["error"]
+    first = True
     for cat in order + sorted(set(ops["category"]) - set(order)):
         part = ops[ops["category"] == cat]
         if part.empty:
             continue
-        x, y, text = _segments(part)
         color = ERROR_COLOR if cat == "error" else path_color(cat)
-        fig.add_trace(go.Scattergl(x=x, y=y, mode="lines", line={"color": color, "width": 9},
-                                   name=esc(cat.replace("_", " ")), legendgroup="ops",
-                                   legendgrouptitle_text="ops by dispatch path", hovertext=text, hoverinfo="text",
-                                   connectgaps=False))
+        _span_traces(fig, part, esc(cat.replace("_", " ")), color, 9, f"op:{cat}", "ops by dispatch path" if first else None)
+        first = False
     errs = ops[ops["category"] == "error"]
     if len(errs):
         fig.add_trace(go.Scattergl(x=errs["start_ms"], y=errs["y"], mode="markers", name="error raised",
@@ -166,10 +180,8 @@ def plot_timeline(trace, *, aggregate: bool | None = None, height: int | None = 
                                    hovertext=errs["hover"], hoverinfo="text", legendgroup="ops"))
     for i, kind in enumerate(sorted(set(coll["kind"]))):
         part = coll[coll["kind"] == kind]
-        x, y, text = _segments(part)
-        fig.add_trace(go.Scattergl(x=x, y=y, mode="lines", line={"color": COLLECTIVE_COLORS[i % len(COLLECTIVE_COLORS)], "width": 7},
-                                   name=esc(kind), legendgroup="coll", legendgrouptitle_text="collectives",
-                                   hovertext=text, hoverinfo="text", connectgaps=False))
+        _span_traces(fig, part, esc(kind), COLLECTIVE_COLORS[i % len(COLLECTIVE_COLORS)], 7, f"coll:{kind}",
+                     "collectives" if i == 0 else None)
     n_ops = int((trace.get_ops()["rank"] >= 0).sum()) if len(ranks) else 0
     title = f"Timeline · {len(ranks)} ranks · {n_ops} op calls" + (f" · {len(coll)} collectives" if len(coll) else
                                                                    " · no collectives recorded")

@@ -1,0 +1,236 @@
+"""How fast the notebook front end is, measured in a real browser (Debian's chromium via Playwright).
+
+1. Timeline with 100k op events (4 ranks x 25k): Python time to build the figure, size of the
+   standalone HTML, time for chromium to load and draw it (until plotly's first draw finished), and
+   the latency of a hover (mouse move until the hover label shows). Once with the default (nested ops
+   merged above 60k spans) and once with every span drawn.
+   The 100k events are the golden trace's real events (tests/data/conv4.sdtrace.json), repeated on
+   every rank with shifted times and sequence numbers.
+2. Shard inspector with 4 ranks, from call to display: a real 4-rank cluster and JupyterLab; the time
+   from running the cell ``sharddbg.inspect("x")`` until the browser shows its 4 blocks (and, apart,
+   the Python side alone: ``cl.inspect("x")``: gather the snapshots, check, build the widget).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py [--events 100000] [--repeats 5]
+
+Prints a table; with --append, adds a section to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def big_trace(n_events: int):
+    """The golden trace's events, repeated until there are ``n_events`` op events over all ranks."""
+    import sharddbg
+    from sharddbg.trace import Trace
+
+    base = sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json")
+    payloads = {}
+    per_rank = n_events // len(base.ranks)
+    for r in base.ranks:
+        p = copy.deepcopy(base.payloads[r])
+        evs = [e for e in p["events"] if e["kind"] == "op"]
+        span = max(e["t_end_ns"] for e in evs) - min(e["t_start_ns"] for e in evs) + 1000
+        n0 = len(evs)
+        out = []
+        for k in range(per_rank):
+            e = dict(evs[k % n0])
+            rep = k // n0
+            e["seq"] = k
+            e["parent_seq"] = None if e["parent_seq"] is None else e["parent_seq"] + rep * n0
+            e["t_start_ns"] += rep * span
+            e["t_end_ns"] += rep * span
+            out.append(e)
+        p["events"] = out
+        payloads[r] = p
+    return Trace(payloads, base.clock_offsets_ns, [], {"bench": f"{n_events} events"})
+
+
+def bench_timeline(n_events: int, repeats: int) -> list[dict]:
+    from playwright.sync_api import sync_playwright
+
+    from sharddbg.views.timeline import plot_timeline
+
+    t = big_trace(n_events)
+    n = len(t.get_ops())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        for aggregate, label in ((None, "default (nested merged)"), (False, "every span drawn")):
+            t0 = time.perf_counter()
+            fig = plot_timeline(t, aggregate=aggregate)
+            build_s = time.perf_counter() - t0
+            spans = sum(int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines")
+            d0 = fig.data[0]
+            k = 3 * int(np.argmax(d0.x[1::3] - d0.x[0::3]))  # the longest span of the first trace
+            target = ((d0.x[k] + d0.x[k + 1]) / 2, d0.y[k])
+            path = os.path.join(tmp, "timeline.html")
+            fig.write_html(path, include_plotlyjs=True, full_html=True, div_id="tl")
+            size_mb = os.path.getsize(path) / 1e6
+            loads, hovers, zooms = [], [], []
+            for _ in range(repeats):
+                page = browser.new_page(viewport={"width": 1400, "height": 700})
+                t0 = time.perf_counter()
+                page.goto("file://" + path, wait_until="domcontentloaded")
+                page.wait_for_function("() => { const d = document.getElementById('tl');"
+                                       " return d && d._fullLayout && d.querySelector('.ytick'); }", timeout=120_000)
+                page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+                loads.append(time.perf_counter() - t0)
+                # a point on the longest span of the figure's first trace: a span is under the pointer
+                pos = page.evaluate(f"""() => {{ const d = document.getElementById('tl'), L = d._fullLayout;
+                    const r = d.getBoundingClientRect();
+                    return [r.left + L.xaxis._offset + L.xaxis.l2p({target[0]}), r.top + L.yaxis._offset + L.yaxis.l2p({target[1]})]; }}""")
+                page.mouse.move(5, 5)
+                t0 = time.perf_counter()
+                page.mouse.move(pos[0], pos[1], steps=1)
+                page.wait_for_selector("#tl .hoverlayer .hovertext", timeout=20_000)
+                hovers.append(time.perf_counter() - t0)
+                # zoom into the middle tenth of the time axis and back (a relayout redraws every trace)
+                zooms.append(page.evaluate("""async () => { const d = document.getElementById('tl');
+                    const [a, b] = d._fullLayout.xaxis.range, t0 = performance.now();
+                    await Plotly.relayout(d, {'xaxis.range': [a + 0.45 * (b - a), a + 0.55 * (b - a)]});
+                    await Plotly.relayout(d, {'xaxis.range': [a, b]});
+                    return (performance.now() - t0) / 2000; }"""))
+                page.close()
+            rows.append({"what": f"timeline, {n} op events, {label}", "spans drawn": spans, "build_s": build_s,
+                         "html_MB": size_mb, "load_draw_s": statistics.median(loads), "hover_s": statistics.median(hovers),
+                         "zoom_s": statistics.median(zooms)})
+        browser.close()
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_inspector(repeats: int) -> dict:
+    import nbformat
+    from playwright.sync_api import expect, sync_playwright
+
+    import sharddbg
+
+    # the Python side alone: gather 4 snapshots, check, build the widget
+    with sharddbg.Cluster(n=4, mesh={"ddp": 1, "domain": 4}, timeout=120) as cl:
+        cl.run("x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)", timeout=60, display=False)
+        cl.inspect("x")
+        py = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            cl.inspect("x")
+            py.append(time.perf_counter() - t0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        root = tmp / "root"
+        root.mkdir()
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+        nb.cells = [nbformat.v4.new_code_cell("import sharddbg\n%load_ext sharddbg\n%shard_cluster start -n 4 --mesh ddp=1,domain=4\n"
+                                              "%px x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)"),
+                    nbformat.v4.new_code_cell('sharddbg.inspect("x")'),
+                    nbformat.v4.new_code_cell("%shard_cluster stop")]
+        nbformat.write(nb, root / "bench.ipynb")
+        settings = tmp / "settings" / "@jupyterlab" / "notebook-extension"
+        settings.mkdir(parents=True)
+        (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+        token, port = secrets.token_hex(16), _free_port()
+        env = dict(os.environ, OMP_NUM_THREADS="1", JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+                   JUPYTERLAB_WORKSPACES_DIR=str(tmp / "ws"), JUPYTER_CONFIG_DIR=str(tmp / "cfg"))
+        proc = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ip=127.0.0.1",
+                                 f"--port={port}", f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}"],
+                                cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(200):
+                try:
+                    urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.3)
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(f"{url}/lab/tree/bench.ipynb?token={token}")
+                expect(page.locator(".jp-StatusBar-Widget", has_text="Python 3 (ipykernel) | Idle")).to_have_count(1, timeout=60_000)
+                cells = page.locator(".jp-CodeCell")
+                prompts = page.locator(".jp-CodeCell .jp-InputPrompt")
+                cells.nth(0).click()
+                for _ in range(3):  # the kernel may need a moment after "Idle" before it takes a cell
+                    page.keyboard.press("Control+Enter")
+                    try:
+                        expect(prompts.nth(0)).to_have_text("[1]:", timeout=120_000)
+                        break
+                    except AssertionError:
+                        continue
+                browser_times = []
+                for i in range(repeats):
+                    cells.nth(1).locator(".jp-InputArea-editor").click()
+                    page.keyboard.press("Escape")
+                    t0 = time.perf_counter()
+                    page.keyboard.press("Control+Enter")
+                    expect(prompts.nth(1)).to_have_text(f"[{i + 2}]:", timeout=60_000)
+                    expect(cells.nth(1).locator(".sd-inspector .sd-block")).to_have_count(4, timeout=60_000)
+                    browser_times.append(time.perf_counter() - t0)
+                cells.nth(2).locator(".jp-InputArea-editor").click()
+                page.keyboard.press("Escape")
+                page.keyboard.press("Control+Enter")
+                expect(page.locator(".jp-OutputArea-output", has_text="stopped 4 ranks")).to_have_count(1, timeout=60_000)
+                browser.close()
+        finally:
+            proc.terminate()
+            proc.wait(timeout=20)
+    return {"python_s": statistics.median(py), "python_min_s": min(py),
+            "browser_s": statistics.median(browser_times), "browser_min_s": min(browser_times), "repeats": repeats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=100_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--append", action="store_true", help="add the results to bench/RESULTS.md")
+    args = ap.parse_args()
+    tl = bench_timeline(args.events, args.repeats)
+    insp = bench_inspector(args.repeats)
+    lines = [f"machine: {os.cpu_count()} cores (shared), chromium headless without GPU (software WebGL), "
+             f"medians of {args.repeats}", "",
+             "| view | spans drawn | build figure (Python) | standalone HTML | load + first draw in chromium | hover label shown | zoom redraw |",
+             "|---|---|---|---|---|---|---|"]
+    for r in tl:
+        lines.append(f"| {r['what']} | {r['spans drawn']} | {r['build_s']:.2f} s | {r['html_MB']:.1f} MB | "
+                     f"{r['load_draw_s']:.2f} s | {r['hover_s'] * 1000:.0f} ms | {r['zoom_s'] * 1000:.0f} ms |")
+    lines += ["", "| shard inspector, 4 ranks, (1, 3, 66, 64) on dim 2 | median | min |", "|---|---|---|",
+              f"| `cl.inspect(\"x\")` in Python (gather 4 snapshots, check, build the widget) | {insp['python_s'] * 1000:.0f} ms | {insp['python_min_s'] * 1000:.0f} ms |",
+              f"| JupyterLab: run the cell `sharddbg.inspect(\"x\")` until its 4 blocks are on screen | {insp['browser_s'] * 1000:.0f} ms | {insp['browser_min_s'] * 1000:.0f} ms |"]
+    text = "\n".join(lines)
+    print(text)
+    if args.append:
+        with open(ROOT / "bench" / "RESULTS.md", "a") as f:
+            f.write(f"\n## Views in the browser (`bench/bench_views.py`, {datetime.date.today().isoformat()})\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
