@@ -44,7 +44,7 @@ def _cluster_parser() -> _Parser:
     sub.add_parser("status", help="one row per rank")
     stop = sub.add_parser("stop", help="stop the active cluster")
     stop.add_argument("--all", action="store_true",
-                      help="also reap every other cluster sharddbg started on this machine (orphans included)")
+                      help="also reap every cluster sharddbg left behind on this machine (owner process gone)")
     sub.add_parser("restart", help="new engines, same settings")
     recover = sub.add_parser("recover", help="release ranks blocked in a collective, new process group")
     recover.add_argument("--timeout", type=float, default=None)
@@ -122,16 +122,21 @@ class ShardMagics(Magics):
                 current.stop()
                 print(f"sharddbg: stopped {current.n} ranks in {current.timings['stop_s']:.1f} s")
             if args.all:
-                reaped = registry.reap_orphans(include_live_owners=True)
+                reaped = registry.reap_orphans()
                 for cluster_id, pids in reaped.items():
                     print(f"sharddbg: reaped cluster {cluster_id} ({len(pids)} processes)")
+                others = [r for r in registry.all_records() if r.owner_alive()]
+                if others:
+                    owners = ", ".join(f"{r.cluster_id} (owner pid {r.owner.pid})" for r in others)
+                    print(f"sharddbg: left alone {len(others)} cluster(s) whose owner still runs: {owners}; "
+                          f"`sharddbg reap --all` in a shell stops those too")
             return None
         cl = active_cluster()
         if args.action == "status":
             return cl.status()
         if args.action == "restart":
             cl.restart()
-            print(f"sharddbg: restarted {cl.n} ranks in {cl.timings['start_s']:.1f} s")
+            print(f"sharddbg: restarted {cl.n} ranks in {cl.timings.get('restart_s', cl.timings['start_s']):.1f} s")
             return None
         if args.action == "recover":
             cl.recover(timeout=args.timeout)
@@ -171,9 +176,11 @@ class ShardMagics(Magics):
 
         args = _trace_parser().parse_args(shlex.split(line))
         cl = active_cluster()
-        trace = cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask)
-        if not args.quiet:
-            print(trace.summary() if hasattr(trace, "summary") else repr(trace))
+        try:
+            trace = cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask)
+        finally:
+            if not args.quiet and cl._last_trace is not None:
+                print(trace_summary(cl._last_trace))
 
     @line_magic
     def shard_inspect(self, line):
@@ -186,6 +193,24 @@ class ShardMagics(Magics):
 
             raise UsageError(f"%shard_inspect takes the name of a variable on the engines, got {name!r}")
         return sharddbg.inspect(name)
+
+
+def trace_summary(trace) -> str:
+    """One line after a %%shard_trace cell: what was recorded and where to look next."""
+    ops = trace.get_ops()
+    fallbacks = trace.get_fallbacks()
+    errors_ = trace.get_errors()
+    parts = [f"sharddbg: recorded {len(ops)} op calls on {len(trace.ranks)} ranks"]
+    if len(fallbacks):
+        parts.append(f"{len(fallbacks)} op(s) took a DTensor fallback ({', '.join(map(str, fallbacks['op'][:4]))}"
+                     f"{', ...' if len(fallbacks) > 4 else ''})")
+    if len(errors_):
+        parts.append(f"{len(errors_)} error(s) recorded")
+    if trace.incomplete_ranks:
+        parts.append(f"ranks {trace.incomplete_ranks} incomplete")
+    if trace.dropped:
+        parts.append(f"{trace.dropped} events dropped (raise --max-events)")
+    return "; ".join(parts) + ". sharddbg.last_trace() has it all."
 
 
 def load_ipython_extension(ipython) -> None:

@@ -169,3 +169,24 @@ def test_untested_versions_warn_once_and_clearly():
     assert any("torch 2.9.0" in m and "still run" in m for m in messages)
     assert any("physicsnemo 2.3.0" in m for m in messages)
     assert cluster_module._version_ok("torch", "2.11.0+cu130") and not cluster_module._version_ok("torch", "2.1")
+
+
+def test_a_rank_that_dies_ends_the_wait_at_once_and_restart_recovers():
+    cl = sharddbg.Cluster(n=2, timeout=60)
+    cl.start()
+    try:
+        victim = cl.pids[1]
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as info:
+            cl.run("import os, signal, time\nif rank == 1: os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)",
+                   timeout=60, display=False)
+        assert time.monotonic() - t0 < 10, "a dead rank must not cost the whole timeout"
+        assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value) and str(victim) in str(info.value)
+        assert cl.dead_ranks() == {1: "killed by signal 9 (SIGKILL)"}
+        cl.restart()
+        assert cl.pids[1] != victim and cl.dead_ranks() == {}
+        assert cl.eval("dist.get_world_size()") == [2, 2]
+        pids = processes_of(cl)
+    finally:
+        cl.stop()
+    assert_all_gone(pids)

@@ -57,6 +57,15 @@ def test_start_px_status_stop(ip):
     with capture_output() as cap:
         ip.run_line_magic("px", "-t 1 print('only', rank)")
     assert cap.stdout.strip() == "[rank 1] only 1"
+    with capture_output() as cap:
+        ip.run_cell_magic("shard_trace", "--max-events 1000", "z = torch.nn.functional.conv2d(x, w, padding=1).abs()")
+    trace = sharddbg.last_trace()
+    assert trace.ranks == [0, 1, 2, 3] and trace is cl.last_trace()
+    ops = trace.get_ops()
+    assert set(ops.loc[ops["op"].str.contains("conv2d"), "path"]) == {"function_handler"}
+    assert f"recorded {len(ops)} op calls on 4 ranks" in cap.stdout and "DTensor fallback" in cap.stdout
+    with pytest.raises(UsageError):
+        ip.run_cell_magic("shard_trace", "--max-events lots", "pass")
     status = ip.run_line_magic("shard_cluster", "status")
     assert list(status.index) == [0, 1, 2, 3]
     assert set(status["patch_mode"]) == {"registered-by-sharddbg"}

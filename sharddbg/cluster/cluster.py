@@ -306,10 +306,28 @@ class Cluster:
         self.running = False
 
     def restart(self) -> "Cluster":
-        """Replace every engine with a fresh one (new processes, new process group). Same mesh and settings."""
-        if self.running:
+        """Replace every engine with a fresh one (new processes, new process group). Same mesh and settings.
+
+        The fork server (torch and physicsnemo already imported) is kept, so this is quicker than a start.
+        """
+        if not self.running or self._forkserver is None or self._forkserver.proc.poll() is not None:
+            if self.running or self._forkserver is not None:
+                self.stop()
+            return self.start()
+        t0 = time.perf_counter()
+        try:
+            self.client.close()
+            self.client = self.view = None
+            self._forkserver.kill_engines()
+            self._ipp.stop_controller_sync()
+            self._stuck.clear()
+            self._start_controller()
+            self._launch_engines()
+        except BaseException:
             self.stop()
-        return self.start()
+            raise
+        self.timings["restart_s"] = time.perf_counter() - t0
+        return self
 
     def recover(self, timeout: float | None = None) -> None:
         """After a timeout: release ranks blocked in a collective and re-create the process group.
@@ -329,7 +347,9 @@ class Cluster:
         from ..engine import bootstrap
 
         if busy:
-            self._wait(self._view_of(idle).apply_async(bootstrap.teardown), timeout, what="process-group teardown")
+            blocked_pids = [self.pids[r] for r in busy]
+            self._wait(self._view_of(idle).apply_async(bootstrap.teardown, blocked_pids), timeout,
+                       what="process-group teardown")
             deadline = time.monotonic() + timeout
             while self.busy_ranks() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -426,7 +446,17 @@ class Cluster:
         timeout = self.timeout if timeout is None else float(timeout)
         if ranks is None:
             ranks = list(range(len(ar.msg_ids)))
-        finished_in_time = ar.wait(timeout)
+        # Wait in slices, so that a rank whose process died ends the wait at once instead of at the timeout.
+        deadline = time.monotonic() + timeout
+        while True:
+            finished_in_time = ar.wait(max(0.0, min(0.25, deadline - time.monotonic())))
+            if finished_in_time:
+                break
+            dead = self.dead_ranks()
+            if dead:
+                raise ClusterError(self._describe_dead(dead, what))
+            if time.monotonic() >= deadline:
+                break
         outputs = self._outputs(ar, ranks)
         if display:
             self._display(outputs)
@@ -483,6 +513,37 @@ class Cluster:
                 except ImportError:
                     pass
         sys.stdout.flush()
+
+    def dead_ranks(self) -> dict[int, str]:
+        """Ranks whose engine process has exited, with how (as seen by the fork server, which reaps them)."""
+        gone = [rank for rank, pid in self.pids.items() if not _pid_alive(pid)]
+        if not gone:
+            return {}
+        how = {}
+        deadline = time.monotonic() + 1.0  # the fork server reports an exit a moment after the process is gone
+        while True:
+            for event in list(self._forkserver.exited) if self._forkserver else []:
+                if self.pids.get(event["rank"]) == event["pid"]:
+                    how[event["rank"]] = _exit_description(event["status"])
+            alive = self._forkserver is not None and self._forkserver.proc.poll() is None
+            if all(r in how for r in gone) or not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        return {r: how.get(r, "is gone (its process no longer exists)") for r in gone}
+
+    def _describe_dead(self, dead: dict[int, str], what: str) -> str:
+        lines = [f"rank(s) {sorted(dead)} died while running {what}:"]
+        for rank, how in sorted(dead.items()):
+            lines.append(f"  rank {rank} (pid {self.pids.get(rank)}) {how}")
+            log = os.path.join(self.log_dir or "", f"engine-rank{rank}.log")
+            if os.path.exists(log):
+                with open(log, errors="replace") as f:
+                    tail = f.read()[-1500:].strip()
+                if tail:
+                    lines.append("  last lines of its log:\n    " + "\n    ".join(tail.splitlines()[-12:]))
+        lines.append("The other ranks may be waiting for it in a collective. restart() (%shard_cluster restart) "
+                     "starts new engines.")
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------ inspection
     def diagnose(self, ranks=None, timeout: float = 5.0) -> dict[int, dict | None]:
@@ -638,6 +699,24 @@ def _strip_ansi(text) -> str:
     if isinstance(text, list):
         text = "\n".join(text)
     return _ANSI.sub("", text or "")
+
+
+def _exit_description(status: int) -> str:
+    import signal as _signal
+
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return f"killed by signal {sig} ({_signal.Signals(sig).name})"
+    return f"exited with status {os.WEXITSTATUS(status)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _user_traceback(text: str) -> str:

@@ -172,8 +172,12 @@ def _silence_known_noise() -> None:
     warnings.filterwarnings("ignore", message=r".*all_gather_tensor.*", category=FutureWarning)
 
 
-def teardown() -> None:
+def teardown(release_pids=()) -> None:
     """Destroy this rank's process groups (releases peers blocked in a collective with it).
+
+    ``release_pids``: engines blocked in a collective with this rank. Our TCP connections to them are
+    shut down first, so their pending gloo operation fails at once with "connection closed by peer"
+    instead of waiting for the collective timeout.
 
     The gloo sockets close only when the process-group objects are freed, so drop every reference we
     hold (the manager's group cache, the mesh in the user namespace) and collect.
@@ -189,6 +193,8 @@ def teardown() -> None:
             recorder.stop()
         except Exception:
             pass
+    if release_pids:
+        _sever_connections_to(release_pids)
     if dist.is_initialized():
         dist.destroy_process_group()
     try:
@@ -207,6 +213,36 @@ def teardown() -> None:
     except ImportError:
         pass
     gc.collect()
+
+
+def _sever_connections_to(pids) -> int:
+    """Shut down this process's TCP connections to the processes ``pids`` (local peers only).
+
+    Destroying the process group would close them only once nothing references it, and live
+    ShardTensors, meshes or autograd graphs in the user's namespace can keep it referenced.
+    """
+    import socket
+
+    import psutil
+
+    peer_ports = set()
+    for pid in pids:
+        try:
+            peer_ports.update(c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp") if c.laddr)
+        except psutil.Error:
+            continue
+    severed = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.raddr and conn.raddr.port in peer_ports and conn.fd >= 0:
+            try:
+                dup = socket.fromfd(conn.fd, socket.AF_INET6 if ":" in conn.raddr.ip else socket.AF_INET,
+                                    socket.SOCK_STREAM)
+                dup.shutdown(socket.SHUT_RDWR)
+                dup.close()
+                severed += 1
+            except OSError:
+                continue
+    return severed
 
 
 def _install_user_namespace() -> None:
