@@ -632,8 +632,9 @@ class Cluster:
             failure = exc
         wall_s = time.perf_counter() - t0
         done = [r for r in range(self.n) if r not in payloads]
-        stopped = self._wait(self._view_of(done).apply_async(recorder.stop), self.timeout, what="recorder stop")
-        payloads.update(zip(done, stopped))
+        if done:
+            stopped = self._wait(self._view_of(done).apply_async(recorder.stop), self.timeout, what="recorder stop")
+            payloads.update(zip(done, stopped))
         offsets = self.clock_offsets()
         trace = Trace.from_payloads(
             payloads, {r: o["offset_ns"] for r, o in offsets.items()},
