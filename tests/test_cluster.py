@@ -123,3 +123,16 @@ def test_cluster_output_is_per_rank_and_in_rank_order(cluster4, capsys):
 
 def test_active_cluster_is_the_last_started(cluster4):
     assert sharddbg.active_cluster() is cluster4
+
+
+def test_everything_listens_on_loopback_only(cluster4):
+    import ipaddress
+
+    import psutil
+
+    procs = cluster4._record.live_processes()
+    assert len(procs) >= 6
+    listening = [(p.pid, c.laddr) for p in procs for c in p.net_connections(kind="inet") if c.status == "LISTEN"]
+    assert listening, "expected the controller, the store and gloo to listen somewhere"
+    exposed = [(pid, addr) for pid, addr in listening if not ipaddress.ip_address(addr.ip).is_loopback]
+    assert not exposed, f"listening beyond loopback: {exposed}"

@@ -185,6 +185,9 @@ class Cluster:
             "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "2000"),
             "TORCH_NCCL_TRACE_BUFFER_SIZE": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
             "PYTHONUNBUFFERED": "1",
+            # Loopback only: gloo's and NCCL's own sockets, like the controller and the rendezvous store.
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "NCCL_SOCKET_IFNAME": os.environ.get("NCCL_SOCKET_IFNAME", "lo"),
         }
         env.update(self.extra_env)
         return env

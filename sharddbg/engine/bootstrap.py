@@ -135,7 +135,7 @@ def init_rank(rank: int, world_size: int, mesh_shape, backend: str, master_port:
         kwargs["device_id"] = device
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{master_port}",
+        store=_loopback_store(rank, world_size, master_port, collective_timeout_s),
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=collective_timeout_s),
@@ -172,6 +172,23 @@ def _silence_known_noise() -> None:
     warnings.filterwarnings("ignore", message=r".*all_gather_tensor.*", category=FutureWarning)
 
 
+def _loopback_store(rank: int, world_size: int, port: int, timeout_s: float):
+    """The rendezvous store, listening on 127.0.0.1 only (``tcp://`` init would listen on every interface)."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=max(timeout_s, 30))
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(max(64, world_size))
+    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout,
+                          master_listen_fd=listener.fileno(), use_libuv=True)
+    STATE["_store_listener"] = listener  # the store serves on this socket: keep it open with the store
+    return store
+
+
 def teardown(release_pids=()) -> None:
     """Destroy this rank's process groups (releases peers blocked in a collective with it).
 
@@ -197,6 +214,9 @@ def teardown(release_pids=()) -> None:
         _sever_connections_to(release_pids)
     if dist.is_initialized():
         dist.destroy_process_group()
+    listener = STATE.pop("_store_listener", None)
+    if listener is not None:
+        listener.close()
     try:
         from physicsnemo.distributed import DistributedManager
 
