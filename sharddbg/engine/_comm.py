@@ -87,6 +87,7 @@ _WRAP = "_c10d_functional._wrap_tensor_autograd"
 
 _op_spec: dict[Any, Any] = {}  # OpOverload -> spec tuple | "wait" | "wrap" | None (not a collective)
 _plain_type: dict[type, bool] = {}
+_types_plain: dict[tuple, bool] = {}  # the `types` tuple a mode receives -> all plain
 
 
 def _spec_of(func) -> Any:
@@ -168,14 +169,19 @@ class _CommMode(TorchDispatchMode):
         self.comm = comm
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for t in types:
-            if not _is_plain(t):
-                return NotImplemented  # let the subclass run with this mode still active (see module doc)
+        # the hot path (every aten op while recording): two dict lookups, then the op itself
+        p = _types_plain.get(types)
+        if p is None:
+            p = _types_plain[types] = all(_is_plain(t) for t in types)
+        if not p:
+            return NotImplemented  # let the subclass run with this mode still active (see module doc)
         s = _op_spec.get(func, 0)
+        if s is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
         if s == 0:
             s = _spec_of(func)
-        if s is None:
-            return func(*args, **(kwargs or {}))
+            if s is None:
+                return func(*args, **kwargs) if kwargs else func(*args)
         return self.comm.handle(func, s, args, kwargs or {})
 
 

@@ -1,0 +1,127 @@
+"""Extra overhead of collective recording on top of the recorder, 4 gloo CPU ranks, one run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_comm.py [--ranks 4] [--rounds 7] [--iters 5]
+
+Same workload as bench_recorder.py (3-conv net, input (1, 8, 128, 64) sharded on H, forward + backward,
+patches registered), modes interleaved round by round (rotated), in ONE run:
+  none            plain eager
+  recorder_ops    Recorder(comm=False): ShardTensor ops only (issue 3)
+  recorder        Recorder(): ops + every collective (issue 4: the TorchDispatchMode + Work.wait wrapper)
+Reports wall ms/step (slowest rank), CPU ms/step (sum over ranks), and the ratios recorder/recorder_ops
+(the cost of collective recording alone) and each mode/none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench_recorder import _free_port, _setup  # noqa: E402
+
+MODES = ("none", "recorder_ops", "recorder")
+
+
+def _mode_ctx(mode: str):
+    if mode == "none":
+        return contextlib.nullcontext()
+    from sharddbg.engine.recorder import Recorder
+
+    return Recorder(comm=(mode == "recorder"))
+
+
+def _worker(rank, world, port, rounds, iters, out):
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from physicsnemo.domain_parallel import ShardTensor
+    from torch.distributed.tensor import Shard
+
+    mesh = _setup(rank, world, port)
+    torch.manual_seed(0)
+    full = torch.randn(1, 8, 128, 64)
+    parts = torch.tensor_split(full, world, dim=2)
+    x = ShardTensor.from_local(parts[rank].clone().requires_grad_(True), mesh, (Shard(2),),
+                               sharding_shapes={0: [tuple(p.shape) for p in parts]})
+    net = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(16, 8, 3, padding=1))
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        net(x).square().mean().backward()
+
+    for _ in range(3):
+        step()
+    times = {m: [] for m in MODES}
+    cpu = {m: [] for m in MODES}
+    counts = {}
+    for r in range(rounds):
+        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
+        for mode in order:
+            dist.barrier()
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            with _mode_ctx(mode) as ctx:
+                for _ in range(iters):
+                    step()
+            dt = (time.perf_counter() - t0) / iters
+            dc = (time.process_time() - c0) / iters
+            t = torch.tensor([dt], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[mode].append(float(t))
+            c = torch.tensor([dc], dtype=torch.float64)
+            dist.all_reduce(c, op=dist.ReduceOp.SUM)
+            cpu[mode].append(float(c))
+            if ctx is not None:
+                ev = ctx.events
+                counts[mode] = (sum(e["kind"] == "op" for e in ev) // iters,
+                                sum(e["kind"] == "collective" for e in ev) // iters)
+    if rank == 0:
+        out.put((times, cpu, counts))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=5)
+    a = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, a.ranks, port, a.rounds, a.iters, q)) for r in range(a.ranks)]
+    for p in procs:
+        p.start()
+    times, cpu, counts = q.get(timeout=1800)
+    for p in procs:
+        p.join(60)
+    med = {m: statistics.median(times[m]) for m in MODES}
+    cmed = {m: statistics.median(cpu[m]) for m in MODES}
+    print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.rounds} rounds x "
+          f"{a.iters} steps; per step on rank 0: (ops, collectives) = {counts}")
+    print(f"cores: {os.cpu_count()}; wall = slowest rank, cpu = sum over ranks (process_time)")
+    print(f"{'mode':<13} {'wall ms/step':>13} {'min':>8} {'max':>8} {'vs none':>8} {'cpu ms/step':>12} {'cpu vs none':>12}")
+    for m in MODES:
+        print(f"{m:<13} {med[m] * 1e3:>13.2f} {min(times[m]) * 1e3:>8.2f} {max(times[m]) * 1e3:>8.2f} "
+              f"{med[m] / med['none']:>8.3f} {cmed[m] * 1e3:>12.2f} {cmed[m] / cmed['none']:>12.3f}")
+    # paired per round: the comm recording's own cost, round by round
+    pair = [a_ / b_ for a_, b_ in zip(times["recorder"], times["recorder_ops"])]
+    cpair = [a_ / b_ for a_, b_ in zip(cpu["recorder"], cpu["recorder_ops"])]
+    print(f"collective recording on top of the recorder: wall x{statistics.median(pair):.3f} "
+          f"(per-round min {min(pair):.3f}, max {max(pair):.3f}); cpu x{statistics.median(cpair):.3f}")
+    return {"wall": med, "cpu": cmed, "comm_ratio_wall": statistics.median(pair), "comm_ratio_cpu": statistics.median(cpair)}
+
+
+if __name__ == "__main__":
+    main()
