@@ -45,6 +45,15 @@ def _raw_ops(trace):
     return {(r, e["seq"]): e for r in trace.ranks for e in trace.events(r) if e["kind"] == "op"}
 
 
+def _raw_colls(trace):
+    """Collective records straight from the payloads, with their rank."""
+    return [dict(e, rank=r) for r in trace.ranks for e in trace.events(r) if e["kind"] == "collective"]
+
+
+def _neighbours(r: int) -> int:
+    return (r > 0) + (r < N - 1)
+
+
 class CollTrace(Trace):
     """The golden trace plus collectives derived from its own conv2d calls: one all_to_all_single per
     forward conv per rank, sending the bytes of one halo row each way. Only to exercise the views'
@@ -89,13 +98,19 @@ def test_plot_timeline_one_row_per_rank(trace):
     assert list(fig.layout.yaxis.tickvals) == list(range(N))
     assert fig.layout.yaxis.range[0] > fig.layout.yaxis.range[1]  # rank 0 on top
     ops = trace.get_ops()
-    spans = {d.name: int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines"}
-    hovers = {d.name: len(d.hovertext) for d in fig.data if d.mode == "markers" and d.name != "error raised"}
+    spans = {d.name: int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines" and d.legendgroup.startswith("op:")}
+    hovers = {d.name: len(d.hovertext) for d in fig.data if d.mode == "markers" and d.legendgroup.startswith("op:")}
     assert hovers == spans  # one hover label per span
     expected = ops.assign(cat=ops["path"].where(ops["exc_type"].isna(), "error"))["cat"].value_counts()
     assert spans == {k.replace("_", " "): int(v) for k, v in expected.items()}
     assert all(d.type == "scattergl" for d in fig.data)
-    assert "no collectives recorded" in fig.layout.title.text
+    n_coll = len(_raw_colls(trace))
+    assert n_coll and f"{n_coll} collectives" in fig.layout.title.text
+    coll = {d.name: int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines" and d.legendgroup.startswith("coll:")}
+    raw_kinds = pd.Series([c["coll"] for c in _raw_colls(trace)]).value_counts().to_dict()
+    assert coll == raw_kinds
+    nocoll = tl.plot_timeline(OpsOnlyTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta))
+    assert "no collectives recorded" in nocoll.layout.title.text
 
 
 def test_timeline_with_collectives_and_aggregation(trace):
@@ -113,17 +128,33 @@ def test_timeline_with_collectives_and_aggregation(trace):
 
 
 def test_comm_by_op(trace):
-    assert tl.comm_by_op_frame(trace).empty
+    df = tl.comm_by_op_frame(trace)
+    raw = _raw_colls(trace)
+    expected = {}
+    for c in raw:  # from the payloads: bytes and count per (op on the stack, kind)
+        e = expected.setdefault((c["op"], c["coll"]), [0, 0])
+        e[0] += 1
+        e[1] += c["bytes_sent"] + c["bytes_recv"]
+    assert {(r.op, r.kind): [r.calls, r.bytes] for r in df.itertuples()} == expected
+    # the halo exchange of the two forward convs, from the shapes: one row of 3 (then 4) channels x 64
+    # columns x 4 bytes to each neighbour
+    a2a = [c for c in raw if c["op"] == "torch.conv2d" and c["phase"] == "forward" and c["coll"] == "all_to_all_single"]
+    for r in range(N):
+        sent = sorted(c["bytes_sent"] for c in a2a if c["rank"] == r)
+        assert sent == [_neighbours(r) * 3 * 64 * 4, _neighbours(r) * 4 * 64 * 4]
     fig = tl.plot_comm_by_op(trace)
-    assert "no collectives recorded" in fig.layout.annotations[0].text
+    kinds = sorted({c["coll"] for c in raw})
+    assert sorted({d.name for d in fig.data}) == kinds
+    bars = {(y, d.name): x for d in fig.data if d.xaxis == "x" for y, x in zip(d.y, d.x)}
+    for (op, kind), (_, b) in expected.items():
+        assert bars[(op, kind)] == b
+    empty = tl.plot_comm_by_op(OpsOnlyTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta))
+    assert "no collectives recorded" in empty.layout.annotations[0].text
     ct = CollTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
     df = tl.comm_by_op_frame(ct)
     assert list(df["op"]) == ["torch.conv2d"] and int(df["calls"].iloc[0]) == 2 * N
-    # conv1 input has 3 channels, conv2 4; 64 columns; 2 rows x 4 B, sent and received, per rank
     assert int(df["bytes"].iloc[0]) == N * (2 * 3 * 64 * 4 + 2 * 4 * 64 * 4) * 2
     assert df["comm_ms"].iloc[0] == pytest.approx(0.5 * 2 * N)
-    fig = tl.plot_comm_by_op(ct)
-    assert [d.name for d in fig.data] == ["all_to_all_single", "all_to_all_single"]
 
 
 class OpsOnlyTrace(Trace):
@@ -210,11 +241,18 @@ def test_op_detail_same_call_every_rank(trace):
     assert all(s[0] == [1, 3, 66, 64] for s in pr["in_global_shapes"])
     assert [s for s in pr["out_local_shape"]] == [[1, 4, r, 64] for r in ROWS]
     assert d["row"]["module"] == "0" and d["row"]["path"] == "function_handler"
-    assert d["row"]["user_frame"] and d["collectives"].empty
-    ct = CollTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
-    d = ex.op_detail(ct, 2, int(conv0["seq"]))
-    assert list(d["collectives"]["rank"]) == list(range(N))
-    assert list(d["collectives"]["bytes_sent"]) == [2 * 3 * 64 * 4] * N
+    assert d["row"]["user_frame"]
+    # its collectives, on every rank: the halo all_to_all (one row of 3 channels to each neighbour)
+    c = d["collectives"]
+    fwd = c[c["phase"] == "forward"]
+    assert list(fwd["rank"]) == list(range(N)) and set(fwd["kind"]) == {"all_to_all_single"}
+    assert list(fwd["bytes_sent"]) == [_neighbours(r) * 3 * 64 * 4 for r in range(N)]
+    # and in backward the gradient all_reduce of its weight (4x3x3x3 floats) and bias (4), on every rank
+    bwd = c[c["phase"] == "backward"]
+    grads = {(int(r), p): b for r, p, b in zip(bwd["rank"], bwd["param"], bwd["bytes_sent"]) if p}
+    assert grads == {**{(r, "0.weight"): 4 * 3 * 3 * 3 * 4 for r in range(N)}, **{(r, "0.bias"): 4 * 4 for r in range(N)}}
+    nocoll = OpsOnlyTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
+    assert ex.op_detail(nocoll, 2, int(conv0["seq"]))["collectives"].empty
     with pytest.raises(KeyError, match="no op with seq 9999 on rank 0"):
         ex.op_detail(trace, 0, 9999)
 

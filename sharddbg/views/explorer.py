@@ -22,7 +22,7 @@ ROW_FIELDS = ["rank", "seq", "op", "path", "phase", "kind", "key", "depth", "par
               "handler", "autograd_node", "fwd_seq", "in_local_shapes", "in_global_shapes", "out_local_shape",
               "out_global_shape", "placements", "in_placements", "dtype", "in_bytes", "out_bytes", "host_ms",
               "device_ms", "t_start_ms", "exc_type", "error", "traceback", "unmasked", "not_implemented", "in_flight"]
-COLL_FIELDS = ["rank", "seq", "kind", "op_seq", "outer_op_seq", "group_ranks", "mesh_dim", "bytes_sent",
+COLL_FIELDS = ["rank", "seq", "kind", "phase", "op_seq", "outer_op_seq", "group_ranks", "mesh_dim", "bytes_sent",
                "bytes_recv", "duration_ms", "param"]
 KIND_ORDER = {"error": 0, "fallback": 1, "op": 2}
 DEFAULT_MAX_ROWS = 50_000

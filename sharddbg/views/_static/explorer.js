@@ -105,11 +105,11 @@ export function renderExplorer(model, el) {
     else if (!mine.length) detail.append(h("div", { class: "sd-meta", text: "no collectives recorded for this call" }));
     else {
       const ct = h("table", { class: "sd-table sd-collectives" });
-      const cc = [["rank", "rank"], ["kind", "kind"], ["group_ranks", "group"], ["mesh_dim", "mesh dim"],
+      const cc = [["rank", "rank"], ["phase", "phase"], ["kind", "kind"], ["group_ranks", "group"], ["mesh_dim", "mesh dim"],
                   ["bytes_sent", "sent"], ["bytes_recv", "received"], ["duration_ms", "ms"], ["param", "param"]];
       ct.append(h("thead", {}, h("tr", {}, ...cc.map(([, l]) => h("th", { text: l })))));
       const cb = h("tbody");
-      for (const k of mine.sort((a, b) => a.rank - b.rank || a.seq - b.seq)) {
+      for (const k of mine.sort((a, b) => (a.phase > b.phase ? -1 : a.phase < b.phase ? 1 : 0) || a.rank - b.rank || a.seq - b.seq)) {
         cb.append(h("tr", {}, ...cc.map(([f]) => h("td", { text: f.startsWith("bytes") ? bytes(k[f]) : f === "duration_ms" ? ms(k[f]) : Array.isArray(k[f]) ? k[f].join(",") : String(k[f] ?? "—") }))));
       }
       ct.append(cb); detail.append(ct);
