@@ -98,7 +98,16 @@ def test_03_hidden_errors():
 def test_04_comm_profile():
     nb = run_notebook("04_comm_profile.ipynb")
     summary = outputs_text(cell_with(nb, "def summary"))
-    assert "halo patch" in summary and "function_handler" in summary and "dtensor_fallback_function" in summary
+    # 3 conv2d calls per rank; the halo patch sends one row (8 channels x 64 columns x 4 B) to each
+    # neighbour per call and receives as much; the fallback communicates nothing
+    halo_bytes = 3 * sum(2 * ((r > 0) + (r < N - 1)) * 8 * 64 * 4 for r in range(N))
+    row = r"<td>{}</td>\s*<td>{}</td>\s*<td>{}</td>\s*<td>[\d.]+</td>\s*<td>[\d.]+</td>\s*<td>{}</td>\s*<td>{}</td>"
+    assert re.search(row.format("halo patch", "function_handler", 3 * N, 3 * N, halo_bytes), summary), summary
+    assert re.search(row.format("DTensor fallback", "dtensor_fallback_function", 3 * N, 0, 0), summary), summary
+    comm = cell_with(nb, "t_halo.plot_comm_by_op()").outputs[0]["data"]["application/vnd.plotly.v1+json"]
+    assert [d["name"] for d in comm["data"]] == ["all_to_all_single"] * 2
+    empty = cell_with(nb, "t_fb.plot_comm_by_op()").outputs[0]["data"]["application/vnd.plotly.v1+json"]
+    assert "no collectives recorded" in empty["layout"]["annotations"][0]["text"]
     imb = cell_with(nb, "plot_imbalance").outputs[0]["data"]["application/vnd.plotly.v1+json"]
     vol = [d for d in imb["data"] if d.get("name") == "shard volume" and d.get("visible") is True][0]
     # three conv2d calls per rank on (1, 8, rows, 64)

@@ -19,9 +19,10 @@ PATH_COLORS = {
     "compile_tracing": "#b07aa1",
     "dtensor_fallback_function": "#f28e2b",
     "dtensor_fallback_dispatch": "#d62728",
+    "python_method": "#8c6bb1",  # full_tensor, redistribute, backward, from_local (schema 2)
 }
 ERROR_COLOR = "#8b0000"
-COLLECTIVE_COLORS = ["#6a3d9a", "#1f78b4", "#b15928", "#e31a1c", "#33a02c", "#ff7f00", "#a6cee3", "#fb9a99"]
+COLLECTIVE_COLORS = ["#1f78b4", "#b15928", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666", "#7570b3"]
 
 
 def path_color(path: str) -> str:

@@ -289,7 +289,8 @@ def imbalance_frame(trace) -> pd.DataFrame:
 
 
 def plot_imbalance(trace, op: str | None = None):
-    """Plotly Figure: per-rank shard volume (left) beside per-rank time (right), for all ops together
+    """Plotly Figure: per-rank shard volume (left) beside per-rank times side by side (right: host time
+    includes the op's own collectives, so they are not stacked), for all ops together
     and, through the menu, for each op (the ops with the largest spread of time first)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -323,7 +324,7 @@ def plot_imbalance(trace, op: str | None = None):
         visible[k * n_per:(k + 1) * n_per] = [True] * n_per
         buttons.append({"label": esc(choice), "method": "update", "args": [{"visible": visible},
                         {"title.text": f"Imbalance per rank · {esc(choice)}"}]})
-    fig.update_layout(barmode="stack", template="plotly_white", height=340,
+    fig.update_layout(barmode="group", template="plotly_white", height=340,
                       title={"text": f"Imbalance per rank · {esc(op if op in choices else choices[0])}", "x": 0.01, "font": {"size": 14}},
                       updatemenus=[{"buttons": buttons, "x": 1.0, "xanchor": "right", "y": 1.22, "yanchor": "top"}],
                       margin={"l": 60, "r": 20, "t": 90, "b": 40})
