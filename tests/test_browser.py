@@ -158,6 +158,11 @@ def test_quickstart_in_jupyterlab(lab):
             h = [insp.locator(f".sd-block[data-ranks='{r}'] rect").first.bounding_box()["height"] for r in range(N)]
             assert h[0] == pytest.approx(h[1]) and h[2] == pytest.approx(h[3]) and h[0] > h[2]
             insp.screenshot(path=str(ARTIFACTS / "browser_inspector.png"))
+            # another pair of dims: channels x H; W is not sharded, so still one block per rank
+            insp.locator("select.sd-dims").select_option(label="rows: dim 1 (3) × cols: dim 2 (66)")
+            for r in range(N):
+                off = sum(ROWS[:r])
+                expect(insp.locator(f".sd-block[data-ranks='{r}']")).to_have_attribute("data-cols", f"{off}-{off + ROWS[r]}")
 
             # timeline: one row per rank
             plot = page.locator(".js-plotly-plot")
@@ -165,6 +170,25 @@ def test_quickstart_in_jupyterlab(lab):
             expect(plot.locator(".ytick text")).to_have_text([f"rank {r}" for r in range(N)])
             plot.scroll_into_view_if_needed()
             plot.screenshot(path=str(ARTIFACTS / "browser_timeline.png"))
+            # hover over the middle of the first conv2d span of rank 2: its shapes and bytes
+            pos = plot.evaluate("""(d) => {
+                const L = d._fullLayout, r = d.getBoundingClientRect();
+                for (const t of d._fullData) {
+                  if (t.mode !== 'markers' || !t.hovertext) continue;
+                  for (let i = 0; i < t.hovertext.length; i++) {
+                    const h = t.hovertext[i];
+                    if (h.includes('torch.conv2d') && h.includes('rank 2 ') && h.includes('forward'))
+                      return [r.left + L.xaxis._offset + L.xaxis.l2p(t.x[i]), r.top + L.yaxis._offset + L.yaxis.l2p(t.y[i])];
+                  }
+                }
+                return null; }""")
+            assert pos is not None
+            page.mouse.move(pos[0], pos[1])
+            hover = plot.locator(".hoverlayer .hovertext")
+            expect(hover).to_contain_text("torch.conv2d")
+            expect(hover).to_contain_text(f"(1, 3, {ROWS[2]}, 64)")
+            expect(hover).to_contain_text("bytes in")
+            page.mouse.move(5, 5)
 
             # explorer: click a fallback op -> its detail, the same call on every rank
             exp = page.locator(".sd-explorer")
@@ -181,6 +205,14 @@ def test_quickstart_in_jupyterlab(lab):
             for r in range(N):
                 expect(rows.nth(r).locator("td.sd-col-in_local_shapes")).to_have_text(f"(1, 2, {ROWS[r]}, 64)")
             exp.screenshot(path=str(ARTIFACTS / "browser_explorer_fallback.png"))
+            # filters: rank 2 and the DTensor fallbacks only
+            exp.locator("select.sd-f-rank").select_option("2")
+            exp.locator("select.sd-f-path").select_option("@fallback")
+            listed = exp.locator(".sd-list tr.sd-op")
+            assert listed.count() > 0
+            assert set(listed.evaluate_all("rs => rs.map(r => r.dataset.rank + ':' + r.dataset.kind)")) == {"2:fallback"}
+            exp.locator("select.sd-f-rank").select_option("")
+            exp.locator("select.sd-f-path").select_option("")
 
             # an error whose message contains HTML is shown as text, not rendered
             err = exp.locator("tr.sd-kind-error").first

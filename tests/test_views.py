@@ -263,9 +263,16 @@ def test_explorer_data_json_and_row_cap(trace):
     assert data["total"] == len(trace.get_ops()) and data["left_out"] == 0
     assert data["counts"] == {"error": N, "fallback": int((ex.explorer_frame(trace)["kind"] == "fallback").sum()),
                               "op": len(trace.get_ops()) - N - int((ex.explorer_frame(trace)["kind"] == "fallback").sum())}
+    # the compact encoding decodes to exactly the explorer's rows
+    frame = ex.explorer_frame(trace)
+    decoded = ex.decode_rows(data)
+    assert len(decoded) == len(frame)
+    for got, (_, want) in zip(decoded, frame.iterrows()):
+        for f in ex.ROW_FIELDS:
+            assert got[f] == ex._plain(want[f]), (f, got[f], want[f])
     small = ex.explorer_data(trace, max_rows=10)
     assert len(small["rows"]) == 10 and small["left_out"] == data["total"] - 10
-    kinds = [r[small["fields"].index("kind")] for r in small["rows"]]
+    kinds = [r["kind"] for r in ex.decode_rows(small)]
     assert kinds[:N] == ["error"] * N and "op" not in kinds  # errors and fallbacks survive the cap
     w = trace.show()
     assert w.data["total"] == data["total"] and w.selected == []

@@ -10,6 +10,7 @@ end works inside the standalone HTML report). Strings are set as text in the bro
 
 from __future__ import annotations
 
+import json
 import math
 
 import anywidget
@@ -25,7 +26,12 @@ ROW_FIELDS = ["rank", "seq", "op", "path", "phase", "kind", "key", "depth", "par
 COLL_FIELDS = ["rank", "seq", "kind", "phase", "op_seq", "outer_op_seq", "group_ranks", "mesh_dim", "bytes_sent",
                "bytes_recv", "duration_ms", "param"]
 KIND_ORDER = {"error": 0, "fallback": 1, "op": 2}
-DEFAULT_MAX_ROWS = 50_000
+# Repeated strings: shipped once in a string table, rows hold their index (a 100k-row trace shrinks ~3x).
+TABLE_FIELDS = ("op", "path", "phase", "kind", "key", "module", "user_frame", "handler", "autograd_node",
+                "placements", "dtype", "exc_type", "error", "traceback")
+# Lists (shapes, placements per argument): their JSON text goes into the same table.
+JSON_FIELDS = ("in_local_shapes", "in_global_shapes", "out_local_shape", "out_global_shape", "in_placements")
+DEFAULT_MAX_ROWS = 20_000
 
 
 def _plain(v):
@@ -108,13 +114,31 @@ def explorer_data(trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
     total = len(rows)
     shown = rows.iloc[:max_rows]
     coll = _collectives(trace)
+    strings: list[str] = []
+    index: dict[str, int] = {}
+    coded = set(ROW_FIELDS.index(f) for f in TABLE_FIELDS)
+    as_json = set(ROW_FIELDS.index(f) for f in JSON_FIELDS)
+
+    def code(v):
+        if not isinstance(v, str):
+            return None
+        i = index.get(v)
+        if i is None:
+            i = index[v] = len(strings)
+            strings.append(v)
+        return i
+
+    out_rows = []
+    for r in shown.itertuples(index=False, name=None):
+        out_rows.append([code(v) if i in coded else
+                         code(json.dumps(_plain(v), separators=(",", ":"))) if i in as_json and v is not None else
+                         _plain(v) for i, v in enumerate(r)])
     return {
-        "fields": ROW_FIELDS,
-        "rows": [[_plain(v) for v in r] for r in shown.itertuples(index=False, name=None)],
+        "fields": ROW_FIELDS, "coded": sorted(TABLE_FIELDS), "json_coded": sorted(JSON_FIELDS), "strings": strings, "rows": out_rows,
         "total": total, "left_out": total - len(shown),
         "coll_fields": COLL_FIELDS,
         "collectives": [[_plain(v) for v in r] for r in coll.itertuples(index=False, name=None)],
-        "has_collectives": hasattr(trace, "get_collectives"),
+        "has_collectives": callable(getattr(trace, "get_collectives", None)),
         "ranks": [int(r) for r in trace.ranks],
         "paths": sorted(set(rows["path"])), "phases": sorted(set(rows["phase"])),
         "path_colors": PATH_COLORS,
@@ -122,6 +146,18 @@ def explorer_data(trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
         "incomplete_ranks": [int(r) for r in getattr(trace, "incomplete_ranks", [])],
         "dropped": int(getattr(trace, "dropped", 0) or 0),
     }
+
+
+def decode_rows(data: dict) -> list[dict]:
+    """``explorer_data``'s rows back as dicts (what the front end reconstructs)."""
+    coded, as_json, s = set(data["coded"]), set(data["json_coded"]), data["strings"]
+
+    def one(f, v):
+        if v is None:
+            return None
+        return s[v] if f in coded else json.loads(s[v]) if f in as_json else v
+
+    return [{f: one(f, v) for f, v in zip(data["fields"], r)} for r in data["rows"]]
 
 
 class TraceExplorer(anywidget.AnyWidget):

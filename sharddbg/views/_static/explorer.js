@@ -21,8 +21,12 @@ const LIMIT = 400;
 
 export function renderExplorer(model, el) {
   const data = model.get("data");
-  const F = Object.fromEntries(data.fields.map((f, i) => [f, i]));
-  const rows = data.rows.map((r) => Object.fromEntries(data.fields.map((f, i) => [f, r[i]])));
+  // rows are compact: repeated strings (and lists, as JSON text) are indexes into data.strings
+  const coded = new Set(data.coded || []), asJson = new Set(data.json_coded || []), S = data.strings || [];
+  const parsed = new Map();
+  const fromJson = (k) => { if (!parsed.has(k)) parsed.set(k, JSON.parse(S[k])); return parsed.get(k); };
+  const val = (f, v) => (v == null ? v : coded.has(f) ? S[v] : asJson.has(f) ? fromJson(v) : v);
+  const rows = data.rows.map((r) => Object.fromEntries(data.fields.map((f, i) => [f, val(f, r[i])])));
   const colls = data.collectives.map((r) => Object.fromEntries(data.coll_fields.map((f, i) => [f, r[i]])));
   const root = h("div", { class: "sd-root sd-explorer" });
   el.append(root);
