@@ -539,6 +539,10 @@ def _cuda_read(c: list | None) -> tuple[float | None, int | None]:
 _ST = None  # ShardTensor class, bound at install time
 # ShardTensor methods recorded with path "python_method" (they communicate without __torch_function__)
 PYTHON_METHODS = ("full_tensor", "redistribute", "backward", "from_local")
+# ...recorded only when called by user code (no recorded op on the stack): every handler builds its
+# result with from_local (explicit shapes, no communication), and an event for each would double the
+# event count; inside an op its collectives (the "infer" all_gather) belong to that op anyway.
+PYTHON_METHODS_TOP_ONLY = frozenset({"from_local"})
 
 
 def _shard_tensor_cls():
@@ -743,12 +747,14 @@ def _install(rec: Recorder, patches: Patches) -> None:
         label = f"ShardTensor.{name}"
         hname = qualname(fn)
 
+        top_only = name in PYTHON_METHODS_TOP_ONLY
+
         def method(*args, **kwargs):
             r = _ACTIVE
             if r is None:
                 return fn(*args, **kwargs)
             st = r._state()
-            if st.busy:
+            if st.busy or (top_only and st.stack):
                 return fn(*args, **kwargs)
             st.busy = True
             ev = None
