@@ -152,3 +152,17 @@ def test_bad_input_messages(cl):
     with pytest.raises(InspectError) as e:
         cl.inspect("x[0]")
     assert "x[0]" in str(e.value)
+
+
+def test_shard_inspect_magic(cl):
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    assert sharddbg.active_cluster() is cl
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "sharddbg")
+    w = shell.run_line_magic("shard_inspect", "x")
+    assert isinstance(w, ShardInspector)
+    assert [s[2] for s in w.get_ranks()["local_shape"]] == ROWS
+    with pytest.raises(UsageError, match="takes the name of a variable"):
+        shell.run_line_magic("shard_inspect", "x + 1")
