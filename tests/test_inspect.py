@@ -94,6 +94,7 @@ def test_spec_disagrees_with_local(cl):
         assert "the spec disagrees with the local tensor" in msgs[0]
         assert "(1, 3, %d, 64)" % (16 if r < 2 else 17) in msgs[0]
         assert "ranks [0, 1, 2, 3]" in msgs[0]
+    assert any("ShardTensor.from_local's sharding_shapes" in n for n in lay.notes)
     # offsets come from the real shapes, not the wrong spec
     assert [o[2] for o in df["offsets"]] == OFFS
 
@@ -109,6 +110,8 @@ def test_multi_dim_mesh(cl):
         assert df.loc[r, "offsets"] == (0, 0, sum(rows2[:i]), sum(cols2[:j]))
         assert df.loc[r, "coordinate"] == f"ddp={i}, domain={j}"
     assert lay.global_shape == [1, 3, 66, 64]
+    assert "uneven split of tensor dim 2 (66) over mesh dim 'ddp': 34, 32 on ranks [0, 2] and [1, 3]" in lay.notes
+    assert "uneven split of tensor dim 3 (64) over mesh dim 'domain': 33, 31 on ranks [0, 1] and [2, 3]" in lay.notes
     blocks = ShardLayout.blocks(lay, 2, 3)
     assert sorted((b["row0"], b["col0"], tuple(b["ranks"])) for b in blocks) == \
         [(0, 0, (0,)), (0, 33, (1,)), (34, 0, (2,)), (34, 33, (3,))]

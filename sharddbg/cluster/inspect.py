@@ -198,6 +198,10 @@ class ShardLayout:
             who = "its own spec says" if by == [r2] else f"the spec on rank{'s' if len(by) > 1 else ''} {sorted(set(by))} says"
             self.warnings.append(f"rank {r2} holds a local tensor of shape {_shape(self.by_rank[r2]['local_shape'])}, "
                                  f"but {who} {_shape(said)}: the spec disagrees with the local tensor")
+        if claims:
+            self.notes.append("a wrong spec makes later ops compute halos, gathers and offsets for shapes the ranks do "
+                              "not hold; it is set where the tensor was made (ShardTensor.from_local's sharding_shapes, "
+                              "or the op that returned it)")
         # Real sizes along each sharded dim must add up to the global size (per cross-section).
         for d, ms in shard_dims.items():
             if len(ms) > 1:
@@ -206,6 +210,7 @@ class ShardLayout:
             lines: dict[tuple, list[int]] = {}
             for r, c in coords.items():
                 lines.setdefault(tuple(c[k] for k in range(len(c)) if k != m), []).append(r)
+            uneven: dict[tuple, list[list[int]]] = {}
             for rs in lines.values():
                 rs = sorted(rs, key=lambda r: coords[r][m])
                 sizes = [self.by_rank[r]["local_shape"][d] for r in rs]
@@ -213,8 +218,11 @@ class ShardLayout:
                     self.warnings.append(f"along mesh dim '{names[m]}' (ranks {rs}) the local sizes of tensor dim {d} "
                                          f"are {sizes}, adding up to {sum(sizes)}, but the global shape says {gshape[d]}")
                 elif len(set(sizes)) > 1:
-                    self.notes.append(f"uneven split of tensor dim {d} ({gshape[d]}) over mesh dim '{names[m]}': "
-                                      f"{', '.join(map(str, sizes))} on ranks {rs}")
+                    uneven.setdefault(tuple(sizes), []).append(rs)
+            for sizes, groups in uneven.items():
+                where = " and ".join(str(rs) for rs in groups)
+                self.notes.append(f"uneven split of tensor dim {d} ({gshape[d]}) over mesh dim '{names[m]}': "
+                                  f"{', '.join(map(str, sizes))} on ranks {where}")
 
     def _real_offsets(self, g: dict) -> dict[int, list[int]]:
         """Global offset of each rank's block per tensor dim, from the real local shapes of its peers."""
