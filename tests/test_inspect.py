@@ -35,6 +35,11 @@ xdom = ShardTensor.from_local(torch.randn(1, 3, _rows[_j], 64), mesh22["domain"]
 xrep = ShardTensor.from_local(torch.randn(1, 3, _rows[_j], 64), mesh22, (Replicate(), Shard(2)),
     sharding_shapes={{1: [(1, 3, r, 64) for r in _rows]}})
 part = ShardTensor.from_local(torch.ones(2, 5), mesh["domain"], (Partial(),), sharding_shapes={{}})
+# a plain torch DTensor, uneven the torch way (torch.chunk: 10 rows over 4 ranks -> 3, 3, 3, 1)
+from torch.distributed.tensor import DTensor
+_dt_rows = [3, 3, 3, 1]
+dt = DTensor.from_local(torch.randn(_dt_rows[rank], 6), mesh["domain"], [Shard(0)], run_check=False,
+                        shape=torch.Size([10, 6]), stride=(6, 1))
 # deliberately inconsistent: the spec lists the rows of ranks 0..3 as 16,16,17,17; they hold 17,17,16,16
 WRONG = [(1, 3, r, 64) for r in (16, 16, 17, 17)]
 bad = ShardTensor.from_local(x._local_tensor, mesh["domain"], (Shard(2),), sharding_shapes={{0: WRONG}})
@@ -139,6 +144,16 @@ def test_partial_and_plain(cl):
     lay = cl.inspect("plain").shard_layout
     assert lay.kind == "Tensor" and len(lay.groups) == N
     assert [s for s in lay.get_ranks()["local_shape"]] == [(r + 1, 5) for r in range(N)]
+
+
+def test_dtensor(cl):
+    lay = cl.inspect("dt").shard_layout
+    assert lay.kind == "DTensor" and lay.global_shape == [10, 6]
+    chunk = [3, 3, 3, 1]  # torch.chunk(10 rows, 4)
+    df = lay.get_ranks()
+    assert [s[0] for s in df["local_shape"]] == chunk and [s[0] for s in df["spec_local_shape"]] == chunk
+    assert [o[0] for o in df["offsets"]] == [0, 3, 6, 9]
+    assert df["ok"].all() and lay.warnings == []
 
 
 def test_bad_input_messages(cl):
