@@ -350,3 +350,42 @@ def test_trace_does_not_import_views():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code, str(DATA / "conv4.sdtrace.json")], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_views_on_a_trace_without_events(tmp_path):
+    d = _raw()
+    for p in d["payloads"]:
+        p["events"] = []
+    path = tmp_path / "empty.sdtrace.json"
+    path.write_text(json.dumps(d))
+    t = sharddbg.load_trace(path)
+    fig = t.plot_timeline()
+    assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(N)] and "0 op calls" in fig.layout.title.text
+    assert "no collectives recorded" in t.plot_comm_by_op().layout.annotations[0].text
+    assert "no ops recorded" in t.plot_imbalance().layout.annotations[0].text
+    w = t.show()
+    assert w.data["total"] == 0 and w.data["rows"] == []
+    html = Path(t.to_html(tmp_path / "empty.html")).read_text()
+    assert "No exceptions were raised." in html and "No op took a DTensor fallback." in html
+
+
+def test_incomplete_rank_and_in_flight_op(tmp_path):
+    d = _raw()
+    p3 = d["payloads"][3]
+    last = max(e["seq"] for e in p3["events"] if e["kind"] == "op")
+    ev = next(e for e in p3["events"] if e["kind"] == "op" and e["seq"] == last)
+    ev.update(t_end_ns=None, host_ms=None, in_flight=True)
+    p3["complete"] = False
+    d["incomplete_ranks"] = [3]
+    path = tmp_path / "hung.sdtrace.json"
+    path.write_text(json.dumps(d))
+    t = sharddbg.load_trace(path)
+    df = tl.timeline_frame(t)
+    row = df[(df["rank"] == 3) & (df["seq"] == last)].iloc[0]
+    assert row["end_ms"] == df["end_ms"].max() >= row["start_ms"]  # drawn up to the last recorded time
+    fig = tl.plot_timeline(t)
+    assert any("incomplete ranks (timed out or sent nothing): [3]" in a.text for a in fig.layout.annotations)
+    data = ex.explorer_data(t)
+    assert data["incomplete_ranks"] == [3]
+    hung = [r for r in ex.decode_rows(data) if r["rank"] == 3 and r["seq"] == last]
+    assert hung[0]["in_flight"] is True and hung[0]["host_ms"] is None

@@ -74,6 +74,8 @@ export function renderExplorer(model, el) {
     add("autograd node", r.autograd_node); add("forward seq", r.fwd_seq); add("parent seq", r.parent_seq);
     add("placements", r.placements); add("dtype", r.dtype);
     if (r.kind === "fallback") add("note", "this call ran through the DTensor fallback (no ShardTensor handler took it)");
+    if (r.in_flight) add("state", "still running when the trace was taken (the rank timed out or hung here)");
+    if (r.not_implemented) add("returned", "NotImplemented");
     detail.append(kv);
     if (r.exc_type) {
       detail.append(h("div", { class: "sd-error-msg", text: `${r.exc_type}: ${r.error && r.error.includes(": ") ? r.error.slice(r.error.indexOf(": ") + 2) : r.error}` }));
@@ -136,7 +138,7 @@ export function renderExplorer(model, el) {
       for (const [k] of cols) {
         if (k === "path") { tr.append(h("td", {}, pill(r.path))); continue; }
         let v = r[k];
-        if (k === "kind") v = r.kind === "error" ? "✖ error" : r.kind === "fallback" ? "⚠ fallback" : "";
+        if (k === "kind") v = r.kind === "error" ? "✖ error" : r.kind === "fallback" ? "⚠ fallback" : r.in_flight ? "⏳ running" : "";
         else if (k === "out_local_shape") v = shp(v);
         else if (k === "host_ms") v = ms(v);
         else if (k === "user_frame" && v) v = v.split("/").pop();
