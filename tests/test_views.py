@@ -195,7 +195,9 @@ def test_imbalance_from_trace_get_imbalance(trace):
             assert df[c].fillna(-1).tolist() == imb[c].fillna(-1).tolist()
     fig = tl.plot_imbalance(trace, op="torch.conv2d")
     shown = [d for d in fig.data if d.visible]
-    assert shown[0].name == "shard volume"
+    assert shown[0].name == "shard volume" and all(d.showlegend is not False for d in shown)
+    menu = fig.layout.updatemenus[0]
+    assert menu.buttons[menu.active].label == "torch.conv2d"
     conv = imb[imb["op"] == "torch.conv2d"].set_index("rank")
     assert list(shown[0].y) == [conv.loc[r, vol] for r in range(N)]
 

@@ -238,7 +238,7 @@ def plot_comm_by_op(trace):
     df = comm_by_op_frame(trace)
     if df.empty:
         return _empty_figure("Communication per op", "no collectives recorded in this trace<br>"
-                             "(collective recording: sharddbg issue 4; ops without communication show nothing here)")
+                             "(its ops did not communicate, or it was recorded without collective recording)")
     ops = list(dict.fromkeys(df.groupby("op", sort=False)["bytes"].sum().sort_values(ascending=False).index))
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, subplot_titles=("bytes sent + received", "time in collectives (ms)"),
                         horizontal_spacing=0.04)
@@ -312,10 +312,10 @@ def plot_imbalance(trace, op: str | None = None):
         labels = [f"rank {r}" for r in ranks]
         vis = k == (choices.index(op) if op in choices else 0)
         fig.add_trace(go.Bar(x=labels, y=per["volume"], name="shard volume", marker_color="#9c755f", visible=vis,
-                             showlegend=(k == 0), legendgroup="vol",
+                             legendgroup="vol",
                              hovertemplate="%{x}: %{y:,.0f} " + unit + "<extra></extra>"), 1, 1)
         for t in times:
-            fig.add_trace(go.Bar(x=labels, y=per[t], name=t.replace("_ms", " ms"), visible=vis, showlegend=(k == 0),
+            fig.add_trace(go.Bar(x=labels, y=per[t], name=t.replace("_ms", " ms"), visible=vis,
                                  marker_color=time_colors.get(t, "#76b7b2"), legendgroup=t,
                                  hovertemplate="%{x}: %{y:.3f} ms<extra></extra>"), 1, 2)
     buttons = []
@@ -326,6 +326,7 @@ def plot_imbalance(trace, op: str | None = None):
                         {"title.text": f"Imbalance per rank · {esc(choice)}"}]})
     fig.update_layout(barmode="group", template="plotly_white", height=340,
                       title={"text": f"Imbalance per rank · {esc(op if op in choices else choices[0])}", "x": 0.01, "font": {"size": 14}},
-                      updatemenus=[{"buttons": buttons, "x": 1.0, "xanchor": "right", "y": 1.22, "yanchor": "top"}],
+                      updatemenus=[{"buttons": buttons, "active": choices.index(op) if op in choices else 0,
+                                    "x": 1.0, "xanchor": "right", "y": 1.22, "yanchor": "top"}],
                       margin={"l": 60, "r": 20, "t": 90, "b": 40})
     return fig
