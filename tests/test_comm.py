@@ -250,6 +250,27 @@ def test_group_seq_lines_up_on_a_real_trace(cl):
     assert t.get_collective_mismatches().empty
 
 
+def test_stopped_from_another_thread_then_cleaned_up(cl):
+    """Recovery after a hang stops the recorder from another thread: the dispatch mode (per-thread stack)
+    cannot be popped there; it turns inert and the next recording on the main thread removes it."""
+    cl.run("""
+import threading
+from sharddbg.engine import recorder as _R
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _cur
+_R.start()
+_th = threading.Thread(target=_R.stop); _th.start(); _th.join()
+_left = (torch._C._len_torch_dispatch_stack(), type(_cur()).__name__, _R._LAST_PAYLOAD["meta"]["internal_errors"])
+_y = cconv(cx)  # still runs, through the inert mode
+_ok = bool(torch.equal(_y.full_tensor(), torch.nn.functional.conv2d(cX, cnet.conv.weight, cnet.conv.bias, padding=1)))
+_R.start(); _p = _R.stop()
+_after = (torch._C._len_torch_dispatch_stack(), _p["meta"]["internal_errors"])
+""", timeout=60)
+    for left, ok, after in zip(cl.eval("_left"), cl.eval("_ok"), cl.eval("_after")):
+        assert left[0] == 1 and left[1] == "_CommMode" and "inert" in left[2][0]
+        assert ok
+        assert after == (0, [])
+
+
 # ---- synthetic traces (no cluster) ----------------------------------------------------------------
 
 def _coll(seq, gseq, coll, sent, recv, splits_s=None, splits_r=None, **kw):

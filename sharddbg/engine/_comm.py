@@ -31,6 +31,7 @@ Nothing here calls a collective or dispatches a tensor op; reading shapes/numel/
 from __future__ import annotations
 
 import bisect
+import threading
 import traceback
 from typing import Any
 
@@ -167,8 +168,11 @@ class _CommMode(TorchDispatchMode):
     def __init__(self, comm: "CommRecorder") -> None:
         super().__init__()
         self.comm = comm
+        self.dead = False  # stopped from another thread: left on this thread's mode stack, inert
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.dead:
+            return func(*args, **kwargs) if kwargs else func(*args)
         # the hot path (every aten op while recording): two dict lookups, then the op itself
         p = _types_plain.get(types)
         if p is None:
@@ -197,6 +201,7 @@ class CommRecorder:
         self.pending_w: dict[int, dict] = {}  # id(python Work) -> record (c10d ops)
         self.n = 0
         self.entered = False
+        self.thread: int | None = None
 
     # ---- install / remove ---------------------------------------------------------------------
     def install(self, patches) -> None:
@@ -219,8 +224,10 @@ class CommRecorder:
 
         wait.__doc__ = getattr(orig_wait, "__doc__", None)
         patches.setattr(Work, "wait", wait)
+        _pop_dead_modes()
         self.mode.__enter__()
         self.entered = True
+        self.thread = threading.get_ident()
         patches.add_undo(self.remove)
 
     def remove(self) -> None:
@@ -229,12 +236,16 @@ class CommRecorder:
         self.entered = False
         from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-        if _get_current_dispatch_mode() is self.mode:
+        if threading.get_ident() == self.thread and _get_current_dispatch_mode() is self.mode:
             self.mode.__exit__(None, None, None)
-        else:  # another mode was left on top of ours (a user's unclosed mode): do not pop theirs
-            raise RuntimeError("sharddbg: the collective-recording dispatch mode is not on top of the mode "
-                               "stack at stop (another TorchDispatchMode was left active); it stays installed "
-                               "but inert")
+        else:
+            # Stopped from another thread (recovery after a hang), or a user's mode left on top of ours:
+            # a mode stack is per thread and popping theirs would be wrong. Ours turns into a pass-through
+            # and the next recording started on that thread pops it (_pop_dead_modes).
+            self.mode.dead = True
+            self.rec.internal_errors.append(
+                "collective-recording mode left inert on its thread's dispatch mode stack (stopped from "
+                "another thread, or another TorchDispatchMode is on top); popped at the next start")
         # records never waited during the recording keep t_done_ns None; drop the tensor / Work refs
         for d in (self.pending_t, self.pending_w):
             for rec in d.values():
@@ -426,6 +437,16 @@ class CommRecorder:
         for k in ev.pop("_keys", ()):
             self.pending_t.pop(k, None)
         ev.pop("_obj", None)
+
+
+def _pop_dead_modes() -> None:
+    """Pop inert sharddbg modes left on top of this thread's dispatch mode stack."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    m = _get_current_dispatch_mode()
+    while isinstance(m, _CommMode) and m.dead:
+        m.__exit__(None, None, None)
+        m = _get_current_dispatch_mode()
 
 
 # ---- bytes ------------------------------------------------------------------------------------
