@@ -224,11 +224,17 @@ def _clean(v: Any) -> Any:
     return v.item() if hasattr(v, "item") else v
 
 
+_COLL_TID = 1000  # Perfetto track ids of the collectives (op tracks are 2 * thread (+1 for backward))
+
+
 def perfetto_dict(trace: Trace) -> dict:
     ops = trace.get_ops()
     out: list[dict] = []
     t0 = ops["t_start_ns"].min() if len(ops) else 0
     t0 = 0 if pd.isna(t0) else int(t0)
+    colls = trace.get_collectives()
+    if len(colls) and not pd.isna(colls["t_issue_ns"].min()):
+        t0 = min(t0, int(colls["t_issue_ns"].min())) if len(ops) else int(colls["t_issue_ns"].min())
     for r in trace.ranks:
         label = f"rank {r}" + (" (incomplete)" if r in trace.incomplete_ranks else "")
         out.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": label}})
@@ -262,8 +268,25 @@ def perfetto_dict(trace: Trace) -> dict:
             ev.update(ph="i", s="t")
             ev.pop("dur")
         out.append(ev)
+    # collectives (schema 2): one slice per collective, issue -> wait returned, on a track of their own
+    for c in colls.to_dict("records"):
+        start = int(c["t_issue_ns"])
+        end = c["t_done_ns"] if not pd.isna(c["t_done_ns"]) else c["t_return_ns"]
+        tid = _COLL_TID + int(c["thread"])
+        tids.add((int(c["rank"]), tid, "comm"))
+        args = _clean({k: c[k] for k in ("seq", "group_seq", "group_ranks", "mesh_dim", "bytes_sent", "bytes_recv",
+                                         "async", "op", "op_seq", "outer_op", "phase", "autograd_node", "param")})
+        ev = {"name": c["kind"], "cat": f"collective,{c['phase']}", "ph": "X", "pid": int(c["rank"]), "tid": tid,
+              "ts": (start - t0) / 1000.0, "dur": ((int(end) - start) / 1000.0) if not pd.isna(end) else 0.0,
+              "args": args}
+        if pd.isna(end):  # issued, not returned at snapshot time
+            ev.update(ph="i", s="t")
+            ev.pop("dur")
+        out.append(ev)
     for rank, tid, phase in sorted(tids, key=lambda x: (x[0], x[1])):
         name = f"thread {tid // 2}" + (" backward" if tid % 2 else "")
+        if tid >= _COLL_TID:
+            name = "collectives" + (f" (thread {tid - _COLL_TID})" if tid > _COLL_TID else "")
         out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
     return {"traceEvents": out, "displayTimeUnit": "ms",
             "otherData": {"generator": "sharddbg", "schema_version": schema.SCHEMA_VERSION}}

@@ -18,7 +18,7 @@ import pytest
 
 from sharddbg import schema
 from sharddbg.analysis.comm import COLLECTIVE_COLUMNS
-from sharddbg.trace import Trace
+from sharddbg.trace import Trace, load_trace, perfetto_dict
 
 N = 4
 H, W, C, CO = 66, 8, 3, 4
@@ -130,6 +130,17 @@ def test_conv2d_forward_halo_all_to_all(cl):
         assert ci.loc[r, "shard_elems"] == ROWS[r] * C * W  # the input shard (the weights are replicated)
     assert ci["shard_imbalance"].iloc[0] == pytest.approx(17 / (66 / 4))
     assert (ci["wait_ms"] >= 0).all() and (ci["wait_ms"] == 0).any()  # the last rank to arrive waited 0
+    # Perfetto: one slice per collective on a "collectives" track, issue -> wait returned
+    pf = perfetto_dict(t)["traceEvents"]
+    sl = [e for e in pf if str(e.get("cat", "")).startswith("collective")]
+    assert sorted(e["pid"] for e in sl) == list(range(N))
+    for e in sl:
+        row = c[c["rank"] == e["pid"]].iloc[0]
+        assert e["ph"] == "X" and e["name"] == "all_to_all_single" and {"ts", "dur", "tid", "args"} <= set(e)
+        assert e["dur"] == pytest.approx((row["t_done_ns"] - row["t_issue_ns"]) / 1000.0)
+        assert e["args"]["op"] == "torch.conv2d" and e["args"]["bytes_sent"] == row["bytes_sent"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in pf if e.get("name") == "thread_name"}
+    assert all(names[(e["pid"], e["tid"])] == "collectives" for e in sl)
 
 
 def test_conv2d_backward_weight_grad_all_reduce_named(cl):
@@ -199,9 +210,11 @@ dist.all_reduce(_ar)
 """
 
 
-def test_point_to_point_and_c10d(cl):
+def test_point_to_point_and_c10d(cl, tmp_path):
     t = cl.trace(P2P, timeout=60, display=False)
     _check_clean(t)
+    t2 = load_trace(t.save(tmp_path / "p2p.sdtrace.json"))  # collectives survive a save / load round trip
+    pd.testing.assert_frame_equal(t2.get_collectives(), t.get_collectives())
     assert cl.eval("int(_recv[0])") == [(r - 1) % N for r in range(N)]
     c = _colls(t)
     for r in range(N):
