@@ -182,7 +182,7 @@ def plot_timeline(trace, *, aggregate: bool | None = None, height: int | None = 
         part = coll[coll["kind"] == kind]
         _span_traces(fig, part, esc(kind), COLLECTIVE_COLORS[i % len(COLLECTIVE_COLORS)], 7, f"coll:{kind}",
                      "collectives" if i == 0 else None)
-    n_ops = int((trace.get_ops()["rank"] >= 0).sum()) if len(ranks) else 0
+    n_ops = len(trace.get_ops())
     title = f"Timeline · {len(ranks)} ranks · {n_ops} op calls" + (f" · {len(coll)} collectives" if len(coll) else
                                                                    " · no collectives recorded")
     if len(ops) < n_ops:
