@@ -121,8 +121,11 @@ def test_cluster_output_is_per_rank_and_in_rank_order(cluster4, capsys):
     assert out == [f"[rank {r}] hello from {r}" for r in range(4)]
 
 
-def test_active_cluster_is_the_last_started(cluster4):
+def test_active_cluster_is_the_last_started_that_still_runs(cluster4):
     assert sharddbg.active_cluster() is cluster4
+    with sharddbg.Cluster(n=1) as other:
+        assert sharddbg.active_cluster() is other
+    assert sharddbg.active_cluster() is cluster4  # back to the one still running
 
 
 def test_everything_listens_on_loopback_only(cluster4):

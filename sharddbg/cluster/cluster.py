@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 from ..errors import ClusterError, RankError, RankTimeoutError, ShardDbgWarning
@@ -34,15 +35,18 @@ _NOISE = [
     re.compile(r"^\s*(return )?funcol\.all_gather_tensor"),
 ]
 
-_ACTIVE: "Cluster | None" = None
+# Running clusters in start order; the active one is the last that still runs.
+_STARTED: "list[weakref.ref[Cluster]]" = []
 
 
 def active_cluster(required: bool = True) -> "Cluster | None":
     """The cluster started last (by ``Cluster.start`` or ``%shard_cluster start``) and still running."""
     from ..errors import NoActiveClusterError
 
-    if _ACTIVE is not None and _ACTIVE.running:
-        return _ACTIVE
+    for ref in reversed(_STARTED):
+        cluster = ref()
+        if cluster is not None and cluster.running:
+            return cluster
     if required:
         raise NoActiveClusterError(
             "no sharddbg cluster is running; start one with %shard_cluster start -n 4 "
@@ -147,7 +151,6 @@ class Cluster:
 
     def start(self) -> "Cluster":
         """Start controller and engines, initialise torch.distributed and the mesh. Makes this the active cluster."""
-        global _ACTIVE
         if self.running:
             raise ClusterError(f"this cluster is already running ({self.n} ranks); stop() it first, or restart()")
         registry.reap_orphans()
@@ -168,7 +171,7 @@ class Cluster:
             self._choose_backend()
             self._launch_engines()
             self.running = True
-            _ACTIVE = self
+            _STARTED[:] = [r for r in _STARTED if r() is not None and r() is not self] + [weakref.ref(self)]
         except BaseException:
             self._teardown_quietly()
             raise
@@ -264,7 +267,6 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop engines and controller; check that none of their processes is left."""
-        global _ACTIVE
         if not self.running and self._forkserver is None:
             raise ClusterError("this cluster is not running (it was never started, or was stopped already)")
         t0 = time.perf_counter()
@@ -275,8 +277,6 @@ class Cluster:
         if self._record:
             registry.reap(self._record)
         self.running = False
-        if _ACTIVE is self:
-            _ACTIVE = None
         self.timings["stop_s"] = time.perf_counter() - t0
 
     def _teardown_quietly(self) -> None:
