@@ -81,6 +81,12 @@ def demo(n: int = 4, tolerance: float = 1e-5) -> int:
         if len(fallbacks):
             print("ops that took a DTensor fallback:")
             print(fallbacks[["op", "path", "calls", "ranks"]].to_string(index=False))
+        comm = trace.get_comm_by_op(by="op")
+        comm = comm[comm["n_collectives"] > 0]
+        if len(comm):
+            print("\ncommunication per op (rank 0; every collective attributed to the op that issued it):")
+            print(comm[comm["rank"] == 0][["op", "calls", "n_collectives", "kinds", "bytes_sent", "bytes_recv",
+                                           "comm_ms", "op_ms"]].to_string(index=False))
         return 0 if ok else 1
     finally:
         cl.stop()
