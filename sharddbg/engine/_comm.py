@@ -14,11 +14,26 @@ What a ``TorchDispatchMode`` sees in torch 2.14 (measured with gloo, see tests/t
   the issuing op through the Python ``Work`` object (``Work.unbox`` of the op's ScriptObject result
   returns the same pybind object that ``dist.*`` hands back to its caller).
 
-A mode runs its handler with itself switched off. Like ``CommDebugMode`` for ``DTensor``, this mode
-answers ``NotImplemented`` for the tensor subclasses whose own ``__torch_dispatch__`` may communicate
-(ShardTensor, DTensor, AsyncCollectiveTensor; not FakeTensor, which only its own mode may handle), so the subclass's handler runs with the mode still active and the
-collectives it issues (DTensor redistributes, the ``wait_tensor`` of an AsyncCollectiveTensor used by a
-later op) are seen too. ``CommDebugMode`` only does this for ``DTensor`` exactly.
+How they are caught (no per-aten-op cost: a global dispatch mode cost ~5 us on EVERY aten op):
+1. Python kernels at the ``ADInplaceOrView`` dispatch key of every ``c10d`` / ``_c10d_functional`` op
+   (``torch.library``, removed on exit): calls from C++ (the autograd all_to_all's forward and backward
+   and its ``wait_tensor``, ``dist.*`` -> ``ProcessGroup`` methods, p2p) and from Python outside a tensor
+   subclass's ``__torch_dispatch__``. That key is excluded inside a subclass's ``__torch_dispatch__``
+   (below autograd) and absent on inference tensors, so also:
+2. the ``torch.ops._c10d_functional`` / ``_c10d_functional_autograd`` / ``_dtensor`` packets are
+   replaced by wrappers (``_Packet``) while recording: every Python caller (funcol, DTensor's
+   redistribute inside its ``__torch_dispatch__``, an AsyncCollectiveTensor's ``wait_tensor``);
+3. the ``torch.distributed`` collective functions are wrapped; only when 1. cannot see the call
+   (``ADInplaceOrView`` excluded, or inference mode) they push ``_CommMode`` for that call alone;
+4. ``Work.wait`` (completion of c10d work).
+A per-thread depth (``cdepth``) makes what a recorded collective dispatches (funcol kernels re-enter as
+``c10d`` ops) part of it, not a second record; recorded calls run with ``ADInplaceOrView`` excluded so
+the nested kernels are not even entered. Not seen: ``ProcessGroup`` methods called directly inside a
+``__torch_dispatch__`` or on inference tensors (nothing in torch / physicsnemo does).
+
+``_CommMode`` (used by 3. only) answers ``NotImplemented`` for the tensor subclasses whose own
+``__torch_dispatch__`` may communicate (ShardTensor, DTensor, AsyncCollectiveTensor; not FakeTensor,
+which only its own mode may handle), like ``CommDebugMode`` does for ``DTensor``.
 
 Attribution: ``op`` is the innermost recorded op on the recorder's thread-local stack, ``outer_op`` the
 outermost. In backward (``torch._C._current_autograd_node()`` is set) the node's ``_sequence_nr()`` is
@@ -82,7 +97,21 @@ _SPECS: dict[str, tuple[str, str, str]] = {
     "c10d.recv_any_source_": ("recv", "c10d", "c_recv"),
     "c10d.barrier": ("barrier", "c10d", "c_barrier"),
     "c10d.monitored_barrier_": ("barrier", "c10d", "c_barrier"),
+    # DTensor's Shard(i) -> Shard(j) on CUDA: one C++ op (all_to_all + wait inside), synchronous
+    "_dtensor.shard_dim_alltoall": ("all_to_all_single", "functional", "d_shard_a2a"),
 }
+_NOT_COLLECTIVE = frozenset({"check_for_nan"})
+# torch.distributed functions wrapped for the calls the ADInplaceOrView kernels cannot see
+_DIST_FUNCS = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+    "all_gather_coalesced", "all_gather_object", "broadcast", "broadcast_object_list", "reduce",
+    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all", "all_to_all_single",
+    "gather", "gather_object", "scatter", "scatter_object_list", "send", "recv", "isend", "irecv",
+    "batch_isend_irecv", "barrier", "monitored_barrier", "send_object_list", "recv_object_list",
+)
+_ADIOV = torch._C.DispatchKey.ADInplaceOrView
+_ADIOV_SET = torch._C.DispatchKeySet(_ADIOV)
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _WAIT = "_c10d_functional.wait_tensor"
 _WRAP = "_c10d_functional._wrap_tensor_autograd"
 
@@ -98,15 +127,20 @@ def _spec_of(func) -> Any:
         pass
     s = None
     ns = getattr(func, "namespace", "")
-    if ns in ("c10d", "_c10d_functional", "_c10d_functional_autograd"):
+    if ns in ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"):
         base = f"{ns}.{func._schema.name.split('::', 1)[1]}"
-        if base == _WAIT:
+        if ns == "_dtensor" and base not in _SPECS:
+            s = None
+        elif base == _WAIT:
             s = "wait"
         elif base == _WRAP:
             s = "wrap"
         elif base in _SPECS:
             kind, api, handler = _SPECS[base]
-            s = (kind, api, handler, [a.name for a in func._schema.arguments], base)
+            # the autograd variants are reported as the functional op their kernels run (as a dispatch
+            # mode saw them)
+            shown = base.replace("_c10d_functional_autograd.", "_c10d_functional.")
+            s = (kind, api, handler, [a.name for a in func._schema.arguments], shown)
         else:  # an unknown c10d op: still a collective, bytes unknown
             s = (func._schema.name.split("::", 1)[1].rstrip("_"), "c10d" if ns == "c10d" else "functional",
                  "unknown", [a.name for a in func._schema.arguments], base)
@@ -205,7 +239,17 @@ class CommRecorder:
 
     # ---- install / remove ---------------------------------------------------------------------
     def install(self, patches) -> None:
+        """Hooks that cost nothing on non-collective aten ops (see the module docstring):
+        1. Python kernels at the ADInplaceOrView key of every ``c10d`` / ``_c10d_functional`` op;
+        2. wrappers of the ``torch.ops._c10d_functional`` / ``_c10d_functional_autograd`` / ``_dtensor``
+           packets (Python callers, also inside a subclass's ``__torch_dispatch__`` where 1. is excluded);
+        3. wrappers of the ``torch.distributed`` collective functions that push ``_CommMode`` for the call
+           only when 1. cannot see it (inside a ``__torch_dispatch__``, or in inference mode);
+        4. ``Work.wait``, which completes c10d work.
+        A per-thread depth (``_ThreadState.cdepth``) keeps a collective from being recorded twice when
+        it passes through several of these (a funcol kernel re-enters as a ``c10d`` op)."""
         import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d_mod
 
         comm = self
         Work = dist.Work
@@ -225,27 +269,112 @@ class CommRecorder:
         wait.__doc__ = getattr(orig_wait, "__doc__", None)
         patches.setattr(Work, "wait", wait)
         _pop_dead_modes()
-        self.mode.__enter__()
+
+        # 1. ADInplaceOrView kernels
+        libs = []
+        patches.add_undo(lambda: [lib._destroy() for lib in libs])
+        names = torch._C._dispatch_get_all_op_names()
+        for ns in ("_c10d_functional", "c10d"):
+            lib = torch.library.Library(ns, "IMPL")
+            libs.append(lib)
+            nsobj = getattr(torch.ops, ns)
+            for full in names:
+                if not full.startswith(ns + "::"):
+                    continue
+                opname = full.split("::", 1)[1]
+                if opname in _NOT_COLLECTIVE:
+                    continue
+                packet = getattr(nsobj, opname)
+                for ov in packet.overloads():
+                    func = getattr(packet, ov)
+                    s = _spec_of(func)
+                    if s is None or s == "wrap":
+                        continue
+                    lib.impl(opname if ov == "default" else f"{opname}.{ov}", self._kernel(func, s),
+                             "ADInplaceOrView", with_keyset=True)
+
+        # 2. packets called from Python
+        for ns in ("_c10d_functional", "_c10d_functional_autograd", "_dtensor"):
+            nsobj = getattr(torch.ops, ns, None)
+            if nsobj is None:
+                continue
+            for full in names:
+                if not full.startswith(ns + "::"):
+                    continue
+                opname = full.split("::", 1)[1]
+                if opname in _NOT_COLLECTIVE:
+                    continue
+                packet = getattr(nsobj, opname)
+                if not isinstance(packet, torch._ops.OpOverloadPacket) or "default" not in packet.overloads():
+                    continue
+                s = _spec_of(packet.default)
+                if s is not None:
+                    patches.setattr(nsobj, opname, _Packet(packet, s, self))
+
+        # 3. torch.distributed functions, for the calls 1. cannot see
+        for fname in _DIST_FUNCS:
+            fn = getattr(c10d_mod, fname, None)
+            if fn is None or not callable(fn):
+                continue
+            w = self._dist_wrapper(fn)
+            for mod in (c10d_mod, dist):
+                if getattr(mod, fname, None) is fn:
+                    patches.setattr(mod, fname, w)
+
         self.entered = True
         self.thread = threading.get_ident()
         patches.add_undo(self.remove)
+
+    def _kernel(self, func, s):
+        after = torch._C._after_ADInplaceOrView_keyset
+        comm = self
+        rec = self.rec
+        from . import recorder as R
+
+        def kernel(keyset, *args, **kwargs):
+            ks = keyset & after
+            if R._ACTIVE is rec and not rec._state().cdepth:
+                def call(*a, **k):
+                    # what the op dispatches (a funcol kernel's c10d op) is this collective, not another
+                    with torch._C._ExcludeDispatchKeyGuard(_ADIOV_SET):
+                        return func.redispatch(ks, *a, **k)
+
+                return comm.handle(call, s, args, kwargs)
+            return func.redispatch(ks, *args, **kwargs)
+
+        return kernel
+
+    def _dist_wrapper(self, fn):
+        comm = self
+        rec = self.rec
+        mode = self.mode
+        from . import recorder as R
+
+        def wrapper(*args, **kwargs):
+            if R._ACTIVE is rec and (_excluded(_ADIOV) or torch.is_inference_mode_enabled()):
+                st = rec._state()
+                if not (st.cdepth or st.cmode or st.busy):
+                    st.cmode = True
+                    try:
+                        with mode:
+                            return fn(*args, **kwargs)
+                    finally:
+                        st.cmode = False
+            return fn(*args, **kwargs)
+
+        for a in ("__name__", "__qualname__", "__module__", "__doc__"):
+            try:
+                setattr(wrapper, a, getattr(fn, a))
+            except Exception:  # noqa: BLE001
+                pass
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        del comm
+        return wrapper
 
     def remove(self) -> None:
         if not self.entered:
             return
         self.entered = False
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-        if threading.get_ident() == self.thread and _get_current_dispatch_mode() is self.mode:
-            self.mode.__exit__(None, None, None)
-        else:
-            # Stopped from another thread (recovery after a hang), or a user's mode left on top of ours:
-            # a mode stack is per thread and popping theirs would be wrong. Ours turns into a pass-through
-            # and the next recording started on that thread pops it (_pop_dead_modes).
-            self.mode.dead = True
-            self.rec.internal_errors.append(
-                "collective-recording mode left inert on its thread's dispatch mode stack (stopped from "
-                "another thread, or another TorchDispatchMode is on top); popped at the next start")
         # records never waited during the recording keep t_done_ns None; drop the tensor / Work refs
         for d in (self.pending_t, self.pending_w):
             for rec in d.values():
@@ -274,25 +403,30 @@ class CommRecorder:
 
     # ---- the handler --------------------------------------------------------------------------
     def handle(self, func, s, args: tuple, kwargs: dict):
+        """Record one collective (or a wait / wrap). ``func`` runs the op itself (an OpOverload, a
+        packet, or a redispatch below the ADInplaceOrView kernel)."""
         rec = self.rec
         from .recorder import _ACTIVE  # noqa: PLC0415 - module attribute read at call time
 
         if _ACTIVE is not rec:
             return func(*args, **kwargs)
-        if s == "wait":
-            res = func(*args, **kwargs)
-            if self.pending_t:
-                self._close_tensor(args[0] if args else kwargs.get("tensor"))
-            return res
-        if s == "wrap":
-            res = func(*args, **kwargs)
+        st = rec._state()
+        if s == "wait" or s == "wrap":
+            st.cdepth += 1
+            try:
+                res = func(*args, **kwargs)
+            finally:
+                st.cdepth -= 1
+            if s == "wait":
+                if self.pending_t:
+                    self._close_tensor(args[0] if args else kwargs.get("tensor"))
+                return res
             r = self.pending_t.get(id(args[0])) if args and self.pending_t else None
             if r is not None and r["_obj"][0] is args[0]:
                 r["_obj"].append(res)
                 r["_keys"].append(id(res))
                 self.pending_t[id(res)] = r
             return res
-        st = rec._state()
         if st.busy:
             return func(*args, **kwargs)
         try:
@@ -301,7 +435,11 @@ class CommRecorder:
             rec.internal_errors.append(traceback.format_exc())
             return func(*args, **kwargs)
         ev["t_issue_ns"] = clock.now_ns()
-        res = func(*args, **kwargs)
+        st.cdepth += 1  # what this op dispatches (a funcol kernel's c10d op) is not another collective
+        try:
+            res = func(*args, **kwargs)
+        finally:
+            st.cdepth -= 1
         ev["t_return_ns"] = clock.now_ns()
         try:
             self._after(ev, s, res)
@@ -379,6 +517,8 @@ class CommRecorder:
             "thread": st.tid,
             "_cuda": _cuda_begin() if t0 is not None and t0.is_cuda else None,
         }
+        if handler == "d_shard_a2a":
+            ev["async"] = False
         if handler in ("c_send", "c_recv"):
             ev["async"] = True  # point-to-point work is always completed by a later wait
         self.n += 1
@@ -386,6 +526,9 @@ class CommRecorder:
         return ev
 
     def _after(self, ev: dict, s, res) -> None:
+        if s[2] == "d_shard_a2a":  # waited inside the op
+            self._done(ev)
+            return
         if s[1] == "functional":
             out = res if isinstance(res, torch.Tensor) else _first_tensor(res)
             if out is None:
@@ -437,6 +580,45 @@ class CommRecorder:
         for k in ev.pop("_keys", ()):
             self.pending_t.pop(k, None)
         ev.pop("_obj", None)
+
+
+class _Packet:
+    """Stands in for a ``torch.ops.<ns>.<op>`` packet while recording: records Python callers' calls
+    (DTensor's redistribute inside ``__torch_dispatch__``, ``wait_tensor`` of an AsyncCollectiveTensor)
+    and otherwise behaves as the packet (attributes, overloads, hash and equality)."""
+
+    __slots__ = ("_p", "_s", "_comm")
+
+    def __init__(self, p, s, comm: "CommRecorder") -> None:
+        self._p = p
+        self._s = s
+        self._comm = comm
+
+    def __call__(self, *args, **kwargs):
+        comm = self._comm
+        rec = comm.rec
+        from .recorder import _ACTIVE  # noqa: PLC0415
+
+        if _ACTIVE is rec and not rec._state().cdepth:
+            return comm.handle(self._call, self._s, args, kwargs)
+        return self._p(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
+        # recorded here: the ADInplaceOrView kernels (C++ callers) need not see it again
+        with torch._C._ExcludeDispatchKeyGuard(_ADIOV_SET):
+            return self._p(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._p, name)
+
+    def __hash__(self) -> int:
+        return hash(self._p)
+
+    def __eq__(self, other) -> bool:
+        return other is self or other is self._p or (isinstance(other, _Packet) and other._p is self._p)
+
+    def __repr__(self) -> str:
+        return repr(self._p)
 
 
 def _pop_dead_modes() -> None:
@@ -538,6 +720,10 @@ def _bytes(h: str, v: dict, ranks: list | None, my_rank: int):
     if h == "c_recv":
         ts = v["tensors"]
         return 0, _nb(ts), None, None, glob(v.get("src")), None, _first_tensor(ts)
+    if h == "d_shard_a2a":
+        t = v["input"]
+        s = _nb(t)
+        return s, s, None, None, None, None, t
     if h == "c_barrier":
         return 0, 0, None, None, None, None, None
     return 0, 0, None, None, None, None, None  # unknown: bytes not computed

@@ -85,13 +85,15 @@ def _tracing() -> bool:
 
 
 class _ThreadState:
-    __slots__ = ("stack", "modstack", "busy", "tid")
+    __slots__ = ("stack", "modstack", "busy", "tid", "cdepth", "cmode")
 
     def __init__(self, tid: int) -> None:
         self.stack: list[dict] = []  # open op events, innermost last
         self.modstack: list[str] = []  # module paths, innermost last
         self.busy = False  # inside our own bookkeeping: let any re-entry pass unrecorded
         self.tid = tid
+        self.cdepth = 0  # inside a collective being recorded (engine/_comm.py): nested ones are its own
+        self.cmode = False  # engine/_comm.py pushed its dispatch mode for a torch.distributed call
 
 
 class Recorder:
