@@ -104,7 +104,18 @@ def main() -> None:
             g_err = max(rel(g[k], ref_g[k]) for g in grads for k in ref_g)
             cl.run(TIMING_CELL.format(n=10), display=False, timeout=600)
             plain, traced, plain2, events = (cl.eval(v) for v in ("plain_s", "traced_s", "plain2_s", "n_events"))
+            trace = cl.trace("y = step()", display=False)
+            ops, colls = trace.get_ops(), trace.get_collectives()
+            comm = trace.get_comm_by_op(by="op")
             return {
+                "trace_ops": len(ops), "trace_paths": ops["path"].value_counts().to_dict(),
+                "ops_with_device_ms": int(ops["device_ms"].notna().sum()),
+                "device_ms_total": round(float(ops["device_ms"].sum()), 3),
+                "host_ms_total": round(float(ops["host_ms"].sum()), 3),
+                "mem_delta_nonzero": int((ops["mem_delta_bytes"].fillna(0) != 0).sum()),
+                "collectives": len(colls), "collective_kinds": colls["kind"].value_counts().to_dict() if len(colls) else {},
+                "collectives_with_duration": int(colls["duration_ms"].notna().sum()) if len(colls) else 0,
+                "comm_by_op": comm.to_dict("records")[:6],
                 "start_s": round(cl.timings["start_s"], 2),
                 "backend": list(status["backend"]), "device": list(status["device"]),
                 "patch_mode": list(status["patch_mode"]), "n_patches": list(status["n_patches"]),
