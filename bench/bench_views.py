@@ -148,7 +148,7 @@ def bench_inspector(repeats: int) -> dict:
         root.mkdir()
         nb = nbformat.v4.new_notebook()
         nb.metadata["kernelspec"] = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
-        nb.cells = [nbformat.v4.new_code_cell("import sharddbg\n%load_ext sharddbg\n%shard_cluster start -n 4 --mesh ddp=1,domain=4\n"
+        nb.cells = [nbformat.v4.new_code_cell("import sharddbg\n%load_ext sharddbg\ncl = sharddbg.Cluster(n=4, mesh={\"ddp\": 1, \"domain\": 4}).start()\n"
                                               "%px x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)"),
                     nbformat.v4.new_code_cell('sharddbg.inspect("x")'),
                     nbformat.v4.new_code_cell("%shard_cluster stop")]
