@@ -2,8 +2,8 @@
 
 1. Timeline with 100k op events (4 ranks x 25k): Python time to build the figure, size of the
    standalone HTML, time for chromium to load and draw it (until plotly's first draw finished), and
-   the latency of a hover (mouse move until the hover label shows). Once with the default (nested ops
-   merged above 60k spans) and once with every span drawn.
+   the latency of a hover (mouse move until the hover label shows) and of a zoom. The default (above
+   30k spans: a binned overview, one image), every span drawn (WebGL lines), and a 10 s window.
    The 100k events are the golden trace's real events (tests/data/conv4.sdtrace.json), repeated on
    every rank with shifted times and sequence numbers.
 2. Shard inspector with 4 ranks, from call to display: a real 4-rank cluster and JupyterLab; the time
@@ -70,21 +70,26 @@ def big_trace(n_events: int):
 def bench_timeline(n_events: int, repeats: int) -> list[dict]:
     from playwright.sync_api import sync_playwright
 
-    from sharddbg.views.timeline import plot_timeline
+    from sharddbg.views.timeline import OP_LANE0, plot_timeline
 
     t = big_trace(n_events)
     n = len(t.get_ops())
     rows = []
     with tempfile.TemporaryDirectory() as tmp, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        for aggregate, label in ((None, "default (nested merged)"), (False, "every span drawn")):
+        for kwargs, label in (({}, "default: binned overview"), ({"aggregate": False, "overview": False}, "every span drawn (WebGL)"),
+                              ({"time_range": (1000.0, 11000.0)}, "a 10 s window, op by op")):
             t0 = time.perf_counter()
-            fig = plot_timeline(t, aggregate=aggregate)
+            fig = plot_timeline(t, **kwargs)
             build_s = time.perf_counter() - t0
-            spans = sum(int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines")
             d0 = fig.data[0]
-            k = 3 * int(np.argmax(d0.x[1::3] - d0.x[0::3]))  # the longest span of the first trace
-            target = ((d0.x[k] + d0.x[k + 1]) / 2, d0.y[k])
+            if d0.type == "heatmap":  # the binned overview: hover the middle of rank 0's op lane
+                spans = f"{int(np.isfinite(np.array(d0.z, dtype=float)).sum())} bins"
+                target = (float(np.mean(fig.layout.xaxis.range)), t.ranks[0] + OP_LANE0)
+            else:
+                spans = sum(int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines")
+                k = 3 * int(np.argmax(d0.x[1::3] - d0.x[0::3]))  # the longest span of the first trace
+                target = ((d0.x[k] + d0.x[k + 1]) / 2, d0.y[k])
             path = os.path.join(tmp, "timeline.html")
             fig.write_html(path, include_plotlyjs=True, full_html=True, div_id="tl")
             size_mb = os.path.getsize(path) / 1e6
@@ -216,7 +221,7 @@ def main() -> int:
     insp = bench_inspector(args.repeats)
     lines = [f"machine: {os.cpu_count()} cores (shared), chromium headless without GPU (software WebGL), "
              f"medians of {args.repeats}", "",
-             "| view | spans drawn | build figure (Python) | standalone HTML | load + first draw in chromium | hover label shown | zoom redraw |",
+             "| view | drawn | build figure (Python) | standalone HTML | load + first draw in chromium | hover label shown | zoom redraw |",
              "|---|---|---|---|---|---|---|"]
     for r in tl:
         lines.append(f"| {r['what']} | {r['spans drawn']} | {r['build_s']:.2f} s | {r['html_MB']:.1f} MB | "

@@ -391,3 +391,39 @@ def test_incomplete_rank_and_in_flight_op(tmp_path):
     assert data["incomplete_ranks"] == [3]
     hung = [r for r in ex.decode_rows(data) if r["rank"] == 3 and r["seq"] == last]
     assert hung[0]["in_flight"] is True and hung[0]["host_ms"] is None
+
+
+def test_timeline_overview_bins(trace):
+    bins = 40
+    ops = tl.timeline_frame(trace)
+    x0, x1 = float(ops["start_ms"].min()), float(ops["end_ms"].max())
+    ov = tl.timeline_overview(ops, "ops", bins, x0, x1)
+    w = (x1 - x0) / bins
+    for r in range(N):  # the bins each rank's spans touch, computed span by span
+        mine = ops[ops["rank"] == r]
+        touched = set()
+        for s, e in zip(mine["start_ms"], mine["end_ms"]):
+            touched |= set(range(min(int((s - x0) // w), bins - 1), min(int((e - x0) // w), bins - 1) + 1))
+        got = ov[ov["rank"] == r]
+        assert set(got["bin"]) == touched
+        # the bin where the error was raised is marked; every bin's colour is its most frequent path
+        err = mine[mine["category"] == "error"].iloc[0]
+        assert got[got["bin"] == min(int((err["start_ms"] - x0) // w), bins - 1)]["has_error"].iloc[0]
+        for b in got.itertuples():
+            assert b.n_spans == sum(b.counts.values()) and b.counts[b.category] == max(b.counts.values())
+            assert b.has_error == ("error" in b.counts)
+    fig = tl.plot_timeline(trace, overview=True)
+    (hm,) = [d for d in fig.data if d.type == "heatmap"]
+    assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(N)]
+    assert "overview" in fig.layout.title.text and not any(d.type == "scattergl" for d in fig.data)
+    coll = tl.collective_spans(trace).assign(category=lambda d: d["kind"])
+    lo, hi = min(x0, coll["start_ms"].min()), max(x1, coll["end_ms"].max())
+    cells = len(tl.timeline_overview(ops, "ops", tl.OVERVIEW_BINS, lo, hi)) + \
+        len(tl.timeline_overview(coll, "collectives", tl.OVERVIEW_BINS, lo, hi))
+    assert int(np.isfinite(np.array(hm.z, dtype=float)).sum()) == cells > 0
+    assert sum(1 for row in hm.text for t in row if t) == cells
+    # a window drawn span by span: only the spans that overlap it
+    a, b = x0 + (x1 - x0) * 0.25, x0 + (x1 - x0) * 0.5
+    win = tl.plot_timeline(trace, time_range=(a, b))
+    drawn = sum(int(np.isnan(d.x).sum()) for d in win.data if d.mode == "lines" and d.legendgroup.startswith("op:"))
+    assert drawn == int(((ops["end_ms"] >= a) & (ops["start_ms"] <= b)).sum()) and list(win.layout.xaxis.range) == [a, b]

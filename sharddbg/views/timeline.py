@@ -24,6 +24,14 @@ MAX_LANES = 3
 COLL_LANE = 0.3
 # Above this many op spans, nested ops (depth > 0) are merged into their depth-0 parent's lane.
 AGGREGATE_ABOVE = 60_000
+# Above this many spans (ops + collectives) still to draw, the timeline is a binned overview (one image:
+# its cost no longer grows with the events); plot_timeline(t, time_range=(a, b)) draws a window span by span.
+OVERVIEW_ABOVE = 30_000
+OVERVIEW_BINS = 1500
+LANE_HALF = 0.09
+# In an overview bin the colour is the category with most spans (ties: the first of these); bins where an
+# op raised get an error marker on top.
+_SEVERITY = ("error", "dtensor_fallback_dispatch", "dtensor_fallback_function")
 
 
 def _frame(trace, name: str) -> pd.DataFrame | None:
@@ -155,43 +163,168 @@ def _span_traces(fig, df: pd.DataFrame, name: str, color: str, width: int, group
                                hovertext=df["hover"].tolist(), hoverinfo="text", hoverlabel={"bgcolor": color}))
 
 
-def plot_timeline(trace, *, aggregate: bool | None = None, height: int | None = None):
-    """Plotly Figure: one row per rank (rank 0 on top), op spans coloured by dispatch path (errors in
-    dark red), collective spans below them coloured by kind; hover shows shapes, bytes and time."""
+def _in_window(df: pd.DataFrame, time_range) -> pd.DataFrame:
+    if time_range is None or df.empty:
+        return df
+    a, b = time_range
+    return df[(df["end_ms"] >= a) & (df["start_ms"] <= b)]
+
+
+def timeline_overview(spans: pd.DataFrame, lane: str, bins: int, x0: float, x1: float) -> pd.DataFrame:
+    """Binned view of spans (``timeline_frame`` or ``collective_spans`` rows, with a ``category``):
+    one row per (rank, bin) that some span overlaps: rank, lane, bin, bin_start_ms, bin_end_ms,
+    category (the most frequent; ties go to errors, then DTensor fallbacks), n_spans, counts {category:
+    spans} and has_error (a span that raised overlaps the bin)."""
+    import numpy as np
+
+    cols = ["rank", "lane", "bin", "bin_start_ms", "bin_end_ms", "category", "n_spans", "counts", "has_error"]
+    if spans.empty:
+        return pd.DataFrame(columns=cols)
+    width = max(x1 - x0, 1e-9) / bins
+    rows = []
+    cats = sorted(set(spans["category"]))
+    for rank, g in spans.groupby("rank", sort=True):
+        counts = np.zeros((len(cats), bins + 1), dtype=np.int64)
+        for k, cat in enumerate(cats):
+            c = g[g["category"] == cat]
+            if c.empty:
+                continue
+            b0 = np.clip(((c["start_ms"].to_numpy(float) - x0) // width).astype(int), 0, bins - 1)
+            b1 = np.clip(((c["end_ms"].to_numpy(float) - x0) // width).astype(int), 0, bins - 1)
+            np.add.at(counts[k], b0, 1)
+            np.add.at(counts[k], b1 + 1, -1)
+        counts = np.cumsum(counts, axis=1)[:, :bins]
+        for b in np.nonzero(counts.sum(axis=0))[0]:
+            present = {cats[k]: int(counts[k, b]) for k in range(len(cats)) if counts[k, b]}
+            rank_of = {c: (len(_SEVERITY) - _SEVERITY.index(c)) if c in _SEVERITY else 0 for c in present}
+            top = max(present, key=lambda c: (present[c], rank_of[c], c))
+            rows.append({"rank": int(rank), "lane": lane, "bin": int(b), "bin_start_ms": x0 + b * width,
+                         "bin_end_ms": x0 + (b + 1) * width, "category": top,
+                         "n_spans": sum(present.values()), "counts": present, "has_error": "error" in present})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int], bins: int, x0: float, x1: float):
+    """Draw the binned overview: one heatmap image, lanes as rows (ops above, collectives below)."""
+    import numpy as np
     import plotly.graph_objects as go
 
-    ops = timeline_frame(trace, aggregate=aggregate)
-    coll = collective_spans(trace)
+    coll = coll.assign(category=coll["kind"]) if len(coll) else coll.assign(category=[])
+    ov = pd.concat([timeline_overview(ops, "ops", bins, x0, x1), timeline_overview(coll, "collectives", bins, x0, x1)])
+    order = list(PATH_COLORS) + ["error"]
+    op_cats = [c for c in order if c in set(ops["category"])] + sorted(set(ops["category"]) - set(order))
+    coll_cats = sorted(set(coll["category"]))
+    cats = op_cats + coll_cats
+    colors = {c: (ERROR_COLOR if c == "error" else path_color(c)) for c in op_cats}
+    colors.update({c: COLLECTIVE_COLORS[i % len(COLLECTIVE_COLORS)] for i, c in enumerate(coll_cats)})
+    lanes = []  # (y center, rank, lane)
+    for r in ranks:
+        lanes.append((r + OP_LANE0, r, "ops"))
+        if len(coll):
+            lanes.append((r + COLL_LANE, r, "collectives"))
+    edges, zrows, trows, lane_row = [], [], [], {}
+    for y, r, lane in sorted(lanes):
+        if edges and edges[-1] < y - LANE_HALF:  # an empty row in the gap between two lanes
+            zrows.append(None)
+        if not edges or edges[-1] < y - LANE_HALF:
+            edges.append(y - LANE_HALF)
+        lane_row[(r, lane)] = len(zrows)
+        zrows.append(None)
+        edges.append(y + LANE_HALF)
+    z = np.full((len(zrows), bins), np.nan)
+    text = np.full((len(zrows), bins), "", dtype=object)
+    width = (x1 - x0) / bins
+    for o in ov.itertuples(index=False):
+        i = lane_row[(o.rank, o.lane)]
+        z[i, o.bin] = cats.index(o.category)
+        what = ", ".join(f"{esc(c.replace('_', ' '))} {n}" for c, n in sorted(o.counts.items(), key=lambda kv: -kv[1]))
+        text[i, o.bin] = (f"rank {o.rank} · {o.lane}<br>{o.bin_start_ms:.3f}–{o.bin_end_ms:.3f} ms<br>"
+                          f"{o.n_spans} span{'s' if o.n_spans != 1 else ''}: {what}")
+    n = max(len(cats), 1)
+    scale = []
+    for k, c in enumerate(cats or ["none"]):
+        col = colors.get(c, "#ccc")
+        scale += [[k / n, col], [(k + 1) / n, col]]
+    fig.add_trace(go.Heatmap(x=[x0 + (b + 0.5) * width for b in range(bins)], y=edges, z=z, text=text,
+                             hovertemplate="%{text}<extra></extra>", hoverongaps=False, showscale=False,
+                             colorscale=scale, zmin=-0.5, zmax=n - 0.5, name="overview"))
+    errs = ov[ov["has_error"].astype(bool)] if len(ov) else ov
+    if len(errs):
+        fig.add_trace(go.Scatter(x=(errs["bin_start_ms"] + errs["bin_end_ms"]) / 2,
+                                 y=[r + OP_LANE0 - LANE_HALF - 0.07 for r in errs["rank"]], mode="markers",
+                                 name="error raised", marker={"symbol": "triangle-down", "size": 7, "color": ERROR_COLOR},
+                                 hovertext=[f"rank {r}: an op raised in {a:.3f}–{b:.3f} ms" for r, a, b in
+                                            zip(errs["rank"], errs["bin_start_ms"], errs["bin_end_ms"])],
+                                 hoverinfo="text", legendgroup="op:error"))
+    for k, c in enumerate(cats):  # legend entries
+        group = "ops by dispatch path" if c in op_cats else "collectives"
+        first = c == (op_cats[0] if c in op_cats else coll_cats[0])
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=esc(c.replace("_", " ")),
+                                 marker={"symbol": "square", "size": 12, "color": colors[c]},
+                                 legendgroup=("op:" if c in op_cats else "coll:") + c,
+                                 **({"legendgrouptitle_text": group} if first else {})))
+    return ov
+
+
+def plot_timeline(trace, *, aggregate: bool | None = None, time_range: tuple[float, float] | None = None,
+                  overview: bool | None = None, height: int | None = None):
+    """Plotly Figure: one row per rank (rank 0 on top), op spans coloured by dispatch path (errors in
+    dark red), collective spans below them coloured by kind; hover shows shapes, bytes and time.
+
+    ``time_range=(a, b)``: only that window (ms since the first event). ``aggregate``: merge nested ops
+    into their top-level op (default: above ``AGGREGATE_ABOVE`` spans). ``overview``: bin the spans into
+    ``OVERVIEW_BINS`` time bins per rank lane, coloured by the worst dispatch path in each bin (default:
+    above ``OVERVIEW_ABOVE`` spans to draw); zoom in with ``time_range`` to see single ops."""
+    import plotly.graph_objects as go
+
+    ops = _in_window(timeline_frame(trace, aggregate=aggregate), time_range)
+    coll = _in_window(collective_spans(trace), time_range)
     ranks = list(trace.ranks)
     fig = go.Figure()
-    order = list(PATH_COLORS) + ["error"]
-    first = True
-    for cat in order + sorted(set(ops["category"]) - set(order)):
-        part = ops[ops["category"] == cat]
-        if part.empty:
-            continue
-        color = ERROR_COLOR if cat == "error" else path_color(cat)
-        _span_traces(fig, part, esc(cat.replace("_", " ")), color, 9, f"op:{cat}", "ops by dispatch path" if first else None)
-        first = False
-    errs = ops[ops["category"] == "error"]
-    if len(errs):
-        fig.add_trace(go.Scattergl(x=errs["start_ms"], y=errs["y"], mode="markers", name="error raised",
-                                   marker={"symbol": "x", "size": 11, "color": ERROR_COLOR, "line": {"width": 1}},
-                                   hovertext=errs["hover"], hoverinfo="text", legendgroup="ops"))
-    for i, kind in enumerate(sorted(set(coll["kind"]))):
-        part = coll[coll["kind"] == kind]
-        _span_traces(fig, part, esc(kind), COLLECTIVE_COLORS[i % len(COLLECTIVE_COLORS)], 7, f"coll:{kind}",
-                     "collectives" if i == 0 else None)
+    if overview is None:
+        overview = len(ops) + len(coll) > OVERVIEW_ABOVE
     n_ops = len(trace.get_ops())
     title = f"Timeline · {len(ranks)} ranks · {n_ops} op calls" + (f" · {len(coll)} collectives" if len(coll) else
                                                                    " · no collectives recorded")
-    if len(ops) < n_ops:
-        title += f" · nested ops merged ({len(ops)} spans drawn)"
+    if overview and (len(ops) or len(coll)):
+        lo = min([v for v in (ops["start_ms"].min() if len(ops) else None, coll["start_ms"].min() if len(coll) else None) if v is not None])
+        hi = max([v for v in (ops["end_ms"].max() if len(ops) else None, coll["end_ms"].max() if len(coll) else None) if v is not None])
+        if time_range is not None:
+            lo, hi = time_range
+        _overview_figure(fig, ops, coll, ranks, OVERVIEW_BINS, float(lo), float(hi))
+        if time_range is None:
+            fig.update_xaxes(range=[float(lo), float(hi)])
+        title += (f" · overview: {len(ops) + len(coll)} spans in {OVERVIEW_BINS} time bins, the most frequent "
+                  f"path per bin<br><sub>plot_timeline(time_range=(a, b)) draws a window op by op</sub>")
+    else:
+        order = list(PATH_COLORS) + ["error"]
+        first = True
+        for cat in order + sorted(set(ops["category"]) - set(order)):
+            part = ops[ops["category"] == cat]
+            if part.empty:
+                continue
+            color = ERROR_COLOR if cat == "error" else path_color(cat)
+            _span_traces(fig, part, esc(cat.replace("_", " ")), color, 9, f"op:{cat}", "ops by dispatch path" if first else None)
+            first = False
+        errs = ops[ops["category"] == "error"]
+        if len(errs):
+            fig.add_trace(go.Scattergl(x=errs["start_ms"], y=errs["y"], mode="markers", name="error raised",
+                                       marker={"symbol": "x", "size": 11, "color": ERROR_COLOR, "line": {"width": 1}},
+                                       hovertext=errs["hover"], hoverinfo="text", legendgroup="ops"))
+        for i, kind in enumerate(sorted(set(coll["kind"]))):
+            part = coll[coll["kind"] == kind]
+            _span_traces(fig, part, esc(kind), COLLECTIVE_COLORS[i % len(COLLECTIVE_COLORS)], 7, f"coll:{kind}",
+                         "collectives" if i == 0 else None)
+        if aggregate is not False and len(ops) and ops["depth"].max() == 0 and trace.get_ops()["depth"].max() > 0:
+            title += f" · nested ops merged ({len(ops)} spans drawn)"
+    if time_range is not None:
+        title += f" · window {time_range[0]:g}–{time_range[1]:g} ms"
     fig.update_layout(
         title={"text": title, "x": 0.01, "font": {"size": 14}},
         height=height or max(260, 110 + 80 * len(ranks)), template="plotly_white", hovermode="closest",
         margin={"l": 70, "r": 20, "t": 50, "b": 45}, legend={"orientation": "v", "groupclick": "toggleitem"},
-        xaxis={"title": "time since the first event (ms)", "showgrid": True, "zeroline": False},
+        xaxis={"title": "time since the first event (ms)", "showgrid": True, "zeroline": False,
+               **({"range": list(time_range)} if time_range is not None else {})},
         yaxis={"tickmode": "array", "tickvals": ranks, "ticktext": [f"rank {r}" for r in ranks],
                "autorange": False, "range": [max(ranks, default=0) + 0.55, min(ranks, default=0) - 0.55],
                "showgrid": False, "zeroline": False},
