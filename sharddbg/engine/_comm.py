@@ -798,13 +798,17 @@ def _mesh_dim_of(group_name: str) -> str | None:
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 def _cuda_begin() -> list:
-    e0 = torch.cuda.Event(enable_timing=True)
+    from .recorder import new_cuda_event
+
+    e0 = new_cuda_event()
     e0.record()
     return [e0, None]
 
 
 def _cuda_end(c: list) -> None:
-    e1 = torch.cuda.Event(enable_timing=True)
+    from .recorder import new_cuda_event
+
+    e1 = new_cuda_event()
     e1.record()
     c[1] = e1
 
