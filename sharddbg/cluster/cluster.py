@@ -15,7 +15,6 @@ import sys
 import time
 import uuid
 import warnings
-import weakref
 from dataclasses import dataclass, field
 
 from ..errors import ClusterError, RankError, RankTimeoutError, ShardDbgWarning
@@ -35,17 +34,17 @@ _NOISE = [
     re.compile(r"^\s*(return )?funcol\.all_gather_tensor"),
 ]
 
-# Running clusters in start order; the active one is the last that still runs.
-_STARTED: "list[weakref.ref[Cluster]]" = []
+# Running clusters in start order (strong references: a cluster started by the magic has no other owner);
+# the active one is the last that still runs. stop() removes a cluster.
+_STARTED: "list[Cluster]" = []
 
 
 def active_cluster(required: bool = True) -> "Cluster | None":
     """The cluster started last (by ``Cluster.start`` or ``%shard_cluster start``) and still running."""
     from ..errors import NoActiveClusterError
 
-    for ref in reversed(_STARTED):
-        cluster = ref()
-        if cluster is not None and cluster.running:
+    for cluster in reversed(_STARTED):
+        if cluster.running:
             return cluster
     if required:
         raise NoActiveClusterError(
@@ -171,7 +170,7 @@ class Cluster:
             self._choose_backend()
             self._launch_engines()
             self.running = True
-            _STARTED[:] = [r for r in _STARTED if r() is not None and r() is not self] + [weakref.ref(self)]
+            _STARTED[:] = [c for c in _STARTED if c is not self and c.running] + [self]
         except BaseException:
             self._teardown_quietly()
             raise
@@ -277,6 +276,7 @@ class Cluster:
         if self._record:
             registry.reap(self._record)
         self.running = False
+        _STARTED[:] = [c for c in _STARTED if c is not self]
         self.timings["stop_s"] = time.perf_counter() - t0
 
     def _teardown_quietly(self) -> None:
@@ -460,6 +460,9 @@ class Cluster:
                 raise ClusterError(self._describe_dead(dead, what))
             if time.monotonic() >= deadline:
                 break
+        if finished_in_time:
+            # Results can arrive before the ranks' last printed lines (iopub is a separate stream).
+            ar.wait_for_output(5.0)
         outputs = self._outputs(ar, ranks)
         if display:
             self._display(outputs)
