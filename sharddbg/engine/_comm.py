@@ -236,6 +236,9 @@ class CommRecorder:
         self.n = 0
         self.entered = False
         self.thread: int | None = None
+        from . import recorder as R  # noqa: PLC0415 - its _ACTIVE is read at call time
+
+        self._R = R
 
     # ---- install / remove ---------------------------------------------------------------------
     def install(self, patches) -> None:
@@ -406,27 +409,18 @@ class CommRecorder:
         """Record one collective (or a wait / wrap). ``func`` runs the op itself (an OpOverload, a
         packet, or a redispatch below the ADInplaceOrView kernel)."""
         rec = self.rec
-        from .recorder import _ACTIVE  # noqa: PLC0415 - module attribute read at call time
-
-        if _ACTIVE is not rec:
+        if self._R._ACTIVE is not rec:
             return func(*args, **kwargs)
-        st = rec._state()
-        if s == "wait" or s == "wrap":
-            st.cdepth += 1
-            try:
-                res = func(*args, **kwargs)
-            finally:
-                st.cdepth -= 1
-            if s == "wait":
-                if self.pending_t:
-                    self._close_tensor(args[0] if args else kwargs.get("tensor"))
-                return res
-            r = self.pending_t.get(id(args[0])) if args and self.pending_t else None
-            if r is not None and r["_obj"][0] is args[0]:
-                r["_obj"].append(res)
-                r["_keys"].append(id(res))
-                self.pending_t[id(res)] = r
+        if s == "wait":  # dispatches nothing else: no depth to keep
+            res = func(*args, **kwargs)
+            if self.pending_t:
+                self._close_tensor(args[0] if args else kwargs.get("tensor"))
             return res
+        if s == "wrap":
+            res = func(*args, **kwargs)
+            self._wrapped(args, res)
+            return res
+        st = rec._state()
         if st.busy:
             return func(*args, **kwargs)
         try:
@@ -446,6 +440,14 @@ class CommRecorder:
         except Exception:  # noqa: BLE001
             rec.internal_errors.append(traceback.format_exc())
         return res
+
+    def _wrapped(self, args: tuple, res) -> None:
+        """``_wrap_tensor_autograd`` put a pending output into an AsyncCollectiveTensor: its wait closes it."""
+        r = self.pending_t.get(id(args[0])) if args and self.pending_t else None
+        if r is not None and r["_obj"][0] is args[0]:
+            r["_obj"].append(res)
+            r["_keys"].append(id(res))
+            self.pending_t[id(res)] = r
 
     def _begin(self, func, s, args, kwargs, st) -> dict:
         rec = self.rec
@@ -498,8 +500,8 @@ class CommRecorder:
             "bytes_recv": int(recv),
             "splits_sent": ss,
             "splits_recv": sr,
-            "dtype": str(t0.dtype).removeprefix("torch.") if t0 is not None else None,
-            "shape": list(t0.shape) if t0 is not None else None,
+            "dtype": t0.dtype if t0 is not None else None,  # made plain at export
+            "shape": t0.shape if t0 is not None else None,
             # functional collectives always complete at a later wait_tensor; c10d: what the caller asked for
             "async": True if api == "functional" else bool(v.get("async_op", True)),
             "t_issue_ns": 0,
@@ -597,10 +599,14 @@ class _Packet:
     def __call__(self, *args, **kwargs):
         comm = self._comm
         rec = comm.rec
-        from .recorder import _ACTIVE  # noqa: PLC0415
-
-        if _ACTIVE is rec and not rec._state().cdepth:
-            return comm.handle(self._call, self._s, args, kwargs)
+        if comm._R._ACTIVE is rec:
+            s = self._s
+            if s == "wrap":  # makes an AsyncCollectiveTensor: nothing below to hide from the kernels
+                res = self._p(*args, **kwargs)
+                comm._wrapped(args, res)
+                return res
+            if s == "wait" or not rec._state().cdepth:
+                return comm.handle(self._call, s, args, kwargs)
         return self._p(*args, **kwargs)
 
     def _call(self, *args, **kwargs):
@@ -834,6 +840,10 @@ EXPORT_KEYS = ("kind", "seq", "group_seq", "coll", "aten_op", "api", "group_name
 
 def export(ev: dict, in_flight: bool) -> dict:
     out = {k: ev.get(k) for k in EXPORT_KEYS}
+    if out["dtype"] is not None and not isinstance(out["dtype"], str):
+        out["dtype"] = str(out["dtype"]).removeprefix("torch.")
+    if out["shape"] is not None:
+        out["shape"] = [int(d) for d in out["shape"]]
     out["device_ms"] = cuda_ms(ev.get("_cuda"))
     out["in_flight"] = bool(in_flight or ev.get("t_return_ns") is None)
     return out
