@@ -276,7 +276,7 @@ class CommRecorder:
         # 1. ADInplaceOrView kernels
         libs = []
         patches.add_undo(lambda: [lib._destroy() for lib in libs])
-        names = torch._C._dispatch_get_all_op_names()
+        names = _op_names()
         for ns in ("_c10d_functional", "c10d"):
             lib = torch.library.Library(ns, "IMPL")
             libs.append(lib)
@@ -582,6 +582,19 @@ class CommRecorder:
         for k in ev.pop("_keys", ()):
             self.pending_t.pop(k, None)
         ev.pop("_obj", None)
+
+
+_OP_NAMES: list[str] = []
+
+
+def _op_names() -> list[str]:
+    """The c10d / funcol / _dtensor op names (read once: listing every registered op takes ~2 ms; they are
+    all registered by the time sharddbg's recorder is imported, which imports DTensor and funcol)."""
+    if not _OP_NAMES:
+        _OP_NAMES.extend(n for n in torch._C._dispatch_get_all_op_names()
+                         if n.startswith(("c10d::", "_c10d_functional::", "_c10d_functional_autograd::",
+                                          "_dtensor::")))
+    return _OP_NAMES
 
 
 class _Packet:
