@@ -35,7 +35,8 @@ def fresh_cluster4(cluster4):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the tests that start their own clusters (notebooks, browser) first, before the shared
-    cluster4 exists: never two clusters at once on a small machine."""
-    own = ("test_browser.py", "test_notebooks.py")
+    """Run the tests that start their own clusters (notebooks, browser, lifecycle, magics) first, before
+    the shared cluster4 exists: never two clusters at once on a small machine, and the magics' "no
+    cluster running" errors are tested while none runs."""
+    own = ("test_browser.py", "test_notebooks.py", "test_lifecycle.py", "test_magics.py")
     items.sort(key=lambda item: 0 if item.path.name in own else 1)

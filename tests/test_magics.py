@@ -14,12 +14,15 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def ip():
+    from sharddbg.cluster import cluster as cluster_module
+
+    running_before = list(cluster_module._STARTED)  # e.g. the session's shared cluster: not ours to stop
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "sharddbg")
     yield shell
-    current = sharddbg.active_cluster(required=False)
-    if current is not None:
-        current.stop()
+    for cl in list(cluster_module._STARTED):
+        if cl not in running_before and cl.running:
+            cl.stop()
 
 
 def test_px_option_parsing():
@@ -81,4 +84,4 @@ def test_start_px_status_stop(ip):
     import psutil
 
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert sharddbg.active_cluster(required=False) is None
+    assert sharddbg.active_cluster(required=False) is not cl  # a stopped cluster is never the active one
