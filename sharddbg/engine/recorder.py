@@ -602,6 +602,28 @@ def _make_bw_post(box: list):
     return _sharddbg_bw_post
 
 
+def _run_recorded(r: "Recorder", st: "_ThreadState", ev: dict, fn, *args, **kwargs):
+    """Run ``fn`` for the begun event ``ev``, then record its error or its end. The recorder's own
+    bookkeeping never raises into the user's call; the user's exception always propagates."""
+    try:
+        res = fn(*args, **kwargs)
+    except BaseException as e:
+        st.busy = True
+        try:
+            r._record_error(st, ev, e, False)
+        finally:
+            st.busy = False
+        raise
+    st.busy = True
+    try:
+        r._end(st, ev, res)
+    except Exception:  # noqa: BLE001
+        r.internal_errors.append(traceback.format_exc())
+    finally:
+        st.busy = False
+    return res
+
+
 def _install(rec: Recorder, patches: Patches) -> None:
     global _ST
     import physicsnemo.domain_parallel.shard_tensor as stm
@@ -708,23 +730,7 @@ def _install(rec: Recorder, patches: Patches) -> None:
             st.busy = False
         if ev is None:
             return orig_td(cls, func, types, args, kwargs)
-        try:
-            res = orig_td(cls, func, types, args, kwargs)
-        except BaseException as e:
-            st.busy = True
-            try:
-                r._record_error(st, ev, e, False)
-            finally:
-                st.busy = False
-            raise
-        st.busy = True
-        try:
-            r._end(st, ev, res)
-        except Exception:  # noqa: BLE001
-            r.internal_errors.append(traceback.format_exc())
-        finally:
-            st.busy = False
-        return res
+        return _run_recorded(r, st, ev, orig_td, cls, func, types, args, kwargs)
 
     def _mark_fallback():
         r = _ACTIVE
@@ -795,23 +801,7 @@ def _install(rec: Recorder, patches: Patches) -> None:
                 st.busy = False
             if ev is None:
                 return fn(*args, **kwargs)
-            try:
-                res = fn(*args, **kwargs)
-            except BaseException as e:
-                st.busy = True
-                try:
-                    r._record_error(st, ev, e, False)
-                finally:
-                    st.busy = False
-                raise
-            st.busy = True
-            try:
-                r._end(st, ev, res)
-            except Exception:  # noqa: BLE001
-                r.internal_errors.append(traceback.format_exc())
-            finally:
-                st.busy = False
-            return res
+            return _run_recorded(r, st, ev, fn, *args, **kwargs)
 
         method.__wrapped__ = fn  # type: ignore[attr-defined]
         method.__name__ = fn.__name__
