@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_recorder import _free_port, _setup  # noqa: E402
+from bench_recorder import _setup, spawn_ranks  # noqa: E402
 
 MODES = ("none", "recorder_ops", "recorder")
 
@@ -95,17 +95,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=5)
     a = ap.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, a.ranks, port, a.rounds, a.iters, q)) for r in range(a.ranks)]
-    for p in procs:
-        p.start()
-    times, cpu, counts = q.get(timeout=1800)
-    for p in procs:
-        p.join(60)
+    times, cpu, counts = spawn_ranks(_worker, a.ranks, a.rounds, a.iters)
     med = {m: statistics.median(times[m]) for m in MODES}
     cmed = {m: statistics.median(cpu[m]) for m in MODES}
     print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.rounds} rounds x "

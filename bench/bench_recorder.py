@@ -124,23 +124,29 @@ def _worker(rank, world, port, rounds, iters, out):
     dist.destroy_process_group()
 
 
+def spawn_ranks(worker, ranks: int, *args, timeout: float = 1800):
+    """Run ``worker(rank, ranks, port, *args, queue)`` in ``ranks`` fresh processes; rank 0 puts the result."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, ranks, port, *args, q)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    result = q.get(timeout=timeout)
+    for p in procs:
+        p.join(60)
+    return result
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=5)
     a = ap.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, a.ranks, port, a.rounds, a.iters, q)) for r in range(a.ranks)]
-    for p in procs:
-        p.start()
-    times, cpu, n_events = q.get(timeout=1800)
-    for p in procs:
-        p.join(60)
+    times, cpu, n_events = spawn_ranks(_worker, a.ranks, a.rounds, a.iters)
     base = statistics.median(times["none"])
     cbase = statistics.median(cpu["none"])
     print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; "
