@@ -54,9 +54,9 @@ def _settings(directory: Path) -> None:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 serving a scratch copy of the notebooks; yields (url, token, root)."""
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium (bash .ci/setup does)")
-    pytest.importorskip("playwright.sync_api")
+    # A missing browser is a broken set-up, not a reason to check nothing: fail loudly.
+    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: install Debian's chromium (bash .ci/setup does)"
+    import playwright.sync_api  # noqa: F401
     work = tmp_path_factory.mktemp("lab")
     root = work / "root"
     root.mkdir()

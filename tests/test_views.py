@@ -183,7 +183,6 @@ def test_imbalance_from_ops(trace):
     assert fig.layout.updatemenus[0].buttons[0].label == "(all ops)"
 
 
-@pytest.mark.skipif(not hasattr(Trace, "get_imbalance"), reason="Trace.get_imbalance (issue 4) not there yet")
 def test_imbalance_from_trace_get_imbalance(trace):
     """With the Trace's own get_imbalance (issue 4), the view shows exactly its numbers."""
     imb = trace.get_imbalance()
