@@ -101,6 +101,17 @@ _SPECS: dict[str, tuple[str, str, str]] = {
     "_dtensor.shard_dim_alltoall": ("all_to_all_single", "functional", "d_shard_a2a"),
 }
 _NOT_COLLECTIVE = frozenset({"check_for_nan"})
+
+
+def _collective_op_names(names, ns: str):
+    """Op names of namespace ``ns`` among ``names`` ("ns::op"), less the ones that move no data."""
+    for full in names:
+        if full.startswith(ns + "::"):
+            opname = full.split("::", 1)[1]
+            if opname not in _NOT_COLLECTIVE:
+                yield opname
+
+
 # torch.distributed functions wrapped for the calls the ADInplaceOrView kernels cannot see
 _DIST_FUNCS = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
@@ -281,12 +292,7 @@ class CommRecorder:
             lib = torch.library.Library(ns, "IMPL")
             libs.append(lib)
             nsobj = getattr(torch.ops, ns)
-            for full in names:
-                if not full.startswith(ns + "::"):
-                    continue
-                opname = full.split("::", 1)[1]
-                if opname in _NOT_COLLECTIVE:
-                    continue
+            for opname in _collective_op_names(names, ns):
                 packet = getattr(nsobj, opname)
                 for ov in packet.overloads():
                     func = getattr(packet, ov)
@@ -301,12 +307,7 @@ class CommRecorder:
             nsobj = getattr(torch.ops, ns, None)
             if nsobj is None:
                 continue
-            for full in names:
-                if not full.startswith(ns + "::"):
-                    continue
-                opname = full.split("::", 1)[1]
-                if opname in _NOT_COLLECTIVE:
-                    continue
+            for opname in _collective_op_names(names, ns):
                 packet = getattr(nsobj, opname)
                 if not isinstance(packet, torch._ops.OpOverloadPacket) or "default" not in packet.overloads():
                     continue
