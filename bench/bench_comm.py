@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_recorder import _setup, spawn_ranks  # noqa: E402
+from bench_recorder import _setup, spawn_ranks, time_modes  # noqa: E402
 
 MODES = ("none", "recorder_ops", "recorder")
 
@@ -59,30 +59,14 @@ def _worker(rank, world, port, rounds, iters, out):
 
     for _ in range(3):
         step()
-    times = {m: [] for m in MODES}
-    cpu = {m: [] for m in MODES}
     counts = {}
-    for r in range(rounds):
-        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]
-        for mode in order:
-            dist.barrier()
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            with _mode_ctx(mode) as ctx:
-                for _ in range(iters):
-                    step()
-            dt = (time.perf_counter() - t0) / iters
-            dc = (time.process_time() - c0) / iters
-            t = torch.tensor([dt], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times[mode].append(float(t))
-            c = torch.tensor([dc], dtype=torch.float64)
-            dist.all_reduce(c, op=dist.ReduceOp.SUM)
-            cpu[mode].append(float(c))
-            if ctx is not None:
-                ev = ctx.events
-                counts[mode] = (sum(e["kind"] == "op" for e in ev) // iters,
-                                sum(e["kind"] == "collective" for e in ev) // iters)
+
+    def count(mode, ctx):
+        ev = ctx.events
+        counts[mode] = (sum(e["kind"] == "op" for e in ev) // iters,
+                        sum(e["kind"] == "collective" for e in ev) // iters)
+
+    times, cpu = time_modes(step, MODES, _mode_ctx, rounds, iters, count)
     if rank == 0:
         out.put((times, cpu, counts))
     dist.barrier()

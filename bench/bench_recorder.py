@@ -94,34 +94,48 @@ def _worker(rank, world, port, rounds, iters, out):
 
     for _ in range(3):  # warm-up: first calls build caches in DTensor / physicsnemo
         step()
-    times = {m: [] for m in MODES}
-    cpu = {m: [] for m in MODES}
     n_events = 0
-    for r in range(rounds):
-        order = MODES[r % len(MODES):] + MODES[: r % len(MODES)]  # rotate so no mode always goes first
-        for mode in order:
-            dist.barrier()
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            with _mode_ctx(mode) as ctx:
-                for _ in range(iters):
-                    step()
-            dt = (time.perf_counter() - t0) / iters
-            dc = (time.process_time() - c0) / iters
-            # the slowest rank sets the pace of a synchronous step
-            t = torch.tensor([dt], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times[mode].append(float(t))
-            # CPU time of all ranks: the honest cost when ranks share fewer cores than there are ranks
-            c = torch.tensor([dc], dtype=torch.float64)
-            dist.all_reduce(c, op=dist.ReduceOp.SUM)
-            cpu[mode].append(float(c))
-            if mode == "recorder":
-                n_events = len(ctx.events)
+
+    def count(mode, ctx):
+        nonlocal n_events
+        if mode == "recorder":
+            n_events = len(ctx.events)
+
+    times, cpu = time_modes(step, MODES, _mode_ctx, rounds, iters, count)
     if rank == 0:
         out.put((times, cpu, n_events))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None):
+    """Interleaved timing of ``step`` under each mode (rotated so no mode always goes first).
+
+    Returns ({mode: [wall s/step of the slowest rank]}, {mode: [CPU s/step summed over ranks]}); CPU
+    summed over ranks is the honest cost when ranks share fewer cores than there are ranks.
+    ``on_ctx(mode, ctx)`` sees each mode's context after its timed block (e.g. to count events).
+    """
+    import torch
+    import torch.distributed as dist
+
+    times = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
+            dist.barrier()
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            with mode_ctx(mode) as ctx:
+                for _ in range(iters):
+                    step()
+            for store, value, op in ((times, (time.perf_counter() - t0) / iters, dist.ReduceOp.MAX),
+                                     (cpu, (time.process_time() - c0) / iters, dist.ReduceOp.SUM)):
+                t = torch.tensor([value], dtype=torch.float64)
+                dist.all_reduce(t, op=op)
+                store[mode].append(float(t))
+            if on_ctx is not None and ctx is not None:
+                on_ctx(mode, ctx)
+    return times, cpu
 
 
 def spawn_ranks(worker, ranks: int, *args, timeout: float = 1800):
