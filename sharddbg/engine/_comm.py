@@ -101,6 +101,9 @@ _SPECS: dict[str, tuple[str, str, str]] = {
     "_dtensor.shard_dim_alltoall": ("all_to_all_single", "functional", "d_shard_a2a"),
 }
 _NOT_COLLECTIVE = frozenset({"check_for_nan"})
+# kinds whose backward call reduces a gradient: `param` names the parameter it accumulates into
+_GRAD_REDUCTIONS = frozenset({"all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter",
+                              "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"})
 
 
 def _collective_op_names(names, ns: str):
@@ -245,6 +248,8 @@ class CommRecorder:
         self.pending_t: dict[int, dict] = {}  # id(output tensor) -> record (functional collectives)
         self.pending_w: dict[int, dict] = {}  # id(python Work) -> record (c10d ops)
         self.n = 0
+        self._param_node = -1  # autograd sequence number of the last node whose parameter was looked up
+        self._param_name: str | None = None
         self.entered = False
         self.thread: int | None = None
         from . import recorder as R  # noqa: PLC0415 - its _ACTIVE is read at call time
@@ -451,6 +456,8 @@ class CommRecorder:
             self.pending_t[id(res)] = r
 
     def _begin(self, func, s, args, kwargs, st) -> dict:
+        # Hot path: only what cannot be known later (times, sizes, attribution). Names, plain dtypes and
+        # the op fields are filled in by export().
         rec = self.rec
         kind, api, handler, names, base = s
         v = dict(zip(names, args))
@@ -458,72 +465,80 @@ class CommRecorder:
             v.update(kwargs)
         if api == "functional":
             gname = v.get("group_name")
-            gname = gname if isinstance(gname, str) else str(gname)
-            ranks, mesh_dim = self._group(gname)
+            if type(gname) is not str:
+                gname = str(gname)
+            g = self.groups.get(gname) or self._group(gname)
         else:
             import torch.distributed as dist
 
             pg = dist.ProcessGroup.unbox(v["process_group"])
             gname = pg.group_name
-            ranks, mesh_dim = self._group(gname, pg)
-        gsize = len(ranks) if ranks else int(v.get("group_size") or 0) or None
+            g = self.groups.get(gname) or self._group(gname, pg)
+        ranks = g[0]
+        if not ranks:
+            ev_gsize = int(v.get("group_size") or 0) or None
         sent, recv, ss, sr, peer, root, t0 = _bytes(handler, v, ranks, rec.rank)
         gs = self.group_seq.get(gname, 0)
         self.group_seq[gname] = gs + 1
-        stack = st.stack
         node = _current_node()
-        op = outer = None
-        phase, anode, param = "forward", None, None
         if node is not None:
             phase = "backward"
             anode = node.name()
-            op = rec._fwd_op_of_node(node)
-            if op is not None:
-                outer = op.get("_root") or op
-            param = _param_of(node, rec._params)
-        elif stack:
-            op = stack[-1]
-            outer = stack[0]
+            n = node._sequence_nr()
+            op = fwd_lookup(rec._fwd_snr1, rec._fwd_ranges, n)
+            if op is None:
+                op = rec._fwd_op_of_node(node)
+            outer = (op.get("_root") or op) if op is not None else None
+            param = None
+            if kind in _GRAD_REDUCTIONS:
+                if n == self._param_node:  # weight and bias of one node: walk its inputs once
+                    param = self._param_name
+                else:
+                    param = self._param_name = _param_of(node, rec._params)
+                    self._param_node = n
+        else:
+            phase, anode, param = "forward", None, None
+            stack = st.stack
+            op = stack[-1] if stack else None
+            outer = stack[0] if stack else None
+        if handler == "d_shard_a2a":
+            is_async = False
+        elif handler in ("c_send", "c_recv"):
+            is_async = True  # point-to-point work is always completed by a later wait
+        else:
+            # functional collectives always complete at a later wait_tensor; c10d: what the caller asked for
+            is_async = True if api == "functional" else bool(v.get("async_op", True))
         ev = {
             "kind": "collective",
             "seq": next(rec._seq),
             "group_seq": gs,
-            "coll": kind,
-            "aten_op": base,
-            "api": api,
+            "_s": s,
             "group_name": gname,
-            "group_ranks": ranks,
-            "group_size": gsize,
-            "mesh_dim": mesh_dim,
+            "_g": g,
             "peer": peer,
             "root": root,
-            "bytes_sent": int(sent),
-            "bytes_recv": int(recv),
+            "bytes_sent": sent,
+            "bytes_recv": recv,
             "splits_sent": ss,
             "splits_recv": sr,
             "dtype": t0.dtype if t0 is not None else None,  # made plain at export
             "shape": t0.shape if t0 is not None else None,
-            # functional collectives always complete at a later wait_tensor; c10d: what the caller asked for
-            "async": True if api == "functional" else bool(v.get("async_op", True)),
+            "async": is_async,
             "t_issue_ns": 0,
             "t_return_ns": None,
             "t_done_ns": None,
             "wait_op_seq": None,
             "waited": False,
-            "op": op["op"] if op is not None else None,
-            "op_seq": op["seq"] if op is not None else None,
-            "outer_op": outer["op"] if outer is not None else None,
-            "outer_op_seq": outer["seq"] if outer is not None else None,
+            "_op": op,
+            "_outer": outer,
             "phase": phase,
             "autograd_node": anode,
             "param": param,
             "thread": st.tid,
             "_cuda": _cuda_begin() if t0 is not None and t0.is_cuda else None,
         }
-        if handler == "d_shard_a2a":
-            ev["async"] = False
-        if handler in ("c_send", "c_recv"):
-            ev["async"] = True  # point-to-point work is always completed by a later wait
+        if not ranks:
+            ev["group_size"] = ev_gsize
         self.n += 1
         rec._keep(ev)
         return ev
@@ -577,7 +592,8 @@ class CommRecorder:
         ev["t_done_ns"] = clock.now_ns()
         ev["waited"] = True
         st = self.rec._state()
-        ev["wait_op_seq"] = st.stack[-1]["seq"] if st.stack else None
+        stack = st.stack
+        ev["wait_op_seq"] = stack[-1]["seq"] if stack else None
         if ev["_cuda"] is not None:
             _cuda_end(ev["_cuda"])
         for k in ev.pop("_keys", ()):
@@ -850,10 +866,25 @@ EXPORT_KEYS = ("kind", "seq", "group_seq", "coll", "aten_op", "api", "group_name
                "mesh_dim", "peer", "root", "bytes_sent", "bytes_recv", "splits_sent", "splits_recv", "dtype",
                "shape", "async", "t_issue_ns", "t_return_ns", "t_done_ns", "wait_op_seq", "waited", "op", "op_seq",
                "outer_op", "outer_op_seq", "phase", "autograd_node", "param", "thread")
+_STORED_KEYS = frozenset(EXPORT_KEYS) - {"coll", "aten_op", "api", "group_ranks", "group_size", "mesh_dim", "op",
+                                         "op_seq", "outer_op", "outer_op_seq"}
 
 
 def export(ev: dict, in_flight: bool) -> dict:
-    out = {k: ev.get(k) for k in EXPORT_KEYS}
+    kind, api, _handler, _names, base = ev["_s"]
+    ranks, mesh_dim = ev["_g"]
+    op, outer = ev["_op"], ev["_outer"]
+    out = {k: ev.get(k) for k in EXPORT_KEYS if k in _STORED_KEYS}
+    out.update(
+        coll=kind, aten_op=base, api=api, group_ranks=ranks, mesh_dim=mesh_dim,
+        group_size=len(ranks) if ranks else ev.get("group_size"),
+        op=op["op"] if op is not None else None, op_seq=op["seq"] if op is not None else None,
+        outer_op=outer["op"] if outer is not None else None,
+        outer_op_seq=outer["seq"] if outer is not None else None,
+    )
+    out = {k: out[k] for k in EXPORT_KEYS}
+    out["bytes_sent"] = int(out["bytes_sent"])
+    out["bytes_recv"] = int(out["bytes_recv"])
     if out["dtype"] is not None and not isinstance(out["dtype"], str):
         out["dtype"] = str(out["dtype"]).removeprefix("torch.")
     if out["shape"] is not None:
@@ -863,11 +894,18 @@ def export(ev: dict, in_flight: bool) -> dict:
     return out
 
 
-def fwd_lookup(snr1: list, ranges: list, n: int) -> dict | None:
-    """The innermost forward op whose autograd sequence-number range [snr0, snr1) contains n."""
-    i = bisect.bisect_right(snr1, n)
-    for j in range(i, min(i + 256, len(ranges))):
+def fwd_lookup(snr1: list, ranges: list, n: int, limit: int | None = None) -> dict | None:
+    """The innermost forward op whose autograd sequence-number range [snr0, snr1) contains n.
+
+    ``ranges`` are thread 0's forward ops in end order; ``limit`` is how many of them had ended when n was
+    looked for. Top-level ops do not overlap, so the scan stops at the first one that starts after n
+    (a node made between two ops belongs to neither)."""
+    end = len(ranges) if limit is None else min(limit, len(ranges))
+    i = bisect.bisect_right(snr1, n, 0, end)
+    for j in range(i, end):
         s0, ev = ranges[j]
         if s0 <= n:
             return ev
+        if ev["depth"] == 0:
+            return None
     return None

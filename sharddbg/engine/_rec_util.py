@@ -89,8 +89,7 @@ def _is_internal(code) -> bool:
     try:
         return _internal_code[code]
     except KeyError:
-        fn = code.co_filename
-        r = fn.startswith(_INTERNAL_PREFIXES)
+        r = code.co_filename.startswith(_INTERNAL_PREFIXES)
         _internal_code[code] = r
         return r
 
@@ -101,9 +100,13 @@ def user_frame(skip: int = 2) -> tuple[str, int, str] | None:
         f = sys._getframe(skip)
     except ValueError:
         return None
+    internal = _internal_code.get  # inlined cache lookup: this walk runs for every recorded event
     while f is not None:
         code = f.f_code
-        if not _is_internal(code):
+        r = internal(code)
+        if r is None:
+            r = _is_internal(code)
+        if not r:
             return (code.co_filename, f.f_lineno, code.co_name)
         f = f.f_back
     return None

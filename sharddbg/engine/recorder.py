@@ -123,6 +123,8 @@ class Recorder:
         self._roots: list[Any] = []  # keep seen roots alive so their ids are not reused
         self._exc_seen: dict[int, tuple[BaseException, dict]] = {}
         self._bw_handles: list[Any] = []
+        self._bw_frame: Any = None  # see _backward_event
+        self._bw_user_frame: Any = None
         self._patches: Patches | None = None
         self._running = False
         self._used = False
@@ -178,6 +180,7 @@ class Recorder:
             except Exception:  # noqa: BLE001
                 pass
         self._bw_handles.clear()
+        self._bw_frame = None
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()  # so device_ms of every event can be read
         # Formatting into schema records happens on first access of .events / payload(), not here:
@@ -245,6 +248,8 @@ class Recorder:
         if node is not None:  # called by the autograd engine (e.g. detach for AccumulateGrad)
             ev["phase"] = "backward"
             ev["autograd_node"] = node.name()
+        elif self._bw_frame is not None:
+            self._bw_frame = None  # a forward op after a backward pass: release that pass's frame
         stack.append(ev)
         return ev
 
@@ -330,6 +335,16 @@ class Recorder:
         t0 = box[2] if box[2] is not None else clock.now_ns()
         gout = [i for i in (tensor_info(g, _ST) for g in grad_outputs or ()) if i is not None]
         gin = [i for i in (tensor_info(g, _ST) for g in grad_inputs or ()) if i is not None]
+        # Every hook of one backward pass is called from the same Python frame (the one that entered the
+        # autograd engine), so the user frame above it is walked once per pass. The frame is held only
+        # until the next forward op or the end of the recording (it is alive during the pass anyway).
+        f = sys._getframe(2)
+        if f is self._bw_frame:
+            uf = self._bw_user_frame
+        else:
+            uf = user_frame(3)
+            self._bw_frame, self._bw_user_frame = f, uf
+        del f
         ev = {
             "kind": "op",
             "seq": next(self._seq),
@@ -342,7 +357,7 @@ class Recorder:
             "autograd_node": box[4],
             "fwd_seq": fwd["seq"],
             "module": fwd["module"],
-            "_frame": user_frame(3) or fwd["_frame"],
+            "_frame": uf or fwd["_frame"],
             "_in": gout,
             "_out": gin[0] if gin else None,
             "out_bytes": sum(i[3] for i in gin),
