@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_recorder import _setup, spawn_ranks, time_modes  # noqa: E402
+from bench_recorder import _setup, paired_summary, spawn_ranks, time_modes  # noqa: E402
 
 MODES = ("none", "recorder_ops", "recorder")
 
@@ -76,25 +76,37 @@ def _worker(rank, world, port, rounds, iters, out):
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3, help="fresh rank processes per run (memory layouts differ)")
     a = ap.parse_args(argv)
-    times, cpu, counts = spawn_ranks(_worker, a.ranks, a.rounds, a.iters)
-    med = {m: statistics.median(times[m]) for m in MODES}
-    cmed = {m: statistics.median(cpu[m]) for m in MODES}
-    print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.rounds} rounds x "
-          f"{a.iters} steps; per step on rank 0: (ops, collectives) = {counts}")
-    print(f"cores: {os.cpu_count()}; wall = slowest rank, cpu = sum over ranks (process_time)")
-    print(f"{'mode':<13} {'wall ms/step':>13} {'min':>8} {'max':>8} {'vs none':>8} {'cpu ms/step':>12} {'cpu vs none':>12}")
+    times = {m: [] for m in MODES}
+    cpu = {m: [] for m in MODES}
+    counts = None
+    for _ in range(a.runs):
+        t, c, counts = spawn_ranks(_worker, a.ranks, a.rounds, a.iters)
+        t.pop("_enter_exit_ms")
+        for m in MODES:
+            times[m] += t[m]
+            cpu[m] += c[m]
+    wall, cpus = paired_summary(times), paired_summary(cpu)
+    print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.runs} runs x {a.rounds} "
+          f"rounds x {a.iters} steps; per step on rank 0: (ops, collectives) = {counts}")
+    print(f"cores: {os.cpu_count()}; wall = slowest rank, cpu = sum over ranks (process_time); ratio = median of "
+          "per-round ratios to none [quartiles]")
+    print(f"{'mode':<13} {'wall ms/step':>13} {'wall ratio':>11} {'[q1, q3]':>15} {'cpu ms/step':>12} {'cpu ratio':>10} "
+          f"{'[q1, q3]':>15}")
     for m in MODES:
-        print(f"{m:<13} {med[m] * 1e3:>13.2f} {min(times[m]) * 1e3:>8.2f} {max(times[m]) * 1e3:>8.2f} "
-              f"{med[m] / med['none']:>8.3f} {cmed[m] * 1e3:>12.2f} {cmed[m] / cmed['none']:>12.3f}")
+        w, c = wall[m], cpus[m]
+        wq = f"[{w['q1']:.3f}, {w['q3']:.3f}]"
+        cq = f"[{c['q1']:.3f}, {c['q3']:.3f}]"
+        print(f"{m:<13} {w['median'] * 1e3:>13.2f} {w['ratio']:>11.3f} {wq:>15} {c['median'] * 1e3:>12.2f} "
+              f"{c['ratio']:>10.3f} {cq:>15}")
     # paired per round: the comm recording's own cost, round by round
-    pair = [a_ / b_ for a_, b_ in zip(times["recorder"], times["recorder_ops"])]
-    cpair = [a_ / b_ for a_, b_ in zip(cpu["recorder"], cpu["recorder_ops"])]
-    print(f"collective recording on top of the recorder: wall x{statistics.median(pair):.3f} "
-          f"(per-round min {min(pair):.3f}, max {max(pair):.3f}); cpu x{statistics.median(cpair):.3f}")
-    return {"wall": med, "cpu": cmed, "comm_ratio_wall": statistics.median(pair), "comm_ratio_cpu": statistics.median(cpair)}
+    pair = statistics.median(x / y for x, y in zip(times["recorder"], times["recorder_ops"]))
+    cpair = statistics.median(x / y for x, y in zip(cpu["recorder"], cpu["recorder_ops"]))
+    print(f"collective recording on top of the recorder (paired per round): wall x{pair:.3f}, cpu x{cpair:.3f}")
+    return {"wall": wall, "cpu": cpus, "comm_ratio_wall": pair, "comm_ratio_cpu": cpair}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """Recorder wall overhead on one GPU (run through the device tool), one process, world size 1, NCCL.
 
-    python bench/bench_gpu_recorder.py [--rounds 7] [--iters 10] [--pkg DIR]
+    python bench/bench_gpu_recorder.py [--rounds 7] [--iters 10] [--shapes 1x16x1024x1024 1x32x4096x4096]
+                                       [--pkg DIR] [--profile]
 
-Same workload as gpu_check.py's recorder row: 3-conv net on a (1, 16, 1024, 1024) ShardTensor, forward +
-backward, modes interleaved round by round: none / recorder ops only / recorder ops + collectives.
-Wall time per step with a device synchronize at the end of each block. --pkg DIR puts DIR first on
-sys.path (to time another copy of sharddbg in the same run). Also times the per-event CUDA pieces.
+3-conv net (16/32 -> 32 -> 32 -> 4 channels) on a ShardTensor of each shape, forward + backward, modes
+interleaved round by round: none / recorder ops only / recorder ops + collectives. Per step: wall time
+(a device synchronize ends each block) and host time (until the Python loop returns, before that
+synchronize); ratios are medians of the per-round ratios to `none` of the same round. The first shape is
+host-bound (every host microsecond is wall time), the second GPU-sized (the device is the bottleneck).
+--pkg DIR puts DIR first on sys.path (to time another copy of sharddbg in the same run); --profile
+prints where the recorder's host time goes in one traced block. Also times the per-event CUDA pieces.
 """
 
 from __future__ import annotations
@@ -19,19 +23,96 @@ import sys
 import time
 
 
+def _time_shape(a, shape, mesh, R) -> dict:
+    import torch
+    import torch.nn as nn
+    from physicsnemo.domain_parallel import ShardTensor
+    from torch.distributed.tensor import Shard
+
+    torch.manual_seed(0)
+    full = torch.randn(*shape, device="cuda")
+    x = ShardTensor.from_local(full.clone().requires_grad_(True), mesh, (Shard(2),),
+                               sharding_shapes={0: [tuple(full.shape)]})
+    cin = shape[1]
+    net = nn.Sequential(nn.Conv2d(cin, 32, 3, padding=1), nn.GELU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(32, 4, 3, padding=1)).cuda()
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        net(x).square().mean().backward()
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    modes = ("none", "ops", "rec")
+    wall = {m: [] for m in modes}
+    host = {m: [] for m in modes}
+    counts = {}
+    internal: list[str] = []
+    for r in range(a.rounds):
+        order = modes[r % 3:] + modes[: r % 3]
+        for m in order:
+            ctx = contextlib.nullcontext() if m == "none" else R.Recorder(comm=(m == "rec"))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with ctx:
+                for _ in range(a.iters):
+                    step()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+            wall[m].append((time.perf_counter() - t0) / a.iters * 1e3)
+            host[m].append((t1 - t0) / a.iters * 1e3)
+            if m != "none":
+                ev = ctx.events
+                counts[m] = (sum(e["kind"] == "op" for e in ev) // a.iters,
+                             sum(e["kind"] == "collective" for e in ev) // a.iters,
+                             sum(e.get("device_ms") is not None for e in ev if e["kind"] == "op") // a.iters)
+                if ctx.internal_errors:  # a recorder bug would make these numbers meaningless
+                    internal.append(ctx.internal_errors[-1])
+    if a.profile:
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        with R.Recorder():
+            pr.enable()
+            for _ in range(a.iters):
+                step()
+            pr.disable()
+        torch.cuda.synchronize()
+        print(f"--- profile {shape}, {a.iters} steps")
+        st = pstats.Stats(pr)
+        st.sort_stats("tottime").print_stats(15)
+        st.sort_stats("cumtime").print_stats("sharddbg", 25)
+        st.print_callers("compile")
+
+    def paired(d, m):
+        return statistics.median(v / n for v, n in zip(d[m], d["none"]))
+
+    del x, net, full
+    return {"ms_per_step": {m: statistics.median(v) for m, v in wall.items()},
+            "host_ms_per_step": {m: statistics.median(v) for m, v in host.items()},
+            "wall_ratio": {m: paired(wall, m) for m in modes},
+            "wall_ratio_range": {m: [min(v / n for v, n in zip(wall[m], wall["none"])),
+                                     max(v / n for v, n in zip(wall[m], wall["none"]))] for m in modes},
+            "host_ratio": {m: paired(host, m) for m in modes},
+            "per_step_ops_colls_devtimed": counts,
+            "recorder_internal_errors": len(internal), "first_internal_error": internal[0] if internal else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--shapes", nargs="+", default=["1x16x1024x1024", "1x32x4096x4096"])
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--pkg", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     a = ap.parse_args()
     sys.path.insert(0, a.pkg)
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
     from physicsnemo.distributed import DistributedManager
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
 
     import physicsnemo.domain_parallel as dp
     from physicsnemo.domain_parallel import ShardTensor
@@ -48,40 +129,12 @@ def main() -> None:
     if not ShardTensor._function_registry:
         dp.register_custom_ops()
     mesh = gm["domain"]
-    torch.manual_seed(0)
-    full = torch.randn(1, 16, 1024, 1024, device="cuda")
-    x = ShardTensor.from_local(full.clone().requires_grad_(True), mesh, (Shard(2),),
-                               sharding_shapes={0: [tuple(full.shape)]})
-    net = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.GELU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-                        nn.Conv2d(32, 4, 3, padding=1)).cuda()
+    results = {}
+    for shape_s in a.shapes:
+        shape = tuple(int(d) for d in shape_s.split("x"))
+        results[shape_s] = _time_shape(a, shape, mesh, R)
+        torch.cuda.empty_cache()
 
-    def step():
-        net.zero_grad(set_to_none=True)
-        net(x).square().mean().backward()
-
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    modes = ("none", "ops", "rec")
-    wall = {m: [] for m in modes}
-    counts = {}
-    for r in range(a.rounds):
-        order = modes[r % 3:] + modes[: r % 3]
-        for m in order:
-            ctx = contextlib.nullcontext() if m == "none" else R.Recorder(comm=(m == "rec"))
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with ctx:
-                for _ in range(a.iters):
-                    step()
-                torch.cuda.synchronize()
-            wall[m].append((time.perf_counter() - t0) / a.iters * 1e3)
-            if m != "none":
-                ev = ctx.events
-                counts[m] = (sum(e["kind"] == "op" for e in ev) // a.iters,
-                             sum(e["kind"] == "collective" for e in ev) // a.iters,
-                             sum(e.get("device_ms") is not None for e in ev if e["kind"] == "op") // a.iters)
-    med = {m: statistics.median(v) for m, v in wall.items()}
     # the per-event CUDA pieces
     def us(f, n=2000):
         f()
@@ -102,9 +155,7 @@ def main() -> None:
         pieces["recorder._allocated_bytes()"] = us(fast)
         assert fast() == torch.cuda.memory_allocated()
     out = {"pkg": a.pkg, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-           "ms_per_step": med, "ratio": {m: med[m] / med["none"] for m in modes},
-           "min": {m: min(v) for m, v in wall.items()}, "max": {m: max(v) for m, v in wall.items()},
-           "per_step_events_colls_devms": counts, "piece_us": pieces}
+           "shapes": results, "piece_us": pieces}
     print(json.dumps(out, indent=1))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"gpu_{abs(hash(a.pkg)) % 1000}.json"), "w") as f:

@@ -112,29 +112,50 @@ def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None):
     """Interleaved timing of ``step`` under each mode (rotated so no mode always goes first).
 
     Returns ({mode: [wall s/step of the slowest rank]}, {mode: [CPU s/step summed over ranks]}); CPU
-    summed over ranks is the honest cost when ranks share fewer cores than there are ranks.
+    summed over ranks is the honest cost when ranks share fewer cores than there are ranks. The first
+    dict also holds "_enter_exit_ms": {mode: median ms to start + stop the tool on this rank}.
     ``on_ctx(mode, ctx)`` sees each mode's context after its timed block (e.g. to count events).
     """
     import torch
     import torch.distributed as dist
 
+    try:  # DTensor's transform cache gains an entry every step of this workload (a ShardTensorSpec that
+        # differs each time, with an equal hash): lookups get slower over the run. Emptied before each
+        # block, for every mode alike, so the modes are not compared at different points of that drift.
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+    except ImportError:  # pragma: no cover - another torch layout
+        _gen_transform_infos = None
     times = {m: [] for m in modes}
     cpu = {m: [] for m in modes}
+    enter_exit = {m: [] for m in modes}
     for r in range(rounds):
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
+            if _gen_transform_infos is not None:
+                _gen_transform_infos.cache_clear()
+            # The tool is started before the clock starts and stopped after it stops, as a traced cell
+            # does (%%shard_trace starts the recorder in one round trip and stops it in another):
+            # the table is the cost per step; starting and stopping are timed apart (enter_exit_ms).
+            cm = mode_ctx(mode)
+            e0 = time.perf_counter()
+            ctx = cm.__enter__()
+            e1 = time.perf_counter()
             dist.barrier()
             c0 = time.process_time()
             t0 = time.perf_counter()
-            with mode_ctx(mode) as ctx:
-                for _ in range(iters):
-                    step()
-            for store, value, op in ((times, (time.perf_counter() - t0) / iters, dist.ReduceOp.MAX),
-                                     (cpu, (time.process_time() - c0) / iters, dist.ReduceOp.SUM)):
+            for _ in range(iters):
+                step()
+            c1 = time.process_time()
+            t1 = time.perf_counter()
+            cm.__exit__(None, None, None)
+            enter_exit[mode].append((e1 - e0 + time.perf_counter() - t1) * 1e3)
+            for store, value, op in ((times, (t1 - t0) / iters, dist.ReduceOp.MAX),
+                                     (cpu, (c1 - c0) / iters, dist.ReduceOp.SUM)):
                 t = torch.tensor([value], dtype=torch.float64)
                 dist.all_reduce(t, op=op)
                 store[mode].append(float(t))
             if on_ctx is not None and ctx is not None:
                 on_ctx(mode, ctx)
+    times["_enter_exit_ms"] = {m: statistics.median(v) for m, v in enter_exit.items()}
     return times, cpu
 
 
@@ -154,28 +175,53 @@ def spawn_ranks(worker, ranks: int, *args, timeout: float = 1800):
     return result
 
 
+def paired_summary(values: dict, base: str = "none") -> dict:
+    """Per mode: median, and the median / quartiles of its per-round ratio to ``base`` in the same round
+    (rounds of all runs pooled). ``values``: {mode: [per-round value, ...]} in round order."""
+    out = {}
+    for m, v in values.items():
+        ratios = sorted(x / b for x, b in zip(v, values[base]))
+        q = lambda p: ratios[min(len(ratios) - 1, int(p * len(ratios)))]  # noqa: E731
+        out[m] = {"median": statistics.median(v), "ratio": statistics.median(ratios), "q1": q(0.25), "q3": q(0.75)}
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3, help="fresh rank processes per run (memory layouts differ)")
     a = ap.parse_args(argv)
-    times, cpu, n_events = spawn_ranks(_worker, a.ranks, a.rounds, a.iters)
-    base = statistics.median(times["none"])
-    cbase = statistics.median(cpu["none"])
-    print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; "
-          f"{a.rounds} rounds x {a.iters} steps; recorder kept {n_events} events per round")
-    print(f"cores: {os.cpu_count()}; wall = slowest rank, cpu = sum over ranks (process_time)")
-    print(f"{'mode':<10} {'wall ms/step':>13} {'min':>8} {'max':>8} {'ratio':>7} {'overhead':>9} "
-          f"{'cpu ms/step':>12} {'cpu ratio':>10}")
-    res = {}
+    times = {m: [] for m in MODES}
+    cpu = {m: [] for m in MODES}
+    per_run = []
+    enter_exit = []
+    n_events = None
+    for _ in range(a.runs):
+        t, c, n_events = spawn_ranks(_worker, a.ranks, a.rounds, a.iters)
+        enter_exit.append(t.pop("_enter_exit_ms"))
+        for m in MODES:
+            times[m] += t[m]
+            cpu[m] += c[m]
+        per_run.append({m: statistics.median(x / b for x, b in zip(t[m], t["none"])) for m in MODES})
+    wall, cpus = paired_summary(times), paired_summary(cpu)
+    print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.runs} runs x "
+          f"{a.rounds} rounds x {a.iters} steps, modes interleaved; recorder kept {n_events} events per round")
+    print(f"cores: {os.cpu_count()}; wall = slowest rank, cpu = sum over ranks (process_time); ratio = median "
+          "of per-round ratios to none [quartiles]")
+    print(f"{'mode':<10} {'wall ms/step':>12} {'wall ratio':>11} {'[q1, q3]':>15} {'per-run wall ratios':>22} "
+          f"{'cpu ms/step':>12} {'cpu ratio':>10} {'[q1, q3]':>15}")
     for m in MODES:
-        med = statistics.median(times[m])
-        cmed = statistics.median(cpu[m])
-        res[m] = {"wall_ratio": med / base, "cpu_ratio": cmed / cbase}
-        print(f"{m:<10} {med * 1e3:>13.2f} {min(times[m]) * 1e3:>8.2f} {max(times[m]) * 1e3:>8.2f} "
-              f"{med / base:>7.3f} {100 * (med / base - 1):>+8.1f}% {cmed * 1e3:>12.2f} {cmed / cbase:>10.3f}")
-    return res
+        w, c = wall[m], cpus[m]
+        runs = " ".join(f"{r[m]:.3f}" for r in per_run)
+        wq = f"[{w['q1']:.3f}, {w['q3']:.3f}]"
+        cq = f"[{c['q1']:.3f}, {c['q3']:.3f}]"
+        print(f"{m:<10} {w['median'] * 1e3:>12.2f} {w['ratio']:>11.3f} {wq:>15} {runs:>22} "
+              f"{c['median'] * 1e3:>12.2f} {c['ratio']:>10.3f} {cq:>15}")
+    print("start + stop of each tool, ms on rank 0 (median per run): "
+          + "; ".join(f"{m} " + " ".join(f"{e[m]:.2f}" for e in enter_exit) for m in MODES if m != "none"))
+    return {"wall": wall, "cpu": cpus, "per_run_wall": per_run, "enter_exit_ms": enter_exit}
 
 
 if __name__ == "__main__":

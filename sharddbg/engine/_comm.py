@@ -834,19 +834,22 @@ def _mesh_dim_of(group_name: str) -> str | None:
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 def _cuda_begin() -> list:
-    from .recorder import new_cuda_event
-
-    e0 = new_cuda_event()
+    e0 = _new_cuda_event()
     e0.record()
     return [e0, None]
 
 
 def _cuda_end(c: list) -> None:
-    from .recorder import new_cuda_event
-
-    e1 = new_cuda_event()
+    e1 = _new_cuda_event()
     e1.record()
     c[1] = e1
+
+
+def _new_cuda_event():
+    from .recorder import new_cuda_event  # bound on first use (recorder imports this module)
+
+    globals()["_new_cuda_event"] = new_cuda_event
+    return new_cuda_event()
 
 
 def cuda_ms(c: list | None) -> float | None:

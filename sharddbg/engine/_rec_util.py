@@ -112,6 +112,28 @@ def user_frame(skip: int = 2) -> tuple[str, int, str] | None:
     return None
 
 
+def user_frame_until(skip: int, stop: Any, stop_answer: Any) -> tuple[str, int, str] | None:
+    """user_frame(), except that reaching the frame ``stop`` (the wrapper frame of the enclosing recorded
+    op, which is on this stack) answers ``stop_answer`` (that op's user frame): a nested op walks only
+    the frames between it and the op that called it."""
+    try:
+        f = sys._getframe(skip)
+    except ValueError:
+        return None
+    internal = _internal_code.get
+    while f is not None:
+        if f is stop:
+            return stop_answer
+        code = f.f_code
+        r = internal(code)
+        if r is None:
+            r = _is_internal(code)
+        if not r:
+            return (code.co_filename, f.f_lineno, code.co_name)
+        f = f.f_back
+    return None
+
+
 def format_frame(fr: Any) -> str | None:
     if fr is None:
         return None

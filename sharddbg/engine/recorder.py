@@ -48,6 +48,7 @@ from ._rec_util import (
     sharding_shapes_plain,
     tensor_info,
     user_frame,
+    user_frame_until,
     would_swallow_type_error,
 )
 
@@ -212,37 +213,39 @@ class Recorder:
             return s
 
     # ---- recording -------------------------------------------------------------------------------
-    def _begin(self, st: _ThreadState, name: str, path: str, handler: str | None, infos: list, phase="forward") -> dict:
+    def _begin(self, st: _ThreadState, name: str, path: str, handler: str | None, infos: list) -> dict:
+        # Hot path: raw references only; every derived or default field is made at export (_export).
         stack = st.stack
-        parent = stack[-1] if stack else None
+        if stack:
+            parent = stack[-1]
+            root = stack[0]
+            # a nested op: walk up only to the enclosing op's wrapper frame, whose user frame is known
+            frame = user_frame_until(3, parent["_wf"], parent["_frame"])
+        else:
+            parent = root = None
+            frame = user_frame(3)
         ev = {
             "kind": "op",
             "seq": next(self._seq),
-            "parent_seq": parent["seq"] if parent is not None else None,
+            "parent": parent,
             "depth": len(stack),
             "op": name,
             "path": path,
             "handler": handler,
-            "phase": phase,
-            "autograd_node": None,
-            "fwd_seq": None,
+            "phase": "forward",
             "module": st.modstack[-1] if st.modstack else None,
-            "_frame": user_frame(3),
+            "_frame": frame,
+            "_wf": sys._getframe(1),  # this op's wrapper frame (held while the op runs, see _close)
             "_in": infos,
-            "_out": None,
-            "out_bytes": 0,
-            "fallback": False,
-            "promotions": None,
-            "error": None,
-            "not_implemented": False,
             "thread": st.tid,
-            "_cuda": None,
-            "t_end_ns": None,
+            "_root": root,  # outermost op on the stack, None for itself (collective attribution)
             "_snr0": _seq_nr(),
+            "_cuda": None,
         }
-        ev["_root"] = stack[0] if stack else ev  # outermost op on the stack (for collective attribution)
-        if any(i[6] == 2 for i in infos):
-            ev["_cuda"] = _cuda_begin()
+        for i in infos:
+            if i[6] == 2:
+                ev["_cuda"] = _cuda_begin()
+                break
         ev["t_start_ns"] = clock.now_ns()
         node = _current_node()
         if node is not None:  # called by the autograd engine (e.g. detach for AccumulateGrad)
@@ -253,43 +256,47 @@ class Recorder:
         stack.append(ev)
         return ev
 
-    def _pop(self, st: _ThreadState, ev: dict) -> None:
-        stack = st.stack
-        while stack:  # robust to a child that never closed
-            if stack.pop() is ev:
-                return
-
     def _keep(self, ev: dict) -> None:
         if len(self._buf) < self.max_events:
             self._buf.append(ev)
         else:
             self.dropped += 1
 
-    def _end(self, st: _ThreadState, ev: dict, res: Any) -> None:
+    def _close(self, st: _ThreadState, ev: dict) -> None:
         ev["t_end_ns"] = clock.now_ns()
-        if ev["_cuda"] is not None:
-            _cuda_end(ev["_cuda"])
-        self._pop(st, ev)
+        c = ev["_cuda"]
+        if c is not None:
+            _cuda_end(c)
+        ev["_wf"] = None  # never keep a frame (and its locals) past the op
+        stack = st.stack
+        while stack:  # robust to a child that never closed
+            if stack.pop() is ev:
+                break
+
+    def _end(self, st: _ThreadState, ev: dict, res: Any) -> None:
+        self._close(st, ev)
         if st.tid == 0 and ev["phase"] == "forward":
             self._fwd_snr1.append(_seq_nr())
             self._fwd_ranges.append((ev["_snr0"], ev))
         if res is NotImplemented:
             ev["not_implemented"] = True
+        elif isinstance(res, torch.Tensor):
+            info = tensor_info(res, _ST)
+            ev["_out"] = info
+            ev["out_bytes"] = info[3]
+            if res.requires_grad if type(res) is torch.Tensor else True:
+                self._hook_backward(ev, (res,))
         else:
             outs = _result_tensors(res)
             if outs:
                 infos = [i for i in (tensor_info(t, _ST) for t in outs) if i is not None]
                 ev["_out"] = infos[0] if infos else None
                 ev["out_bytes"] = sum(i[3] for i in infos)
-                if torch.is_grad_enabled():
-                    self._hook_backward(ev, outs)
+                self._hook_backward(ev, outs)
         self._keep(ev)
 
     def _record_error(self, st: _ThreadState, ev: dict, e: BaseException, unmasked: bool) -> dict:
-        ev["t_end_ns"] = clock.now_ns()
-        if ev["_cuda"] is not None:
-            _cuda_end(ev["_cuda"])
-        self._pop(st, ev)
+        self._close(st, ev)
         seen = self._exc_seen.get(id(e))
         if seen is not None and seen[0] is e:
             err = dict(seen[1], unmasked=seen[1]["unmasked"] or unmasked)  # propagated: point at origin
@@ -338,33 +345,31 @@ class Recorder:
         # Every hook of one backward pass is called from the same Python frame (the one that entered the
         # autograd engine), so the user frame above it is walked once per pass. The frame is held only
         # until the next forward op or the end of the recording (it is alive during the pass anyway).
-        f = sys._getframe(2)
-        if f is self._bw_frame:
+        try:
+            f = sys._getframe(2)
+        except ValueError:  # called from a thread with no Python caller (the CUDA autograd worker)
+            f = None
+        if f is None:
+            uf = None
+        elif f is self._bw_frame:
             uf = self._bw_user_frame
         else:
             uf = user_frame(3)
             self._bw_frame, self._bw_user_frame = f, uf
         del f
+        # op / path / handler / module / fallback come from the forward event at export
         ev = {
             "kind": "op",
             "seq": next(self._seq),
-            "parent_seq": parent["seq"] if parent is not None else None,
+            "parent": parent,
             "depth": len(stack),
-            "op": fwd["op"],
-            "path": fwd["path"],
-            "handler": fwd["handler"],
             "phase": "backward",
+            "_fwd": fwd,
             "autograd_node": box[4],
-            "fwd_seq": fwd["seq"],
-            "module": fwd["module"],
             "_frame": uf or fwd["_frame"],
             "_in": gout,
             "_out": gin[0] if gin else None,
             "out_bytes": sum(i[3] for i in gin),
-            "fallback": fwd["fallback"],
-            "promotions": None,
-            "error": None,
-            "not_implemented": False,
             "thread": st.tid,
             "_cuda": None,
             "t_start_ns": t0,
@@ -433,23 +438,28 @@ class Recorder:
 # ---- export helpers (run at stop/snapshot time, never on the hot path) ---------------------------
 
 def _export(ev: dict, in_flight: bool) -> dict:
+    get = ev.get
     ins = ev["_in"] or []
-    out = ev["_out"]
+    out = get("_out")
     first = out if out is not None else (ins[0] if ins else None)
     dist_out = out if out is not None and out[2] is not None else next((i for i in ins if i[2] is not None), None)
-    t0, t1 = ev["t_start_ns"], ev["t_end_ns"]
+    t0, t1 = ev["t_start_ns"], get("t_end_ns")
     dev_ms, mem = _cuda_read(ev["_cuda"])
+    parent = ev["parent"]
+    fwd = get("_fwd")  # a backward event: what it runs the backward of
+    src = fwd if fwd is not None else ev
+    err = get("error")
     return {
         "kind": "op",
         "seq": ev["seq"],
-        "parent_seq": ev["parent_seq"],
+        "parent_seq": parent["seq"] if parent is not None else None,
         "depth": ev["depth"],
-        "op": ev["op"],
-        "path": ev["path"],
-        "handler": ev["handler"],
+        "op": src["op"],
+        "path": src["path"],
+        "handler": src["handler"],
         "phase": ev["phase"],
-        "autograd_node": ev["autograd_node"],
-        "module": ev["module"],
+        "autograd_node": get("autograd_node"),
+        "module": src["module"],
         "user_frame": format_frame(ev["_frame"]),
         "in_local_shapes": [shape_list(i[0]) for i in ins],
         "in_global_shapes": [shape_list(i[1]) for i in ins],
@@ -459,21 +469,21 @@ def _export(ev: dict, in_flight: bool) -> dict:
         "dtype": str(first[4]).removeprefix("torch.") if first is not None else None,
         "sharding_shapes": sharding_shapes_plain(out[5]) if out is not None else None,
         "in_bytes": int(sum(i[3] for i in ins)),
-        "out_bytes": int(ev["out_bytes"]),
+        "out_bytes": int(get("out_bytes", 0)),
         "t_start_ns": int(t0),
         "t_end_ns": int(t1) if t1 is not None else None,
         "host_ms": (t1 - t0) / 1e6 if t1 is not None else None,
         "device_ms": dev_ms,
         "mem_delta_bytes": mem,
-        "error": dict(ev["error"]) if ev["error"] is not None else None,
-        "fwd_seq": ev["fwd_seq"],
+        "error": dict(err) if err is not None else None,
+        "fwd_seq": fwd["seq"] if fwd is not None else None,
         "in_placements": [placements_str(i[2]) for i in ins],
-        "fallback": bool(ev["fallback"]),
+        "fallback": bool(src.get("fallback", False)),
         "promotions": [
             {"param": p[0], "shape": shape_list(p[1]), "dtype": str(p[2]).removeprefix("torch.")}
-            for p in list(ev["promotions"] or ())
+            for p in list(get("promotions") or ())
         ],
-        "not_implemented": bool(ev["not_implemented"]),
+        "not_implemented": bool(get("not_implemented", False)),
         "in_flight": in_flight,
         "thread": ev["thread"],
     }
@@ -768,9 +778,10 @@ def _install(rec: Recorder, patches: Patches) -> None:
             st = r._state()
             if st.stack and not st.busy:
                 ev = st.stack[-1]
-                if ev["promotions"] is None:
-                    ev["promotions"] = []
-                ev["promotions"].append((r._params.get(id(tensor)), tensor.shape, tensor.dtype))
+                proms = ev.get("promotions")
+                if proms is None:
+                    proms = ev["promotions"] = []
+                proms.append((r._params.get(id(tensor)), tensor.shape, tensor.dtype))
         return orig_promote(tensor, mesh, *a, **k)
 
     repl = {}
