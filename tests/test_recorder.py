@@ -324,3 +324,31 @@ def pd_isna(v):
     import pandas as pd
 
     return pd.isna(v)
+
+
+def test_backward_hook_on_a_thread_without_python_frames(cl):
+    # On CUDA the autograd engine runs backward nodes on its own device thread, which has no Python
+    # frame above the hook: the recorder must still record the backward event (a frame lookup there
+    # once raised inside the hook, losing every backward event on GPUs).
+    cl.run("""
+import _thread, threading
+R.start()
+yb = x * 2.0
+_box = yb.grad_fn.metadata["sharddbg"]
+_done = threading.Event()
+def _as_engine_thread():
+    try:
+        _box[1]._backward_event(_box, (), ())
+    finally:
+        _done.set()
+_thread.start_new_thread(_as_engine_thread, ())
+_done.wait(30)
+bt_final = R.stop()
+""", timeout=60)
+    for payload in _pull(cl, "bt_final"):
+        assert payload["meta"]["internal_errors"] == []
+        bw = [e for e in payload["events"] if e["kind"] == "op" and e["phase"] == "backward"]
+        fw = {e["seq"]: e for e in payload["events"] if e["kind"] == "op" and e["phase"] == "forward"}
+        assert len(bw) == 1 and bw[0]["thread"] == 1, bw
+        fwd = fw[bw[0]["fwd_seq"]]
+        assert bw[0]["op"] == fwd["op"] and bw[0]["user_frame"] == fwd["user_frame"] is not None
