@@ -352,3 +352,22 @@ bt_final = R.stop()
         assert len(bw) == 1 and bw[0]["thread"] == 1, bw
         fwd = fw[bw[0]["fwd_seq"]]
         assert bw[0]["op"] == fwd["op"] and bw[0]["user_frame"] == fwd["user_frame"] is not None
+
+
+def test_internal_frames_recognised_through_dotdot_paths():
+    # A checkout imported through a path such as bench/../sharddbg (sys.path entries are not normalised)
+    # must still count as sharddbg's own frames, or user_frame stops inside the recorder.
+    import os
+
+    import sharddbg
+    from sharddbg.engine import _rec_util as U
+
+    pkg = os.path.dirname(os.path.abspath(sharddbg.__file__))
+    odd = os.path.join(pkg, "engine", "..", "engine", "recorder.py")
+    assert U._is_internal(compile("0", odd, "eval"))
+    # the same code from another file (code objects compare equal by content, not by file)
+    assert not U._is_internal(compile("0", "/tmp/user_notebook_cell.py", "eval"))
+    # physicsnemo's frames are internal even when it is imported after sharddbg
+    import physicsnemo.domain_parallel.shard_tensor as stm
+
+    assert U._is_internal(stm.ShardTensor.__dict__["__torch_function__"].__func__.__code__)

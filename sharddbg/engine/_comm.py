@@ -481,14 +481,15 @@ class CommRecorder:
         gs = self.group_seq.get(gname, 0)
         self.group_seq[gname] = gs + 1
         node = _current_node()
+        bw = None
         if node is not None:
             phase = "backward"
             anode = node.name()
             n = node._sequence_nr()
-            op = fwd_lookup(rec._fwd_snr1, rec._fwd_ranges, n)
-            if op is None:
-                op = rec._fwd_op_of_node(node)
-            outer = (op.get("_root") or op) if op is not None else None
+            # the forward op that made this node: looked up at export among the forward ops that had
+            # ended by now (their count is the limit), or the op whose output node this is
+            bw = (n, len(rec._fwd_ranges), node.metadata.get("sharddbg"))
+            op = outer = None
             param = None
             if kind in _GRAD_REDUCTIONS:
                 if n == self._param_node:  # weight and bias of one node: walk its inputs once
@@ -531,6 +532,7 @@ class CommRecorder:
             "waited": False,
             "_op": op,
             "_outer": outer,
+            "_bw": bw,
             "phase": phase,
             "autograd_node": anode,
             "param": param,
@@ -873,10 +875,17 @@ _STORED_KEYS = frozenset(EXPORT_KEYS) - {"coll", "aten_op", "api", "group_ranks"
                                          "op_seq", "outer_op", "outer_op_seq"}
 
 
-def export(ev: dict, in_flight: bool) -> dict:
+def export(ev: dict, in_flight: bool, rec: Any = None) -> dict:
     kind, api, _handler, _names, base = ev["_s"]
     ranks, mesh_dim = ev["_g"]
     op, outer = ev["_op"], ev["_outer"]
+    bw = ev["_bw"]
+    if bw is not None and rec is not None:  # backward: the forward op that made the node
+        n, limit, box = bw
+        op = fwd_lookup(rec._fwd_snr1, rec._fwd_ranges, n, limit)
+        if op is None and box is not None and box[1] is rec:
+            op = box[0]
+        outer = (op.get("_root") or op) if op is not None else None
     out = {k: ev.get(k) for k in EXPORT_KEYS if k in _STORED_KEYS}
     out.update(
         coll=kind, aten_op=base, api=api, group_ranks=ranks, mesh_dim=mesh_dim,

@@ -76,21 +76,30 @@ def qualname(fn: Any) -> str | None:
 # --- user frame --------------------------------------------------------------------------------
 
 def _pkg_dir(modname: str) -> str | None:
-    mod = sys.modules.get(modname)
-    f = getattr(mod, "__file__", None)
-    return os.path.dirname(os.path.abspath(f)) + os.sep if f else None
+    """The package's directory, found without importing it (physicsnemo may be imported after us)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(modname)
+    except (ImportError, ValueError):
+        return None
+    locs = list(spec.submodule_search_locations or ()) if spec is not None else []
+    return os.path.realpath(locs[0]) + os.sep if locs else None
 
 
 _INTERNAL_PREFIXES = tuple(p for p in (_pkg_dir("torch"), _pkg_dir("physicsnemo"), _pkg_dir("sharddbg")) if p)
-_internal_code: dict[Any, bool] = {}
+# verdict per file name (it depends on nothing else; code objects compare equal across files)
+_internal_code: dict[str, bool] = {}
 
 
 def _is_internal(code) -> bool:
+    fn = code.co_filename
     try:
-        return _internal_code[code]
+        return _internal_code[fn]
     except KeyError:
-        r = code.co_filename.startswith(_INTERNAL_PREFIXES)
-        _internal_code[code] = r
+        # normalised once per file: a path such as bench/../sharddbg/x.py is sharddbg's too
+        r = fn.startswith(_INTERNAL_PREFIXES) or os.path.realpath(fn).startswith(_INTERNAL_PREFIXES)
+        _internal_code[fn] = r
         return r
 
 
@@ -103,7 +112,7 @@ def user_frame(skip: int = 2) -> tuple[str, int, str] | None:
     internal = _internal_code.get  # inlined cache lookup: this walk runs for every recorded event
     while f is not None:
         code = f.f_code
-        r = internal(code)
+        r = internal(code.co_filename)
         if r is None:
             r = _is_internal(code)
         if not r:
@@ -125,7 +134,7 @@ def user_frame_until(skip: int, stop: Any, stop_answer: Any) -> tuple[str, int, 
         if f is stop:
             return stop_answer
         code = f.f_code
-        r = internal(code)
+        r = internal(code.co_filename)
         if r is None:
             r = _is_internal(code)
         if not r:

@@ -86,11 +86,14 @@ def _tracing() -> bool:
 
 
 class _ThreadState:
-    __slots__ = ("stack", "modstack", "busy", "tid", "cdepth", "cmode")
+    __slots__ = ("stack", "modstack", "modframes", "busy", "tid", "cdepth", "cmode")
 
     def __init__(self, tid: int) -> None:
         self.stack: list[dict] = []  # open op events, innermost last
         self.modstack: list[str] = []  # module paths, innermost last
+        # per running module: (its Module._call_impl frame, the user frame that called it), so that an op
+        # inside walks up only to there (held while that forward runs; popped with modstack)
+        self.modframes: list[tuple] = []
         self.busy = False  # inside our own bookkeeping: let any re-entry pass unrecorded
         self.tid = tid
         self.cdepth = 0  # inside a collective being recorded (engine/_comm.py): nested ones are its own
@@ -182,14 +185,16 @@ class Recorder:
                 pass
         self._bw_handles.clear()
         self._bw_frame = None
+        for st in list(self._states.values()):
+            st.modframes.clear()  # a forward the recording ended inside: its frames are not ours to keep
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()  # so device_ms of every event can be read
         # Formatting into schema records happens on first access of .events / payload(), not here:
         # the recorder's exit stays cheap inside timed user code.
         self._exc_seen.clear()
         self._roots.clear()
-        self._fwd_snr1 = []
-        self._fwd_ranges = []
+        # _fwd_snr1 / _fwd_ranges stay until the events are formatted: backward collectives are
+        # attributed to their forward op then
         if errs:
             raise RecorderError(f"restoring hooks failed: {errs!r}")
 
@@ -200,6 +205,8 @@ class Recorder:
             return self._export_all(include_in_flight=False)
         if self._final_events is None:
             self._final_events = self._export_all(include_in_flight=False)
+            self._fwd_snr1 = []
+            self._fwd_ranges = []
         return self._final_events
 
     # ---- per-thread state ------------------------------------------------------------------------
@@ -223,7 +230,8 @@ class Recorder:
             frame = user_frame_until(3, parent["_wf"], parent["_frame"])
         else:
             parent = root = None
-            frame = user_frame(3)
+            mf = st.modframes
+            frame = user_frame_until(3, mf[-1][0], mf[-1][1]) if mf else user_frame(3)
         ev = {
             "kind": "op",
             "seq": next(self._seq),
@@ -378,19 +386,6 @@ class Recorder:
         box[2] = None
         self._keep(ev)
 
-    def _fwd_op_of_node(self, node: Any) -> dict | None:
-        """The innermost forward op (thread 0) during which this autograd node was created."""
-        try:
-            n = node._sequence_nr()
-        except Exception:  # noqa: BLE001
-            return None
-        ev = _comm.fwd_lookup(self._fwd_snr1, self._fwd_ranges, n)
-        if ev is None:
-            box = node.metadata.get("sharddbg") if hasattr(node, "metadata") else None
-            if box is not None and box[1] is self:
-                ev = box[0]
-        return ev
-
     def _module_name(self, m: Any, st: _ThreadState) -> str:
         name = self._modnames.get(id(m))
         if name is not None:
@@ -411,7 +406,7 @@ class Recorder:
     # ---- export ----------------------------------------------------------------------------------
     def _export_all(self, include_in_flight: bool) -> list[dict]:
         done = list(self._buf)  # list() of a list is atomic under the GIL: safe from another thread
-        out = [_export(ev, False) if ev["kind"] == "op" else _comm.export(ev, False) for ev in done]
+        out = [_export(ev, False) if ev["kind"] == "op" else _comm.export(ev, False, self) for ev in done]
         if include_in_flight:
             for st in list(self._states.values()):
                 for ev in list(st.stack):
@@ -848,6 +843,14 @@ def _install(rec: Recorder, patches: Patches) -> None:
         if r is not None:
             st = r._state()
             st.modstack.append(r._module_name(m, st))
+            mf = st.modframes
+            try:
+                f = sys._getframe(1)  # Module._call_impl, which calls the global hooks itself
+            except ValueError:
+                f = None
+            # the module's user frame: above _call_impl, up to the enclosing module's _call_impl
+            uf = user_frame_until(2, mf[-1][0], mf[-1][1]) if mf else user_frame(2)
+            mf.append((f, uf))
 
     def _mod_post(m, inputs, output):
         r = _ACTIVE
@@ -855,6 +858,8 @@ def _install(rec: Recorder, patches: Patches) -> None:
             st = r._state()
             if st.modstack:
                 st.modstack.pop()
+            if st.modframes:
+                st.modframes.pop()
 
     h1 = nnmod.register_module_forward_pre_hook(_mod_pre)
     patches.add_undo(h1.remove)
