@@ -46,6 +46,7 @@ Nothing here calls a collective or dispatches a tensor op; reading shapes/numel/
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import traceback
 from typing import Any
@@ -191,8 +192,30 @@ def _is_plain(t: type) -> bool:
         return p
 
 
+class _TensorMeta:
+    """What the byte counts need of a collective's input tensor, kept instead of the tensor itself."""
+
+    __slots__ = ("shape", "dtype", "_esize")
+
+    def __init__(self, shape, dtype, esize: int) -> None:
+        self.shape, self.dtype, self._esize = shape, dtype, esize
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self._esize
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+# funcol ops whose schema is (input, ..., group_name) and whose bytes depend only on sizes and plain args
+_FAST_HANDLERS = frozenset({"f_same", "f_all_to_all", "f_all_gather", "f_reduce_scatter"})
+
+
 def _nb(t: Any) -> int:
-    if isinstance(t, torch.Tensor):
+    if isinstance(t, (torch.Tensor, _TensorMeta)):
         return t.numel() * t.element_size()
     if isinstance(t, (list, tuple)):
         return sum(_nb(x) for x in t)
@@ -460,24 +483,36 @@ class CommRecorder:
         # the op fields are filled in by export().
         rec = self.rec
         kind, api, handler, names, base = s
-        v = dict(zip(names, args))
-        if kwargs:
-            v.update(kwargs)
-        if api == "functional":
-            gname = v.get("group_name")
+        if (not kwargs and handler in _FAST_HANDLERS and len(args) == len(names)
+                and isinstance(args[0], torch.Tensor)):
+            # funcol's common ops, called positionally: input first, group_name last. Keep the sizes and
+            # the other (plain) arguments; bytes and splits are worked out at export.
+            t0 = args[0]
+            gname = args[-1]
             if type(gname) is not str:
                 gname = str(gname)
             g = self.groups.get(gname) or self._group(gname)
+            bm = (t0.shape, t0.dtype, t0.element_size(), args[1:])
+            sent = recv = ss = sr = peer = root = None
         else:
-            import torch.distributed as dist
+            bm = None
+            v = dict(zip(names, args))
+            if kwargs:
+                v.update(kwargs)
+            if api == "functional":
+                gname = v.get("group_name")
+                if type(gname) is not str:
+                    gname = str(gname)
+                g = self.groups.get(gname) or self._group(gname)
+            else:
+                import torch.distributed as dist
 
-            pg = dist.ProcessGroup.unbox(v["process_group"])
-            gname = pg.group_name
-            g = self.groups.get(gname) or self._group(gname, pg)
-        ranks = g[0]
-        if not ranks:
-            ev_gsize = int(v.get("group_size") or 0) or None
-        sent, recv, ss, sr, peer, root, t0 = _bytes(handler, v, ranks, rec.rank)
+                pg = dist.ProcessGroup.unbox(v["process_group"])
+                gname = pg.group_name
+                g = self.groups.get(gname) or self._group(gname, pg)
+            sent, recv, ss, sr, peer, root, t0 = _bytes(handler, v, g[0], rec.rank)
+            if not g[0]:
+                ev_gsize = int(v.get("group_size") or 0) or None
         gs = self.group_seq.get(gname, 0)
         self.group_seq[gname] = gs + 1
         node = _current_node()
@@ -516,6 +551,7 @@ class CommRecorder:
             "_s": s,
             "group_name": gname,
             "_g": g,
+            "_bm": None,
             "peer": peer,
             "root": root,
             "bytes_sent": sent,
@@ -539,7 +575,9 @@ class CommRecorder:
             "thread": st.tid,
             "_cuda": _cuda_begin() if t0 is not None and t0.is_cuda else None,
         }
-        if not ranks:
+        if bm is not None:
+            ev["_bm"] = bm
+        elif not g[0]:
             ev["group_size"] = ev_gsize
         self.n += 1
         rec._keep(ev)
@@ -894,6 +932,14 @@ def export(ev: dict, in_flight: bool, rec: Any = None) -> dict:
         outer_op=outer["op"] if outer is not None else None,
         outer_op_seq=outer["seq"] if outer is not None else None,
     )
+    bm = ev["_bm"]
+    if bm is not None:  # sizes kept raw on the hot path (CommRecorder._begin)
+        shape, dtype, esize, rest = bm
+        v = dict(zip(_names, (_TensorMeta(shape, dtype, esize),) + tuple(rest)))
+        sent, recv, ss, sr, peer, root, _ = _bytes(_handler, v, ranks, rec.rank if rec is not None else -1)
+        out.update(bytes_sent=sent, bytes_recv=recv, splits_sent=ss, splits_recv=sr, peer=peer, root=root)
+        if not ranks:
+            out["group_size"] = int(v.get("group_size") or 0) or None
     out = {k: out[k] for k in EXPORT_KEYS}
     out["bytes_sent"] = int(out["bytes_sent"])
     out["bytes_recv"] = int(out["bytes_recv"])
