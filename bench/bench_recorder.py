@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import socket
 import statistics
@@ -132,6 +133,7 @@ def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None):
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
             if _gen_transform_infos is not None:
                 _gen_transform_infos.cache_clear()
+            gc.collect()  # garbage left by the previous block (CommDebugMode, the profiler) is not this one's
             # The tool is started before the clock starts and stopped after it stops, as a traced cell
             # does (%%shard_trace starts the recorder in one round trip and stops it in another):
             # the table is the cost per step; starting and stopping are timed apart (enter_exit_ms).
