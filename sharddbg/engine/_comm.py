@@ -55,6 +55,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import clock
+from ._rec_util import node_name
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
@@ -519,11 +520,12 @@ class CommRecorder:
         bw = None
         if node is not None:
             phase = "backward"
-            anode = node.name()
+            anode = node_name(node)
             n = node._sequence_nr()
             # the forward op that made this node: looked up at export among the forward ops that had
             # ended by now (their count is the limit), or the op whose output node this is
-            bw = (n, len(rec._fwd_ranges), node.metadata.get("sharddbg"))
+            # (the output-node box is only needed for ops of other threads: sequence numbers are per thread)
+            bw = (n, len(rec._fwd_ranges), node.metadata.get("sharddbg") if len(rec._states) > 1 else None)
             op = outer = None
             param = None
             if kind in _GRAD_REDUCTIONS:

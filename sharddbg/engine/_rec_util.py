@@ -73,6 +73,19 @@ def qualname(fn: Any) -> str | None:
     return name
 
 
+_node_names: dict[type, str] = {}
+
+
+def node_name(node: Any) -> str:
+    """``node.name()`` (fixed per node class: C++ nodes and Python Function backward classes alike),
+    cached per class because building the string costs more than looking it up."""
+    try:
+        return _node_names[type(node)]
+    except KeyError:
+        name = _node_names[type(node)] = node.name()
+        return name
+
+
 # --- user frame --------------------------------------------------------------------------------
 
 def _pkg_dir(modname: str) -> str | None:

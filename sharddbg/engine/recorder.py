@@ -41,6 +41,7 @@ from ._hooks import Patches
 from ._rec_util import (
     collect_tensors,
     format_frame,
+    node_name,
     op_name,
     placements_str,
     qualname,
@@ -258,7 +259,7 @@ class Recorder:
         node = _current_node()
         if node is not None:  # called by the autograd engine (e.g. detach for AccumulateGrad)
             ev["phase"] = "backward"
-            ev["autograd_node"] = node.name()
+            ev["autograd_node"] = node_name(node)
         elif self._bw_frame is not None:
             self._bw_frame = None  # a forward op after a backward pass: release that pass's frame
         stack.append(ev)
@@ -336,7 +337,7 @@ class Recorder:
         if box is not None and box[1] is self:
             box[0] = ev  # the same node ends an enclosing op too: attribute it to the outer (later) one
             return
-        box = [ev, self, None, None, node.name()]
+        box = [ev, self, None, None, node_name(node)]
         md["sharddbg"] = box
         # The hooks capture the box, not the node: a node -> hook -> node cycle would leak the graph.
         self._bw_handles.append(node.register_prehook(_make_bw_pre(box)))
