@@ -371,3 +371,34 @@ def test_internal_frames_recognised_through_dotdot_paths():
     import physicsnemo.domain_parallel.shard_tensor as stm
 
     assert U._is_internal(stm.ShardTensor.__dict__["__torch_function__"].__func__.__code__)
+
+
+def test_nothing_recorded_while_torch_compile_traces(cl):
+    # Under torch.compile the wrappers see FakeTensor operands (and funcol ops on them) while dynamo /
+    # AOTAutograd trace: none of that may become an event. The compiled graph then runs on the local
+    # tensors below ShardTensor's hooks.
+    cl.run("""
+_fake_seen = [0]
+_orig_ct = R.collect_tensors
+def _counting_collect(a, k, S, limit=64):
+    infos = _orig_ct(a, k, S, limit)
+    if any(i[6] == 1 for i in infos):
+        _fake_seen[0] += 1
+    return infos
+R.collect_tensors = _counting_collect
+try:
+    _fc = torch.compile(lambda t: (t * 2.0).relu().sum(), backend="aot_eager")
+    _eager = (x * 2.0).relu().sum().full_tensor()
+    R.start()
+    _out = _fc(x)
+    comp_final = R.stop()
+    comp_ok = bool(torch.allclose(_out.full_tensor(), _eager))
+finally:
+    R.collect_tensors = _orig_ct
+comp_fake = _fake_seen[0]
+""", timeout=240)
+    assert all(_pull(cl, "comp_ok"))
+    assert all(n > 0 for n in _pull(cl, "comp_fake")), "the trace never reached the recorder's wrappers"
+    for payload in _pull(cl, "comp_final"):
+        assert payload["meta"]["internal_errors"] == [] and payload["meta"]["reentries"] == 0
+        assert payload["events"] == [], payload["events"][:3]

@@ -58,6 +58,11 @@ from . import clock
 from ._rec_util import node_name
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+try:
+    from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
+except Exception:  # pragma: no cover - another torch layout
+    class _FakeTensor:  # type: ignore[no-redef]
+        pass
 
 # aten-level op name -> (kind shown to users, api, handler name)
 _SPECS: dict[str, tuple[str, str, str]] = {
@@ -451,7 +456,9 @@ class CommRecorder:
             self._wrapped(args, res)
             return res
         st = rec._state()
-        if st.busy:
+        if st.busy or self._R._tracing() or (args and isinstance(args[0], _FakeTensor)):
+            # busy: our own bookkeeping; tracing: torch.compile runs the op on fake tensors, nothing
+            # is communicated (the compiled graph's collectives run later, below these hooks)
             return func(*args, **kwargs)
         try:
             ev = self._begin(func, s, args, kwargs, st)
