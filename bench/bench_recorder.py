@@ -1,15 +1,18 @@
 """Overhead of the sharddbg recorder on a small sharded conv net, forward + backward, 4 gloo CPU ranks.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_recorder.py [--ranks 4] [--rounds 7] [--iters 5]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_recorder.py [--ranks 4] [--runs 3] [--rounds 11] [--iters 5]
 
 Compares, in ONE run, interleaved round by round so that machine noise hits every mode alike:
-  none        plain eager
-  recorder    sharddbg.engine.recorder.Recorder (everything issue 3 records switched on)
-  commdebug   torch.distributed.tensor.debug.CommDebugMode
-  profiler    torch.profiler (CPU activity, record_shapes=True)
-Each mode runs `iters` fwd+bwd steps inside ONE context per round (as a traced cell would);
-the time per step is the slowest rank's, and the table reports medians over rounds and the ratio
-to `none`. Input (1, 8, 128, 64) sharded on H over the domain ranks, patches registered.
+  none          plain eager
+  recorder_ops  Recorder(comm=False): everything issue 3 records (ops, dispatch paths, shapes, modules,
+                user frames, backward events, promotions, errors, CUDA time and memory on GPUs)
+  recorder      Recorder(): the default, the above plus every collective (issue 4)
+  commdebug     torch.distributed.tensor.debug.CommDebugMode
+  profiler      torch.profiler (CPU activity, record_shapes=True)
+Each mode runs `iters` fwd+bwd steps per round with the tool started before and stopped after the
+timed steps (as a traced cell); the time per step is the slowest rank's (wall) and the sum over ranks
+(CPU); the table reports the median of per-round ratios to `none` with quartiles, over `runs` runs of
+fresh rank processes. Input (1, 8, 128, 64) sharded on H over the domain ranks, patches registered.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-MODES = ("none", "recorder", "commdebug", "profiler")
+MODES = ("none", "recorder_ops", "recorder", "commdebug", "profiler")
 
 
 def _free_port() -> int:
@@ -60,10 +63,10 @@ def _mode_ctx(mode: str):
 
     if mode == "none":
         return contextlib.nullcontext()
-    if mode == "recorder":
+    if mode in ("recorder", "recorder_ops"):
         from sharddbg.engine.recorder import Recorder
 
-        return Recorder()
+        return Recorder(comm=(mode == "recorder"))
     if mode == "commdebug":
         from torch.distributed.tensor.debug import CommDebugMode
 
@@ -221,6 +224,7 @@ def main(argv=None) -> dict:
         cq = f"[{c['q1']:.3f}, {c['q3']:.3f}]"
         print(f"{m:<10} {w['median'] * 1e3:>12.2f} {w['ratio']:>11.3f} {wq:>15} {runs:>22} "
               f"{c['median'] * 1e3:>12.2f} {c['ratio']:>10.3f} {cq:>15}")
+    print("(recorder_ops: everything issue 3 records; recorder: the default, plus every collective)")
     print("start + stop of each tool, ms on rank 0 (median per run): "
           + "; ".join(f"{m} " + " ".join(f"{e[m]:.2f}" for e in enter_exit) for m in MODES if m != "none"))
     return {"wall": wall, "cpu": cpus, "per_run_wall": per_run, "enter_exit_ms": enter_exit}
