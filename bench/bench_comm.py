@@ -24,7 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_recorder import _setup, paired_summary, spawn_ranks, time_modes  # noqa: E402
+from bench_recorder import _setup, paired_summary, run_pooled, time_modes  # noqa: E402
 
 MODES = ("none", "recorder_ops", "recorder")
 
@@ -80,15 +80,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="fresh rank processes per run (memory layouts differ)")
     a = ap.parse_args(argv)
-    times = {m: [] for m in MODES}
-    cpu = {m: [] for m in MODES}
-    counts = None
-    for _ in range(a.runs):
-        t, c, counts = spawn_ranks(_worker, a.ranks, a.rounds, a.iters)
-        t.pop("_enter_exit_ms")
-        for m in MODES:
-            times[m] += t[m]
-            cpu[m] += c[m]
+    times, cpu, _per_run, _enter_exit, counts = run_pooled(_worker, MODES, a)
     wall, cpus = paired_summary(times), paired_summary(cpu)
     print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.runs} runs x {a.rounds} "
           f"rounds x {a.iters} steps; per step on rank 0: (ops, collectives) = {counts}")

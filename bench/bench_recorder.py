@@ -191,6 +191,23 @@ def paired_summary(values: dict, base: str = "none") -> dict:
     return out
 
 
+def run_pooled(worker, modes, a):
+    """``a.runs`` runs of fresh rank processes (``spawn_ranks(worker, a.ranks, a.rounds, a.iters)``, the worker
+    putting (times, cpu, extra) from ``time_modes``); per-round values pooled per mode.
+    Returns (times, cpu, per-run median wall ratios, per-run start+stop ms, the last run's extra)."""
+    times = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}
+    per_run, enter_exit, extra = [], [], None
+    for _ in range(a.runs):
+        t, c, extra = spawn_ranks(worker, a.ranks, a.rounds, a.iters)
+        enter_exit.append(t.pop("_enter_exit_ms"))
+        for m in modes:
+            times[m] += t[m]
+            cpu[m] += c[m]
+        per_run.append({m: statistics.median(x / b for x, b in zip(t[m], t["none"])) for m in modes})
+    return times, cpu, per_run, enter_exit, extra
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=4)
@@ -198,18 +215,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="fresh rank processes per run (memory layouts differ)")
     a = ap.parse_args(argv)
-    times = {m: [] for m in MODES}
-    cpu = {m: [] for m in MODES}
-    per_run = []
-    enter_exit = []
-    n_events = None
-    for _ in range(a.runs):
-        t, c, n_events = spawn_ranks(_worker, a.ranks, a.rounds, a.iters)
-        enter_exit.append(t.pop("_enter_exit_ms"))
-        for m in MODES:
-            times[m] += t[m]
-            cpu[m] += c[m]
-        per_run.append({m: statistics.median(x / b for x, b in zip(t[m], t["none"])) for m in MODES})
+    times, cpu, per_run, enter_exit, n_events = run_pooled(_worker, MODES, a)
     wall, cpus = paired_summary(times), paired_summary(cpu)
     print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.runs} runs x "
           f"{a.rounds} rounds x {a.iters} steps, modes interleaved; recorder kept {n_events} events per round")

@@ -55,7 +55,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import clock
-from ._rec_util import node_name
+from ._rec_util import new_cuda_event, node_name
 
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 try:
@@ -883,22 +883,15 @@ def _mesh_dim_of(group_name: str) -> str | None:
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 def _cuda_begin() -> list:
-    e0 = _new_cuda_event()
+    e0 = new_cuda_event()
     e0.record()
     return [e0, None]
 
 
 def _cuda_end(c: list) -> None:
-    e1 = _new_cuda_event()
+    e1 = new_cuda_event()
     e1.record()
     c[1] = e1
-
-
-def _new_cuda_event():
-    from .recorder import new_cuda_event  # bound on first use (recorder imports this module)
-
-    globals()["_new_cuda_event"] = new_cuda_event
-    return new_cuda_event()
 
 
 def cuda_ms(c: list | None) -> float | None:
@@ -918,10 +911,6 @@ EXPORT_KEYS = ("kind", "seq", "group_seq", "coll", "aten_op", "api", "group_name
                "mesh_dim", "peer", "root", "bytes_sent", "bytes_recv", "splits_sent", "splits_recv", "dtype",
                "shape", "async", "t_issue_ns", "t_return_ns", "t_done_ns", "wait_op_seq", "waited", "op", "op_seq",
                "outer_op", "outer_op_seq", "phase", "autograd_node", "param", "thread")
-_STORED_KEYS = frozenset(EXPORT_KEYS) - {"coll", "aten_op", "api", "group_ranks", "group_size", "mesh_dim", "op",
-                                         "op_seq", "outer_op", "outer_op_seq"}
-
-
 def export(ev: dict, in_flight: bool, rec: Any = None) -> dict:
     kind, api, _handler, _names, base = ev["_s"]
     ranks, mesh_dim = ev["_g"]
@@ -933,8 +922,8 @@ def export(ev: dict, in_flight: bool, rec: Any = None) -> dict:
         if op is None and box is not None and box[1] is rec:
             op = box[0]
         outer = (op.get("_root") or op) if op is not None else None
-    out = {k: ev.get(k) for k in EXPORT_KEYS if k in _STORED_KEYS}
-    out.update(
+    # fields kept raw on the hot path (CommRecorder._begin), worked out here
+    derived = dict(
         coll=kind, aten_op=base, api=api, group_ranks=ranks, mesh_dim=mesh_dim,
         group_size=len(ranks) if ranks else ev.get("group_size"),
         op=op["op"] if op is not None else None, op_seq=op["seq"] if op is not None else None,
@@ -942,14 +931,14 @@ def export(ev: dict, in_flight: bool, rec: Any = None) -> dict:
         outer_op_seq=outer["seq"] if outer is not None else None,
     )
     bm = ev["_bm"]
-    if bm is not None:  # sizes kept raw on the hot path (CommRecorder._begin)
+    if bm is not None:  # funcol fast path: sizes and plain arguments
         shape, dtype, esize, rest = bm
         v = dict(zip(_names, (_TensorMeta(shape, dtype, esize),) + tuple(rest)))
         sent, recv, ss, sr, peer, root, _ = _bytes(_handler, v, ranks, rec.rank if rec is not None else -1)
-        out.update(bytes_sent=sent, bytes_recv=recv, splits_sent=ss, splits_recv=sr, peer=peer, root=root)
+        derived.update(bytes_sent=sent, bytes_recv=recv, splits_sent=ss, splits_recv=sr, peer=peer, root=root)
         if not ranks:
-            out["group_size"] = int(v.get("group_size") or 0) or None
-    out = {k: out[k] for k in EXPORT_KEYS}
+            derived["group_size"] = int(v.get("group_size") or 0) or None
+    out = {k: derived[k] if k in derived else ev.get(k) for k in EXPORT_KEYS}
     out["bytes_sent"] = int(out["bytes_sent"])
     out["bytes_recv"] = int(out["bytes_recv"])
     if out["dtype"] is not None and not isinstance(out["dtype"], str):

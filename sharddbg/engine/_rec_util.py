@@ -73,6 +73,17 @@ def qualname(fn: Any) -> str | None:
     return name
 
 
+def new_cuda_event():
+    """A timing event recorded on the current stream. ``torch.Event`` (C++) finds the current stream
+    itself; ``torch.cuda.Event.record()`` builds a Python Stream object first (~15-35 us per event)."""
+    return torch.Event("cuda", enable_timing=True)
+
+
+if not hasattr(torch, "Event"):  # older torch
+    def new_cuda_event():  # noqa: F811
+        return torch.cuda.Event(enable_timing=True)
+
+
 _node_names: dict[type, str] = {}
 
 
@@ -118,20 +129,7 @@ def _is_internal(code) -> bool:
 
 def user_frame(skip: int = 2) -> tuple[str, int, str] | None:
     """(file, line, function) of the first frame outside torch, physicsnemo and sharddbg."""
-    try:
-        f = sys._getframe(skip)
-    except ValueError:
-        return None
-    internal = _internal_code.get  # inlined cache lookup: this walk runs for every recorded event
-    while f is not None:
-        code = f.f_code
-        r = internal(code.co_filename)
-        if r is None:
-            r = _is_internal(code)
-        if not r:
-            return (code.co_filename, f.f_lineno, code.co_name)
-        f = f.f_back
-    return None
+    return user_frame_until(skip + 1, None, None)
 
 
 def user_frame_until(skip: int, stop: Any, stop_answer: Any) -> tuple[str, int, str] | None:

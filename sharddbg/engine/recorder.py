@@ -41,6 +41,7 @@ from ._hooks import Patches
 from ._rec_util import (
     collect_tensors,
     format_frame,
+    new_cuda_event,
     node_name,
     op_name,
     placements_str,
@@ -293,8 +294,7 @@ class Recorder:
             info = tensor_info(res, _ST)
             ev["_out"] = info
             ev["out_bytes"] = info[3]
-            if res.requires_grad if type(res) is torch.Tensor else True:
-                self._hook_backward(ev, (res,))
+            self._hook_backward(ev, (res,))
         else:
             outs = _result_tensors(res)
             if outs:
@@ -543,17 +543,6 @@ def _allocated_bytes() -> int:
 
 _cuda_stats = getattr(torch._C, "_cuda_memoryStats", None)
 _cuda_dev = torch.cuda.current_device
-
-
-def new_cuda_event():
-    """A timing event recorded on the current stream. ``torch.Event`` (C++) finds the current stream
-    itself; ``torch.cuda.Event.record()`` builds a Python Stream object first (~15-35 us per event)."""
-    return torch.Event("cuda", enable_timing=True)
-
-
-if not hasattr(torch, "Event"):  # older torch
-    def new_cuda_event():  # noqa: F811
-        return torch.cuda.Event(enable_timing=True)
 
 
 def _cuda_begin() -> list:
