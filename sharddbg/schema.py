@@ -20,7 +20,7 @@ kinds so that records of one rank interleave correctly). Times are ns on the ran
 (``sharddbg.engine.clock``); the client subtracts the per-rank offset it measured. ``None`` means
 "not measured" (e.g. ``device_ms`` on CPU) and becomes NaN in DataFrames.
 
-Payload (what ``recorder.stop()`` / ``recorder.snapshot()`` return on one rank)::
+Payload (what ``recorder.stop()`` / ``recorder.peek()`` return on one rank)::
 
     {"format": "sharddbg.payload", "schema_version": 2, "rank": 0, "world_size": 4,
      "complete": True,            # False for a snapshot of a recorder still running (e.g. a hung rank)

@@ -60,7 +60,7 @@ class Trace:
     def from_payloads(cls, payloads: list | dict, clock_offsets_ns: dict | list | None = None,
                       meta: dict | None = None, incomplete_ranks: Iterable[int] = ()) -> "Trace":
         """``payloads``: per rank (list in rank order, or {rank: payload}); ``None`` for a rank that
-        returned nothing. Payloads from ``snapshot()`` (``complete`` False) mark their rank incomplete.
+        returned nothing. Payloads from ``recorder.peek()`` (``complete`` False) mark their rank incomplete.
         ``clock_offsets_ns``: {rank: ns} or a list in rank order (default: all 0).
         """
         items = payloads.items() if isinstance(payloads, dict) else enumerate(payloads)

@@ -555,13 +555,13 @@ class Cluster:
     def diagnose(self, ranks=None, timeout: float = 5.0) -> dict[int, dict | None]:
         """Each rank's stack and Flight Recorder, answered by its control thread even while it is blocked."""
         self._require_running()
-        from ..engine.diagnose import MSG_TYPE
+        from ..engine.api import DIAGNOSE_REQUEST
 
         ranks = self._ranks(ranks)
         futures = {}
         for rank in ranks:
             ident = self.client._build_targets([self.engine_ids[rank]])[0][0]
-            futures[rank] = self.client._send(self.client._control_stream, MSG_TYPE, content={}, ident=ident)
+            futures[rank] = self.client._send(self.client._control_stream, DIAGNOSE_REQUEST, content={}, ident=ident)
         deadline = time.monotonic() + timeout
         replies: dict[int, dict | None] = {}
         for rank, future in futures.items():
@@ -585,7 +585,7 @@ class Cluster:
         NTP-style: for each rank, ``samples`` round trips on the control channel; the one with the
         shortest round trip wins, offset = engine time - midpoint, uncertainty = half its round trip.
         """
-        from ..engine.diagnose import CLOCK_MSG_TYPE
+        from ..engine.api import CLOCK_REQUEST
 
         self._require_running()
         offsets = {}
@@ -594,7 +594,7 @@ class Cluster:
             best = None
             for _ in range(samples):
                 t0 = time.monotonic_ns()
-                future = self.client._send(self.client._control_stream, CLOCK_MSG_TYPE, content={}, ident=ident)
+                future = self.client._send(self.client._control_stream, CLOCK_REQUEST, content={}, ident=ident)
                 try:
                     msg = future.result(timeout=timeout)
                 except Exception as exc:

@@ -8,8 +8,6 @@ and never call ``_spec.sharding_shapes()`` (an all_gather when ``_sharding_shape
 from __future__ import annotations
 
 import dis
-import os
-import sys
 from typing import Any
 
 import torch
@@ -95,71 +93,6 @@ def node_name(node: Any) -> str:
     except KeyError:
         name = _node_names[type(node)] = node.name()
         return name
-
-
-# --- user frame --------------------------------------------------------------------------------
-
-def _pkg_dir(modname: str) -> str | None:
-    """The package's directory, found without importing it (physicsnemo may be imported after us)."""
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(modname)
-    except (ImportError, ValueError):
-        return None
-    locs = list(spec.submodule_search_locations or ()) if spec is not None else []
-    return os.path.realpath(locs[0]) + os.sep if locs else None
-
-
-_INTERNAL_PREFIXES = tuple(p for p in (_pkg_dir("torch"), _pkg_dir("physicsnemo"), _pkg_dir("sharddbg")) if p)
-# verdict per file name (it depends on nothing else; code objects compare equal across files)
-_internal_code: dict[str, bool] = {}
-
-
-def _is_internal(code) -> bool:
-    fn = code.co_filename
-    try:
-        return _internal_code[fn]
-    except KeyError:
-        # normalised once per file: a path such as bench/../sharddbg/x.py is sharddbg's too
-        r = fn.startswith(_INTERNAL_PREFIXES) or os.path.realpath(fn).startswith(_INTERNAL_PREFIXES)
-        _internal_code[fn] = r
-        return r
-
-
-def user_frame(skip: int = 2) -> tuple[str, int, str] | None:
-    """(file, line, function) of the first frame outside torch, physicsnemo and sharddbg."""
-    return user_frame_until(skip + 1, None, None)
-
-
-def user_frame_until(skip: int, stop: Any, stop_answer: Any) -> tuple[str, int, str] | None:
-    """user_frame(), except that reaching the frame ``stop`` (the wrapper frame of the enclosing recorded
-    op, which is on this stack) answers ``stop_answer`` (that op's user frame): a nested op walks only
-    the frames between it and the op that called it."""
-    try:
-        f = sys._getframe(skip)
-    except ValueError:
-        return None
-    internal = _internal_code.get
-    while f is not None:
-        if f is stop:
-            return stop_answer
-        code = f.f_code
-        r = internal(code.co_filename)
-        if r is None:
-            r = _is_internal(code)
-        if not r:
-            return (code.co_filename, f.f_lineno, code.co_name)
-        f = f.f_back
-    return None
-
-
-def format_frame(fr: Any) -> str | None:
-    if fr is None:
-        return None
-    if isinstance(fr, str):
-        return fr
-    return f"{fr[0]}:{fr[1]} in {fr[2]}"
 
 
 # --- the TypeError trap --------------------------------------------------------------------------

@@ -11,9 +11,9 @@ class ScatterError(ShardDbgError, ValueError):
 
 def domain_mesh():
     """This rank's 1-D "domain" sub-mesh (the ranks one sample is sharded over)."""
-    from . import bootstrap
+    from .rank_state import STATE
 
-    mesh = bootstrap.STATE.get("mesh")
+    mesh = STATE.mesh
     if mesh is None:
         raise ShardDbgError("torch.distributed is not set up on this engine; start it with sharddbg.Cluster")
     return mesh["domain"]

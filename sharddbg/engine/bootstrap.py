@@ -15,21 +15,7 @@ import sys
 import time
 from datetime import timedelta
 
-# The one mutable record of this rank's set-up; read by status() and by engine helpers (scatter, mesh).
-STATE: dict = {
-    "rank": None,
-    "world_size": None,
-    "mesh_shape": None,
-    "backend": None,
-    "device": None,
-    "patch_mode": None,
-    "patch_reason": "",
-    "n_patches": 0,
-    "mesh": None,
-    "dist_inits": 0,
-}
-
-_PATCH_FACTS: dict = {}
+from .rank_state import STATE, PatchFacts
 
 
 def _count_patches() -> int:
@@ -58,7 +44,7 @@ def import_physicsnemo(register_on_cpu: bool = True) -> dict:
         import physicsnemo.distributed  # noqa: F401
         import physicsnemo.domain_parallel as dp
 
-    facts = {"physicsnemo": getattr(physicsnemo, "__version__", "unknown")}
+    version = getattr(physicsnemo, "__version__", "unknown")
     if torch.cuda.is_available() and _count_patches() > 0:
         mode, reason = "registered-by-physicsnemo", ""
     elif not register_on_cpu:
@@ -69,14 +55,13 @@ def import_physicsnemo(register_on_cpu: bool = True) -> dict:
             mode, reason = "registered-by-sharddbg", "CPU host: physicsnemo registers patches only when CUDA is available"
         except Exception as exc:  # reported per rank, never fatal: the fallback paths still run
             mode, reason = "none", f"register_custom_ops() failed: {type(exc).__name__}: {exc}"
-    facts.update(patch_mode=mode, patch_reason=reason, n_patches=_count_patches())
-    _PATCH_FACTS.update(facts)
-    return facts
+    STATE.patches = PatchFacts(physicsnemo=version, patch_mode=mode, patch_reason=reason, n_patches=_count_patches())
+    return {"physicsnemo": version, "patch_mode": mode, "patch_reason": reason, "n_patches": STATE.patches.n_patches}
 
 
 def on_fork(rank: int) -> None:
     """First thing in a freshly forked engine, before ipyparallel starts."""
-    STATE["rank"] = rank
+    STATE.rank = rank
     # A C-level stack dump on SIGUSR1, for a rank so stuck that even the control thread cannot answer.
     log_dir = os.environ.get("SHARDDBG_LOG_DIR")
     if log_dir:
@@ -119,7 +104,7 @@ def init_rank(rank: int, world_size: int, mesh_shape, backend: str, master_port:
     from torch.distributed.device_mesh import init_device_mesh
 
     t0 = time.perf_counter()
-    if not _PATCH_FACTS:
+    if STATE.patches is None:
         import_physicsnemo(register_on_cpu=True)
     if dist.is_initialized():
         teardown()
@@ -143,17 +128,14 @@ def init_rank(rank: int, world_size: int, mesh_shape, backend: str, master_port:
     )
     mesh = init_device_mesh(device.type, tuple(mesh_shape), mesh_dim_names=("ddp", "domain"))
     _fill_distributed_manager(rank, world_size, local_rank, device, mesh, mesh_shape)
-    STATE.update(
-        rank=rank,
-        world_size=world_size,
-        mesh_shape=tuple(mesh_shape),
-        backend=backend,
-        device=str(device),
-        mesh=mesh,
-        collective_timeout_s=collective_timeout_s,
-        dist_inits=STATE["dist_inits"] + 1,
-        **{k: _PATCH_FACTS[k] for k in ("patch_mode", "patch_reason", "n_patches")},
-    )
+    STATE.rank = rank
+    STATE.world_size = world_size
+    STATE.mesh_shape = tuple(mesh_shape)
+    STATE.backend = backend
+    STATE.device = str(device)
+    STATE.mesh = mesh
+    STATE.collective_timeout_s = collective_timeout_s
+    STATE.dist_inits += 1
     _silence_known_noise()
     _install_user_namespace()
     from . import diagnose
@@ -185,7 +167,7 @@ def _loopback_store(rank: int, world_size: int, port: int, timeout_s: float):
     listener.listen(max(64, world_size))
     store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout,
                           master_listen_fd=listener.fileno(), use_libuv=True)
-    STATE["_store_listener"] = listener  # the store serves on this socket: keep it open with the store
+    STATE.store_listener = listener  # the store serves on this socket: keep it open with the store
     return store
 
 
@@ -205,16 +187,12 @@ def teardown(release_pids=()) -> None:
 
     from . import recorder
 
-    if recorder._SESSION is not None:  # a recording cut short by a hang: unhook before anything else
-        try:
-            recorder.stop()
-        except Exception:
-            pass
+    recorder.abandon()  # a recording cut short by a hang: unhook before anything else
     if release_pids:
         _sever_connections_to(release_pids)
     if dist.is_initialized():
         dist.destroy_process_group()
-    listener = STATE.pop("_store_listener", None)
+    listener, STATE.store_listener = STATE.store_listener, None
     if listener is not None:
         listener.close()
     try:
@@ -223,7 +201,7 @@ def teardown(release_pids=()) -> None:
         DistributedManager._shared_state.clear()
     except ImportError:
         pass
-    STATE["mesh"] = None
+    STATE.mesh = None
     try:
         from IPython import get_ipython
 
@@ -287,7 +265,7 @@ def _install_user_namespace() -> None:
     shell.user_ns.update(
         torch=torch, nn=nn, F=F, dist=dist, physicsnemo=physicsnemo, sharddbg=sharddbg,
         ShardTensor=ShardTensor, Shard=Shard, Replicate=Replicate, Partial=Partial,
-        rank=STATE["rank"], world_size=STATE["world_size"], mesh=STATE["mesh"],
+        rank=STATE.rank, world_size=STATE.world_size, mesh=STATE.mesh,
     )
 
 
@@ -295,9 +273,10 @@ def status() -> dict:
     """One row of ``Cluster.status()``."""
     import torch
 
-    mesh_shape = STATE["mesh_shape"] or (1, 1)
-    rank = STATE["rank"]
-    versions = {"torch": torch.__version__, "physicsnemo": _PATCH_FACTS.get("physicsnemo", "not imported"),
+    mesh_shape = STATE.mesh_shape or (1, 1)
+    rank = STATE.rank
+    patches = STATE.patches or PatchFacts()
+    versions = {"torch": torch.__version__, "physicsnemo": patches.physicsnemo or "not imported",
                 "python": platform.python_version()}
     try:
         import torch.distributed as dist
@@ -309,18 +288,18 @@ def status() -> dict:
         "rank": rank,
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "device": STATE["device"],
-        "backend": STATE["backend"],
+        "device": STATE.device,
+        "backend": STATE.backend,
         "dist_initialized": dist_up,
         "ddp": None if rank is None else rank // mesh_shape[1],
         "domain": None if rank is None else rank % mesh_shape[1],
         "torch": versions["torch"],
         "physicsnemo": versions["physicsnemo"],
         "python": versions["python"],
-        "patch_mode": STATE["patch_mode"],
-        "n_patches": STATE["n_patches"],
-        "patch_reason": STATE["patch_reason"],
-        "collective_timeout_s": STATE.get("collective_timeout_s"),
+        "patch_mode": patches.patch_mode,
+        "n_patches": patches.n_patches,
+        "patch_reason": patches.patch_reason,
+        "collective_timeout_s": STATE.collective_timeout_s,
         "threads": torch.get_num_threads(),
         "argv0": sys.argv[0] if sys.argv else "",
     }
@@ -332,7 +311,7 @@ def user_value(name: str):
 
     namespace = get_ipython().user_ns
     if name not in namespace:
-        raise NameError(f"no variable {name!r} on rank {STATE.get('rank')}; define it in a %px cell first")
+        raise NameError(f"no variable {name!r} on rank {STATE.rank}; define it in a %px cell first")
     return namespace[name]
 
 

@@ -14,22 +14,12 @@ import sys
 import threading
 import traceback
 
-MSG_TYPE = "sharddbg_diagnose_request"
-REPLY_TYPE = "sharddbg_diagnose_reply"
-CLOCK_MSG_TYPE = "sharddbg_clock_request"
-CLOCK_REPLY_TYPE = "sharddbg_clock_reply"
+from .frames import is_library_file
 
-# Frames from these places are library internals; the rest (the user's cell, their modules) come first.
-_LIBRARY_MARKERS = (
-    f"{os.sep}torch{os.sep}", f"{os.sep}physicsnemo{os.sep}", f"{os.sep}sharddbg{os.sep}",
-    f"{os.sep}ipykernel{os.sep}", f"{os.sep}ipyparallel{os.sep}", f"{os.sep}IPython{os.sep}",
-    f"{os.sep}tornado{os.sep}", f"{os.sep}asyncio{os.sep}", f"{os.sep}zmq{os.sep}", f"{os.sep}traitlets{os.sep}",
-    f"{os.sep}concurrent{os.sep}",
-)
-
+from .api import CLOCK_REPLY, CLOCK_REQUEST, DIAGNOSE_REPLY, DIAGNOSE_REQUEST
 
 def is_user_file(filename: str) -> bool:
-    return not any(marker in filename for marker in _LIBRARY_MARKERS) and not filename.startswith("<frozen")
+    return not is_library_file(filename)
 
 
 def main_thread_stack() -> list[dict]:
@@ -107,10 +97,10 @@ def flight_recorder() -> dict:
 
 
 def diagnose() -> dict:
-    from . import bootstrap
+    from .rank_state import STATE
 
     report = {
-        "rank": bootstrap.STATE.get("rank"),
+        "rank": STATE.rank,
         "pid": os.getpid(),
         "stack": main_thread_stack(),
         "flight_recorder": flight_recorder(),
@@ -119,8 +109,8 @@ def diagnose() -> dict:
     try:
         from . import recorder
 
-        if recorder._SESSION is not None:
-            report["recording"] = recorder.snapshot()
+        if recorder.is_recording():
+            report["recording"] = recorder.peek()
     except Exception as exc:  # a diagnosis must answer even when the recorder is broken
         report["recording_error"] = f"{type(exc).__name__}: {exc}"
     return report
@@ -143,14 +133,14 @@ def install_control_handler() -> bool:
         except Exception as exc:
             content = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
                        "traceback": traceback.format_exc().splitlines()}
-        kernel.session.send(stream, REPLY_TYPE, content, parent, ident=ident)
+        kernel.session.send(stream, DIAGNOSE_REPLY, content, parent, ident=ident)
 
     def clock(stream, ident, parent):
         # Answered on the control thread: no queue behind user code, so the round trip is short.
         from .clock import now_ns
 
-        kernel.session.send(stream, CLOCK_REPLY_TYPE, {"status": "ok", "now_ns": now_ns()}, parent, ident=ident)
+        kernel.session.send(stream, CLOCK_REPLY, {"status": "ok", "now_ns": now_ns()}, parent, ident=ident)
 
-    kernel.control_handlers[MSG_TYPE] = handle
-    kernel.control_handlers[CLOCK_MSG_TYPE] = clock
+    kernel.control_handlers[DIAGNOSE_REQUEST] = handle
+    kernel.control_handlers[CLOCK_REQUEST] = clock
     return True

@@ -38,9 +38,10 @@ from .. import schema
 from ..errors import RecorderError, UnmaskedOpError
 from . import _comm, clock
 from ._hooks import Patches
+from .frames import format_frame, user_frame, user_frame_until
+from .rank_state import STATE, rank_and_world
 from ._rec_util import (
     collect_tensors,
-    format_frame,
     new_cuda_event,
     node_name,
     op_name,
@@ -49,12 +50,10 @@ from ._rec_util import (
     shape_list,
     sharding_shapes_plain,
     tensor_info,
-    user_frame,
-    user_frame_until,
     would_swallow_type_error,
 )
 
-__all__ = ["Recorder", "RecorderError", "UnmaskedOpError", "start", "stop", "snapshot", "active"]
+__all__ = ["Recorder", "RecorderError", "UnmaskedOpError", "start", "stop", "peek", "abandon", "is_recording"]
 
 
 _ACTIVE: "Recorder | None" = None  # the one recorder of this process (nested ones are refused)
@@ -70,14 +69,6 @@ _seq_nr = torch._C._autograd._get_sequence_nr  # next autograd node sequence num
 
 def active() -> "Recorder | None":
     return _ACTIVE
-
-
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _tracing() -> bool:
@@ -135,7 +126,7 @@ class Recorder:
         self._running = False
         self._used = False
         self._final_events: list[dict] | None = None
-        self.rank, self.world_size = _rank_world()
+        self.rank, self.world_size = rank_and_world()
         self.t_start_ns: int | None = None
         self.t_stop_ns: int | None = None
         self.installed_at: list[str] = []
@@ -495,13 +486,8 @@ def _meta(rec: Recorder) -> dict:
     except Exception:  # noqa: BLE001
         pn = None
     ST = _shard_tensor_cls()
-    boot_mode = None
-    try:  # how the cluster set this rank up, when it did (registered-by-physicsnemo / -by-sharddbg / none)
-        from . import bootstrap
-
-        boot_mode = bootstrap.STATE.get("patch_mode")
-    except Exception:  # noqa: BLE001
-        pass
+    # how the cluster set this rank up, when it did (registered-by-physicsnemo / -by-sharddbg / none)
+    boot_mode = STATE.patches.patch_mode if STATE.patches is not None else None
     return {
         "torch": torch.__version__,
         "physicsnemo": pn,
@@ -882,8 +868,9 @@ def stop() -> dict:
     return _LAST_PAYLOAD
 
 
-def snapshot() -> dict:
-    """The events so far, without stopping (complete=False while running; in-flight ops included).
+def peek() -> dict:
+    """The events so far, without stopping (complete=False while running; in-flight ops included); after
+    stop(), the payload stop() returned.
 
     Safe from another thread while the main thread is blocked: copies lists, takes no locks, never
     synchronizes a device or calls a collective.
@@ -893,4 +880,19 @@ def snapshot() -> dict:
         return rec.payload()
     if _LAST_PAYLOAD is not None:
         return _LAST_PAYLOAD
-    raise RecorderError("snapshot(): no recording was started on this rank with start()")
+    raise RecorderError("peek(): no recording was started on this rank with start()")
+
+
+def is_recording() -> bool:
+    """A recording started by start() is running on this rank."""
+    return _SESSION is not None
+
+
+def abandon() -> None:
+    """Stop a recording cut short (a hang, a broken process group), keeping nothing: every hook is
+    removed. Does nothing when no recording runs."""
+    if _SESSION is not None:
+        try:
+            stop()
+        except Exception:  # noqa: BLE001 - the hooks are restored first; an export failure loses nothing needed
+            pass

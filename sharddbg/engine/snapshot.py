@@ -25,21 +25,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .rank_state import current_rank
+
 SNAPSHOT_VERSION = 1
-
-
-def _rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:  # noqa: BLE001 - a snapshot never fails for want of a rank number
-        pass
-    from . import bootstrap
-
-    r = bootstrap.STATE.get("rank")
-    return int(r) if r is not None else 0
 
 
 def _placement(p) -> dict:
@@ -84,7 +72,7 @@ def snapshot_named(name: str) -> dict:
     namespace = ip.user_ns if ip is not None else {}
     found, value = _resolve(namespace, name)
     if not found:
-        return {"version": SNAPSHOT_VERSION, "name": name, "rank": _rank(), "status": "missing"}
+        return {"version": SNAPSHOT_VERSION, "name": name, "rank": current_rank(), "status": "missing"}
     return snapshot(value, name)
 
 
@@ -92,7 +80,7 @@ def snapshot(t: Any, name: str = "") -> dict:
     """Snapshot of ``t`` on this rank: no communication, no dispatch (see the module docstring)."""
     import torch
 
-    rank = _rank()
+    rank = current_rank()
     base = {"version": SNAPSHOT_VERSION, "name": name, "rank": rank}
     if not isinstance(t, torch.Tensor):
         text = repr(t)
