@@ -13,7 +13,8 @@ Records (``event["kind"]``)
                 send/recv, barrier), attributed to the recorded op that caused it. Shares ``seq``
                 numbering (assigned at issue), the ``t_*_ns`` clock and the ``phase``/``autograd_node``
                 meaning with ``op``. Fields: ``COLLECTIVE_FIELDS`` (since schema version 2).
-``meta``        a free-form marker (``name`` + JSON-able ``data``), e.g. "cell started".
+``meta``        a free-form marker, e.g. "cell started": ``kind``, ``seq``, ``name`` (str), ``t_ns`` (int,
+                rank clock), ``data`` (JSON-able). Readers skip it; only ``kind`` and ``seq`` are checked.
 
 All records carry ``kind`` and ``seq`` (per-rank, strictly increasing in start order, shared by all
 kinds so that records of one rank interleave correctly). Times are ns on the rank's sharddbg clock
@@ -27,21 +28,22 @@ Payload (what ``recorder.stop()`` / ``recorder.peek()`` return on one rank)::
      "events": [...],             # records above, sorted by seq; a snapshot adds in-flight ops
      "dropped": 0,                # records not kept because the buffer (max_events) was full
      "clock": {"source": ..., "injected_offset_ns": ..., "t_start_ns": ..., "t_stop_ns": ...},
-     "meta": {"torch": ..., "physicsnemo": ..., "patch_mode": "registered" | "fallback_only", ...}}
+     "meta": {"torch": ..., "physicsnemo": ..., "patch_mode": "registered" | "fallback_only",
+              "comm": True,       # collectives were recorded (recorder.start(comm=...)); since version 2
+              ...}}
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from .errors import SchemaError, ShardDbgError  # noqa: F401 - SchemaError re-exported (defined in errors.py)
+from .errors import SchemaError  # what the validators below raise (defined with the other errors)
 
 # Version history
-#   1  op and meta records (issue 3); "collective" reserved, not emitted.
-#   2  collective records defined, emitted by the recorder and validated (issue 4); op records gain
-#      the path "python_method" (ShardTensor.full_tensor / redistribute / backward / from_local, which
-#      bypass __torch_function__). Otherwise op records are unchanged: version-1 payloads read as before.
+#   1  op and meta records; "collective" reserved, not emitted.
+#   2  collective records defined, emitted by the recorder and validated; op records gain the path
+#      "python_method" (ShardTensor.full_tensor / redistribute / backward / from_local, which bypass
+#      __torch_function__). Otherwise op records are unchanged: version-1 payloads read as before.
 SCHEMA_VERSION = 2
 PAYLOAD_FORMAT = "sharddbg.payload"
 
@@ -98,7 +100,7 @@ OP_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "device_ms": ((float, int, type(None)), "CUDA event time; None on CPU or not finished"),
     "mem_delta_bytes": ((int, type(None)), "CUDA allocator delta over the call; None on CPU"),
     "error": ((dict, type(None)), "ERROR_FIELDS if the call raised, else None"),
-    # beyond the issue's minimum
+    # beyond the columns get_ops() starts with
     "fwd_seq": ((int, type(None)), "backward: seq of the forward op this node belongs to"),
     "in_placements": ((list,), "per tensor argument: placements string, None for a plain tensor"),
     "fallback": ((bool,), "the DTensor fallback ran for this call (directly or from inside its handler)"),
@@ -172,8 +174,6 @@ COLLECTIVE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "thread": ((int,), "recorder thread id (0 = the thread that started the recorder)"),
 }
 
-META_FIELDS: dict[str, str] = {"kind": '"meta"', "seq": "shared numbering", "name": "str", "t_ns": "int", "data": "JSON-able"}
-
 PAYLOAD_FIELDS: dict[str, tuple[type, ...]] = {
     "format": (str,),
     "schema_version": (int,),
@@ -240,7 +240,3 @@ def validate_payload(p: Any) -> None:
     for i, ev in enumerate(p["events"]):
         validate_event(ev, f"rank {p['rank']} event #{i}")
 
-
-def nan_if_none(x: Any) -> float:
-    """``None`` (not measured) -> NaN, for DataFrames."""
-    return math.nan if x is None else x

@@ -2,11 +2,13 @@
 
 Built on the client from the per-rank payloads of ``sharddbg.engine.recorder`` (schema.py) and the clock
 offsets measured at gather time. Holistic-Trace-Analysis style: every ``get_*()`` returns a DataFrame
-and is a one-line delegation to ``sharddbg.analysis``. No torch, no plotting here.
+and is a one-line delegation to ``sharddbg.analysis``; the files it writes come from
+``sharddbg.exporters``. No torch, no plotting here: ``show()`` / ``plot_*()`` / ``to_html()`` import the
+views when called.
 
 File format (``save`` / ``load_trace``), JSON::
 
-    {"format": "sharddbg.trace", "version": 1, "schema_version": 1,
+    {"format": "sharddbg.trace", "version": 1, "schema_version": 2,
      "meta": {...}, "clock_offsets_ns": {"0": 0, "1": -1234, ...},
      "incomplete_ranks": [2], "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Iterable
+from typing import Iterable
 
 import pandas as pd
 
@@ -24,6 +26,7 @@ from . import schema
 from .analysis import comm as _comm
 from .analysis import ops as _ops
 from .errors import ShardDbgWarning, TraceFileError
+from .exporters.perfetto import perfetto_dict, write_perfetto  # noqa: F401 - also sharddbg.trace.perfetto_dict
 
 TRACE_FORMAT = "sharddbg.trace"
 TRACE_VERSION = 1
@@ -47,6 +50,7 @@ class Trace:
         self.incomplete_ranks = sorted(set(int(r) for r in incomplete_ranks))
         self.meta = dict(meta or {})
         self._ops: pd.DataFrame | None = None
+        self._collectives: pd.DataFrame | None = None
         if self.dropped:
             warnings.warn(
                 f"sharddbg: the recorder's buffer overflowed, {self.dropped} events were dropped "
@@ -101,6 +105,13 @@ class Trace:
         """Events lost to a full buffer, all ranks together."""
         return sum(self.dropped_by_rank.values())
 
+    @property
+    def collectives_recorded(self) -> bool:
+        """Collectives were recorded: some rank's payload is of schema version 2 or later (collective
+        records exist) and was recorded with collective capture on (its meta ``comm``; the recorder
+        always writes it). False: ``get_collectives()`` is empty because nothing was looked for."""
+        return any(p["schema_version"] >= 2 and p["meta"].get("comm", True) for p in self.payloads.values() if p)
+
     def events(self, rank: int) -> list[dict]:
         p = self.payloads.get(rank)
         return list(p["events"]) if p else []
@@ -133,8 +144,10 @@ class Trace:
     def get_collectives(self) -> pd.DataFrame:
         """One row per collective call per rank (kind, group, bytes, times on the reference clock,
         duration, bandwidth, the op it belongs to); see analysis/comm.py."""
-        return _comm.collectives_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
-                                       self.clock_offsets_ns)
+        if self._collectives is None:
+            self._collectives = _comm.collectives_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+                                                        self.clock_offsets_ns)
+        return self._collectives.copy()
 
     def get_comm_by_op(self, by: str = "op") -> pd.DataFrame:
         """Communication per op name and rank (``by="op"``) or per op call (``by="call"``)."""
@@ -172,13 +185,10 @@ class Trace:
 
     def to_perfetto(self, path: str | os.PathLike) -> str:
         """Chrome trace-event JSON (open in ui.perfetto.dev or chrome://tracing): one process per
-        rank, one complete ("X") slice per op, args = path, handler, module, shapes, user frame."""
-        path = os.fspath(path)
-        with open(path, "w") as f:
-            json.dump(perfetto_dict(self), f, allow_nan=False)
-        return path
+        rank, one complete ("X") slice per op and per collective; see ``sharddbg.exporters.perfetto``."""
+        return write_perfetto(self, path)
 
-    # ---- views (imported lazily: the data layer never needs plotly or widgets) ----------------------
+    # ---- views and the HTML report (imported lazily: the data layer never needs plotly or widgets) ----
     def show(self, **kwargs):
         """The trace explorer widget: errors and fallbacks first, filters, per-rank detail of an op."""
         from .views.explorer import TraceExplorer
@@ -193,103 +203,22 @@ class Trace:
 
     def plot_comm_by_op(self, **kwargs):
         """plotly Figure: bytes and time per op, split by collective kind."""
-        from .views.timeline import plot_comm_by_op
+        from .views.comm import plot_comm_by_op
 
         return plot_comm_by_op(self, **kwargs)
 
     def plot_imbalance(self, **kwargs):
         """plotly Figure: per-rank shard volume beside per-rank time, per op."""
-        from .views.timeline import plot_imbalance
+        from .views.imbalance import plot_imbalance
 
         return plot_imbalance(self, **kwargs)
 
     def to_html(self, path: str | os.PathLike, **kwargs) -> str:
-        """One standalone HTML report (explorer, timeline, comm, imbalance), viewable offline."""
-        from .views.report import to_html
+        """One standalone HTML report (explorer, timeline, comm, imbalance), viewable offline; see
+        ``sharddbg.exporters.html_report``."""
+        from .exporters.html_report import to_html
 
         return to_html(self, path, **kwargs)
-
-
-def _clean(v: Any) -> Any:
-    """NaN / pandas NA -> None, numpy scalars -> Python: what strict JSON accepts."""
-    if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
-    try:
-        if pd.isna(v):
-            return None
-    except (TypeError, ValueError):
-        pass
-    return v.item() if hasattr(v, "item") else v
-
-
-_COLL_TID = 1000  # Perfetto track ids of the collectives (op tracks are 2 * thread (+1 for backward))
-
-
-def perfetto_dict(trace: Trace) -> dict:
-    ops = trace.get_ops()
-    out: list[dict] = []
-    t0 = ops["t_start_ns"].min() if len(ops) else 0
-    t0 = 0 if pd.isna(t0) else int(t0)
-    colls = trace.get_collectives()
-    if len(colls) and not pd.isna(colls["t_issue_ns"].min()):
-        t0 = min(t0, int(colls["t_issue_ns"].min())) if len(ops) else int(colls["t_issue_ns"].min())
-    for r in trace.ranks:
-        label = f"rank {r}" + (" (incomplete)" if r in trace.incomplete_ranks else "")
-        out.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": label}})
-        out.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
-    tids = set()
-    for e in ops.itertuples(index=False):
-        # Backward nodes get their own track so slices nest properly on each track.
-        tid = int(e.thread) * 2 + (1 if e.phase == "backward" and e.depth == 0 else 0)
-        tids.add((int(e.rank), tid, e.phase))
-        start = int(e.t_start_ns)
-        end = int(e.t_end_ns) if not pd.isna(e.t_end_ns) else None
-        args = {
-            "seq": int(e.seq), "path": e.path, "handler": e.handler, "phase": e.phase, "module": e.module,
-            "user_frame": e.user_frame, "in_local_shapes": e.in_local_shapes, "in_global_shapes": e.in_global_shapes,
-            "out_local_shape": e.out_local_shape, "out_global_shape": e.out_global_shape,
-            "placements": e.placements, "dtype": e.dtype, "in_bytes": int(e.in_bytes), "out_bytes": int(e.out_bytes),
-        }
-        args = _clean(args)
-        if isinstance(e.autograd_node, str):
-            args["autograd_node"] = e.autograd_node
-        if not pd.isna(e.fwd_seq):
-            args["fwd_seq"] = int(e.fwd_seq)
-        if isinstance(e.error, str):
-            args["error"] = e.error
-        if e.fallback:
-            args["fallback"] = True
-        ev = {"name": e.op, "cat": f"{e.phase},{e.path}", "ph": "X", "pid": int(e.rank), "tid": tid,
-              "ts": (start - t0) / 1000.0,
-              "dur": ((end - start) / 1000.0) if end is not None else 0.0, "args": args}
-        if end is None:  # still running at snapshot time: an instant marker instead of a slice
-            ev.update(ph="i", s="t")
-            ev.pop("dur")
-        out.append(ev)
-    # collectives (schema 2): one slice per collective, issue -> wait returned, on a track of their own
-    for c in colls.to_dict("records"):
-        start = int(c["t_issue_ns"])
-        end = c["t_done_ns"] if not pd.isna(c["t_done_ns"]) else c["t_return_ns"]
-        tid = _COLL_TID + int(c["thread"])
-        tids.add((int(c["rank"]), tid, "comm"))
-        args = _clean({k: c[k] for k in ("seq", "group_seq", "group_ranks", "mesh_dim", "bytes_sent", "bytes_recv",
-                                         "async", "op", "op_seq", "outer_op", "phase", "autograd_node", "param")})
-        ev = {"name": c["kind"], "cat": f"collective,{c['phase']}", "ph": "X", "pid": int(c["rank"]), "tid": tid,
-              "ts": (start - t0) / 1000.0, "dur": ((int(end) - start) / 1000.0) if not pd.isna(end) else 0.0,
-              "args": args}
-        if pd.isna(end):  # issued, not returned at snapshot time
-            ev.update(ph="i", s="t")
-            ev.pop("dur")
-        out.append(ev)
-    for rank, tid, phase in sorted(tids, key=lambda x: (x[0], x[1])):
-        name = f"thread {tid // 2}" + (" backward" if tid % 2 else "")
-        if tid >= _COLL_TID:
-            name = "collectives" + (f" (thread {tid - _COLL_TID})" if tid > _COLL_TID else "")
-        out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
-    return {"traceEvents": out, "displayTimeUnit": "ms",
-            "otherData": {"generator": "sharddbg", "schema_version": schema.SCHEMA_VERSION}}
 
 
 def load_trace(path: str | os.PathLike) -> Trace:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 import sharddbg
-from sharddbg.cluster.inspect import InspectError, ShardLayout
+from sharddbg.analysis.layout import ShardLayout
+from sharddbg.cluster.inspect import InspectError
 from sharddbg.views.inspector import ShardInspector
 
 N = 4
@@ -56,6 +57,7 @@ def test_uneven_scatter(cl):
     w = cl.inspect("x")
     assert isinstance(w, ShardInspector)
     lay = w.shard_layout
+    assert isinstance(lay, ShardLayout) and w.warnings == lay.warnings == []
     df = lay.get_ranks()
     assert list(df["rank"]) == list(range(N))
     assert [s[2] for s in df["local_shape"]] == ROWS
@@ -66,7 +68,7 @@ def test_uneven_scatter(cl):
     assert df["ok"].all() and lay.warnings == []
     assert list(df["coordinate"]) == [f"domain={r}" for r in range(N)]  # x lives on the domain sub-mesh
     assert lay.global_shape == list(SHAPE) and lay.dtype == "torch.float32" and lay.kind == "ShardTensor"
-    assert any("uneven split of tensor dim 2" in n and "17, 17, 16, 16" in n for n in lay.notes)
+    assert lay.notes == ["uneven split of tensor dim 2 (66) over mesh dim 'domain': 17, 17, 16, 16 on ranks [0, 1, 2, 3]"]
     # the real local tensors agree (independent read through eval)
     assert cl.eval("tuple(x._local_tensor.shape)") == [tuple(s) for s in df["local_shape"]]
     # diagram: one block per rank along dim 2 (rows) x dim 3 (cols), sized by the real rows
@@ -117,7 +119,7 @@ def test_multi_dim_mesh(cl):
     assert lay.global_shape == [1, 3, 66, 64]
     assert "uneven split of tensor dim 2 (66) over mesh dim 'ddp': 34, 32 on ranks [0, 2] and [1, 3]" in lay.notes
     assert "uneven split of tensor dim 3 (64) over mesh dim 'domain': 33, 31 on ranks [0, 1] and [2, 3]" in lay.notes
-    blocks = ShardLayout.blocks(lay, 2, 3)
+    blocks = lay.blocks(2, 3)
     assert sorted((b["row0"], b["col0"], tuple(b["ranks"])) for b in blocks) == \
         [(0, 0, (0,)), (0, 33, (1,)), (34, 0, (2,)), (34, 33, (3,))]
     # dims 1 x 2: dim 3 is sharded but not drawn -> two facets (its two column ranges)
@@ -140,9 +142,11 @@ def test_partial_and_plain(cl):
     lay = cl.inspect("part").shard_layout
     (b,) = lay.blocks(0, 1)
     assert b["partial"] and b["ranks"] == list(range(N)) and (b["row1"], b["col1"]) == (2, 5)
-    assert any(n.startswith("Partial(sum) over mesh dim 'domain'") for n in lay.notes)
+    assert any(n.startswith("Partial(sum) over mesh dim 'domain'") for n in lay.notes) and lay.warnings == []
     lay = cl.inspect("plain").shard_layout
-    assert lay.kind == "Tensor" and len(lay.groups) == N
+    assert lay.kind == "Tensor" and lay.warnings == []
+    assert [(g["ranks"], g["label"]) for g in lay.groups] == \
+        [([r], f"rank {r} (plain tensor, not distributed)") for r in range(N)]
     assert [s for s in lay.get_ranks()["local_shape"]] == [(r + 1, 5) for r in range(N)]
 
 

@@ -81,8 +81,13 @@ def test_02_dispatch_paths():
     for r, (patch_err, rows) in enumerate(check):
         lo, hi = sum(ROWS[:r]), sum(ROWS[:r + 1])
         assert patch_err < 1e-4 and rows == [i for i in wrong if lo <= i < hi], check
+    # the fallback's output says Replicate while every rank holds only its own rows
     insp = [o for o in cell_with(nb, 'inspect("y1_fb")').outputs if "data" in o][0]["data"]["text/plain"]
-    assert "WARNING" in insp, insp
+    assert "placements Replicate()" in insp, insp
+    for r in range(N):
+        assert f"rank {r} [domain={r}] local (1, 8, {ROWS[r]}, 64) offsets (0, 0, 0, 0)" in insp, insp
+        assert f"WARNING: rank {r}: tensor dim 2 is not sharded, but its local size is {ROWS[r]} while the global " \
+               f"size is 66" in insp, insp
 
 
 def test_03_hidden_errors():

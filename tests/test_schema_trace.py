@@ -15,13 +15,14 @@ import pandas as pd
 import pytest
 
 from sharddbg import schema
+from sharddbg.analysis.comm import COLLECTIVE_COLUMNS, COLLECTIVE_EXTRA_COLUMNS
 from sharddbg.analysis.ops import OPS_COLUMNS
 from sharddbg.errors import ShardDbgWarning, TraceFileError
 from sharddbg.trace import TRACE_VERSION, Trace, load_trace
 
 SV = schema.SCHEMA_VERSION
 
-ISSUE_COLUMNS = ("rank, seq, parent_seq, depth, op, path, handler, phase, autograd_node, module, user_frame, "
+CORE_COLUMNS = ("rank, seq, parent_seq, depth, op, path, handler, phase, autograd_node, module, user_frame, "
                  "in_local_shapes, in_global_shapes, out_local_shape, out_global_shape, placements, dtype, "
                  "sharding_shapes, in_bytes, out_bytes, t_start_ns, t_end_ns, host_ms, device_ms, "
                  "mem_delta_bytes, error").split(", ")
@@ -86,7 +87,7 @@ def small_trace():
 def test_get_ops_columns_and_clock_alignment():
     t = small_trace()
     ops = t.get_ops()
-    assert list(ops.columns[: len(ISSUE_COLUMNS)]) == ISSUE_COLUMNS == OPS_COLUMNS
+    assert list(ops.columns[: len(CORE_COLUMNS)]) == CORE_COLUMNS == OPS_COLUMNS
     assert len(ops) == 9 and t.ranks == [0, 1] and t.incomplete_ranks == [1]
     # rank 1's times shifted back by its offset: the two conv2d calls now start together
     c = ops[ops["op"] == "torch.conv2d"]
@@ -199,6 +200,31 @@ def test_missing_rank_and_schema_validation():
 
 
 def test_client_side_imports_no_torch_or_plotly():
-    code = ("import sys, sharddbg.trace, sharddbg.schema, sharddbg.analysis;"
-            "bad = [m for m in ('torch', 'plotly', 'ipywidgets') if m in sys.modules]; assert not bad, bad")
+    """The data layer (trace, schema, every analysis, the Perfetto exporter) loads without torch, plotting
+    or widgets."""
+    code = ("import sys, sharddbg.trace, sharddbg.schema, sharddbg.analysis, sharddbg.analysis.timeline, "
+            "sharddbg.analysis.layout, sharddbg.analysis.formatting, sharddbg.exporters.perfetto;"
+            "bad = [m for m in ('torch', 'plotly', 'ipywidgets', 'anywidget', 'sharddbg.views', "
+            "'sharddbg.exporters.html_report') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_collectives_of_a_trace_without_them():
+    """Every trace has get_collectives() with its columns, empty when nothing was recorded;
+    collectives_recorded says whether the recorder looked for them."""
+    t = small_trace()
+    colls = t.get_collectives()
+    assert colls.empty and list(colls.columns) == COLLECTIVE_COLUMNS + COLLECTIVE_EXTRA_COLUMNS
+    assert t.collectives_recorded  # schema 2, collective capture on (the default)
+    by_op = t.get_comm_by_op()  # every op with a forward call, none communicating
+    assert set(by_op["op"]) == set(t.get_ops()["op"])
+    assert (by_op["n_collectives"] == 0).all() and (by_op["comm_ms"] == 0).all()
+    assert t.get_collective_mismatches().empty
+    off = [payload(0, [op(0, "Tensor.abs")])]
+    off[0]["meta"]["comm"] = False
+    assert not Trace.from_payloads(off).collectives_recorded
+    old = [payload(0, [op(0, "Tensor.abs")])]
+    old[0]["schema_version"] = 1
+    t1 = Trace.from_payloads(old)
+    assert not t1.collectives_recorded and list(t1.get_collectives().columns) == list(colls.columns)
+    assert not Trace.from_payloads([None]).collectives_recorded

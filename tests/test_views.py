@@ -18,11 +18,16 @@ import pandas as pd
 import pytest
 
 import sharddbg
-from sharddbg.cluster.inspect import ShardLayout
+from sharddbg.analysis.comm import COLLECTIVE_COLUMNS, COLLECTIVE_EXTRA_COLUMNS, NO_OP, comm_by_op_kind
+from sharddbg.analysis.formatting import format_bytes, format_shape, json_value
+from sharddbg.analysis.layout import ShardLayout
+from sharddbg.analysis.timeline import OVERVIEW_COLUMNS, timeline_overview
+from sharddbg.exporters.perfetto import perfetto_dict
 from sharddbg.trace import Trace
 from sharddbg.views import explorer as ex
 from sharddbg.views import timeline as tl
-from sharddbg.views.report import to_html
+from sharddbg.views.comm import plot_comm_by_op
+from sharddbg.views.imbalance import plot_imbalance
 
 DATA = Path(__file__).parent / "data"
 N = 4
@@ -40,6 +45,13 @@ def _raw(path=DATA / "conv4.sdtrace.json") -> dict:
     return json.loads(Path(path).read_text())
 
 
+def _load(d: dict, tmp_path, name: str) -> Trace:
+    """Write a (modified) raw trace file and read it back the way a user would."""
+    path = tmp_path / f"{name}.sdtrace.json"
+    path.write_text(json.dumps(d))
+    return sharddbg.load_trace(path)
+
+
 def _raw_ops(trace):
     """(rank, seq) -> raw op event, straight from the payloads."""
     return {(r, e["seq"]): e for r in trace.ranks for e in trace.events(r) if e["kind"] == "op"}
@@ -54,24 +66,41 @@ def _neighbours(r: int) -> int:
     return (r > 0) + (r < N - 1)
 
 
-class CollTrace(Trace):
-    """The golden trace plus collectives derived from its own conv2d calls: one all_to_all_single per
-    forward conv per rank, sending the bytes of one halo row each way. Only to exercise the views'
-    collective paths until collective recording (issue 4) lands; the numbers are recomputed here."""
+def _without_collectives(tmp_path, schema_version: int = 2) -> Trace:
+    """The golden trace as recorded without collective capture (``recorder.start(comm=False)``: no
+    collective records, payload meta ``comm`` False) or, with ``schema_version=1``, as an old trace file
+    from before collective records existed."""
+    d = _raw()
+    for p in d["payloads"]:
+        p["events"] = [e for e in p["events"] if e["kind"] != "collective"]
+        p["schema_version"] = schema_version
+        if schema_version >= 2:
+            p["meta"]["comm"] = False
+        else:
+            del p["meta"]["comm"]
+    d["schema_version"] = schema_version
+    return _load(d, tmp_path, f"nocoll{schema_version}")
 
-    def get_collectives(self):
-        ops = self.get_ops()
-        conv = ops[(ops["op"] == "torch.conv2d") & (ops["phase"] == "forward")]
-        rows = []
-        for o in conv.itertuples():
-            c, w = o.in_local_shapes[0][1], o.in_local_shapes[0][3]
-            halo = 2 * c * w * 4
-            rows.append({"rank": o.rank, "seq": 1000 + o.seq, "kind": "all_to_all_single", "group_ranks": [0, 1, 2, 3],
-                         "mesh_dim": "domain", "bytes_sent": halo, "bytes_recv": halo,
-                         "t_issue_ns": int(o.t_start_ns) + 1000, "t_done_ns": int(o.t_start_ns) + 501000,
-                         "duration_ms": 0.5, "async": False, "op": o.op, "op_seq": o.seq, "outer_op": o.op,
-                         "outer_op_seq": o.seq, "phase": "forward", "autograd_node": None, "param": None})
-        return pd.DataFrame(rows)
+
+def _with_collective_outside_ops(tmp_path) -> Trace:
+    """The golden trace with rank 1's redistribute all_reduce issued outside any recorded op."""
+    d = _raw()
+    ev = next(e for e in d["payloads"][1]["events"] if e["kind"] == "collective" and e["coll"] == "all_reduce"
+              and e["phase"] == "forward")
+    ev.update(op=None, op_seq=None, outer_op=None, outer_op_seq=None)
+    return _load(d, tmp_path, "outside")
+
+
+def _time_origin(trace) -> int:
+    """The first event of the trace (op start or collective issue), from the payloads."""
+    starts = [e["t_start_ns"] - trace.clock_offsets_ns[r] for (r, _), e in _raw_ops(trace).items()]
+    starts += [c["t_issue_ns"] - trace.clock_offsets_ns[c["rank"]] for c in _raw_colls(trace)]
+    return min(starts)
+
+
+def _shard_elems(ev) -> int:
+    """Elements of the distributed arguments of one raw op event (plain tensors have no placements)."""
+    return sum(math.prod(s) for s, pl in zip(ev["in_local_shapes"], ev["in_placements"]) if pl is not None)
 
 
 # ---- timeline -------------------------------------------------------------------------------------
@@ -79,7 +108,7 @@ def test_timeline_frame_matches_payloads(trace):
     df = tl.timeline_frame(trace)
     raw = _raw_ops(trace)
     assert len(df) == len(raw)
-    t0 = min(e["t_start_ns"] - trace.clock_offsets_ns[r] for (r, _), e in raw.items())
+    t0 = _time_origin(trace)
     for row in df.itertuples():
         e = raw[(row.rank, row.seq)]
         off = trace.clock_offsets_ns[row.rank]
@@ -87,12 +116,31 @@ def test_timeline_frame_matches_payloads(trace):
         assert row.end_ms == pytest.approx((e["t_end_ns"] - off - t0) / 1e6)
         assert row.category == ("error" if e["error"] else e["path"])
         assert row.rank - 0.5 < row.y < row.rank + 0.5  # inside its rank's band
+        assert row.hover.startswith(f"<b>{e['op']}</b> · rank {row.rank} · seq {row.seq}<br>")
+        assert f"bytes in {format_bytes(e['in_bytes'])} · out {format_bytes(e['out_bytes'])}" in row.hover
     conv = df[(df["op"] == "torch.conv2d") & (df["phase"] == "forward")]
-    for r in range(N):  # hover shows the real local shapes of the conv input
-        assert all(f"(1, 3, {ROWS[r]}, 64)" in h or f"(1, 4, {ROWS[r]}, 64)" in h for h in conv[conv["rank"] == r]["hover"])
+    for r in range(N):  # hover shows the real local shapes of the conv inputs: conv1 (3 channels), conv2 (4)
+        assert sorted(re.search(r"in \((1, \d, \d+, 64)\)", h).group(1) for h in conv[conv["rank"] == r]["hover"]) == \
+            [f"1, 3, {ROWS[r]}, 64", f"1, 4, {ROWS[r]}, 64"]
 
 
-def test_plot_timeline_one_row_per_rank(trace):
+def test_collective_spans_match_payloads(trace):
+    spans = tl.collective_spans(trace)
+    raw = _raw_colls(trace)
+    t0 = _time_origin(trace)
+    assert len(spans) == len(raw) == 8 * N
+    by_key = {(c["rank"], c["seq"]): c for c in raw}
+    for s in spans.itertuples():
+        c = by_key[(s.rank, s.seq)]
+        off = trace.clock_offsets_ns[s.rank]
+        assert s.kind == s.category == c["coll"] and s.op == c["op"]
+        assert s.start_ms == pytest.approx((c["t_issue_ns"] - off - t0) / 1e6)
+        assert s.end_ms == pytest.approx((c["t_done_ns"] - off - t0) / 1e6)  # issue to the return of its wait
+        assert s.rank < s.y < s.rank + 0.5  # below the op lanes of its rank
+        assert f"from op {c['op']}<br>sent {format_bytes(c['bytes_sent'])}" in s.hover
+
+
+def test_plot_timeline_one_row_per_rank(trace, tmp_path):
     fig = tl.plot_timeline(trace)
     assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(N)]
     assert list(fig.layout.yaxis.tickvals) == list(range(N))
@@ -104,116 +152,117 @@ def test_plot_timeline_one_row_per_rank(trace):
     expected = ops.assign(cat=ops["path"].where(ops["exc_type"].isna(), "error"))["cat"].value_counts()
     assert spans == {k.replace("_", " "): int(v) for k, v in expected.items()}
     assert all(d.type == "scattergl" for d in fig.data)
-    n_coll = len(_raw_colls(trace))
-    assert n_coll and f"{n_coll} collectives" in fig.layout.title.text
-    coll = {d.name: int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines" and d.legendgroup.startswith("coll:")}
     raw_kinds = pd.Series([c["coll"] for c in _raw_colls(trace)]).value_counts().to_dict()
+    assert raw_kinds == {"all_to_all_single": 3 * N, "all_reduce": 5 * N}
+    assert f"{sum(raw_kinds.values())} collectives" in fig.layout.title.text
+    coll = {d.name: int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines" and d.legendgroup.startswith("coll:")}
     assert coll == raw_kinds
-    nocoll = tl.plot_timeline(OpsOnlyTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta))
+    coll_hovers = {d.name: len(d.hovertext) for d in fig.data if d.mode == "markers" and d.legendgroup.startswith("coll:")}
+    assert coll_hovers == raw_kinds
+    nocoll = tl.plot_timeline(_without_collectives(tmp_path))
     assert "no collectives recorded" in nocoll.layout.title.text
+    assert not any(d.legendgroup.startswith("coll:") for d in nocoll.data)
 
 
-def test_timeline_with_collectives_and_aggregation(trace):
-    ct = CollTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
-    coll = tl.collective_spans(ct)
-    assert len(coll) == 2 * N and set(coll["kind"]) == {"all_to_all_single"}
-    assert (coll["end_ms"] - coll["start_ms"]).round(6).eq(0.5).all()
-    fig = tl.plot_timeline(ct)
-    kinds = [d for d in fig.data if d.name == "all_to_all_single"]
-    assert len(kinds) == 2 and int(np.isnan(kinds[0].x).sum()) == 2 * N and len(kinds[1].hovertext) == 2 * N
-    assert "8 collectives" in fig.layout.title.text
-    # aggregation: only depth-0 ops are drawn
+def test_timeline_aggregation(trace):
+    ops = trace.get_ops()
     agg = tl.timeline_frame(trace, aggregate=True)
-    assert len(agg) == int((trace.get_ops()["depth"] == 0).sum()) < len(trace.get_ops())
+    assert len(agg) == int((ops["depth"] == 0).sum()) < len(ops) and set(agg["depth"]) == {0}
+    fig = tl.plot_timeline(trace, aggregate=True)
+    assert f"nested ops merged ({len(agg)} spans drawn)" in fig.layout.title.text
 
 
+# ---- communication per op -------------------------------------------------------------------------
 def test_comm_by_op(trace):
-    df = tl.comm_by_op_frame(trace)
+    df = comm_by_op_kind(trace.get_collectives())
     raw = _raw_colls(trace)
     expected = {}
-    for c in raw:  # from the payloads: bytes and count per (op on the stack, kind)
-        e = expected.setdefault((c["op"], c["coll"]), [0, 0])
+    for c in raw:  # from the payloads: count, bytes and time per (op on the stack, kind)
+        e = expected.setdefault((c["op"], c["coll"]), [0, 0, 0.0])
         e[0] += 1
         e[1] += c["bytes_sent"] + c["bytes_recv"]
-    assert {(r.op, r.kind): [r.calls, r.bytes] for r in df.itertuples()} == expected
+        e[2] += (c["t_done_ns"] - c["t_issue_ns"]) / 1e6
+    got = {(r.op, r.kind): [r.calls, r.bytes, r.comm_ms] for r in df.itertuples()}
+    assert got.keys() == expected.keys()
+    for k, (calls, b, ms) in expected.items():
+        assert got[k][:2] == [calls, b] and got[k][2] == pytest.approx(ms)
+    assert list(df["bytes"]) == sorted(df["bytes"], reverse=True)
     # the halo exchange of the two forward convs, from the shapes: one row of 3 (then 4) channels x 64
     # columns x 4 bytes to each neighbour
     a2a = [c for c in raw if c["op"] == "torch.conv2d" and c["phase"] == "forward" and c["coll"] == "all_to_all_single"]
     for r in range(N):
         sent = sorted(c["bytes_sent"] for c in a2a if c["rank"] == r)
         assert sent == [_neighbours(r) * 3 * 64 * 4, _neighbours(r) * 4 * 64 * 4]
-    fig = tl.plot_comm_by_op(trace)
+    fig = plot_comm_by_op(trace)
     kinds = sorted({c["coll"] for c in raw})
     assert sorted({d.name for d in fig.data}) == kinds
     bars = {(y, d.name): x for d in fig.data if d.xaxis == "x" for y, x in zip(d.y, d.x)}
-    for (op, kind), (_, b) in expected.items():
-        assert bars[(op, kind)] == b
-    empty = tl.plot_comm_by_op(OpsOnlyTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta))
-    assert "no collectives recorded" in empty.layout.annotations[0].text
-    ct = CollTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
-    df = tl.comm_by_op_frame(ct)
-    assert list(df["op"]) == ["torch.conv2d"] and int(df["calls"].iloc[0]) == 2 * N
-    assert int(df["bytes"].iloc[0]) == N * (2 * 3 * 64 * 4 + 2 * 4 * 64 * 4) * 2
-    assert df["comm_ms"].iloc[0] == pytest.approx(0.5 * 2 * N)
+    times = {(y, d.name): x for d in fig.data if d.xaxis == "x2" for y, x in zip(d.y, d.x)}
+    for (op, kind), (_, b, ms) in expected.items():
+        assert bars[(op, kind)] == b and times[(op, kind)] == pytest.approx(ms)
 
 
-class OpsOnlyTrace(Trace):
-    """A Trace without collective analyses (as before issue 4): the views compute from the ops."""
-
-    get_imbalance = None
-    get_collectives = None
-
-
-def test_imbalance_from_ops(trace):
-    t = OpsOnlyTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
-    df = tl.imbalance_frame(t)
-    conv = df[df["op"] == "torch.conv2d"].set_index("rank")
-    for r in range(N):  # conv1 reads (1, 3, rows, 64), conv2 (1, 4, rows, 64)
-        assert conv.loc[r, "volume"] == (3 + 4) * ROWS[r] * 64
-        assert conv.loc[r, "calls"] == 2
-    ops = trace.get_ops()
-    host = ops[(ops["op"] == "torch.conv2d") & (ops["phase"] == "forward")].groupby("rank")["host_ms"].sum()
-    assert conv["host_ms"].to_dict() == pytest.approx(host.to_dict())
-    fig = tl.plot_imbalance(t)
-    vol = fig.data[0]
-    assert list(vol.x) == [f"rank {r}" for r in range(N)] and vol.visible
-    fwd0 = ops[(ops["phase"] == "forward") & (ops["depth"] == 0)]
-    expected = [sum(math.prod(s[0]) for s in fwd0[fwd0["rank"] == r]["in_local_shapes"] if s) for r in range(N)]
-    assert list(vol.y) == expected
-    assert fig.layout.updatemenus[0].buttons[0].label == "(all ops)"
+def test_comm_without_collectives(tmp_path):
+    for t in (_without_collectives(tmp_path), _without_collectives(tmp_path, schema_version=1)):
+        colls = t.get_collectives()
+        assert colls.empty and list(colls.columns) == COLLECTIVE_COLUMNS + COLLECTIVE_EXTRA_COLUMNS
+        assert not t.collectives_recorded
+        assert comm_by_op_kind(colls).empty
+        assert "no collectives recorded" in plot_comm_by_op(t).layout.annotations[0].text
+        assert len(t.get_ops()) == len(sharddbg.load_trace(DATA / "conv4.sdtrace.json").get_ops())
 
 
-def test_imbalance_from_trace_get_imbalance(trace):
-    """With the Trace's own get_imbalance (issue 4), the view shows exactly its numbers."""
+def test_collectives_outside_ops_have_one_name(trace, tmp_path):
+    t = _with_collective_outside_ops(tmp_path)
+    assert NO_OP == "<outside recorded ops>"
+    kinds = comm_by_op_kind(t.get_collectives())
+    (row,) = kinds[kinds["op"] == NO_OP].itertuples()
+    assert (row.kind, row.calls, row.bytes) == ("all_reduce", 1, 8)
+    assert NO_OP in set(t.get_comm_by_op()["op"]) and NO_OP in set(t.get_imbalance()["op"])
+    # the figures say the same, escaped
+    fig = plot_comm_by_op(t)
+    assert "&lt;outside recorded ops&gt;" in {y for d in fig.data for y in d.y}
+    spans = tl.collective_spans(t)
+    (hover,) = spans[spans["op"].isna()]["hover"]
+    assert "from op &lt;outside recorded ops&gt;" in hover
+
+
+# ---- imbalance ------------------------------------------------------------------------------------
+def test_imbalance_figure_draws_get_imbalance(trace):
     imb = trace.get_imbalance()
-    df = tl.imbalance_frame(trace)
-    vol = next(c for c in tl._VOLUME_CANDIDATES if c in imb.columns)
-    assert list(df["volume"]) == list(imb[vol]) and list(df["op"]) == list(imb["op"])
-    for c in ("host_ms", "comm_ms", "wait_ms"):
-        if c in imb:
-            assert df[c].fillna(-1).tolist() == imb[c].fillna(-1).tolist()
-    fig = tl.plot_imbalance(trace, op="torch.conv2d")
+    fig = plot_imbalance(trace, op="torch.conv2d")
     shown = [d for d in fig.data if d.visible]
-    assert shown[0].name == "shard volume" and all(d.showlegend is not False for d in shown)
+    assert [d.name for d in shown] == ["shard volume", "host ms", "comm ms", "wait ms"]
+    assert all(list(d.x) == [f"rank {r}" for r in range(N)] for d in shown)
     menu = fig.layout.updatemenus[0]
-    assert menu.buttons[menu.active].label == "torch.conv2d"
+    assert menu.buttons[menu.active].label == "torch.conv2d" and menu.buttons[0].label == "(all ops)"
     conv = imb[imb["op"] == "torch.conv2d"].set_index("rank")
-    assert list(shown[0].y) == [conv.loc[r, vol] for r in range(N)]
+    for d, col in zip(shown, ("shard_elems", "host_ms", "comm_ms", "wait_ms")):
+        assert list(d.y) == pytest.approx([conv.loc[r, col] for r in range(N)])
+    # the volume, from the payloads: every distributed argument of the forward calls
+    raw = _raw_ops(trace)
+    for r in range(N):
+        fwd = [e for (rr, _), e in raw.items() if rr == r and e["op"] == "torch.conv2d" and e["phase"] == "forward"]
+        assert conv.loc[r, "shard_elems"] == sum(_shard_elems(e) for e in fwd) == (3 + 4) * ROWS[r] * 64
+    # all ops together: the sums over ops per rank
+    fig = plot_imbalance(trace)
+    shown = [d for d in fig.data if d.visible]
+    per_rank = imb.groupby("rank")[["shard_elems", "host_ms", "comm_ms", "wait_ms"]].sum()
+    for d, col in zip(shown, per_rank.columns):
+        assert list(d.y) == pytest.approx(list(per_rank[col]))
 
 
-def test_imbalance_uses_get_imbalance_when_present(trace):
-    class ImbTrace(Trace):
-        def get_imbalance(self):
-            return pd.DataFrame({"op": ["torch.conv2d"] * N, "rank": list(range(N)),
-                                 "shard_bytes": [r * 4 for r in ROWS], "host_ms": [1.0] * N,
-                                 "comm_ms": [0.5] * N, "wait_ms": [float(r) for r in range(N)]})
-
-    it = ImbTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
-    df = tl.imbalance_frame(it)
-    assert list(df["volume"]) == [r * 4 for r in ROWS] and set(df["volume_unit"]) == {"bytes"}
-    assert {"host_ms", "comm_ms", "wait_ms"} <= set(df.columns)
-    fig = tl.plot_imbalance(it)
-    assert {d.name for d in fig.data} == {"shard volume", "host ms", "comm ms", "wait ms"}
+def test_imbalance_counts_every_sharded_argument(trace, tmp_path):
+    """x + x has two sharded arguments: both count, with or without collectives recorded."""
+    for t in (trace, _without_collectives(tmp_path)):
+        add = t.get_imbalance().set_index(["op", "rank"])
+        for r in range(N):
+            assert add.loc[("Tensor.add", r), "shard_elems"] == 2 * 3 * ROWS[r] * 64
+    imb = _without_collectives(tmp_path).get_imbalance()
+    assert (imb["comm_ms"] == 0).all() and (imb["wait_ms"] == 0).all()
+    conv = imb[imb["op"] == "torch.conv2d"].set_index("rank")
+    host = trace.get_ops().query("op == 'torch.conv2d'").groupby("rank")["host_ms"].sum()
+    assert conv["host_ms"].to_dict() == pytest.approx(host.to_dict())  # forward and backward events
 
 
 # ---- explorer -------------------------------------------------------------------------------------
@@ -227,12 +276,18 @@ def test_explorer_order_and_counts(trace):
     fb = trace.get_fallbacks()
     n_fb_fwd = int(fb["calls"].sum())
     assert ((df["kind"] == "fallback") & (df["phase"] == "forward")).sum() == n_fb_fwd
+    raw = _raw_ops(trace)
+    for row in df.itertuples():  # a fallback: its path is a DTensor fallback, or its handler fell back
+        e = raw[(row.rank, row.seq)]
+        assert (row.kind == "fallback") == (not e["error"] and (e["path"].startswith("dtensor_fallback") or e["fallback"]))
+    spans = tl.timeline_frame(trace).set_index(["rank", "seq"])["start_ms"]  # one time axis for both views
+    assert df.set_index(["rank", "seq"])["t_start_ms"].sort_index().tolist() == pytest.approx(spans.sort_index().tolist())
     first = df.iloc[:N]
     assert list(first["rank"]) == list(range(N)) and set(first["op"]) == {"Tensor.add"}
     assert set(first["error"]) == {f"TypeError: {HTML_MSG}"}
 
 
-def test_op_detail_same_call_every_rank(trace):
+def test_op_detail_same_call_every_rank(trace, tmp_path):
     df = ex.explorer_frame(trace)
     conv0 = df[(df["op"] == "torch.conv2d") & (df["phase"] == "forward") & (df["rank"] == 2)].sort_values("seq").iloc[0]
     d = ex.op_detail(trace, 2, int(conv0["seq"]))
@@ -245,6 +300,7 @@ def test_op_detail_same_call_every_rank(trace):
     assert d["row"]["user_frame"]
     # its collectives, on every rank: the halo all_to_all (one row of 3 channels to each neighbour)
     c = d["collectives"]
+    assert list(c.columns) == ex.COLL_FIELDS
     fwd = c[c["phase"] == "forward"]
     assert list(fwd["rank"]) == list(range(N)) and set(fwd["kind"]) == {"all_to_all_single"}
     assert list(fwd["bytes_sent"]) == [_neighbours(r) * 3 * 64 * 4 for r in range(N)]
@@ -252,33 +308,46 @@ def test_op_detail_same_call_every_rank(trace):
     bwd = c[c["phase"] == "backward"]
     grads = {(int(r), p): b for r, p, b in zip(bwd["rank"], bwd["param"], bwd["bytes_sent"]) if p}
     assert grads == {**{(r, "0.weight"): 4 * 3 * 3 * 3 * 4 for r in range(N)}, **{(r, "0.bias"): 4 * 4 for r in range(N)}}
-    nocoll = OpsOnlyTrace(trace.payloads, trace.clock_offsets_ns, trace.incomplete_ranks, trace.meta)
-    assert ex.op_detail(nocoll, 2, int(conv0["seq"]))["collectives"].empty
+    nocoll = ex.op_detail(_without_collectives(tmp_path), 2, int(conv0["seq"]))["collectives"]
+    assert nocoll.empty and list(nocoll.columns) == ex.COLL_FIELDS
     with pytest.raises(KeyError, match="no op with seq 9999 on rank 0"):
         ex.op_detail(trace, 0, 9999)
 
 
-def test_explorer_data_json_and_row_cap(trace):
+def test_explorer_data_json_and_row_cap(trace, tmp_path):
     data = ex.explorer_data(trace)
     json.dumps(data, allow_nan=False)  # strict JSON: what the widget and the report ship
-    assert data["total"] == len(trace.get_ops()) and data["left_out"] == 0
-    assert data["counts"] == {"error": N, "fallback": int((ex.explorer_frame(trace)["kind"] == "fallback").sum()),
-                              "op": len(trace.get_ops()) - N - int((ex.explorer_frame(trace)["kind"] == "fallback").sum())}
-    # the compact encoding decodes to exactly the explorer's rows
     frame = ex.explorer_frame(trace)
+    n_fb = int((frame["kind"] == "fallback").sum())
+    assert data["total"] == len(trace.get_ops()) and data["left_out"] == 0
+    assert data["counts"] == {"error": N, "fallback": n_fb, "op": len(trace.get_ops()) - N - n_fb}
+    assert data["has_collectives"] is True and len(data["collectives"]) == len(_raw_colls(trace))
+    assert data["incomplete_ranks"] == [] and data["dropped"] == 0
+    # the compact encoding decodes to exactly the explorer's rows
     decoded = ex.decode_rows(data)
     assert len(decoded) == len(frame)
     for got, (_, want) in zip(decoded, frame.iterrows()):
         for f in ex.ROW_FIELDS:
-            assert got[f] == ex._plain(want[f]), (f, got[f], want[f])
+            assert got[f] == json_value(want[f]), (f, got[f], want[f])
     small = ex.explorer_data(trace, max_rows=10)
     assert len(small["rows"]) == 10 and small["left_out"] == data["total"] - 10
     kinds = [r["kind"] for r in ex.decode_rows(small)]
     assert kinds[:N] == ["error"] * N and "op" not in kinds  # errors and fallbacks survive the cap
+    nocoll = ex.explorer_data(_without_collectives(tmp_path))
+    assert nocoll["has_collectives"] is False and nocoll["collectives"] == []
     w = trace.show()
     assert w.data["total"] == data["total"] and w.selected == []
     w.selected = [0, 0]
     assert w.detail()["row"]["op"] == "torch.conv2d"
+
+
+def test_json_value():
+    assert json_value([np.int64(3), np.float64("nan"), None, pd.NA, {1: np.float32(0.5)}, (1, "a")]) == \
+        [3, None, None, None, {"1": 0.5}, [1, "a"]]
+    assert type(json_value(np.int64(3))) is int and type(json_value(np.bool_(True))) is bool
+    assert format_shape([5]) == "(5,)" and format_shape([1, 3, 16]) == "(1, 3, 16)" and format_shape(None) == "—"
+    assert [format_bytes(n) for n in (1023, 1536, 3 * 2**20, 5 * 2**30, None)] == \
+        ["1023 B", "1.5 KiB", "3.0 MiB", "5.0 GiB", "—"]
 
 
 # ---- inspector from saved snapshots ---------------------------------------------------------------
@@ -292,6 +361,7 @@ def test_inspector_layout_from_saved_snapshots():
     json.dumps(data, allow_nan=False)
     blocks = data["pairs"][data["default_pair"]]["blocks"]
     assert [(b["row0"], b["row1"]) for b in blocks] == [(o, o + r) for o, r in zip(OFFS, ROWS)]
+    assert [r["local_bytes_text"] for r in data["ranks"]] == [format_bytes(3 * r * 64 * 4) for r in ROWS]
     # the same snapshots with rank 2 holding one row more than every spec says
     bad = copy.deepcopy(snaps)
     bad[2]["local_shape"][2] += 1
@@ -299,6 +369,12 @@ def test_inspector_layout_from_saved_snapshots():
     assert not lay.get_ranks().loc[2, "ok"] and lay.get_ranks()["ok"].sum() == N - 1
     assert any(w.startswith("rank 2 holds a local tensor of shape (1, 3, 17, 64)") and "(1, 3, 16, 64)" in w for w in lay.warnings)
     assert any("adding up to 67, but the global shape says 66" in w for w in lay.warnings)
+    # rank 1 reports another dtype: a warning, rank 0's dtype is shown
+    odd = copy.deepcopy(snaps)
+    odd[1]["dtype"] = "torch.float64"
+    lay = ShardLayout(odd)
+    assert lay.dtype == "torch.float32"
+    assert lay.warnings[0] == "ranks disagree on dtype: torch.float32 on ranks [0, 2, 3]; torch.float64 on ranks [1]"
 
 
 # ---- report and escaping --------------------------------------------------------------------------
@@ -310,9 +386,7 @@ def _hostile_trace(tmp_path) -> Trace:
             if e.get("op") == "Tensor.abs":
                 e["op"] = "<img src=x onerror=alert(1)>"
                 e["module"] = "<i>mod</i>"
-    path = tmp_path / "hostile.sdtrace.json"
-    path.write_text(json.dumps(d))
-    return sharddbg.load_trace(path)
+    return _load(d, tmp_path, "hostile")
 
 
 def test_report_standalone_and_escaped(trace, tmp_path):
@@ -330,7 +404,11 @@ def test_report_standalone_and_escaped(trace, tmp_path):
     # the sections are all there, with the trace's own numbers
     for section in ("Errors", "DTensor fallbacks", "Timeline", "Communication per op", "Imbalance", "Explorer"):
         assert f"<h2>{section}</h2>" in html
-    assert f"{len(trace.ranks)} ranks · {len(trace.get_ops())} op calls" in html
+    n_raised = int(trace.get_ops()["exc_type"].notna().sum())
+    assert f"{len(trace.ranks)} ranks · {len(trace.get_ops())} op calls · {n_raised} op calls raised · " \
+           f"{len(trace.get_fallbacks())} ops fell back to DTensor" in html
+    for fig in ("timeline", "comm", "imbalance"):
+        assert f'id="sd-fig-{fig}"' in html
 
 
 def test_plotly_text_escaped(tmp_path):
@@ -340,16 +418,18 @@ def test_plotly_text_escaped(tmp_path):
     assert any("&lt;img src=x onerror=alert(1)&gt;" in h for h in texts)
     assert any("&lt;b&gt;bold&lt;/b&gt;" in h for h in texts)
     assert not any("<img" in h or "<b>bold" in h or "<i>mod" in h for h in texts)
-    imb = tl.plot_imbalance(t)
+    imb = plot_imbalance(t)
     labels = [b.label for b in imb.layout.updatemenus[0].buttons]
     assert "&lt;img src=x onerror=alert(1)&gt;" in labels and not any("<img" in lab for lab in labels)
 
 
 def test_trace_does_not_import_views():
     code = ("import sys, sharddbg; t = sharddbg.load_trace(sys.argv[1]); t.get_ops(); t.get_fallbacks(); "
-            "bad = [m for m in ('plotly', 'anywidget', 'ipywidgets', 'sharddbg.views') if m in sys.modules]; "
+            "t.get_collectives(); t.get_imbalance(); t.to_perfetto(sys.argv[2]); "
+            "bad = [m for m in ('plotly', 'anywidget', 'ipywidgets', 'torch', 'sharddbg.views') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
-    r = subprocess.run([sys.executable, "-c", code, str(DATA / "conv4.sdtrace.json")], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code, str(DATA / "conv4.sdtrace.json"), "/dev/null"],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -357,9 +437,7 @@ def test_views_on_a_trace_without_events(tmp_path):
     d = _raw()
     for p in d["payloads"]:
         p["events"] = []
-    path = tmp_path / "empty.sdtrace.json"
-    path.write_text(json.dumps(d))
-    t = sharddbg.load_trace(path)
+    t = _load(d, tmp_path, "empty")
     fig = t.plot_timeline()
     assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(N)] and "0 op calls" in fig.layout.title.text
     assert "no collectives recorded" in t.plot_comm_by_op().layout.annotations[0].text
@@ -378,9 +456,7 @@ def test_incomplete_rank_and_in_flight_op(tmp_path):
     ev.update(t_end_ns=None, host_ms=None, in_flight=True)
     p3["complete"] = False
     d["incomplete_ranks"] = [3]
-    path = tmp_path / "hung.sdtrace.json"
-    path.write_text(json.dumps(d))
-    t = sharddbg.load_trace(path)
+    t = _load(d, tmp_path, "hung")
     df = tl.timeline_frame(t)
     row = df[(df["rank"] == 3) & (df["seq"] == last)].iloc[0]
     assert row["end_ms"] == df["end_ms"].max() >= row["start_ms"]  # drawn up to the last recorded time
@@ -396,7 +472,8 @@ def test_timeline_overview_bins(trace):
     bins = 40
     ops = tl.timeline_frame(trace)
     x0, x1 = float(ops["start_ms"].min()), float(ops["end_ms"].max())
-    ov = tl.timeline_overview(ops, "ops", bins, x0, x1)
+    ov = timeline_overview(ops, "ops", bins, x0, x1)
+    assert list(ov.columns) == OVERVIEW_COLUMNS and set(ov["lane"]) == {"ops"}
     w = (x1 - x0) / bins
     for r in range(N):  # the bins each rank's spans touch, computed span by span
         mine = ops[ops["rank"] == r]
@@ -415,10 +492,10 @@ def test_timeline_overview_bins(trace):
     (hm,) = [d for d in fig.data if d.type == "heatmap"]
     assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(N)]
     assert "overview" in fig.layout.title.text and not any(d.type == "scattergl" for d in fig.data)
-    coll = tl.collective_spans(trace).assign(category=lambda d: d["kind"])
+    coll = tl.collective_spans(trace)
     lo, hi = min(x0, coll["start_ms"].min()), max(x1, coll["end_ms"].max())
-    cells = len(tl.timeline_overview(ops, "ops", tl.OVERVIEW_BINS, lo, hi)) + \
-        len(tl.timeline_overview(coll, "collectives", tl.OVERVIEW_BINS, lo, hi))
+    cells = len(timeline_overview(ops, "ops", tl.OVERVIEW_BINS, lo, hi)) + \
+        len(timeline_overview(coll, "collectives", tl.OVERVIEW_BINS, lo, hi))
     assert int(np.isfinite(np.array(hm.z, dtype=float)).sum()) == cells > 0
     assert sum(1 for row in hm.text for t in row if t) == cells
     # a window drawn span by span: only the spans that overlap it
@@ -426,3 +503,20 @@ def test_timeline_overview_bins(trace):
     win = tl.plot_timeline(trace, time_range=(a, b))
     drawn = sum(int(np.isnan(d.x).sum()) for d in win.data if d.mode == "lines" and d.legendgroup.startswith("op:"))
     assert drawn == int(((ops["end_ms"] >= a) & (ops["start_ms"] <= b)).sum()) and list(win.layout.xaxis.range) == [a, b]
+
+
+def test_perfetto_shares_the_timeline_clock(trace):
+    """Perfetto's slices start where the timeline's spans do (µs vs ms from the same first event)."""
+    evs = perfetto_dict(trace)["traceEvents"]
+    ops = tl.timeline_frame(trace).set_index(["rank", "seq"])
+    colls = tl.collective_spans(trace).set_index(["rank", "seq"])
+    slices = [e for e in evs if e["ph"] == "X"]
+    assert len(slices) == len(ops) + len(colls)
+    for e in slices:
+        span = (colls if e["cat"].startswith("collective") else ops).loc[(e["pid"], e["args"]["seq"])]
+        assert e["ts"] == pytest.approx(span["start_ms"] * 1000) and e["dur"] == pytest.approx(
+            (span["end_ms"] - span["start_ms"]) * 1000)
+    # one name per track: ops (forward, and backward nested in Tensor.backward) on thread 0's track,
+    # collectives on their own, on every rank
+    names = sorted((e["pid"], e["tid"], e["args"]["name"]) for e in evs if e["name"] == "thread_name")
+    assert names == [(r, t, n) for r in range(N) for t, n in ((0, "thread 0"), (1000, "collectives"))]

@@ -1,7 +1,8 @@
 """Analyses of the collective records (schema ``collective``): pure functions, no torch, no cluster.
 
 ``collectives_frame`` builds ``Trace.get_collectives()``; the others take that frame (and the op table
-of ``Trace.get_ops()``) and return DataFrames.
+of ``Trace.get_ops()``) and return DataFrames. Collectives issued outside any recorded op are counted
+under ``NO_OP`` everywhere.
 
 Definitions used throughout:
 - ``duration_ms``: ``t_done_ns - t_issue_ns`` on the host (issue to the return of its wait); NaN when
@@ -31,6 +32,7 @@ COLLECTIVE_EXTRA_COLUMNS = [
 ]
 COMM_BY_OP_COLUMNS = ["op", "rank", "calls", "n_collectives", "kinds", "bytes_sent", "bytes_recv", "comm_ms", "op_ms",
                       "comm_share"]
+COMM_BY_OP_KIND_COLUMNS = ["op", "kind", "calls", "bytes", "comm_ms"]
 COMM_BY_CALL_COLUMNS = ["rank", "op_seq", "op", "path", "module", "n_collectives", "kinds", "bytes_sent", "bytes_recv",
                         "comm_ms", "op_ms", "comm_share", "user_frame"]
 IMBALANCE_COLUMNS = ["op", "rank", "calls", "shard_elems", "host_ms", "comm_ms", "wait_ms", "n_collectives",
@@ -159,6 +161,20 @@ def _comm_by_call(c: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
     return df.sort_values(["rank", "op_seq"], kind="stable").reset_index(drop=True)
 
 
+def comm_by_op_kind(colls: pd.DataFrame) -> pd.DataFrame:
+    """Communication per (op, collective kind), all ranks together: ``calls`` (collectives),
+    ``bytes`` (sent + received), ``comm_ms`` (sum of ``duration_ms``; collectives not waited for add
+    nothing). Largest ``bytes`` first, then largest ``comm_ms``."""
+    if colls.empty:
+        return pd.DataFrame(columns=COMM_BY_OP_KIND_COLUMNS)
+    c = colls.assign(op=colls["op"].where(colls["op"].notna(), NO_OP),
+                     bytes=colls["bytes_sent"].fillna(0) + colls["bytes_recv"].fillna(0))
+    g = c.groupby(["op", "kind"], sort=False).agg(calls=("kind", "size"), bytes=("bytes", "sum"),
+                                                  comm_ms=("duration_ms", "sum"))
+    return g.reset_index().sort_values(["bytes", "comm_ms"], ascending=False, kind="stable").reset_index(drop=True)[
+        COMM_BY_OP_KIND_COLUMNS]
+
+
 def arrival_wait_ms(colls: pd.DataFrame) -> pd.Series:
     """Per collective row: ms this rank waited for the group's last arrival at the same
     (group_name, group_seq), from the aligned ``t_issue_ns``. NaN when only one rank recorded it."""
@@ -172,11 +188,12 @@ def arrival_wait_ms(colls: pd.DataFrame) -> pd.Series:
 
 
 def imbalance(ops: pd.DataFrame, colls: pd.DataFrame) -> pd.DataFrame:
-    """Per op name and rank: shard volume (``shard_elems``: elements of the distributed tensor arguments
-    of its forward calls, i.e. the local shards; replicated weights and plain tensors are left out) beside host time (forward
-    and backward events), comm time of its collectives and the time spent waiting for other ranks to
-    arrive (``wait_ms``). ``shard_imbalance`` / ``host_imbalance``: max over ranks / mean over ranks of
-    that op (1.0 = balanced); ``wait_ms_max``: the largest per-rank wait of that op."""
+    """Per op name and rank: shard volume (``shard_elems``: elements of the local data of every
+    distributed argument, ShardTensor or DTensor, of its forward calls; plain tensors, such as weights
+    promoted to Replicate during the call, are left out) beside host time (forward and backward events),
+    comm time of its collectives and the time spent waiting for other ranks to arrive (``wait_ms``).
+    ``shard_imbalance`` / ``host_imbalance``: max over ranks / mean over ranks of that op (1.0 =
+    balanced); ``wait_ms_max``: the largest per-rank wait of that op."""
     c = colls.copy()
     c["wait_ms"] = arrival_wait_ms(c) if len(c) else pd.Series(dtype=float)
     c["op"] = c["op"].where(c["op"].notna(), NO_OP)

@@ -11,7 +11,8 @@ import pandas as pd
 
 from ..schema import FALLBACK_PATHS, OP_FIELDS
 
-# get_ops() columns: the issue's minimum first, in its order, then the schema's extra fields.
+# get_ops() columns: rank, then the op record's fields up to error in schema order (error as
+# "exc_type: message"), then its remaining fields and the error's parts.
 OPS_COLUMNS = [
     "rank", "seq", "parent_seq", "depth", "op", "path", "handler", "phase", "autograd_node", "module",
     "user_frame", "in_local_shapes", "in_global_shapes", "out_local_shape", "out_global_shape",
@@ -57,7 +58,9 @@ def ops_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -
     return df.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True)
 
 
-def _is_fallback(ops: pd.DataFrame) -> pd.Series:
+def is_fallback(ops: pd.DataFrame) -> pd.Series:
+    """Per row of ``get_ops()``: the call ran through a DTensor fallback, as its path (one of
+    ``schema.FALLBACK_PATHS``) or from inside its handler (``fallback``)."""
     return ops["path"].isin(FALLBACK_PATHS) | ops["fallback"].astype(bool)
 
 
@@ -70,7 +73,7 @@ def fallbacks(ops: pd.DataFrame) -> pd.DataFrame:
     """
     if ops.empty:
         return pd.DataFrame(columns=FALLBACK_COLUMNS)
-    fb = ops[_is_fallback(ops)]
+    fb = ops[is_fallback(ops)]
     fwd = fb[fb["phase"] == "forward"].copy()
     bwd = fb[fb["phase"] == "backward"]
     if fwd.empty:

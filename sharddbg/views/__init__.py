@@ -1,7 +1,9 @@
 """Views: widgets and plotly figures over a Trace or a ShardLayout. They never touch an engine.
 
-``inspector.ShardInspector`` (the shard inspector widget), ``explorer.TraceExplorer`` (the trace
-explorer widget), ``timeline`` (plotly figures: timeline, comm by op, imbalance), ``report.to_html``
-(one standalone offline HTML file). Each view's data comes from a pure function next to it
-(``*_data`` / ``*_frame``), tested on golden traces without a browser.
+One module per view: ``inspector.ShardInspector`` (the shard inspector widget), ``explorer.TraceExplorer``
+(the trace explorer widget), ``timeline.plot_timeline``, ``comm.plot_comm_by_op``,
+``imbalance.plot_imbalance`` (plotly figures); ``common`` holds what they share (colours, escaping,
+static assets). The data each draws comes from ``Trace.get_*()`` and ``sharddbg.analysis`` (pure,
+tested on golden traces without a browser); a view only lays it out. The standalone HTML report is
+``sharddbg.exporters.html_report``.
 """

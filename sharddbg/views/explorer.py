@@ -11,13 +11,19 @@ end works inside the standalone HTML report). Strings are set as text in the bro
 from __future__ import annotations
 
 import json
-import math
+from typing import TYPE_CHECKING
 
 import anywidget
 import pandas as pd
 import traitlets
 
-from ._common import PATH_COLORS, static
+from ..analysis.formatting import json_value
+from ..analysis.ops import is_fallback
+from ..analysis.timeline import time_origin_ns
+from .common import PATH_COLORS, static
+
+if TYPE_CHECKING:
+    from ..trace import Trace
 
 ROW_FIELDS = ["rank", "seq", "op", "path", "phase", "kind", "key", "depth", "parent_seq", "module", "user_frame",
               "handler", "autograd_node", "fwd_seq", "in_local_shapes", "in_global_shapes", "out_local_shape",
@@ -34,25 +40,7 @@ JSON_FIELDS = ("in_local_shapes", "in_global_shapes", "out_local_shape", "out_gl
 DEFAULT_MAX_ROWS = 20_000
 
 
-def _plain(v):
-    """JSON-able: NaN/NA -> None, numpy scalars -> Python."""
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    try:
-        if pd.isna(v):
-            return None
-    except (TypeError, ValueError):
-        pass
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    return v
-
-
-def explorer_frame(trace) -> pd.DataFrame:
+def explorer_frame(trace: Trace) -> pd.DataFrame:
     """The explorer's rows: one per op call per rank, ``kind`` = error / fallback / op, errors first,
     then fallbacks, then everything else in time order. ``key`` names the same call on every rank
     (phase, op, and its occurrence number on that rank)."""
@@ -62,35 +50,22 @@ def explorer_frame(trace) -> pd.DataFrame:
     ops = ops.sort_values(["rank", "seq"], kind="stable").copy()
     n = ops.groupby(["rank", "phase", "op"], sort=False).cumcount()
     ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + n.astype(str)
-    fallback_paths = {"dtensor_fallback_function", "dtensor_fallback_dispatch"}
-    is_err = ops["exc_type"].notna()
-    is_fb = ops["path"].isin(fallback_paths) | ops["fallback"].astype(bool)
     ops["kind"] = "op"
-    ops.loc[is_fb, "kind"] = "fallback"
-    ops.loc[is_err, "kind"] = "error"
-    t0 = ops["t_start_ns"].min()
-    ops["t_start_ms"] = (ops["t_start_ns"] - t0).astype(float) / 1e6
-    ops["_k"] = ops["kind"].map(KIND_ORDER)
-    ops["_kt"] = ops.groupby("key")["t_start_ns"].transform("min")  # one call's rows together, rank order
-    ops = ops.sort_values(["_k", "_kt", "key", "rank", "seq"], kind="stable")
+    ops.loc[is_fallback(ops), "kind"] = "fallback"
+    ops.loc[ops["exc_type"].notna(), "kind"] = "error"
+    # the timeline's origin: the trace's first event
+    ops["t_start_ms"] = (ops["t_start_ns"] - time_origin_ns(ops, trace.get_collectives())).astype(float) / 1e6
+    ops["kind_order"] = ops["kind"].map(KIND_ORDER)
+    ops["call_start"] = ops.groupby("key")["t_start_ns"].transform("min")  # one call's rows together, rank order
+    ops = ops.sort_values(["kind_order", "call_start", "key", "rank", "seq"], kind="stable")
     return ops[ROW_FIELDS].reset_index(drop=True)
 
 
-def _collectives(trace) -> pd.DataFrame:
-    fn = getattr(trace, "get_collectives", None)
-    df = fn() if fn is not None else None
-    if not isinstance(df, pd.DataFrame) or df.empty:
-        return pd.DataFrame(columns=COLL_FIELDS)
-    df = df.copy()
-    if "duration_ms" not in df and {"t_issue_ns", "t_done_ns"} <= set(df):
-        df["duration_ms"] = (df["t_done_ns"] - df["t_issue_ns"]) / 1e6
-    for c in COLL_FIELDS:
-        if c not in df:
-            df[c] = None
-    return df[COLL_FIELDS]
+def _collectives(trace: Trace) -> pd.DataFrame:
+    return trace.get_collectives()[COLL_FIELDS]
 
 
-def op_detail(trace, rank: int, seq: int) -> dict:
+def op_detail(trace: Trace, rank: int, seq: int) -> dict:
     """What the detail panel shows for op ``seq`` of ``rank``: ``row`` (that call), ``per_rank`` (the same
     call on every rank, a DataFrame in rank order), ``collectives`` (those it caused, every rank)."""
     rows = explorer_frame(trace)
@@ -106,7 +81,7 @@ def op_detail(trace, rank: int, seq: int) -> dict:
     return {"row": row.to_dict(), "per_rank": per_rank, "collectives": mine.reset_index(drop=True)}
 
 
-def explorer_data(trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
+def explorer_data(trace: Trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
     """Everything the explorer front end needs, JSON-able: rows (column-wise fields + row arrays),
     collectives, the filter choices, and how many rows were left out (``max_rows``: errors and fallbacks
     are always kept, the rest in time order)."""
@@ -131,20 +106,20 @@ def explorer_data(trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
     out_rows = []
     for r in shown.itertuples(index=False, name=None):
         out_rows.append([code(v) if i in coded else
-                         code(json.dumps(_plain(v), separators=(",", ":"))) if i in as_json and v is not None else
-                         _plain(v) for i, v in enumerate(r)])
+                         code(json.dumps(json_value(v), separators=(",", ":"))) if i in as_json and v is not None else
+                         json_value(v) for i, v in enumerate(r)])
     return {
         "fields": ROW_FIELDS, "coded": sorted(TABLE_FIELDS), "json_coded": sorted(JSON_FIELDS), "strings": strings, "rows": out_rows,
         "total": total, "left_out": total - len(shown),
         "coll_fields": COLL_FIELDS,
-        "collectives": [[_plain(v) for v in r] for r in coll.itertuples(index=False, name=None)],
-        "has_collectives": callable(getattr(trace, "get_collectives", None)),
+        "collectives": [[json_value(v) for v in r] for r in coll.itertuples(index=False, name=None)],
+        "has_collectives": trace.collectives_recorded,
         "ranks": [int(r) for r in trace.ranks],
         "paths": sorted(set(rows["path"])), "phases": sorted(set(rows["phase"])),
         "path_colors": PATH_COLORS,
         "counts": {k: int((rows["kind"] == k).sum()) for k in ("error", "fallback", "op")},
-        "incomplete_ranks": [int(r) for r in getattr(trace, "incomplete_ranks", [])],
-        "dropped": int(getattr(trace, "dropped", 0) or 0),
+        "incomplete_ranks": [int(r) for r in trace.incomplete_ranks],
+        "dropped": int(trace.dropped),
     }
 
 
@@ -168,7 +143,7 @@ class TraceExplorer(anywidget.AnyWidget):
     data = traitlets.Dict().tag(sync=True)
     selected = traitlets.List([]).tag(sync=True)
 
-    def __init__(self, trace, max_rows: int = DEFAULT_MAX_ROWS, **kwargs):
+    def __init__(self, trace: Trace, max_rows: int = DEFAULT_MAX_ROWS, **kwargs):
         super().__init__(data=explorer_data(trace, max_rows=max_rows), **kwargs)
         self.trace = trace
 

@@ -1,6 +1,6 @@
 """The shard inspector widget: a block diagram of who holds which slice, the per-rank table, the checks.
 
-``ShardInspector(layout)``: an anywidget over :class:`sharddbg.cluster.inspect.ShardLayout`. The data it
+``ShardInspector(layout)``: an anywidget over :class:`sharddbg.analysis.layout.ShardLayout`. The data it
 draws is ``layout.to_json()`` (tested without a browser); the front end (``_static/inspector.js``)
 only lays it out. ``pair`` (synced) is the index of the two tensor dims drawn.
 """
@@ -8,9 +8,11 @@ only lays it out. ``pair`` (synced) is the index of the two tensor dims drawn.
 from __future__ import annotations
 
 import anywidget
+import pandas as pd
 import traitlets
 
-from ._common import static
+from ..analysis.layout import ShardLayout
+from .common import static
 
 
 class ShardInspector(anywidget.AnyWidget):
@@ -21,12 +23,12 @@ class ShardInspector(anywidget.AnyWidget):
     data = traitlets.Dict().tag(sync=True)
     pair = traitlets.Int(0).tag(sync=True)
 
-    def __init__(self, layout, **kwargs):
+    def __init__(self, layout: ShardLayout, **kwargs):
         data = layout.to_json()
         super().__init__(data=data, pair=data["default_pair"], **kwargs)
         self.shard_layout = layout
 
-    def get_ranks(self):
+    def get_ranks(self) -> pd.DataFrame:
         """One row per rank (the table the widget shows)."""
         return self.shard_layout.get_ranks()
 

@@ -1,4 +1,4 @@
-"""Shared by the views: static assets, colours, HTML escaping and safe JSON embedding."""
+"""Shared by the views and the HTML report: static assets, colours, HTML escaping, safe JSON embedding."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ def path_color(path: str) -> str:
     return PATH_COLORS.get(path, "#7f7f7f")
 
 
+def collective_colors(kinds) -> dict[str, str]:
+    """{kind: colour} for the collective kinds a figure draws, in sorted order (same kinds, same colours)."""
+    return {k: COLLECTIVE_COLORS[i % len(COLLECTIVE_COLORS)] for i, k in enumerate(sorted(set(kinds)))}
+
+
 @lru_cache(maxsize=None)
 def static(name: str) -> str:
     return (_STATIC / name).read_text()
@@ -49,3 +54,15 @@ def json_for_script(obj) -> str:
 def module_as_script(js: str, name: str) -> str:
     """An ES module's text as plain script defining ``name`` (for the standalone report)."""
     return js.replace("export function ", "function ").replace("export default", f"const {name} =")
+
+
+def empty_figure(title: str, message: str):
+    """A plotly Figure that only says ``message`` (a figure with nothing to draw)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 14}}, template="plotly_white", height=260,
+                      xaxis={"visible": False}, yaxis={"visible": False})
+    fig.add_annotation(text=message, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
+                       font={"size": 13, "color": "#555"})
+    return fig

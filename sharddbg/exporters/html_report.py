@@ -9,27 +9,23 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from . import explorer as _explorer
-from . import timeline as _timeline
-from ._common import esc, json_for_script, module_as_script, path_color, static
+from ..views.comm import plot_comm_by_op
+from ..views.common import esc, json_for_script, module_as_script, path_color, static
+from ..views.explorer import DEFAULT_MAX_ROWS, explorer_data
+from ..views.imbalance import plot_imbalance
+from ..views.timeline import plot_timeline
+
+if TYPE_CHECKING:
+    from ..trace import Trace
 
 
-def _table(df: pd.DataFrame, cols: list[str], cls: str, fmt: dict | None = None) -> str:
-    fmt = fmt or {}
+def _table(df: pd.DataFrame, cols: list[str], cls: str) -> str:
     head = "".join(f"<th>{esc(c)}</th>" for c in cols)
-    body = []
-    for _, r in df.iterrows():
-        cells = []
-        for c in cols:
-            v = r[c]
-            if c in fmt:
-                cells.append(f"<td>{fmt[c](v)}</td>")  # fmt returns escaped HTML
-            else:
-                cells.append(f"<td>{esc(_text(v))}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
+    body = ["<tr>" + "".join(f"<td>{esc(_text(r[c]))}</td>" for c in cols) + "</tr>" for _, r in df.iterrows()]
     return f'<table class="sd-table {cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
@@ -41,7 +37,7 @@ def _text(v) -> str:
     return "—" if v is None else str(v)
 
 
-def _errors_html(trace) -> str:
+def _errors_html(trace: Trace) -> str:
     errs = trace.get_errors()
     if errs.empty:
         return '<p class="sd-meta">No exceptions were raised.</p>'
@@ -58,17 +54,15 @@ def _errors_html(trace) -> str:
     return "\n".join(parts)
 
 
-def to_html(trace, path: str | os.PathLike, *, title: str | None = None, max_rows: int = _explorer.DEFAULT_MAX_ROWS) -> str:
+def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, max_rows: int = DEFAULT_MAX_ROWS) -> str:
     """Write the report for ``trace`` to ``path`` (one self-contained HTML file). Returns the path."""
     import plotly.io as pio
 
     path = os.fspath(path)
     ops = trace.get_ops()
     fb = trace.get_fallbacks()
-    meta = getattr(trace, "meta", {}) or {}
     title = title or "sharddbg trace report"
-    figs = [("timeline", _timeline.plot_timeline(trace)), ("comm", _timeline.plot_comm_by_op(trace)),
-            ("imbalance", _timeline.plot_imbalance(trace))]
+    figs = [("timeline", plot_timeline(trace)), ("comm", plot_comm_by_op(trace)), ("imbalance", plot_imbalance(trace))]
     fig_html = {}
     for i, (name, fig) in enumerate(figs):
         fig_html[name] = pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), div_id=f"sd-fig-{name}",
@@ -78,13 +72,13 @@ def to_html(trace, path: str | os.PathLike, *, title: str | None = None, max_row
                             for p, n in paths.items())
     facts = [f"{len(trace.ranks)} ranks", f"{len(ops)} op calls", f"{int((ops['exc_type'].notna()).sum()) if len(ops) else 0} op calls raised",
              f"{len(fb)} ops fell back to DTensor"]
-    if getattr(trace, "dropped", 0):
+    if trace.dropped:
         facts.append(f"{trace.dropped} events dropped (buffer full)")
-    if getattr(trace, "incomplete_ranks", []):
+    if trace.incomplete_ranks:
         facts.append(f"incomplete ranks {trace.incomplete_ranks}")
     fb_html = _table(fb, ["op", "path", "calls", "ranks", "host_ms_total", "bwd_host_ms_total", "user_frames"], "sd-fallbacks") \
         if len(fb) else '<p class="sd-meta">No op took a DTensor fallback.</p>'
-    code = meta.get("code")
+    code = trace.meta.get("code")
     explorer_js = module_as_script(static("explorer.js"), "_sdExplorer")
     doc = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
@@ -109,7 +103,7 @@ details.sd-error {{ margin: 6px 0; }} pre.sd-code {{ background: #f6f8fa; paddin
 {fig_html["imbalance"]}
 <h2>Explorer</h2>
 <div id="sd-explorer"></div>
-<script type="application/json" id="sd-explorer-data">{json_for_script(_explorer.explorer_data(trace, max_rows=max_rows))}</script>
+<script type="application/json" id="sd-explorer-data">{json_for_script(explorer_data(trace, max_rows=max_rows))}</script>
 <script>
 {explorer_js}
 (function () {{

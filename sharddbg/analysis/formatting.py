@@ -1,0 +1,56 @@
+"""Plain-data formatting shared by the analyses, the views and the exporters: sizes, shapes, JSON values.
+
+Pure functions, no torch, no plotting; one definition of each so that every view and file says the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+
+def is_missing(v) -> bool:
+    """None, NaN or pandas NA (a scalar that was not measured); False for lists and other containers."""
+    if v is None:
+        return True
+    try:
+        return bool(pd.isna(v))
+    except (TypeError, ValueError):  # lists, dicts, arrays: not a missing scalar
+        return False
+
+
+def format_bytes(n) -> str:
+    """``1536`` -> ``"1.5 KiB"``; whole bytes below 1 KiB; ``"—"`` when not measured."""
+    if is_missing(n):
+        return "—"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def format_shape(shape) -> str:
+    """``[1, 3, 16]`` -> ``"(1, 3, 16)"``, ``[5]`` -> ``"(5,)"``; ``"—"`` for no shape."""
+    if shape is None or (isinstance(shape, float) and math.isnan(shape)):
+        return "—"
+    return "(" + ", ".join(str(int(x)) for x in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def json_value(v):
+    """A DataFrame cell as strict JSON accepts it: NaN / pandas NA -> None, numpy scalars -> Python,
+    containers converted element by element (dict keys as strings)."""
+    if isinstance(v, (list, tuple)):
+        return [json_value(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): json_value(x) for k, x in v.items()}
+    if is_missing(v):
+        return None
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
