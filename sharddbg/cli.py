@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 DEMO_SEED = 0
 DEMO_SHAPE = (1, 3, 66, 64)  # 66 rows over 4 ranks: 17, 17, 16, 16

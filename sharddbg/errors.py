@@ -1,5 +1,7 @@
 """Every error and warning sharddbg raises on purpose. Each names what was wrong and what to do."""
 
+from typing import NamedTuple
+
 
 class ShardDbgError(Exception):
     """Base class of sharddbg's own errors."""
@@ -20,7 +22,7 @@ class NoActiveClusterError(ClusterError):
 class RankTimeoutError(ShardDbgError, TimeoutError):
     """Some ranks did not finish within the timeout.
 
-    ``report`` is a :class:`sharddbg.cluster.diagnose.HangReport`: which ranks finished, which did not,
+    ``report`` is a :class:`sharddbg.cluster.hang.HangReport`: which ranks finished, which did not,
     and for each unfinished rank its Python stack and the collective it waits in.
     """
 
@@ -29,8 +31,16 @@ class RankTimeoutError(ShardDbgError, TimeoutError):
         self.report = report
 
 
+class RankFailure(NamedTuple):
+    """How code failed on one rank (a tuple, so ``ename, message, tb = failure`` works too)."""
+
+    type_name: str  # the exception's class name, e.g. "ScatterError"
+    message: str
+    traceback: str  # the rank's traceback text, ipyparallel's own frame left out
+
+
 class RankError(ShardDbgError):
-    """Code failed on one or more ranks. ``errors`` maps rank -> (exception type name, message, traceback)."""
+    """Code failed on one or more ranks. ``errors`` maps rank -> :class:`RankFailure`."""
 
     def __init__(self, message, errors=None):
         super().__init__(message)

@@ -109,7 +109,7 @@ class ShardMagics(Magics):
                          collective_timeout=args.collective_timeout)
             cl.start()
             print(f"sharddbg: {cl.n} ranks ready in {cl.timings['start_s']:.1f} s, mesh ddp={cl.mesh.ddp} x "
-                  f"domain={cl.mesh.domain}, backend {cl.backend}, patches {cl._statuses[0].get('patch_mode')}. "
+                  f"domain={cl.mesh.domain}, backend {cl.backend}, patches {cl.patch_mode}. "
                   f"%px / %%px now run on these ranks.")
             return None
         if args.action == "stop":
@@ -143,10 +143,9 @@ class ShardMagics(Magics):
             print("sharddbg: process group re-created on every rank; rebuild ShardTensors made before")
             return None
         if args.action == "diagnose":
-            from .cluster import hang
-
             busy = cl.busy_ranks()
-            report = cl.hang_report(0, [r for r in range(cl.n) if r not in busy], busy, what="their current work")
+            report = cl.hang_report(0, [r for r in range(cl.n) if r not in busy], busy, what="their current work",
+                                    diagnose_timeout=args.timeout)
             print(report.format() if busy else "every rank is idle")
             return report
         return None
@@ -177,10 +176,12 @@ class ShardMagics(Magics):
         args = _trace_parser().parse_args(shlex.split(line))
         cl = active_cluster()
         try:
-            trace = cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask)
+            cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask)
         finally:
-            if not args.quiet and cl._last_trace is not None:
-                print(trace_summary(cl._last_trace))
+            # the trace is kept even when the cell failed: summarise it before the error shows
+            trace = cl.last_trace(required=False)
+            if not args.quiet and trace is not None:
+                print(trace_summary(trace))
 
     @line_magic
     def shard_inspect(self, line):

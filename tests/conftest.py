@@ -26,14 +26,6 @@ def cluster4():
         cl.stop()
 
 
-@pytest.fixture
-def fresh_cluster4(cluster4):
-    """The shared 4-rank cluster, with a clean namespace-independent state check before each test."""
-    if cluster4.busy_ranks():
-        cluster4.recover()
-    return cluster4
-
-
 def pytest_collection_modifyitems(config, items):
     """Run the tests that start their own clusters (notebooks, browser, lifecycle, magics) first, before
     the shared cluster4 exists: never two clusters at once on a small machine, and the magics' "no

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 import sharddbg
-from sharddbg.engine._scatter import balanced_sizes
-from sharddbg.errors import ClusterError, RankError
+from sharddbg.errors import ClusterError, RankError, RankFailure
 
 pytestmark = pytest.mark.cluster
 
@@ -43,7 +42,6 @@ def test_uneven_scatter_gives_balanced_local_heights(cluster4):
     heights = [shape[2] for shape in cluster4.pull("local_shape")]
     expected = [66 // 4 + (1 if r < 66 % 4 else 0) for r in range(4)]  # computed here, independently
     assert heights == expected == [17, 17, 16, 16]
-    assert balanced_sizes(66, 4) == expected
     spec = cluster4.eval("(tuple(x._spec.tensor_meta.shape), x._spec._sharding_shapes[0])")
     for global_shape, shard_shapes in spec:
         assert global_shape == (1, 3, 66, 64)
@@ -65,10 +63,10 @@ def test_status_reports_every_rank(cluster4):
     assert list(status.index) == [0, 1, 2, 3]
     assert list(status["domain"]) == [0, 1, 2, 3] and set(status["ddp"]) == {0}
     assert set(status["backend"]) == {"gloo"} and set(status["device"]) == {"cpu"}
-    assert set(status["patch_mode"]) == {"registered-by-sharddbg"}
+    assert set(status["patch_mode"]) == {"registered-by-sharddbg"} and cluster4.patch_mode == "registered-by-sharddbg"
     assert (status["n_patches"] > 10).all()
-    assert sorted(status["pid"]) == sorted(cluster4.pids.values())
     assert list(status["pid"]) == [cluster4.pids[r] for r in range(4)]
+    assert list(status["engine_id"]) == cluster4.engine_ids
     assert set(status["physicsnemo"]) == {"2.2.2"}
     assert (status["dist_initialized"]).all()
 
@@ -83,9 +81,11 @@ def test_batch_of_two_is_refused_on_every_rank(cluster4):
     with pytest.raises(RankError) as info:
         cluster4.run("sharddbg.engine.scatter(torch.randn(2, 3, 66, 64), dim=2)", display=False)
     assert sorted(info.value.errors) == [0, 1, 2, 3]
-    for ename, message, _ in info.value.errors.values():
-        assert ename == "ScatterError"
-        assert "batch size per domain group must be 1" in message and "'ddp'" in message
+    for failure in info.value.errors.values():
+        assert isinstance(failure, RankFailure) and failure.type_name == "ScatterError"
+        assert "batch size per domain group must be 1" in failure.message and "'ddp'" in failure.message
+        assert "scatter" in failure.traceback and "ipyparallel/engine/kernel.py" not in failure.traceback
+    assert str(info.value).startswith("4 of 4 ranks raised in the cell:\n[rank 0] ScatterError: ")
     # nobody was left waiting in a collective: the cluster still answers
     assert cluster4.eval("1", timeout=10) == [1] * 4
 
@@ -122,18 +122,22 @@ def test_cluster_output_is_per_rank_and_in_rank_order(cluster4, capsys):
 
 
 def test_active_cluster_is_the_last_started_that_still_runs(cluster4):
+    from sharddbg.cluster import running_clusters
+
     assert sharddbg.active_cluster() is cluster4
     with sharddbg.Cluster(n=1) as other:
         assert sharddbg.active_cluster() is other
+        assert running_clusters()[-2:] == [cluster4, other]
     assert sharddbg.active_cluster() is cluster4  # back to the one still running
+    assert other not in running_clusters() and not other.running
 
 
 def test_everything_listens_on_loopback_only(cluster4):
     import ipaddress
 
-    import psutil
-
-    procs = cluster4._record.live_processes()
+    procs = cluster4.processes()
+    # fork server, controller, 4 engines (and the controller's children, if any)
+    assert {p.pid for p in procs} >= set(cluster4.pids.values()) | {cluster4.fork_server_pid}
     assert len(procs) >= 6
     listening = [(p.pid, c.laddr) for p in procs for c in p.net_connections(kind="inet") if c.status == "LISTEN"]
     assert listening, "expected the controller, the store and gloo to listen somewhere"

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.cluster
 
 
 def processes_of(cl) -> set[int]:
-    """Every process the cluster's record names, plus the controller's and fork server's children."""
-    return {p.pid for p in cl._record.live_processes()}
+    """Every process of the cluster: fork server, controller, engines, and their children."""
+    return {p.pid for p in cl.processes()}
 
 
 def assert_all_gone(pids, within_s=5.0):
@@ -36,7 +36,7 @@ def test_2x2_mesh_scatters_per_domain_group_and_stops_clean():
     cl.start()
     try:
         pids = processes_of(cl)
-        assert len(pids) >= 6  # fork server, controller, 4 engines
+        assert pids >= set(cl.pids.values()) | {cl.fork_server_pid} and len(pids) >= 6  # + the controller
         cl.run("x = sharddbg.engine.scatter(torch.full((1, 1, 66, 4), float(rank)), dim=2)", display=False)
         assert [s[2] for s in cl.eval("tuple(x._local_tensor.shape)")] == [33, 33, 33, 33]
         # each domain group broadcasts from its own first rank: ranks 0,1 hold 0.0; ranks 2,3 hold 2.0
@@ -80,6 +80,10 @@ def test_a_rank_that_skips_a_collective_is_diagnosed_and_recovered():
         assert time.monotonic() - t0 < 3 + 5  # bounded: the timeout plus the diagnosis
         report = info.value.report
         assert report.finished == [1] and report.unfinished == [0]
+        # every rank's control thread answered, the blocked one included
+        assert sorted(report.diagnoses) == [0, 1]
+        assert [report.diagnoses[r]["rank"] for r in (0, 1)] == [0, 1]
+        assert report.diagnoses[0]["pid"] == pids_before[0]
         stuck = report.ranks[0]
         assert [f["function"] for f in stuck.user_frames()][-1] == "exchange"
         assert stuck.innermost_function() in ("all_reduce", "wait", "wrapper")
@@ -107,8 +111,8 @@ import json, sys, time
 import sharddbg
 cl = sharddbg.Cluster(n=2)
 cl.start()
-print(json.dumps({"cluster_id": cl.cluster_id, "forkserver": cl._forkserver.pid,
-                  "pids": sorted(p.pid for p in cl._record.live_processes())}), flush=True)
+print(json.dumps({"cluster_id": cl.cluster_id, "forkserver": cl.fork_server_pid,
+                  "pids": sorted(p.pid for p in cl.processes())}), flush=True)
 time.sleep(600)
 """
 
@@ -155,20 +159,22 @@ def test_orphans_whose_fork_server_also_died_are_reaped_by_stop_all():
 def test_untested_versions_warn_once_and_clearly():
     import warnings
 
-    from sharddbg.cluster import cluster as cluster_module
+    from sharddbg.cluster import check_versions, tested_version
     from sharddbg.errors import ShardDbgWarning
 
     statuses = [{"torch": "2.14.1+cu130", "physicsnemo": "2.2.2"}, {"torch": "2.9.0", "physicsnemo": "2.3.0"}]
-    cluster_module._WARNED_VERSIONS.clear()
+    warned = set()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cluster_module._warn_untested(statuses)
-        cluster_module._warn_untested(statuses)  # a second cluster: no second warning
+        issued = check_versions(statuses, warned)
+        assert check_versions(statuses, warned) == []  # a second cluster: no second warning
     messages = [str(w.message) for w in caught if issubclass(w.category, ShardDbgWarning)]
-    assert len(messages) == 2
-    assert any("torch 2.9.0" in m and "still run" in m for m in messages)
-    assert any("physicsnemo 2.3.0" in m for m in messages)
-    assert cluster_module._version_ok("torch", "2.11.0+cu130") and not cluster_module._version_ok("torch", "2.1")
+    assert messages == issued and len(messages) == 2
+    assert "torch 2.9.0" in messages[0] and "still run" in messages[0] and "tested with torch 2.14.1 / 2.11" in messages[0]
+    assert "physicsnemo 2.3.0" in messages[1]
+    assert warned == {("torch", "2.9.0"), ("physicsnemo", "2.3.0")}
+    assert tested_version("torch", "2.11.0+cu130") and tested_version("torch", "2.14.1")
+    assert not tested_version("torch", "2.1") and not tested_version("torch", "2.110")
 
 
 def test_a_rank_that_dies_ends_the_wait_at_once_and_restart_recovers():

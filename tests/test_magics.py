@@ -14,14 +14,14 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def ip():
-    from sharddbg.cluster import cluster as cluster_module
+    from sharddbg.cluster import running_clusters
 
-    running_before = list(cluster_module._STARTED)  # e.g. the session's shared cluster: not ours to stop
+    running_before = running_clusters()  # e.g. the session's shared cluster: not ours to stop
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "sharddbg")
     yield shell
-    for cl in list(cluster_module._STARTED):
-        if cl not in running_before and cl.running:
+    for cl in running_clusters():
+        if cl not in running_before:
             cl.stop()
 
 
@@ -69,6 +69,15 @@ def test_start_px_status_stop(ip):
     assert f"recorded {len(ops)} op calls on 4 ranks" in cap.stdout and "DTensor fallback" in cap.stdout
     with pytest.raises(UsageError):
         ip.run_cell_magic("shard_trace", "--max-events lots", "pass")
+    # a cell that fails is still traced and summarised, then its error is raised
+    with capture_output() as cap, pytest.raises(sharddbg.errors.RankError, match="ValueError: boom"):
+        ip.run_cell_magic("shard_trace", "", "z2 = torch.nn.functional.conv2d(x, w, padding=1)\nraise ValueError('boom')")
+    failed = sharddbg.last_trace()
+    assert failed is not trace and failed.meta["failed"].startswith("RankError: 4 of 4 ranks raised")
+    assert "op calls on 4 ranks" in cap.stdout
+    with capture_output() as cap:
+        assert ip.run_line_magic("shard_cluster", "diagnose").unfinished == []
+    assert cap.stdout.strip() == "every rank is idle"
     status = ip.run_line_magic("shard_cluster", "status")
     assert list(status.index) == [0, 1, 2, 3]
     assert set(status["patch_mode"]) == {"registered-by-sharddbg"}
@@ -77,7 +86,7 @@ def test_start_px_status_stop(ip):
     with capture_output() as cap:
         ip.run_line_magic("shard_cluster", "recover")
     assert "re-created" in cap.stdout
-    pids = {p.pid for p in cl._record.live_processes()}
+    pids = {p.pid for p in cl.processes()}
     with capture_output() as cap:
         ip.run_line_magic("shard_cluster", "stop")
     assert "stopped 4 ranks" in cap.stdout

@@ -23,6 +23,9 @@ def test_a_rank_that_times_out_keeps_its_events(cluster4):
         cluster4.trace(HANGING_CELL, timeout=3, display=False)
     assert time.monotonic() - t0 < 3 + 15
     assert info.value.report.unfinished == [0]
+    # the hung rank's events came with its diagnosis, answered by its control thread
+    recording = info.value.report.diagnoses[0]["recording"]
+    assert recording["rank"] == 0 and recording["complete"] is False
     trace = sharddbg.last_trace()
     assert trace is cluster4.last_trace()
     assert trace.incomplete_ranks == [0]
@@ -35,4 +38,4 @@ def test_a_rank_that_times_out_keeps_its_events(cluster4):
     cluster4.recover()
     assert cluster4.eval("dist.get_world_size()") == [4] * 4
     # after recovery the recorder is off again on every rank, and a new trace works
-    assert cluster4.eval("sharddbg.engine.recorder.is_recording()") == [False] * 4
+    assert cluster4.eval("sharddbg.engine.api.is_recording()") == [False] * 4

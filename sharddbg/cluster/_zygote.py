@@ -98,7 +98,6 @@ def _run_engine(rank: int, engine_argv: list[str], env: dict, log_path: str) -> 
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
         os.environ.update(env)
-        os.environ["SHARDDBG_RANK"] = str(rank)
         from sharddbg.engine import bootstrap
 
         bootstrap.on_fork(rank)

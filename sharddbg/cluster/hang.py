@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class PendingCollective:
+    """A collective a rank issued and that has not completed, with the group's ranks that never issued it."""
+
     group: str
     group_ranks: list[int]
     seq: int
@@ -36,6 +38,8 @@ class PendingCollective:
 
 @dataclass
 class RankDiagnosis:
+    """Where one unfinished rank waits: its stack (user frames tagged) and its pending collectives."""
+
     rank: int
     pid: int | None
     stack: list[dict] = field(default_factory=list)
@@ -75,11 +79,16 @@ class RankDiagnosis:
 
 @dataclass
 class HangReport:
+    """Which ranks did not finish ``what`` within ``timeout_s``, and where each unfinished one waits."""
+
     timeout_s: float
     finished: list[int]
     unfinished: list[int]
-    ranks: dict[int, RankDiagnosis]
+    ranks: dict[int, RankDiagnosis]  # unfinished rank -> where it waits
     what: str = "the cell"
+    # every rank's raw diagnosis as its control thread answered it (None: no answer); a recording
+    # running on a rank is in it ("recording"), which is how a trace keeps a hung rank's events
+    diagnoses: dict[int, dict | None] = field(default_factory=dict)
 
     def summary(self) -> str:
         return (f"{len(self.unfinished)} of {len(self.finished) + len(self.unfinished)} ranks did not finish "
@@ -112,7 +121,7 @@ def last_seq_by_group(fr: dict) -> dict[str, int]:
 
 def build_report(timeout_s: float, finished: list[int], unfinished: list[int], diagnoses: dict[int, dict | None],
                  pids: dict[int, int], what: str = "the cell") -> HangReport:
-    """``diagnoses``: rank -> the engine's :func:`sharddbg.engine.diagnose.diagnose` dict, or None if silent."""
+    """``diagnoses``: rank -> the engine's :func:`sharddbg.engine.control.diagnosis` dict, or None if silent."""
     last_by_rank = {r: last_seq_by_group(d.get("flight_recorder", {})) for r, d in diagnoses.items() if d}
     ranks: dict[int, RankDiagnosis] = {}
     for rank in unfinished:
@@ -138,4 +147,4 @@ def build_report(timeout_s: float, finished: list[int], unfinished: list[int], d
                 missing_ranks=missing, last_seq_of=last_of,
             ))
         ranks[rank] = result
-    return HangReport(timeout_s, sorted(finished), sorted(unfinished), ranks, what)
+    return HangReport(timeout_s, sorted(finished), sorted(unfinished), ranks, what, diagnoses=dict(diagnoses))

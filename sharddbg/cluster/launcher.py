@@ -21,7 +21,6 @@ class ForkServer:
         self._replies: queue.Queue = queue.Queue()
         self._early: list[dict] = []  # replies that arrived while we waited for another one
         self.exited: list[dict] = []  # engines that died on their own (seen from the fork server)
-        self.facts: dict = {}
         full_env = dict(os.environ)
         full_env.update(env or {})
         self._stderr = open(os.path.join(log_dir, "forkserver.log"), "ab")  # noqa: SIM115 - closed in close()
@@ -80,8 +79,8 @@ class ForkServer:
             self._early.append(msg)
 
     def wait_ready(self, timeout: float) -> dict:
-        self.facts = self._expect("ready", timeout)
-        return self.facts
+        """The facts the fork server reports once its imports are done (GPU count, versions, timings)."""
+        return self._expect("ready", timeout)
 
     def _send(self, **cmd) -> None:
         try:

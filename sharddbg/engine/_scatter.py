@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import ShardDbgError
+from .rank_state import STATE, current_rank
 
 
 class ScatterError(ShardDbgError, ValueError):
@@ -11,8 +12,6 @@ class ScatterError(ShardDbgError, ValueError):
 
 def domain_mesh():
     """This rank's 1-D "domain" sub-mesh (the ranks one sample is sharded over)."""
-    from .rank_state import STATE
-
     mesh = STATE.mesh
     if mesh is None:
         raise ShardDbgError("torch.distributed is not set up on this engine; start it with sharddbg.Cluster")
@@ -61,7 +60,7 @@ def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replic
 
     mesh = domain_mesh()
     source = int(mesh.mesh.flatten()[0].item())
-    is_source = dist.get_rank() == source
+    is_source = current_rank() == source
     if is_source and not isinstance(tensor, torch.Tensor):
         problem = f"expected a torch.Tensor on the source rank {source}, got {type(tensor).__name__}"
         meta = None

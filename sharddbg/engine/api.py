@@ -8,16 +8,18 @@ each docstring.
 
 Control messages are answered on the kernel's control thread, which runs even while the main thread is
 blocked in a collective: ``DIAGNOSE_REQUEST`` (stack, Flight Recorder, recording so far) and
-``CLOCK_REQUEST`` (this rank's clock, for the client's offset estimate).
+``CLOCK_REQUEST`` (this rank's clock, for the client's offset estimate). They are defined with their
+handlers in ``engine.control`` (a light module) and listed here.
 """
 
 from __future__ import annotations
 
 # ---- control channel: request type -> reply type ------------------------------------------------
-DIAGNOSE_REQUEST = "sharddbg_diagnose_request"
-DIAGNOSE_REPLY = "sharddbg_diagnose_reply"
-CLOCK_REQUEST = "sharddbg_clock_request"
-CLOCK_REPLY = "sharddbg_clock_reply"
+from .control import CLOCK_REPLY, CLOCK_REQUEST, DIAGNOSE_REPLY, DIAGNOSE_REQUEST
+
+__all__ = ["DIAGNOSE_REQUEST", "DIAGNOSE_REPLY", "CLOCK_REQUEST", "CLOCK_REPLY", "rank", "init_rank", "teardown",
+           "status", "user_value", "user_eval", "tensor_snapshot", "recording_start", "recording_stop",
+           "recording_peek", "is_recording"]
 
 
 # ---- set-up -------------------------------------------------------------------------------------
@@ -30,13 +32,11 @@ def rank() -> int | None:
 
 def init_rank(world_size: int, mesh_shape, backend: str, master_port: int, collective_timeout_s: float,
               use_cuda: bool) -> dict:
-    """Join torch.distributed on a fresh port, build the mesh, fill physicsnemo's manager; returns
-    :func:`status` (``bootstrap.init_rank``)."""
+    """As the rank the fork server gave this engine (``rank_state``): join torch.distributed on a fresh
+    port, build the mesh, fill physicsnemo's manager; returns :func:`status` (``bootstrap.init_rank``)."""
     from . import bootstrap
-    from .rank_state import STATE
 
-    return bootstrap.init_rank(STATE.rank, world_size, mesh_shape, backend, master_port, collective_timeout_s,
-                               use_cuda)
+    return bootstrap.init_rank(world_size, mesh_shape, backend, master_port, collective_timeout_s, use_cuda)
 
 
 def teardown(release_pids=()) -> None:

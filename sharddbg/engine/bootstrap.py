@@ -1,7 +1,9 @@
 """Per-rank set-up inside an engine: physicsnemo import and patch registration, torch.distributed, the
 named ("ddp", "domain") mesh and the DistributedManager state that physicsnemo's helpers read.
 
-The client calls these through ipyparallel; everything returned is plain data.
+The fork server calls ``import_physicsnemo`` and ``on_fork``; the client reaches the rest through
+``sharddbg.engine.api``. Everything returned is plain data. The facts of the set-up are written to
+``rank_state.STATE``, where every other engine module reads them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import sys
 import time
 from datetime import timedelta
 
+from ..errors import ShardDbgError
+from . import control
 from .rank_state import STATE, PatchFacts
 
 
@@ -60,7 +64,7 @@ def import_physicsnemo(register_on_cpu: bool = True) -> dict:
 
 
 def on_fork(rank: int) -> None:
-    """First thing in a freshly forked engine, before ipyparallel starts."""
+    """First thing in a freshly forked engine, before ipyparallel starts: this process is rank ``rank``."""
     STATE.rank = rank
     # A C-level stack dump on SIGUSR1, for a rank so stuck that even the control thread cannot answer.
     log_dir = os.environ.get("SHARDDBG_LOG_DIR")
@@ -96,13 +100,18 @@ def _fill_distributed_manager(rank, world_size, local_rank, device, mesh, mesh_s
     assert isinstance(device, torch.device)
 
 
-def init_rank(rank: int, world_size: int, mesh_shape, backend: str, master_port: int,
-              collective_timeout_s: float, use_cuda: bool) -> dict:
-    """Initialise torch.distributed on a fresh port, build the mesh, fill the manager. Returns status()."""
+def init_rank(world_size: int, mesh_shape, backend: str, master_port: int, collective_timeout_s: float,
+              use_cuda: bool) -> dict:
+    """Initialise torch.distributed on a fresh port, build the mesh, fill the manager. Returns status().
+
+    The rank is the one the fork server gave this process (``on_fork``)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    rank = STATE.rank
+    if rank is None:
+        raise ShardDbgError("this process has no rank: only engines forked by a sharddbg cluster can join one")
     t0 = time.perf_counter()
     if STATE.patches is None:
         import_physicsnemo(register_on_cpu=True)
@@ -128,7 +137,6 @@ def init_rank(rank: int, world_size: int, mesh_shape, backend: str, master_port:
     )
     mesh = init_device_mesh(device.type, tuple(mesh_shape), mesh_dim_names=("ddp", "domain"))
     _fill_distributed_manager(rank, world_size, local_rank, device, mesh, mesh_shape)
-    STATE.rank = rank
     STATE.world_size = world_size
     STATE.mesh_shape = tuple(mesh_shape)
     STATE.backend = backend
@@ -138,9 +146,7 @@ def init_rank(rank: int, world_size: int, mesh_shape, backend: str, master_port:
     STATE.dist_inits += 1
     _silence_known_noise()
     _install_user_namespace()
-    from . import diagnose
-
-    diagnose.install_control_handler()
+    control.install_handlers()
     out = status()
     out["t_init_s"] = time.perf_counter() - t0
     return out
@@ -219,8 +225,6 @@ def _sever_connections_to(pids) -> int:
     Destroying the process group would close them only once nothing references it, and live
     ShardTensors, meshes or autograd graphs in the user's namespace can keep it referenced.
     """
-    import socket
-
     import psutil
 
     peer_ports = set()
@@ -320,10 +324,3 @@ def user_eval(expression: str):
     from IPython import get_ipython
 
     return eval(expression, get_ipython().user_ns)  # noqa: S307 - the user's own code, on their own engines
-
-
-def clock_sample() -> int:
-    """This rank's recorder clock, for the client's offset estimate."""
-    from .clock import now_ns
-
-    return now_ns()

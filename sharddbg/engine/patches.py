@@ -12,7 +12,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from ..errors import NoPatchError, ShardDbgError  # noqa: F401 - NoPatchError re-exported
+from ..errors import NoPatchError
+from .recorder.tensors import op_name
 
 __all__ = ["without_patches", "NoPatchError", "registered_patches"]
 
@@ -28,8 +29,6 @@ def _st():
 
 def registered_patches() -> dict[str, list[str]]:
     """Registry name -> the ops registered there (as strings)."""
-    from ._rec_util import op_name
-
     ST = _st()
     return {r: sorted(k if isinstance(k, str) else op_name(k) for k in getattr(ST, r)) for r in _REGISTRIES}
 
@@ -37,8 +36,6 @@ def registered_patches() -> dict[str, list[str]]:
 def _matches(op: Any) -> list[tuple[dict, Any]]:
     """(registry, key) pairs that route ``op`` to a patch."""
     import torch
-
-    from ._rec_util import op_name
 
     ST = _st()
     found: list[tuple[dict, Any]] = []
@@ -90,8 +87,6 @@ def without_patches(*ops: Any) -> Iterator[None]:
     for op in ops:
         m = _matches(op)
         if not m:
-            from ._rec_util import op_name
-
             name = op if isinstance(op, str) else op_name(op)
             raise NoPatchError(
                 f"{name} has no ShardTensor patch to remove (it already runs through the DTensor fallback, "

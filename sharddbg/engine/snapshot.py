@@ -1,11 +1,11 @@
 """A per-rank snapshot of a ShardTensor / DTensor / plain tensor as plain JSON-able data.
 
-Runs inside a rank (``Cluster.apply(snapshot_named, "x")``) and reads only local state: the local
-tensor's shape, ``_spec.tensor_meta`` (global shape, dtype), ``_spec.placements``, ``_spec.mesh`` and
-``_spec._sharding_shapes``. It never communicates: ``spec.sharding_shapes()`` (an all_gather when the
-cached shapes are None), ``full_tensor()`` and ``t.shape`` on a ShardTensor are not called. The client
-(``sharddbg.cluster.inspect``) puts every rank's snapshot together; what one rank cannot know (the other
-ranks' real local shapes) is checked there.
+Runs inside a rank (the client asks through ``sharddbg.engine.api.tensor_snapshot("x")``) and reads only
+local state: the local tensor's shape, ``_spec.tensor_meta`` (global shape, dtype), ``_spec.placements``,
+``_spec.mesh`` and ``_spec._sharding_shapes``. It never communicates: ``spec.sharding_shapes()`` (an
+all_gather when the cached shapes are None), ``full_tensor()`` and ``t.shape`` on a ShardTensor are not
+called. The client puts every rank's snapshot together (the shard inspector's ``ShardLayout``); what one
+rank cannot know (the other ranks' real local shapes) is checked there.
 
 Snapshot record (``SNAPSHOT_VERSION``)::
 

@@ -1,9 +1,13 @@
-"""Where is this rank stuck? Answered from the kernel's control thread, which still runs while the main
-thread is blocked inside a gloo/NCCL collective (they release the GIL while waiting).
+"""The control channel's side on a rank: messages answered on the kernel's control thread, which still runs
+while the main thread is blocked inside a gloo/NCCL collective (they release the GIL while waiting).
 
-The client sends a ``sharddbg_diagnose_request`` on the control channel; the reply carries the main
-thread's Python stack, torch's Flight Recorder entries (the collectives this rank issued and whether they
-completed), the ranks of each process group, and the recorder's events so far when one is running.
+- ``DIAGNOSE_REQUEST`` -> ``DIAGNOSE_REPLY`` ``{"status": "ok", "report": diagnosis()}``: the main thread's
+  Python stack, torch's Flight Recorder entries (the collectives this rank issued and whether they
+  completed), the ranks of each process group, and the recorder's events so far when one is running.
+- ``CLOCK_REQUEST`` -> ``CLOCK_REPLY`` ``{"status": "ok", "now_ns": ...}``: this rank's sharddbg clock, for
+  the client's offset estimate (answered here, so no queue of user code lengthens the round trip).
+
+The message types are defined here, with their handlers; ``sharddbg.engine.api`` lists them for the client.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import sys
 import threading
 import traceback
 
+from . import clock
 from .frames import is_library_file
+from .rank_state import STATE
 
-from .api import CLOCK_REPLY, CLOCK_REQUEST, DIAGNOSE_REPLY, DIAGNOSE_REQUEST
-
-def is_user_file(filename: str) -> bool:
-    return not is_library_file(filename)
+DIAGNOSE_REQUEST = "sharddbg_diagnose_request"
+DIAGNOSE_REPLY = "sharddbg_diagnose_reply"
+CLOCK_REQUEST = "sharddbg_clock_request"
+CLOCK_REPLY = "sharddbg_clock_reply"
 
 
 def main_thread_stack() -> list[dict]:
@@ -32,7 +38,7 @@ def main_thread_stack() -> list[dict]:
             "line": summary.lineno,
             "function": summary.name,
             "code": (summary.line or "").strip(),
-            "user": is_user_file(summary.filename),
+            "user": not is_library_file(summary.filename),
         })
     return frames
 
@@ -96,9 +102,8 @@ def flight_recorder() -> dict:
     return {"available": True, "entries": entries, "version": data.get("version")}
 
 
-def diagnose() -> dict:
-    from .rank_state import STATE
-
+def diagnosis() -> dict:
+    """Where this rank is now: the ``report`` of a ``DIAGNOSE_REPLY`` (read by ``sharddbg.cluster.hang``)."""
     report = {
         "rank": STATE.rank,
         "pid": os.getpid(),
@@ -116,8 +121,8 @@ def diagnose() -> dict:
     return report
 
 
-def install_control_handler() -> bool:
-    """Register :func:`diagnose` on this engine's control channel (idempotent)."""
+def install_handlers() -> bool:
+    """Answer ``DIAGNOSE_REQUEST`` and ``CLOCK_REQUEST`` on this engine's control channel (idempotent)."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -127,20 +132,17 @@ def install_control_handler() -> bool:
     if kernel is None:
         return False
 
-    def handle(stream, ident, parent):
+    def answer_diagnose(stream, ident, parent):
         try:
-            content = {"status": "ok", "report": diagnose()}
+            content = {"status": "ok", "report": diagnosis()}
         except Exception as exc:
             content = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
                        "traceback": traceback.format_exc().splitlines()}
         kernel.session.send(stream, DIAGNOSE_REPLY, content, parent, ident=ident)
 
-    def clock(stream, ident, parent):
-        # Answered on the control thread: no queue behind user code, so the round trip is short.
-        from .clock import now_ns
+    def answer_clock(stream, ident, parent):
+        kernel.session.send(stream, CLOCK_REPLY, {"status": "ok", "now_ns": clock.now_ns()}, parent, ident=ident)
 
-        kernel.session.send(stream, CLOCK_REPLY, {"status": "ok", "now_ns": now_ns()}, parent, ident=ident)
-
-    kernel.control_handlers[DIAGNOSE_REQUEST] = handle
-    kernel.control_handlers[CLOCK_REQUEST] = clock
+    kernel.control_handlers[DIAGNOSE_REQUEST] = answer_diagnose
+    kernel.control_handlers[CLOCK_REQUEST] = answer_clock
     return True
