@@ -1,14 +1,22 @@
-"""Extra overhead of collective recording on top of the recorder, 4 gloo CPU ranks, one run.
+"""Extra overhead of collective recording on top of the recorder, 4 gloo CPU ranks, one run; and the same
+workload timed for this checkout against another revision of sharddbg, interleaved in one run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_comm.py [--ranks 4] [--rounds 7] [--iters 5]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_comm.py [--ranks 4] [--runs 3] [--rounds 11] [--iters 5]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_comm.py --against HEAD~1   # this tree vs a revision
 
 Same workload as bench_recorder.py (3-conv net, input (1, 8, 128, 64) sharded on H, forward + backward,
 patches registered), modes interleaved round by round (rotated), in ONE run:
   none            plain eager
-  recorder_ops    Recorder(comm=False): ShardTensor ops only (issue 3)
-  recorder        Recorder(): ops + every collective (issue 4: the TorchDispatchMode + Work.wait wrapper)
+  recorder_ops    Recorder(comm=False): ShardTensor ops only
+  recorder        Recorder(): ops + every collective (the default)
 Reports wall ms/step (slowest rank), CPU ms/step (sum over ranks), and the ratios recorder/recorder_ops
 (the cost of collective recording alone) and each mode/none.
+
+``--against REV``: the revision is checked out in a git worktree; each run starts two groups of rank
+processes, one importing sharddbg from this tree and one from the worktree, alive side by side. They take
+turns round by round (the order alternates), so machine noise hits both alike; only one group runs at a
+time. Each round gives each group its own ratio mode/none (its own untraced steps, same processes); the
+table reports the median over rounds of new ratio / old ratio, with quartiles.
 """
 
 from __future__ import annotations
@@ -17,14 +25,17 @@ import argparse
 import contextlib
 import os
 import statistics
+import subprocess
 import sys
-import time
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
 
-from bench_recorder import _setup, paired_summary, run_pooled, time_modes  # noqa: E402
+from bench_recorder import _free_port, _setup, paired_summary, run_pooled, time_modes  # noqa: E402
 
 MODES = ("none", "recorder_ops", "recorder")
 
@@ -37,9 +48,8 @@ def _mode_ctx(mode: str):
     return Recorder(comm=(mode == "recorder"))
 
 
-def _worker(rank, world, port, rounds, iters, out):
+def _workload(rank, world, port):
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     from physicsnemo.domain_parallel import ShardTensor
     from torch.distributed.tensor import Shard
@@ -59,18 +69,122 @@ def _worker(rank, world, port, rounds, iters, out):
 
     for _ in range(3):
         step()
-    counts = {}
+    return step
 
+
+def _event_counter(iters, counts):
     def count(mode, ctx):
         ev = ctx.events
         counts[mode] = (sum(e["kind"] == "op" for e in ev) // iters,
                         sum(e["kind"] == "collective" for e in ev) // iters)
 
-    times, cpu = time_modes(step, MODES, _mode_ctx, rounds, iters, count)
+    return count
+
+
+def _worker(rank, world, port, rounds, iters, out):
+    import torch.distributed as dist
+
+    step = _workload(rank, world, port)
+    counts = {}
+    times, cpu = time_modes(step, MODES, _mode_ctx, rounds, iters, _event_counter(iters, counts))
     if rank == 0:
         out.put((times, cpu, counts))
     dist.barrier()
     dist.destroy_process_group()
+
+
+# ---- this tree against another revision --------------------------------------------------------
+
+def _group_worker(tree, rank, world, port, rounds, iters, go, done, out):
+    """One rank of one group: sharddbg imported from ``tree``; each round starts when the parent says so."""
+    sys.path.insert(0, tree)
+    import torch.distributed as dist
+
+    import sharddbg
+
+    step = _workload(rank, world, port)
+    counts = {}
+
+    def around_round(r, when):
+        if rank != 0:
+            return  # the other ranks wait in the round's first barrier
+        if when == "start":
+            go.get()
+        else:
+            done.put(r)
+
+    times, cpu = time_modes(step, MODES, _mode_ctx, rounds, iters, _event_counter(iters, counts), around_round)
+    if rank == 0:
+        out.put((times, cpu, counts, os.path.dirname(os.path.dirname(os.path.abspath(sharddbg.__file__)))))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _start_group(ctx, tree, ranks, rounds, iters):
+    go, done, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_group_worker, args=(tree, r, ranks, port, rounds, iters, go, done, out))
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    return {"go": go, "done": done, "out": out, "procs": procs}
+
+
+def _worktree(rev: str) -> str:
+    path = os.path.join(tempfile.mkdtemp(prefix="sharddbg-rev-"), "tree")
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", path, rev], check=True)
+    return path
+
+
+def compare(a) -> dict:
+    import torch.multiprocessing as mp
+
+    old_tree = _worktree(a.against)
+    sha = subprocess.run(["git", "-C", old_tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    ctx = mp.get_context("spawn")
+    per_round = {m: [] for m in MODES if m != "none"}  # new ratio / old ratio, per round
+    own = {"new": {m: [] for m in MODES}, "old": {m: [] for m in MODES}}
+    counts = {}
+    try:
+        for run in range(a.runs):
+            groups = {"new": _start_group(ctx, ROOT, a.ranks, a.rounds, a.iters),
+                      "old": _start_group(ctx, old_tree, a.ranks, a.rounds, a.iters)}
+            for r in range(a.rounds):
+                for name in (("new", "old") if (r + run) % 2 == 0 else ("old", "new")):
+                    groups[name]["go"].put(r)
+                    groups[name]["done"].get(timeout=900)
+            results = {}
+            for name, g in groups.items():
+                times, _cpu, c, imported_from = g["out"].get(timeout=300)
+                times.pop("_enter_exit_ms")
+                results[name] = times
+                counts[name] = (c, imported_from)
+                for p in g["procs"]:
+                    p.join(60)
+            for m in MODES:
+                own["new"][m] += results["new"][m]
+                own["old"][m] += results["old"][m]
+            for m in per_round:
+                per_round[m] += [(n / nn) / (o / on) for n, nn, o, on in
+                                 zip(results["new"][m], results["new"]["none"], results["old"][m], results["old"]["none"])]
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old_tree], check=False)
+    print(f"\nthis tree ({counts['new'][1]}) against {a.against} = {sha} ({counts['old'][1]}); 3-conv net fwd+bwd, "
+          f"input (1,8,128,64) over {a.ranks} gloo ranks; {a.runs} runs x {a.rounds} rounds x {a.iters} steps; "
+          f"per step on rank 0 (ops, collectives): new {counts['new'][0]}, old {counts['old'][0]}")
+    print(f"cores: {os.cpu_count()}; each group's ratio = mode / none in the same round and processes; "
+          "new/old = median over rounds of the ratio of the two groups' ratios [quartiles]")
+    summary = {}
+    for m in per_round:
+        v = sorted(per_round[m])
+        q = lambda p: v[min(len(v) - 1, int(p * len(v)))]  # noqa: E731
+        new = statistics.median(x / b for x, b in zip(own["new"][m], own["new"]["none"]))
+        old = statistics.median(x / b for x, b in zip(own["old"][m], own["old"]["none"]))
+        summary[m] = {"new_over_old": statistics.median(v), "q1": q(0.25), "q3": q(0.75), "new": new, "old": old}
+        print(f"{m:<13} new {new:.3f}  old {old:.3f}  new/old {statistics.median(v):.3f} [{q(0.25):.3f}, {q(0.75):.3f}]")
+    print(f"untraced ms/step: new {statistics.median(own['new']['none']) * 1e3:.2f}, "
+          f"old {statistics.median(own['old']['none']) * 1e3:.2f}")
+    return summary
 
 
 def main(argv=None) -> dict:
@@ -79,7 +193,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="fresh rank processes per run (memory layouts differ)")
+    ap.add_argument("--against", metavar="REV", help="time this tree against git revision REV (a worktree)")
     a = ap.parse_args(argv)
+    if a.against:
+        return compare(a)
     times, cpu, _per_run, _enter_exit, counts = run_pooled(_worker, MODES, a)
     wall, cpus = paired_summary(times), paired_summary(cpu)
     print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.runs} runs x {a.rounds} "

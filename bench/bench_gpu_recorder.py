@@ -148,12 +148,14 @@ def main() -> None:
 
     pieces = {"torch.cuda.memory_allocated()": us(torch.cuda.memory_allocated),
               "Event(enable_timing)+record": us(ev_rec)}
-    if hasattr(R, "new_cuda_event"):
-        pieces["recorder.new_cuda_event()+record"] = us(lambda: R.new_cuda_event().record())
-    fast = getattr(R, "_allocated_bytes", None)
-    if fast is not None:
-        pieces["recorder._allocated_bytes()"] = us(fast)
-        assert fast() == torch.cuda.memory_allocated()
+    try:
+        from sharddbg.engine.recorder import cuda as recorder_cuda
+    except ImportError:  # a sharddbg from before the recorder package (--pkg)
+        recorder_cuda = None
+    if recorder_cuda is not None:
+        pieces["recorder.cuda.new_cuda_event()+record"] = us(lambda: recorder_cuda.new_cuda_event().record())
+        pieces["recorder.cuda.allocated_bytes()"] = us(recorder_cuda.allocated_bytes)
+        assert recorder_cuda.allocated_bytes() == torch.cuda.memory_allocated()
     out = {"pkg": a.pkg, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
            "shapes": results, "piece_us": pieces}
     print(json.dumps(out, indent=1))

@@ -4,9 +4,9 @@
 
 Compares, in ONE run, interleaved round by round so that machine noise hits every mode alike:
   none          plain eager
-  recorder_ops  Recorder(comm=False): everything issue 3 records (ops, dispatch paths, shapes, modules,
-                user frames, backward events, promotions, errors, CUDA time and memory on GPUs)
-  recorder      Recorder(): the default, the above plus every collective (issue 4)
+  recorder_ops  Recorder(comm=False): ops only (dispatch paths, shapes, modules, user frames, backward
+                events, promotions, errors, CUDA time and memory on GPUs)
+  recorder      Recorder(): the default, the above plus every collective
   commdebug     torch.distributed.tensor.debug.CommDebugMode
   profiler      torch.profiler (CPU activity, record_shapes=True)
 Each mode runs `iters` fwd+bwd steps per round with the tool started before and stopped after the
@@ -112,13 +112,15 @@ def _worker(rank, world, port, rounds, iters, out):
     dist.destroy_process_group()
 
 
-def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None):
+def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None, around_round=None):
     """Interleaved timing of ``step`` under each mode (rotated so no mode always goes first).
 
     Returns ({mode: [wall s/step of the slowest rank]}, {mode: [CPU s/step summed over ranks]}); CPU
     summed over ranks is the honest cost when ranks share fewer cores than there are ranks. The first
     dict also holds "_enter_exit_ms": {mode: median ms to start + stop the tool on this rank}.
     ``on_ctx(mode, ctx)`` sees each mode's context after its timed block (e.g. to count events).
+    ``around_round(r, "start" | "end")`` is called before and after each round (turn-taking with another
+    group of ranks, bench_comm.py --against).
     """
     import torch
     import torch.distributed as dist
@@ -133,6 +135,8 @@ def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None):
     cpu = {m: [] for m in modes}
     enter_exit = {m: [] for m in modes}
     for r in range(rounds):
+        if around_round is not None:
+            around_round(r, "start")
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
             if _gen_transform_infos is not None:
                 _gen_transform_infos.cache_clear()
@@ -160,6 +164,8 @@ def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None):
                 store[mode].append(float(t))
             if on_ctx is not None and ctx is not None:
                 on_ctx(mode, ctx)
+        if around_round is not None:
+            around_round(r, "end")
     times["_enter_exit_ms"] = {m: statistics.median(v) for m, v in enter_exit.items()}
     return times, cpu
 
@@ -230,7 +236,7 @@ def main(argv=None) -> dict:
         cq = f"[{c['q1']:.3f}, {c['q3']:.3f}]"
         print(f"{m:<10} {w['median'] * 1e3:>12.2f} {w['ratio']:>11.3f} {wq:>15} {runs:>22} "
               f"{c['median'] * 1e3:>12.2f} {c['ratio']:>10.3f} {cq:>15}")
-    print("(recorder_ops: everything issue 3 records; recorder: the default, plus every collective)")
+    print("(recorder_ops: ops only; recorder: the default, ops and every collective)")
     print("start + stop of each tool, ms on rank 0 (median per run): "
           + "; ".join(f"{m} " + " ".join(f"{e[m]:.2f}" for e in enter_exit) for m in MODES if m != "none"))
     return {"wall": wall, "cpu": cpus, "per_run_wall": per_run, "enter_exit_ms": enter_exit}

@@ -47,6 +47,10 @@ class RankError(ShardDbgError):
         self.errors = errors or {}
 
 
+class InspectError(ShardDbgError, ValueError):
+    """The named value cannot be inspected (missing on some ranks, not a tensor, ...)."""
+
+
 class TraceFileError(ShardDbgError, ValueError):
     """A trace file is not a sharddbg trace, is corrupt, or has an unsupported version."""
 

@@ -67,7 +67,7 @@ PATHS = (
     "dispatch_handler",  # ShardTensor._dispatch_registry(_by_name)
     "dtensor_fallback_dispatch",  # _dispatch_fallback_via_dtensor
     # since schema 2: a ShardTensor Python method that bypasses __torch_function__ and may communicate
-    # (full_tensor, redistribute, backward, from_local; engine/recorder.py PYTHON_METHODS)
+    # (full_tensor, redistribute, backward, from_local; PYTHON_METHODS in engine/recorder/ops.py)
     "python_method",
 )
 FALLBACK_PATHS = ("dtensor_fallback_function", "dtensor_fallback_dispatch")

@@ -24,17 +24,13 @@ from typing import Any
 
 import pandas as pd
 
-from ..errors import ShardDbgError
+from ..errors import InspectError
 from .formatting import format_bytes, format_shape
 
 __all__ = ["ShardLayout", "InspectError", "RANK_COLUMNS"]
 
 RANK_COLUMNS = ["rank", "group", "coordinate", "local_shape", "spec_local_shape", "offsets", "local_bytes",
                 "dtype", "device", "requires_grad", "placements", "ok"]
-
-
-class InspectError(ShardDbgError, ValueError):
-    """The named value cannot be inspected (missing on some ranks, not a tensor, ...)."""
 
 
 class ShardLayout:

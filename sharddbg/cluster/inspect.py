@@ -8,7 +8,8 @@ the inspector widget (``sharddbg.views.inspector.ShardInspector``; its data is `
 
 from __future__ import annotations
 
-from ..analysis.layout import InspectError, ShardLayout
+from ..analysis.layout import ShardLayout
+from ..errors import InspectError
 from ..engine import api as engine_api
 
 __all__ = ["inspect_tensor", "gather_snapshots", "InspectError"]

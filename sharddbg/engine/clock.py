@@ -28,11 +28,6 @@ def set_offset_ns(ns: int) -> None:
     now_ns = _now_with_offset_ns if _offset_ns else time.monotonic_ns
 
 
-def offset_ns() -> int:
-    """The offset currently injected (0 by default)."""
-    return _offset_ns
-
-
 def describe() -> dict:
     """Plain-data description of this clock, stored in every payload."""
     return {"source": "time.monotonic_ns", "injected_offset_ns": _offset_ns}

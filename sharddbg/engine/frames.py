@@ -52,9 +52,9 @@ def user_frame(skip: int = 2) -> tuple[str, int, str] | None:
 
 
 def user_frame_until(skip: int, stop: Any, stop_answer: Any) -> tuple[str, int, str] | None:
-    """user_frame(), except that reaching the frame ``stop`` (the wrapper frame of the enclosing recorded
-    op, which is on this stack) answers ``stop_answer`` (that op's user frame): a nested op walks only
-    the frames between it and the op that called it."""
+    """user_frame(), except that reaching the frame ``stop`` (on this stack: the wrapper frame of the
+    enclosing recorded op, or the ``_call_impl`` frame of the running module) answers ``stop_answer`` (the
+    user frame already found for it): a nested op walks only the frames between it and its caller."""
     try:
         f = sys._getframe(skip)
     except ValueError:
@@ -74,6 +74,7 @@ def user_frame_until(skip: int, stop: Any, stop_answer: Any) -> tuple[str, int, 
 
 
 def format_frame(fr: Any) -> str | None:
+    """'file:line in function' of a user_frame() answer (None stays None)."""
     if fr is None:
         return None
     if isinstance(fr, str):

@@ -1,0 +1,226 @@
+"""Events -> schema records (schema.OP_FIELDS, schema.COLLECTIVE_FIELDS) and the rank's payload.
+
+Runs at stop or peek time, never on the hot path: every field the hot path left raw (shapes, dtypes,
+placements, parents, backward attribution, the byte counts of funcol's common ops) is worked out here.
+A peek from another thread while the main thread records copies what it reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import platform
+
+import torch
+
+from ... import schema
+from .. import clock
+from ..frames import format_frame
+from ..rank_state import STATE
+from .comm_bytes import TensorMeta
+from .events import CollectiveEvent, OpEvent
+from .state import RecordingState
+from .tensors import placements_str, shape_list, sharding_shapes_plain
+
+
+def op_record(ev: OpEvent, in_flight: bool) -> dict:
+    """The schema record of an op event (``in_flight``: it had not returned when the record was made)."""
+    ins = ev.inputs or []
+    out = ev.output
+    first = out if out is not None else (ins[0] if ins else None)
+    dist_out = out if out is not None and out.placements is not None else next(
+        (i for i in ins if i.placements is not None), None)
+    t0, t1 = ev.t_start_ns, ev.t_end_ns
+    span = ev.cuda
+    if span is not None and span.closed:
+        dev_ms, mem = span.device_ms(), int(span.mem_delta)
+    else:
+        dev_ms = mem = None
+    parent = ev.parent
+    fwd = ev.forward  # a backward event: what it runs the backward of
+    src = fwd if fwd is not None else ev
+    err = ev.error
+    return {
+        "kind": "op",
+        "seq": ev.seq,
+        "parent_seq": parent.seq if parent is not None else None,
+        "depth": ev.depth,
+        "op": src.op,
+        "path": src.path,
+        "handler": src.handler,
+        "phase": ev.phase,
+        "autograd_node": ev.autograd_node,
+        "module": src.module,
+        "user_frame": format_frame(ev.frame),
+        "in_local_shapes": [shape_list(i.local_shape) for i in ins],
+        "in_global_shapes": [shape_list(i.global_shape) for i in ins],
+        "out_local_shape": shape_list(out.local_shape) if out is not None else None,
+        "out_global_shape": shape_list(out.global_shape) if out is not None else None,
+        "placements": placements_str(dist_out.placements) if dist_out is not None else None,
+        "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,
+        "sharding_shapes": sharding_shapes_plain(out.sharding_shapes) if out is not None else None,
+        "in_bytes": int(sum(i.local_bytes for i in ins)),
+        "out_bytes": int(ev.out_bytes),
+        "t_start_ns": int(t0),
+        "t_end_ns": int(t1) if t1 is not None else None,
+        "host_ms": (t1 - t0) / 1e6 if t1 is not None else None,
+        "device_ms": dev_ms,
+        "mem_delta_bytes": mem,
+        "error": dict(err) if err is not None else None,
+        "fwd_seq": fwd.seq if fwd is not None else None,
+        "in_placements": [placements_str(i.placements) for i in ins],
+        "fallback": bool(src.fallback),
+        "promotions": [
+            {"param": p.param, "shape": shape_list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+            for p in list(ev.promotions or ())
+        ],
+        "not_implemented": bool(ev.not_implemented),
+        "in_flight": in_flight,
+        "thread": ev.thread,
+    }
+
+
+def forward_op_of(rec: RecordingState, node_seq_nr: int, limit: int | None = None) -> OpEvent | None:
+    """The innermost forward op of thread 0 whose autograd sequence-number range [start, end) contains
+    ``node_seq_nr``: the op during which that autograd node was created.
+
+    ``limit`` is how many forward ops had ended when the node was looked for. Top-level ops do not
+    overlap, so the scan stops at the first one that starts after the node (a node made between two ops
+    belongs to neither)."""
+    ops, ends = rec.forward_ops, rec.forward_op_ends
+    stop = len(ops) if limit is None else min(limit, len(ops))
+    i = bisect.bisect_right(ends, node_seq_nr, 0, stop)
+    for j in range(i, stop):
+        ev = ops[j]
+        if ev.autograd_seq_start <= node_seq_nr:
+            return ev
+        if ev.depth == 0:
+            return None
+    return None
+
+
+def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState) -> dict:
+    """The schema record of a collective event (``in_flight`` also when its issuing call had not returned)."""
+    s = ev.spec
+    g = ev.group
+    ranks = g.ranks
+    op, outer = ev.op, ev.outer
+    if ev.node_seq_nr is not None:  # backward: the forward op that made the node
+        op = forward_op_of(rec, ev.node_seq_nr, ev.forward_ops_ended)
+        box = ev.node_box
+        if op is None and box is not None and box.recording is rec:
+            op = box.forward
+        outer = (op.root or op) if op is not None else None
+    group_size = len(ranks) if ranks else ev.group_size
+    sent, recv, splits_sent, splits_recv, peer, root = (ev.bytes_sent, ev.bytes_recv, ev.splits_sent,
+                                                        ev.splits_recv, ev.peer, ev.root)
+    if ev.deferred_args is not None:  # funcol's common ops: sizes and plain arguments kept at issue
+        args = dict(zip(s.arg_names, (TensorMeta(ev.shape, ev.dtype, ev.input_element_size),) + tuple(ev.deferred_args)))
+        counted = s.count_bytes(args, ranks, rec.rank)
+        sent, recv, splits_sent, splits_recv = counted.sent, counted.recv, counted.splits_sent, counted.splits_recv
+        peer, root = counted.peer, counted.root
+        if not ranks:
+            group_size = int(args.get("group_size") or 0) or None
+    dtype = ev.dtype
+    if dtype is not None and not isinstance(dtype, str):
+        dtype = str(dtype).removeprefix("torch.")
+    return {
+        "kind": "collective",
+        "seq": ev.seq,
+        "group_seq": ev.group_seq,
+        "coll": s.kind,
+        "aten_op": s.aten_op,
+        "api": s.api,
+        "group_name": g.name,
+        "group_ranks": ranks,
+        "group_size": group_size,
+        "mesh_dim": g.mesh_dim,
+        "peer": peer,
+        "root": root,
+        "bytes_sent": int(sent),
+        "bytes_recv": int(recv),
+        "splits_sent": splits_sent,
+        "splits_recv": splits_recv,
+        "dtype": dtype,
+        "shape": [int(d) for d in ev.shape] if ev.shape is not None else None,
+        "async": ev.is_async,
+        "t_issue_ns": ev.t_issue_ns,
+        "t_return_ns": ev.t_return_ns,
+        "t_done_ns": ev.t_done_ns,
+        "wait_op_seq": ev.wait_op_seq,
+        "waited": ev.waited,
+        "op": op.op if op is not None else None,
+        "op_seq": op.seq if op is not None else None,
+        "outer_op": outer.op if outer is not None else None,
+        "outer_op_seq": outer.seq if outer is not None else None,
+        "phase": ev.phase,
+        "autograd_node": ev.autograd_node,
+        "param": ev.param,
+        "thread": ev.thread,
+        "device_ms": ev.cuda.device_ms() if ev.cuda is not None else None,
+        "in_flight": bool(in_flight or ev.t_return_ns is None),
+    }
+
+
+def records(rec: RecordingState, include_in_flight: bool) -> list[dict]:
+    """Schema records of the kept events (and, with ``include_in_flight``, of the ops still running on
+    every thread), sorted by seq."""
+    kept = list(rec.buffer)  # list() of a list is atomic under the GIL: safe from another thread
+    out = [op_record(ev, False) if type(ev) is OpEvent else collective_record(ev, False, rec) for ev in kept]
+    if include_in_flight:
+        for st in list(rec.threads.values()):
+            for ev in list(st.op_stack):
+                out.append(op_record(copy.copy(ev), True))
+    out.sort(key=lambda e: e["seq"])
+    return out
+
+
+def payload(rec: RecordingState, events: list[dict], complete: bool) -> dict:
+    """The rank's payload (schema.PAYLOAD_FIELDS)."""
+    return {
+        "format": schema.PAYLOAD_FORMAT,
+        "schema_version": schema.SCHEMA_VERSION,
+        "rank": rec.rank,
+        "world_size": rec.world_size,
+        "complete": complete,
+        "events": events,
+        "dropped": rec.dropped,
+        "clock": dict(clock.describe(), t_start_ns=rec.t_start_ns, t_stop_ns=rec.t_stop_ns,
+                      t_payload_ns=clock.now_ns()),
+        "meta": _meta(rec),
+    }
+
+
+def _meta(rec: RecordingState) -> dict:
+    try:
+        import physicsnemo
+
+        pn = getattr(physicsnemo, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        pn = None
+    try:
+        from physicsnemo.domain_parallel.shard_tensor import ShardTensor
+    except Exception:  # noqa: BLE001
+        ShardTensor = None  # noqa: N806
+    # how the cluster set this rank up, when it did (registered-by-physicsnemo / -by-sharddbg / none)
+    boot_mode = STATE.patches.patch_mode if STATE.patches is not None else None
+    return {
+        "torch": torch.__version__,
+        "physicsnemo": pn,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "patch_mode": "registered" if ShardTensor is not None and ShardTensor._function_registry else "fallback_only",
+        "patch_mode_bootstrap": boot_mode,
+        "n_function_handlers": len(ShardTensor._function_registry) if ShardTensor is not None else 0,
+        "n_named_handlers": len(ShardTensor._named_function_registry) if ShardTensor is not None else 0,
+        "n_dispatch_handlers": len(ShardTensor._dispatch_registry) if ShardTensor is not None else 0,
+        "cuda": bool(torch.cuda.is_available()),
+        "unmask": rec.unmask,
+        "max_events": rec.max_events,
+        "recording": rec.running,
+        "reentries": rec.reentries,
+        "comm": rec.comm,
+        "n_collectives": rec.collectives.count,
+        "internal_errors": list(rec.internal_errors[-5:]),
+        "installed_at": list(rec.installed_at),
+    }

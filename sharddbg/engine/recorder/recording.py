@@ -1,0 +1,116 @@
+"""The ``Recorder``: one recording on this rank, from install to the schema payload."""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import RecorderError
+from .. import clock
+from ..rank_state import rank_and_world
+from . import export, ops
+from .collectives import CollectiveHooks
+from .state import RecordingState
+from .undo import UndoLog
+
+_active: "Recorder | None" = None  # the one recorder of this process (nested ones are refused)
+
+
+class Recorder(RecordingState):
+    """Record ShardTensor ops (and, with ``comm``, every collective) on this rank::
+
+        with Recorder(max_events=200_000) as rec:
+            y = model(x); y.square().mean().backward()
+        rec.events        # schema.py records, sorted by seq
+        rec.dropped       # records lost to a full buffer
+
+    ``unmask``: re-raise a TypeError that PyTorch would report only as "unsupported operand type(s)" as
+    ``UnmaskedOpError`` chained to the original. One recorder per process at a time; a Recorder is entered
+    once. Its attributes are the recording's state (``RecordingState``).
+    """
+
+    def __init__(self, max_events: int = 200_000, unmask: bool = True, comm: bool = True) -> None:
+        if int(max_events) < 0:
+            raise ValueError("max_events must be >= 0")
+        rank, world_size = rank_and_world()
+        super().__init__(int(max_events), bool(unmask), bool(comm), rank, world_size)
+        self._undo: UndoLog | None = None
+        self._used = False
+        self._final_events: list[dict] | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> "Recorder":
+        global _active
+        if _active is not None:
+            raise RecorderError(
+                "a sharddbg recorder is already active on this rank; nested recorders are not supported "
+                "(stop the running one first, e.g. sharddbg.engine.recorder.stop())"
+            )
+        if self._used:
+            raise RecorderError("a Recorder can be entered once; create a new one")
+        self._used = True
+        self.thread()  # the starting thread gets tid 0
+        undo = UndoLog()
+        try:
+            ops.install(self, undo)
+            if self.comm:
+                CollectiveHooks(self).install(undo)
+        except BaseException:
+            undo.restore()
+            raise
+        self._undo = undo
+        self.t_start_ns = clock.now_ns()
+        self.running = True
+        _active = self
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Stop recording and put every hook back (idempotent). Formatting waits for ``events``/``payload``,
+        so that the exit stays cheap inside timed user code."""
+        global _active
+        if not self.running:
+            return
+        self.running = False
+        if _active is self:
+            _active = None
+        self.t_stop_ns = clock.now_ns()
+        errs = self._undo.restore() if self._undo else []
+        for h in self.backward_handles:  # hooks left on graph nodes that outlive the recording
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self.backward_handles.clear()
+        self.backward_frame = None
+        for st in list(self.threads.values()):
+            st.module_frames.clear()  # a forward the recording ended inside: its frames are not ours to keep
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # so device_ms of every event can be read
+        self.errors_seen.clear()
+        self.roots.clear()
+        # forward_ops / forward_op_ends stay until the events are formatted: backward collectives are
+        # attributed to their forward op then
+        if errs:
+            raise RecorderError(f"restoring hooks failed: {errs!r}")
+
+    @property
+    def events(self) -> list[dict]:
+        """Schema records (schema.OP_FIELDS, schema.COLLECTIVE_FIELDS), sorted by seq; formatted on first
+        access after the recording stopped."""
+        if self.running:
+            return export.records(self, include_in_flight=False)
+        if self._final_events is None:
+            self._final_events = export.records(self, include_in_flight=False)
+            self.forward_ops = []
+            self.forward_op_ends = []
+        return self._final_events
+
+    def payload(self, complete: bool | None = None) -> dict:
+        """The rank's payload (schema.py); while running, a snapshot with the ops still in flight
+        (``complete`` False unless given)."""
+        running = self.running
+        events = export.records(self, include_in_flight=True) if running else self.events
+        return export.payload(self, events, (not running) if complete is None else complete)
