@@ -35,7 +35,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
-from bench_recorder import _free_port, _setup, paired_summary, run_pooled, time_modes  # noqa: E402
+from bench_recorder import _free_port, _setup, _teardown, paired_summary, run_pooled, time_modes  # noqa: E402
 
 MODES = ("none", "recorder_ops", "recorder")
 
@@ -82,15 +82,12 @@ def _event_counter(iters, counts):
 
 
 def _worker(rank, world, port, rounds, iters, out):
-    import torch.distributed as dist
-
     step = _workload(rank, world, port)
     counts = {}
     times, cpu = time_modes(step, MODES, _mode_ctx, rounds, iters, _event_counter(iters, counts))
     if rank == 0:
         out.put((times, cpu, counts))
-    dist.barrier()
-    dist.destroy_process_group()
+    _teardown()
 
 
 # ---- this tree against another revision --------------------------------------------------------
@@ -98,8 +95,6 @@ def _worker(rank, world, port, rounds, iters, out):
 def _group_worker(tree, rank, world, port, rounds, iters, go, done, out):
     """One rank of one group: sharddbg imported from ``tree``; each round starts when the parent says so."""
     sys.path.insert(0, tree)
-    import torch.distributed as dist
-
     import sharddbg
 
     step = _workload(rank, world, port)
@@ -116,8 +111,7 @@ def _group_worker(tree, rank, world, port, rounds, iters, go, done, out):
     times, cpu = time_modes(step, MODES, _mode_ctx, rounds, iters, _event_counter(iters, counts), around_round)
     if rank == 0:
         out.put((times, cpu, counts, os.path.dirname(os.path.dirname(os.path.abspath(sharddbg.__file__)))))
-    dist.barrier()
-    dist.destroy_process_group()
+    _teardown()
 
 
 def _start_group(ctx, tree, ranks, rounds, iters):

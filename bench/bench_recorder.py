@@ -58,6 +58,16 @@ def _setup(rank: int, world: int, port: int):
     return gm["domain"]
 
 
+def _teardown() -> None:
+    """Barrier, then physicsnemo's own clean-up: it destroys the process group and forgets it, so its exit
+    hook does not destroy it a second time."""
+    import torch.distributed as dist
+    from physicsnemo.distributed import DistributedManager
+
+    dist.barrier()
+    DistributedManager.cleanup()
+
+
 def _mode_ctx(mode: str):
     import torch
 
@@ -78,7 +88,6 @@ def _mode_ctx(mode: str):
 
 def _worker(rank, world, port, rounds, iters, out):
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     from physicsnemo.domain_parallel import ShardTensor
     from torch.distributed.tensor import Shard
@@ -108,8 +117,7 @@ def _worker(rank, world, port, rounds, iters, out):
     times, cpu = time_modes(step, MODES, _mode_ctx, rounds, iters, count)
     if rank == 0:
         out.put((times, cpu, n_events))
-    dist.barrier()
-    dist.destroy_process_group()
+    _teardown()
 
 
 def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None, around_round=None):
