@@ -105,8 +105,17 @@ def main(argv=None) -> int:
     if args.command == "reap":
         from .cluster import registry
 
+        # A cluster's processes: those its record names, their children, and those whose command line
+        # names it (the controller's children, also once the controller itself is dead).
         reaped = registry.reap_orphans(include_live_owners=args.all)
         print(f"reaped {len(reaped)} cluster(s): {sorted(reaped)}")
+        for cluster_id, pids in sorted(reaped.items()):
+            print(f"  {cluster_id}: {len(pids)} process(es) killed{': ' if pids else ''}"
+                  f"{', '.join(str(pid) for pid in sorted(pids))}")
+        left = [r for r in registry.all_records() if r.owner_alive()]
+        if left:
+            print(f"left alone {len(left)} cluster(s) whose owner still runs (--all stops those too): "
+                  + ", ".join(f"{r.cluster_id} (owner pid {r.owner.pid})" for r in left))
         return 0
     return 2
 

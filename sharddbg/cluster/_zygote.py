@@ -1,34 +1,48 @@
-"""The fork server behind a sharddbg cluster: import the heavy stack once, then fork one engine per rank.
+"""The fork server behind a sharddbg cluster: start the controller, import the heavy stack once, then fork
+one engine per rank.
 
-Run as ``python -m sharddbg.cluster._zygote CONFIG_JSON`` by :mod:`sharddbg.cluster.launcher`. It talks
-JSON lines: commands on stdin, replies on stdout. Why a fork server: importing torch + physicsnemo and
-running physicsnemo's ``register_custom_ops()`` costs seconds of CPU per process; four engines doing it at
-once on a 2-core laptop take four times as long as one process doing it and forking.
+Run as ``python -m sharddbg.cluster._zygote --cluster-id=ID CONFIG_JSON`` by
+:mod:`sharddbg.cluster.launcher`. It talks JSON lines: commands on stdin, replies on stdout. Why a fork
+server: importing torch + physicsnemo and running physicsnemo's ``register_custom_ops()`` costs seconds
+of CPU per process; four engines doing it at once on a 2-core laptop take four times as long as one
+process doing it and forking.
 
-Fork safety: the process stays single-threaded (no torch compute, no zmq context, no CUDA init) until it
-forks. On a CUDA host the CUDA libraries start native threads at import, so there only ipyparallel is
-preloaded and each engine imports torch and physicsnemo after the fork.
+Lifeline: its stdin is the owner's (the client process's) pipe. When it closes (the owner ended, even by
+SIGKILL) the fork server kills its engines and the controller's whole process group, and exits. The
+controller is its child, started before anything else (so no moment exists in which the controller runs
+and nothing would end it); during the preload a thread watches the pipe, afterwards the command loop.
+When the controller dies, the rest of its process group is killed at once and its exit is reported.
 
-When its stdin closes (the client process ended, even by SIGKILL) it kills its engines and the processes
-it was told to adopt (the controller), so a killed notebook kernel leaves nothing behind.
+Fork safety: the process is single-threaded whenever it forks (the preload's watcher thread has ended by
+then; no torch compute, no zmq context) and CUDA is never initialised in it (``_keep_cuda_uninitialised``).
+On a CUDA host the CUDA libraries start native threads at import, so there only ipyparallel is preloaded
+and each engine imports torch and physicsnemo after the fork.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import select
-import subprocess
 import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 
+# How long the controller gets to exit after SIGTERM before its process group is killed.
+CONTROLLER_GRACE_S = 1.0
+
 
 def _reply(out, **payload) -> None:
-    out.write(json.dumps(payload) + "\n")
-    out.flush()
+    try:
+        out.write(json.dumps(payload) + "\n")
+        out.flush()
+    except (BrokenPipeError, ValueError):
+        pass  # the owner is gone: the lifeline ends everything
 
 
 def _nvidia_device_present() -> bool:
@@ -41,10 +55,47 @@ def _nvidia_device_present() -> bool:
 def _count_gpus_in_subprocess() -> int:
     probe = "import torch; print(torch.cuda.device_count())"
     try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
         return int(out.stdout.strip().splitlines()[-1])
     except Exception:
         return 0
+
+
+@contextlib.contextmanager
+def _keep_cuda_uninitialised(gpu_host: bool):
+    """While the heavy stack is imported: the one place that decides how CUDA stays uninitialised here.
+
+    ``torch.cuda.is_available()`` (physicsnemo calls it at import) asks the CUDA runtime for the device
+    count, and from then on every child forked from this process is a "bad fork": a CUDA call in an engine
+    raises "Cannot re-initialize CUDA in forked subprocess" instead of the real answer. On a host without
+    NVIDIA devices the answer is known (no device), so the runtime is not asked while the stack imports;
+    the real function is back before any fork. On a GPU host torch counts devices through NVML, which
+    does not initialise CUDA.
+    """
+    import torch
+
+    if gpu_host:
+        previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+            else:
+                os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
+        return
+    device_count = torch._C._cuda_getDeviceCount
+    torch._C._cuda_getDeviceCount = lambda: 0
+    try:
+        yield
+    finally:
+        torch._C._cuda_getDeviceCount = device_count
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def _preload(config: dict) -> dict:
@@ -60,31 +111,120 @@ def _preload(config: dict) -> dict:
     else:
         import torch
 
-        torch.set_num_threads(int(config.get("threads_per_rank") or 1))
-        facts["torch"] = torch.__version__
-        facts["cuda_count"] = 0
-        facts["t_torch_s"] = time.perf_counter() - t0
-        facts["preload"] = "full"
-        from sharddbg.engine import bootstrap
+        with _keep_cuda_uninitialised(gpu_host=False):
+            torch.set_num_threads(int(config.get("threads_per_rank") or 1))
+            facts["torch"] = torch.__version__
+            facts["cuda_count"] = 0
+            facts["t_torch_s"] = time.perf_counter() - t0
+            facts["preload"] = "full"
+            from sharddbg.engine import bootstrap
 
-        t1 = time.perf_counter()
-        facts.update(bootstrap.import_physicsnemo(register_on_cpu=True))
-        facts["t_physicsnemo_s"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            facts.update(bootstrap.import_physicsnemo(register_on_cpu=True))
+            facts["t_physicsnemo_s"] = time.perf_counter() - t1
     # The engine machinery itself (ipykernel, zmq bindings, ipyparallel) is pure import cost too.
     t2 = time.perf_counter()
-    import ipyparallel.engine.app  # noqa: F401
     import ipykernel.ipkernel  # noqa: F401
+    import ipyparallel.engine.app  # noqa: F401
 
     facts["t_ipyparallel_s"] = time.perf_counter() - t2
     facts["t_preload_s"] = time.perf_counter() - t0
+    facts["cuda_initialized"] = _cuda_initialized()
     return facts
 
 
-def _run_engine(rank: int, engine_argv: list[str], env: dict, log_path: str) -> None:
+class _Controller:
+    """The ipyparallel controller this process started: leader of its own session and process group,
+    which its children (the heart monitor) share."""
+
+    __slots__ = ("group", "proc", "returncode")
+
+    def __init__(self, argv: list[str], log_path: str, env: dict):
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(log, 0o600)
+        try:
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                start_new_session=True,  # its own group: one signal reaches its children; Ctrl-C does not
+                umask=0o077,  # its connection files, logs and profile folders: this user's only
+            )
+        finally:
+            os.close(log)
+        self.group = self.proc.pid
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> bool:
+        """Whether it has ended, without reaping it: while it is unreaped its group id cannot be reused."""
+        if self.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
+    def kill_group(self, sig) -> None:
+        if self.returncode is None:  # once reaped, the group id may belong to someone else
+            try:
+                os.killpg(self.group, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def reap(self) -> int:
+        """After it exited: kill what is left of its group, then collect its exit (a Popen return code)."""
+        if self.returncode is None:
+            self.kill_group(signal.SIGKILL)
+            self.returncode = self.proc.wait()
+        return self.returncode
+
+    def end(self, grace_s: float = CONTROLLER_GRACE_S) -> int:
+        """SIGTERM to its group, SIGKILL to what is left after ``grace_s``; returns its exit."""
+        self.kill_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while not self.exited() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.reap()
+
+
+class _OwnerWatch:
+    """During the preload only: a thread that ends the controller, and this process, the moment the
+    owner's end of stdin closes. Stopped before the first fork, so that the process forks single-threaded."""
+
+    def __init__(self, stdin_fd: int, on_owner_gone):
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._watch, args=(stdin_fd, on_owner_gone),
+                                        name="sharddbg-owner-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self, stdin_fd: int, on_owner_gone) -> None:
+        poller = select.poll()
+        poller.register(stdin_fd, 0)  # hang-up only: commands stay in the pipe for the command loop
+        poller.register(self._stop_r, select.POLLIN)
+        while True:
+            for fd, events in poller.poll():
+                if fd == self._stop_r:
+                    return
+                if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    on_owner_gone()
+
+    def stop(self) -> None:
+        os.write(self._stop_w, b".")
+        self._thread.join()
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+
+
+def _run_engine(rank: int, engine_argv: list[str], env: dict, log_path: str, close_fds: list[int]) -> None:
     """In the forked child: become rank ``rank``'s ipyparallel engine. Never returns."""
     code = 0
     try:
         os.setpgid(0, 0)  # own process group: a signal to the zygote's group does not hit engines
+        signal.set_wakeup_fd(-1)
+        for fd in close_fds:
+            os.close(fd)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -126,80 +266,158 @@ def _kill(pids, sig) -> None:
             pass
 
 
-def main() -> None:
-    config = json.loads(sys.argv[1])
-    out = sys.stdout
-    # Our own prints (warp's CUDA warning, physicsnemo's) must not corrupt the JSON channel.
-    sys.stdout = sys.stderr
-    try:
-        facts = _preload(config)
-    except BaseException as exc:
-        _reply(out, event="error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        return
-    _reply(out, event="ready", **facts)
+class _ForkServer:
+    """The command loop's state: the controller, the engines (pid -> rank), the reply channel."""
 
-    engines: dict[int, int] = {}  # pid -> rank
-    adopted: set[int] = set()
-    stdin_fd = sys.stdin.fileno()
-    buffer = b""
-    try:
+    def __init__(self, config: dict, out):
+        self.config = config
+        self.out = out
+        self.controller: _Controller | None = None
+        self.engines: dict[int, int] = {}
+        self._wake_r, self._wake_w = os.pipe()
+
+    # ------------------------------------------------------------------ controller
+    def start_controller(self) -> None:
+        spec = self.config["controller"]
+        if self.controller is not None and not self.controller.exited():
+            _reply(self.out, event="error", message=f"the controller (pid {self.controller.pid}) still runs")
+            return
+        try:
+            self.controller = _Controller(spec["argv"], spec["log"], spec.get("env", {}))
+        except OSError as exc:
+            _reply(self.out, event="error", message=f"the controller could not start: {type(exc).__name__}: {exc}")
+            return
+        _reply(self.out, event="controller_started", pid=self.controller.pid, group=self.controller.group)
+
+    def stop_controller(self) -> None:
+        ctl, self.controller = self.controller, None
+        if ctl is None:
+            _reply(self.out, event="controller_stopped", pid=None, returncode=None, already_exited=True)
+            return
+        already_exited = ctl.returncode is not None or ctl.exited()
+        returncode = ctl.end()
+        _reply(self.out, event="controller_stopped", pid=ctl.pid, returncode=returncode, already_exited=already_exited)
+
+    def end_everything(self) -> None:
+        _kill(list(self.engines), signal.SIGKILL)
+        if self.controller is not None:
+            self.controller.end()
+
+    # ------------------------------------------------------------------ exits
+    def report_exits(self) -> None:
+        """Reap what ended (engines; the controller after its group is killed) and tell the owner how."""
+        ctl = self.controller
+        if ctl is not None and ctl.returncode is None and ctl.exited():
+            _reply(self.out, event="exited", role="controller", pid=ctl.pid, rank=None, returncode=ctl.reap())
+        for pid in list(self.engines):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                rank = self.engines.pop(pid)
+                _reply(self.out, event="exited", role="engine", pid=pid, rank=rank,
+                       returncode=os.waitstatus_to_exitcode(status))
+
+    # ------------------------------------------------------------------ engines
+    def fork(self, cmd: dict) -> None:
+        if _cuda_initialized():
+            _reply(self.out, event="error", message="CUDA is initialised in the fork server: engines forked from "
+                   "it could not use CUDA ('Cannot re-initialize CUDA in forked subprocess'); nothing forked")
+            return
+        pids = {}
+        for rank in cmd["ranks"]:
+            argv = list(cmd["engine_argv"]) + [f"--IPEngine.id={rank}"]
+            log_path = os.path.join(cmd["log_dir"], f"engine-rank{rank}.log")
+            pid = os.fork()
+            if pid == 0:
+                _run_engine(rank, argv, cmd.get("env", {}), log_path, [self._wake_r, self._wake_w])
+            self.engines[pid] = rank
+            pids[rank] = pid
+        _reply(self.out, event="forked", pids=pids, cuda_initialized=_cuda_initialized())
+
+    def kill_engines(self) -> None:
+        victims = list(self.engines)
+        _kill(victims, signal.SIGKILL)
+        for pid in victims:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+            self.engines.pop(pid, None)
+        _reply(self.out, event="killed", pids=victims)
+
+    # ------------------------------------------------------------------ loop
+    def serve(self, stdin_fd: int, buffer: bytes) -> None:
+        """Answer commands until the owner says exit or goes away. A child's exit wakes the loop at once."""
+        os.set_blocking(self._wake_w, False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd hears SIGCHLD
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self.report_exits()  # what ended during the preload
         while True:
-            readable, _, _ = select.select([stdin_fd], [], [], 0.5)
-            # Reap exited engines so they do not linger as zombies.
-            while engines:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                rank = engines.pop(pid, None)
-                if rank is not None:
-                    _reply(out, event="exited", rank=rank, pid=pid, status=status)
-            if not readable:
+            readable, _, _ = select.select([stdin_fd, self._wake_r], [], [], 1.0)
+            if self._wake_r in readable:
+                os.read(self._wake_r, 4096)
+            self.report_exits()
+            if stdin_fd not in readable:
                 continue
             chunk = os.read(stdin_fd, 65536)
             if not chunk:
-                break  # the client is gone
+                return  # the owner is gone
             buffer += chunk
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
-                if not line.strip():
-                    continue
-                cmd = json.loads(line)
-                kind = cmd.get("cmd")
-                if kind == "fork":
-                    pids = {}
-                    for rank in cmd["ranks"]:
-                        argv = list(cmd["engine_argv"]) + [f"--IPEngine.id={rank}"]
-                        log_path = os.path.join(cmd["log_dir"], f"engine-rank{rank}.log")
-                        pid = os.fork()
-                        if pid == 0:
-                            _run_engine(rank, argv, cmd.get("env", {}), log_path)
-                        engines[pid] = rank
-                        pids[rank] = pid
-                    _reply(out, event="forked", pids=pids)
-                elif kind == "adopt":
-                    adopted.update(int(p) for p in cmd["pids"])
-                    _reply(out, event="adopted", pids=sorted(adopted))
-                elif kind == "kill_engines":
-                    victims = list(engines)
-                    _kill(victims, signal.SIGKILL)
-                    for pid in victims:
-                        try:
-                            os.waitpid(pid, 0)
-                        except ChildProcessError:
-                            pass
-                        engines.pop(pid, None)
-                    _reply(out, event="killed", pids=victims)
-                elif kind == "exit":
+                if line.strip() and not self.handle(json.loads(line)):
                     return
-                else:
-                    _reply(out, event="error", message=f"unknown command {kind!r}")
+
+    def handle(self, cmd: dict) -> bool:
+        """One command; False for exit."""
+        kind = cmd.get("cmd")
+        if kind == "fork":
+            self.fork(cmd)
+        elif kind == "kill_engines":
+            self.kill_engines()
+        elif kind == "start_controller":
+            self.start_controller()
+        elif kind == "stop_controller":
+            self.stop_controller()
+        elif kind == "exit":
+            return False
+        else:
+            _reply(self.out, event="error", message=f"unknown command {kind!r}")
+        return True
+
+
+def main() -> None:
+    config = json.loads(sys.argv[-1])
+    out = sys.stdout
+    # Our own prints (warp's CUDA warning, physicsnemo's) must not corrupt the JSON channel.
+    sys.stdout = sys.stderr
+    server = _ForkServer(config, out)
+    try:
+        if config.get("controller"):
+            server.start_controller()
+
+        def owner_gone():
+            server.end_everything()
+            os._exit(0)
+
+        watch = _OwnerWatch(sys.stdin.fileno(), owner_gone)
+        try:
+            facts = _preload(config)
+        except BaseException as exc:
+            _reply(out, event="error", message=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            return
+        finally:
+            watch.stop()
+        _reply(out, event="ready", **facts)
+        server.serve(sys.stdin.fileno(), b"")
     finally:
-        _kill(list(engines), signal.SIGKILL)
-        _kill(list(adopted), signal.SIGTERM)
-        out.flush()
+        server.end_everything()
+        try:
+            out.flush()
+        except (BrokenPipeError, ValueError):
+            pass
         # No interpreter teardown: with torch and physicsnemo loaded it takes seconds and frees nothing.
         os._exit(0)
 

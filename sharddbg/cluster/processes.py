@@ -1,29 +1,36 @@
 """The processes behind one cluster: fork server, ipyparallel controller, one engine per rank.
 
-``ClusterProcesses`` starts them (the fork server imports torch and physicsnemo while the controller
-starts), forks the engines and connects an ipyparallel client to them; it names every process in the
-cluster's registry record as it starts, so that a cluster whose owner died is found and reaped; it stops
-them all and checks that none is left; and it tells which ranks died and how (as the fork server, their
-parent, saw them), with the end of their logs. It runs nothing on a rank: that is ``execution``.
+``ClusterProcesses`` starts them: the fork server starts the controller first thing (the controller is
+its child, under its lifeline from its first moment) and imports torch and physicsnemo while the
+controller starts; then it forks the engines, and an ipyparallel client connects to them. Every process
+is named in the cluster's registry record as it starts (the controller with its process group, later its
+children), so that a cluster whose owner died is found and reaped. It stops them all and checks that none
+is left; it tells which ranks died and how (as the fork server, their parent, saw them), with the end of
+their logs, and whether the controller died and how. It runs nothing on a rank: that is ``execution``.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import signal
+import re
 import socket
+import subprocess
+import sys
 import time
-import uuid
 
 import psutil
 
 from ..errors import ClusterError
 from . import registry
-from .launcher import ForkServer
+from .launcher import ControllerProcess, ForkServer
 
-# What a dead rank's description quotes from the end of its log.
+# What a dead rank's (or controller's) description quotes from the end of its log.
 LOG_TAIL_CHARS = 1500
 LOG_TAIL_LINES = 12
+
+# How often the start-up waits look at the controller and the engines while waiting for them.
+POLL_S = 0.05
 
 
 def free_port() -> int:
@@ -47,15 +54,8 @@ def choose_backend(requested: str | None, cuda_count: int, n: int) -> str:
     return backend
 
 
-def exit_description(status: int) -> str:
-    """How a process ended, from its ``waitpid`` status: "killed by signal 9 (SIGKILL)", "exited with status 1"."""
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return f"killed by signal {sig} ({signal.Signals(sig).name})"
-    return f"exited with status {os.WEXITSTATUS(status)}"
-
-
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -69,11 +69,13 @@ class ClusterProcesses:
     """
 
     def __init__(self, *, threads_per_rank: int, requested_backend: str | None, extra_env: dict, timings: dict):
-        self.cluster_id = f"sdbg-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-        self.log_dir = str(registry.sharddbg_home() / "logs" / self.cluster_id)
-        os.makedirs(self.log_dir, exist_ok=True)
+        registry.make_home_private()
+        self.cluster_id = registry.new_cluster_id()
+        self.log_dir = str(registry.cluster_log_dir(self.cluster_id))
         self.record = registry.ClusterRecord(
             cluster_id=self.cluster_id, owner=registry.ProcessRef.of(os.getpid(), "owner"), log_dir=self.log_dir)
+        self.record.save()  # before pruning: the new cluster's log folder is protected from the start
+        registry.prune_logs()
         self.threads_per_rank = threads_per_rank
         self.requested_backend = requested_backend
         self.extra_env = dict(extra_env)
@@ -81,16 +83,22 @@ class ClusterProcesses:
         self.facts: dict = {}  # what the fork server found: GPU count, versions, patch mode, import times
         self.pids: dict[int, int] = {}  # rank -> engine pid
         self.fork_server: ForkServer | None = None
-        self._controller = None  # the ipyparallel.Cluster that runs the controller (no engines of its own)
+        self.controller: ControllerProcess | None = None  # None before the start, after a stop
+        self._controller_ref: registry.ProcessRef | None = None  # its record entry (pid and start time)
+        self._controller_started_at = 0.0  # time.time() when it was asked for
 
     # ------------------------------------------------------------------ start
     def start(self, start_timeout: float) -> dict:
-        """Fork server and controller, started together; returns the fork server's facts once it is ready."""
+        """Fork server and controller (started by the fork server before it imports anything); returns
+        the fork server's facts once its imports are done."""
+        self._remove_connection_files()
+        self._controller_started_at = time.time()
         self.fork_server = ForkServer(
-            {"threads_per_rank": self.threads_per_rank, "backend": self.requested_backend},
+            {"threads_per_rank": self.threads_per_rank, "backend": self.requested_backend,
+             "cluster_id": self.cluster_id, "controller": self.controller_spec()},
             self.log_dir, env=self.engine_env())
-        self._track(self.fork_server.pid, "zygote")
-        self.start_controller()
+        self.record.track(self.fork_server.pid, "zygote")
+        self._controller_running(self.fork_server.wait_controller(start_timeout))
         self.facts = self.fork_server.wait_ready(start_timeout)
         self.timings["preload_s"] = self.facts.get("t_preload_s", float("nan"))
         return self.facts
@@ -112,89 +120,186 @@ class ClusterProcesses:
         env.update(self.extra_env)
         return env
 
-    def _track(self, pid: int, role: str) -> None:
-        self.record.processes.append(registry.ProcessRef.of(pid, role))
-        self.record.save()
+    def controller_spec(self) -> dict:
+        """What the fork server runs as the controller: command line, log file, environment."""
+        argv = [sys.executable, "-m", "ipyparallel.controller", f"--profile-dir={registry.profile_dir()}",
+                registry.cluster_id_arg(self.cluster_id), "--ip=127.0.0.1",
+                # Schedulers as threads, not processes: faster start, fewer processes to reap. A short
+                # heartbeat period: engines count as registered only after their first heartbeat.
+                "--usethreads", "--HeartMonitor.period=500"]
+        return {"argv": argv, "log": self.controller_log, "env": {}}
+
+    @property
+    def controller_log(self) -> str:
+        return os.path.join(self.log_dir, "controller.log")
+
+    def connection_files(self) -> dict[str, str]:
+        """The controller's connection files (its ports and key), for the client and for the engines."""
+        security = registry.profile_dir() / "security"
+        return {kind: str(security / f"ipcontroller-{self.cluster_id}-{kind}.json") for kind in ("client", "engine")}
+
+    def _remove_connection_files(self) -> None:
+        """A new controller writes new ones: a stale file would send engines to a dead controller's ports."""
+        for path in self.connection_files().values():
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _controller_running(self, controller: ControllerProcess) -> None:
+        self.controller = controller
+        self._controller_ref = self.record.track(controller.pid, "controller", process_group=controller.group)
 
     def start_controller(self) -> None:
-        import ipyparallel as ipp
+        """A new controller, started by the fork server (after ``stop_controller``)."""
+        self._remove_connection_files()
+        self._controller_started_at = time.time()
+        self._controller_running(self.fork_server.start_controller())
 
-        t0 = time.perf_counter()
-        self._controller = ipp.Cluster(
-            n=0, profile_dir=str(registry.profile_dir()), cluster_id=self.cluster_id,
-            controller_ip="127.0.0.1", log_level=30, shutdown_atexit=True,
-            # Schedulers as threads, not processes: faster start, fewer processes to reap. A short
-            # heartbeat period: engines count as registered only after their first heartbeat.
-            controller_args=["--usethreads", "--HeartMonitor.period=500"],
-        )
-        self._controller.start_controller_sync()
-        controller_pid = self._controller.controller.process.pid
-        self._track(controller_pid, "controller")
-        self.fork_server.adopt([controller_pid])
-        self.timings["controller_s"] = time.perf_counter() - t0
+    def stop_controller(self) -> None:
+        """The controller's whole process group down (also when the controller had died already)."""
+        self.fork_server.stop_controller()
+        self.controller = self._controller_ref = None
+        self._remove_connection_files()
+
+    def _wait_connection_files(self, deadline: float) -> str:
+        """The client connection file, once the controller has written both; raises if it died first."""
+        files = self.connection_files()
+        while True:
+            failure = self.controller_failure()
+            if failure:
+                raise ClusterError(f"{failure} while starting.{self._controller_log_tail()}")
+            if all(_readable_json(path) for path in files.values()):
+                written = os.stat(files["client"]).st_mtime
+                self.timings["controller_s"] = max(0.0, written - self._controller_started_at)
+                return files["client"]
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"the controller (pid {self.controller.pid}) did not write its connection files in time "
+                    f"({files['client']}).{self._controller_log_tail()}")
+            time.sleep(POLL_S)
 
     def launch_engines(self, n: int, start_timeout: float):
         """Fork ``n`` engines (ranks 0..n-1) and wait until all registered; returns a connected ipyparallel
-        Client. Its engine ids are not rank order: ``execution`` maps them."""
-        engine_argv = [f"--profile-dir={registry.profile_dir()}", f"--cluster-id={self.cluster_id}",
+        Client. Its engine ids are not rank order: ``execution`` maps them. A controller or engine that
+        dies meanwhile ends the wait at once, named."""
+        import ipyparallel as ipp
+
+        deadline = time.monotonic() + start_timeout
+        client_file = self._wait_connection_files(deadline)
+        engine_argv = [f"--profile-dir={registry.profile_dir()}", registry.cluster_id_arg(self.cluster_id),
                        os.environ.get("SHARDDBG_ENGINE_LOG", "--log-level=WARN"),
                        # The nanny is a helper process per engine for remote signals; we signal by pid.
                        "--IPEngine.enable_nanny=False"]
         self.pids = self.fork_server.fork(range(n), engine_argv, env={})
+        self.facts["cuda_initialized_at_fork"] = self.fork_server.cuda_initialized_at_fork
         for rank in range(n):
-            self._track(self.pids[rank], "engine")
-        client = self._controller.connect_client_sync()
+            self.record.track(self.pids[rank], "engine")
         try:
-            client.wait_for_engines(n, timeout=start_timeout, block=True)
-        except TimeoutError as exc:
-            raise ClusterError(
-                f"only {len(client.ids)} of {n} engines registered within {start_timeout:.0f} s; "
-                f"engine logs: {self.log_dir}") from exc
+            with open(client_file) as f:
+                connection = json.load(f)
+            client = ipp.Client(connection, profile_dir=str(registry.profile_dir()),
+                                timeout=max(1.0, deadline - time.monotonic()))
+        except Exception as exc:
+            failure = self.controller_failure()
+            raise ClusterError(f"{failure}: the client could not connect to it" if failure else
+                               f"the client could not connect to the controller: {type(exc).__name__}: {exc}") from exc
+        try:
+            self._wait_for_engines(client, n, deadline, start_timeout)
+        except BaseException:
+            client.close()
+            raise
+        self._track_controller_children()
         return client
 
+    def _wait_for_engines(self, client, n: int, deadline: float, start_timeout: float) -> None:
+        while len(client.ids) < n:
+            failure = self.controller_failure()
+            if failure:
+                raise ClusterError(f"{failure} while {n} engines were registering.{self._controller_log_tail()}")
+            dead = self.dead_ranks()
+            if dead:
+                raise ClusterError(self.describe_dead(dead, "the start-up"))
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"only {len(client.ids)} of {n} engines registered within {start_timeout:.0f} s; "
+                    f"engine logs: {self.log_dir}")
+            time.sleep(POLL_S)
+
+    def _track_controller_children(self) -> None:
+        """Name the controller's children (its heart monitor) in the record: found even once it is dead."""
+        if self._controller_ref is None or not self._controller_ref.alive():
+            return
+        try:
+            children = psutil.Process(self.controller.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for child in children:
+            self.record.track(child.pid, "controller-child")
+
     def replace_engines(self) -> None:
-        """Kill every engine and restart the controller (the fork server stays): ready for ``launch_engines``."""
+        """Kill every engine and restart the controller (the fork server stays): ready for ``launch_engines``.
+        Works when the controller has died."""
         self.fork_server.kill_engines()
-        self._controller.stop_controller_sync()
+        self.pids = {}
+        self.stop_controller()
         self.start_controller()
 
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
-        """Stop everything, kill what is left of the processes the record names, and forget the record."""
-        self.shut_down()
-        leftover = self.record.live_processes()
-        if leftover:
-            registry.kill_processes(leftover)
-        registry.reap(self.record)
+        """Stop everything, kill what is left of the cluster's processes, forget the record; raises if a
+        process survived that."""
+        survivors = self.shut_down()
+        if survivors:
+            raise ClusterError(f"processes of cluster {self.cluster_id} survived SIGKILL: " + ", ".join(
+                f"pid {p.pid} ({_cmdline(p)})" for p in survivors))
 
-    def shut_down(self) -> None:
-        """Engines, fork server and controller down, quietly (also after a failed start)."""
+    def shut_down(self) -> list[psutil.Process]:
+        """Engines, fork server and controller (its whole process group) down, what is left of the
+        cluster's processes killed, the record and connection files removed; quietly, also after a failed
+        start. Returns the processes that still run after all that (normally none)."""
+        # Quiet: after a failed start, the start's own error is the one to see.
         if self.fork_server is not None:
             try:
-                self.fork_server.kill_engines()
-            except Exception:
+                self.fork_server.close()  # it kills the engines and the controller's group, then exits
+            except (ClusterError, OSError, subprocess.TimeoutExpired):
                 pass
-            self.fork_server.close()
             self.fork_server = None
-        if self._controller is not None:
-            try:
-                if self._controller.controller is not None:
-                    self._controller.stop_controller_sync()
-            except Exception:
-                pass
-            try:
-                self._controller.remove_cluster_file()
-            except Exception:
-                pass
-            self._controller = None
+        self.controller = self._controller_ref = None
+        try:
+            registry.reap(self.record)
+        except (OSError, psutil.Error):
+            pass
+        return self.record.live_processes()
 
     # ------------------------------------------------------------------ state
     @property
     def fork_server_pid(self) -> int | None:
         return self.fork_server.pid if self.fork_server is not None else None
 
+    @property
+    def controller_pid(self) -> int | None:
+        """The controller's process id (None when none was started or it was stopped)."""
+        return self.controller.pid if self.controller is not None else None
+
     def fork_server_alive(self) -> bool:
-        return self.fork_server is not None and self.fork_server.proc.poll() is None
+        return self.fork_server is not None and self.fork_server.alive()
+
+    def controller_failure(self) -> str | None:
+        """None while the controller runs (or none is meant to run); else how it died, e.g. "the
+        controller (pid 1234) died: killed by signal 9 (SIGKILL)". Cheap: a look at /proc, no message to
+        anyone, while it runs."""
+        if self.controller is None:
+            return None
+        if self._controller_ref is not None and self._controller_ref.alive():
+            return None
+        pid = self.controller.pid
+        if self.fork_server is None or not self.fork_server.alive():
+            return f"the controller (pid {pid}) died; how is unknown: the fork server, its parent, is gone"
+        ended = self.fork_server.exit_of(pid, wait_s=1.0)  # reported a moment after the process is gone
+        if ended is None:
+            return f"the controller (pid {pid}) died; the fork server has not reported how"
+        return f"the controller (pid {pid}) died: {ended.description}"
 
     def live(self) -> list[psutil.Process]:
         """Every process of this cluster that still runs (the controller's and fork server's children too)."""
@@ -203,36 +308,62 @@ class ClusterProcesses:
     def dead_ranks(self) -> dict[int, str]:
         """Ranks whose engine process has exited, with how (as seen by the fork server, which reaps them)."""
         gone = [rank for rank, pid in self.pids.items() if not pid_alive(pid)]
-        if not gone:
-            return {}
         how = {}
         deadline = time.monotonic() + 1.0  # the fork server reports an exit a moment after the process is gone
-        while True:
-            for event in list(self.fork_server.exited) if self.fork_server else []:
-                if self.pids.get(event["rank"]) == event["pid"]:
-                    how[event["rank"]] = exit_description(event["status"])
-            if all(r in how for r in gone) or not self.fork_server_alive() or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        return {r: how.get(r, "is gone (its process no longer exists)") for r in gone}
+        for rank in gone:
+            ended = None
+            if self.fork_server is not None:
+                ended = self.fork_server.exit_of(self.pids[rank], wait_s=max(0.0, deadline - time.monotonic()))
+            how[rank] = ended.description if ended else "is gone (its process no longer exists)"
+        return how
 
     def log_tail(self, rank: int) -> str:
         """The last lines of rank ``rank``'s engine log ("" when there is none)."""
-        log = os.path.join(self.log_dir, f"engine-rank{rank}.log")
-        if not os.path.exists(log):
-            return ""
-        with open(log, errors="replace") as f:
-            tail = f.read()[-LOG_TAIL_CHARS:].strip()
-        return "\n".join(tail.splitlines()[-LOG_TAIL_LINES:])
+        return _tail(os.path.join(self.log_dir, f"engine-rank{rank}.log"))
+
+    def _controller_log_tail(self) -> str:
+        tail = _tail(self.controller_log)
+        return (f"\nlast lines of its log ({self.controller_log}):\n    " + "\n    ".join(tail.splitlines())
+                if tail else f" Its log: {self.controller_log}")
 
     def describe_dead(self, dead: dict[int, str], what: str) -> str:
         """The message for ranks that died while running ``what``: how each died, the end of its log."""
-        lines = [f"rank(s) {sorted(dead)} died while running {what}:"]
+        lines = []
         for rank, how in sorted(dead.items()):
-            lines.append(f"  rank {rank} (pid {self.pids.get(rank)}) {how}")
-            tail = self.log_tail(rank)
+            lines.append(f"rank {rank} (pid {self.pids.get(rank)}) died while running {what}: {how}")
+            tail = "\n".join(line for line in self.log_tail(rank).splitlines() if not _LOG_NOISE.search(line))
             if tail:
                 lines.append("  last lines of its log:\n    " + "\n    ".join(tail.splitlines()))
-        lines.append("The other ranks may be waiting for it in a collective. restart() (%shard_cluster restart) "
-                     "starts new engines.")
         return "\n".join(lines)
+
+
+# engine log lines that say nothing about why a rank died
+_LOG_NOISE = re.compile(r"Not using CurveZMQ security|debugpy_stream undefined|TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated"
+                        r"|Could not find or load the NVIDIA CUDA driver")
+
+
+def _tail(path: str) -> str:
+    """The last lines of the text file ``path`` ("" when there is none)."""
+    try:
+        with open(path, errors="replace") as f:
+            tail = f.read()[-LOG_TAIL_CHARS:].strip()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(tail.splitlines()[-LOG_TAIL_LINES:])
+
+
+def _readable_json(path: str) -> bool:
+    """Whether ``path`` holds a whole JSON document (the controller may be half-way through writing it)."""
+    try:
+        with open(path) as f:
+            json.load(f)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return "?"

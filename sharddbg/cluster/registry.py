@@ -1,49 +1,167 @@
-"""Bookkeeping of the clusters sharddbg started on this machine, so that orphans can be found and reaped.
+"""Bookkeeping of the clusters sharddbg started on this machine, so that orphans can be found and reaped;
+and sharddbg's state folder, private to the user.
 
 Each running cluster has a state file ``<home>/clusters/<cluster_id>.json`` naming its owner process and
-every process it started (fork server, engines, controller and its children). A cluster is orphaned
-when its owner is gone (a killed kernel). We only ever kill processes that a state file names AND whose
-command line and start time still match, so a recycled pid is never hit.
+every process it started (fork server, engines, controller and the controller's children), each with its
+start time. A cluster is orphaned when its owner is gone (a killed kernel). A process is killed as part
+of a cluster only when a state file names it and its start time still matches (a recycled pid is never
+hit), when it descends from such a process, or when its command line is one that sharddbg starts for that
+cluster (``--cluster-id=<id>`` on the fork server's or the controller's command line; engines and the
+controller's children inherit it): so the controller's children are found even after the controller died.
+
+The state folder (``SHARDDBG_HOME``, default ``~/.cache/sharddbg``) holds records, logs, stack dumps and
+the controllers' connection files (keys to the engines): its folders are 0700 and its files 0600.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import stat
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+# Log folders of this many clusters are kept (the newest); older ones go at each start.
+KEPT_LOG_FOLDERS = 10
+
+CLUSTER_ID_PREFIX = "sdbg-"
+
+# The programs sharddbg starts for a cluster, each with ``--cluster-id=<id>`` on its command line. The
+# engines are forks of the fork server and the controller's children forks of the controller: they show
+# the same command line.
+CLUSTER_PROGRAMS = ("sharddbg.cluster._zygote", "ipyparallel.controller")
+
+# psutil derives start times from the boot time, which /proc gives in whole seconds.
+START_TIME_SLACK_S = 2.0
+
 
 def sharddbg_home() -> Path:
+    """The state folder's path (not created: see ``private_dir``)."""
     return Path(os.environ.get("SHARDDBG_HOME") or Path.home() / ".cache" / "sharddbg")
 
 
-def clusters_dir() -> Path:
-    path = sharddbg_home() / "clusters"
-    path.mkdir(parents=True, exist_ok=True)
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder only this user can read: created 0700, or its mode set to 0700."""
+    path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    if stat.S_IMODE(path.stat().st_mode) != PRIVATE_DIR_MODE:
+        os.chmod(path, PRIVATE_DIR_MODE)
     return path
+
+
+def _state_dir(*parts: str) -> Path:
+    path = private_dir(sharddbg_home())
+    for part in parts:
+        path = private_dir(path / part)
+    return path
+
+
+def clusters_dir() -> Path:
+    return _state_dir("clusters")
+
+
+def logs_dir() -> Path:
+    """``<home>/logs``: one folder per cluster (``cluster_log_dir``)."""
+    return _state_dir("logs")
+
+
+def cluster_log_dir(cluster_id: str) -> Path:
+    """``<home>/logs/<cluster_id>``: the fork server's, the controller's and every engine's log, stack dumps."""
+    return _state_dir("logs", cluster_id)
 
 
 def profile_dir() -> Path:
     """sharddbg's own IPython profile: its controllers' connection files never mix with the user's."""
-    path = sharddbg_home() / "profile_sharddbg"
-    (path / "security").mkdir(parents=True, exist_ok=True)
+    path = _state_dir("profile_sharddbg")
+    for folder in ("security", "log", "pid", "startup"):
+        private_dir(path / folder)
+    # IPython copies its startup README here, with the 0644 of its source, unless one exists.
+    readme = path / "startup" / "README"
+    if not readme.exists():
+        write_private(readme, "sharddbg's own IPython profile, used by its controllers and engines.\n")
     return path
+
+
+def open_private(path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) -> int:
+    """A file descriptor on ``path``, a file only this user can read (0600, also when it existed)."""
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    os.fchmod(fd, PRIVATE_FILE_MODE)
+    return fd
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (0600) through a temporary file: a reader never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+def make_home_private() -> None:
+    """Every folder under the state folder 0700 and every file 0600 (a folder left by an older sharddbg
+    had 0755 and 0644). Symbolic links are left alone."""
+    home = private_dir(sharddbg_home())
+    for root, dirs, files in os.walk(home):
+        for name, mode in [(d, PRIVATE_DIR_MODE) for d in dirs] + [(f, PRIVATE_FILE_MODE) for f in files]:
+            path = os.path.join(root, name)
+            try:
+                info = os.lstat(path)
+                if not stat.S_ISLNK(info.st_mode) and stat.S_IMODE(info.st_mode) != mode:
+                    os.chmod(path, mode)
+            except OSError:
+                continue  # removed meanwhile (a stopping cluster's files)
+
+
+def new_cluster_id() -> str:
+    """A fresh cluster id: ``sdbg-<local date-time>-<6 hex digits>``."""
+    return f"{CLUSTER_ID_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+
+def cluster_id_arg(cluster_id: str) -> str:
+    """The command-line argument that marks a process started for cluster ``cluster_id``."""
+    return f"--cluster-id={cluster_id}"
+
+
+def prune_logs(keep: int = KEPT_LOG_FOLDERS) -> list[Path]:
+    """Remove the log folders of all but the newest ``keep`` clusters (by the folder's modification time),
+    never the folder of a cluster that has a record (it runs, or its processes are still to be reaped).
+    Returns the folders removed."""
+    protected = {path.stem for path in clusters_dir().glob("*.json")}
+    folders = []
+    for path in logs_dir().iterdir():
+        if path.name.startswith(CLUSTER_ID_PREFIX) and path.is_dir() and not path.is_symlink():
+            try:
+                folders.append((path.stat().st_mtime, path.name, path))
+            except OSError:
+                continue
+    folders.sort(reverse=True)
+    removed = []
+    for _, name, path in folders[keep:]:
+        if name not in protected:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 @dataclass
 class ProcessRef:
     pid: int
     create_time: float
-    role: str  # zygote | engine | controller
+    role: str  # owner | zygote | engine | controller | controller-child
+    process_group: int = 0  # the process group (and session) it leads, 0 if none: the controller's
 
     @classmethod
-    def of(cls, pid: int, role: str) -> "ProcessRef":
-        return cls(pid, psutil.Process(pid).create_time(), role)
+    def of(cls, pid: int, role: str, process_group: int = 0) -> ProcessRef:
+        """The running process ``pid`` (``psutil.NoSuchProcess`` if it is gone)."""
+        return cls(pid, psutil.Process(pid).create_time(), role, process_group)
 
     def alive(self) -> bool:
         try:
@@ -66,15 +184,13 @@ class ClusterRecord:
         return clusters_dir() / f"{self.cluster_id}.json"
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(self.path)
+        write_private(self.path, json.dumps(asdict(self), indent=1))
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
 
     @classmethod
-    def load(cls, path: Path) -> "ClusterRecord":
+    def load(cls, path: Path) -> ClusterRecord:
         data = json.loads(path.read_text())
         return cls(
             cluster_id=data["cluster_id"],
@@ -87,8 +203,26 @@ class ClusterRecord:
     def owner_alive(self) -> bool:
         return self.owner.alive()
 
+    def track(self, pid: int, role: str, process_group: int = 0) -> ProcessRef | None:
+        """Name process ``pid`` (leader of ``process_group``, if not 0) in the record, saved at once; its
+        entry. None, and nothing saved, if it is already gone; the existing entry if it is already named."""
+        try:
+            ref = ProcessRef.of(pid, role, process_group)
+        except psutil.NoSuchProcess:
+            return None
+        for known in self.processes:
+            if known.pid == ref.pid and abs(known.create_time - ref.create_time) < 0.05:
+                return known
+        self.processes.append(ref)
+        self.save()
+        return ref
+
+    def controller_groups(self) -> set[int]:
+        return {ref.process_group for ref in self.processes if ref.role == "controller" and ref.process_group}
+
     def live_processes(self) -> list[psutil.Process]:
-        """Named processes that still run, plus the controller's children (its schedulers)."""
+        """Every process of this cluster that still runs: the named ones, their children, and those whose
+        command line marks them as this cluster's (``cluster_processes``)."""
         found: dict[int, psutil.Process] = {}
         for ref in self.processes:
             if not ref.alive():
@@ -101,7 +235,42 @@ class ClusterRecord:
                         found[child.pid] = child
             except psutil.NoSuchProcess:
                 continue
-        return list(found.values())
+        for proc in cluster_processes(self.cluster_id, since=self.started, groups=self.controller_groups()):
+            found.setdefault(proc.pid, proc)
+        found.pop(os.getpid(), None)
+        return [proc for proc in found.values() if _running(proc)]
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def cluster_processes(cluster_id: str, since: float = 0.0, groups: set[int] = frozenset()) -> list[psutil.Process]:
+    """Processes on this machine started for cluster ``cluster_id``, found by their command line alone:
+    ``--cluster-id=<id>`` and one of the programs sharddbg starts (``CLUSTER_PROGRAMS``), or the id in a
+    process of one of the controller process ``groups``. Only processes started after ``since`` (a
+    ``time.time()``) count. Zombies are left out."""
+    token = cluster_id_arg(cluster_id)
+    found = []
+    for proc in psutil.process_iter(["cmdline", "create_time", "status"]):
+        cmdline = proc.info["cmdline"] or []
+        if token not in cmdline or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if (proc.info["create_time"] or 0.0) < since - START_TIME_SLACK_S:
+            continue
+        if any(program in cmdline for program in CLUSTER_PROGRAMS) or _group_of(proc.pid) in groups:
+            found.append(proc)
+    return found
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def all_records() -> list[ClusterRecord]:
@@ -133,11 +302,13 @@ def kill_processes(procs: list[psutil.Process], grace_s: float = 1.0) -> list[in
 
 
 def reap(record: ClusterRecord) -> list[int]:
-    """Kill everything a cluster record names and forget it (and its controller's connection files)."""
+    """Kill everything of a cluster record (``live_processes``) and forget it, with its controller's
+    files in the profile (connection files, the engine list it logs)."""
     pids = kill_processes(record.live_processes())
-    security = profile_dir() / "security"
-    for path in security.glob(f"*{record.cluster_id}*"):
-        path.unlink(missing_ok=True)
+    profile = profile_dir()
+    for folder in ("security", "log"):
+        for path in (profile / folder).glob(f"*{record.cluster_id}*"):
+            path.unlink(missing_ok=True)
     record.remove()
     return pids
 
