@@ -11,14 +11,21 @@ File format (``save`` / ``load_trace``), JSON::
     {"format": "sharddbg.trace", "version": 1, "schema_version": 2,
      "meta": {...}, "clock_offsets_ns": {"0": 0, "1": -1234, ...},
      "incomplete_ranks": [2], "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
+
+Every writer (``save``, ``to_perfetto``, ``to_html``) goes through ``write_file_atomically``: the file
+appears whole or not at all. ``load_trace`` refuses, naming the field (and payload, rank, event), a file
+that contradicts itself (a rank listed twice, a payload whose "rank" is not its "ranks" entry, a negative
+count or version, a null or unfinished payload whose rank is not in "incomplete_ranks") or holds what no
+sharddbg writes (integers beyond +-MAX_ABS_INT, NaN or infinities, nesting deeper than MAX_NESTING).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import pandas as pd
 
@@ -26,12 +33,14 @@ from . import schema
 from .analysis import comm as _comm
 from .analysis import ops as _ops
 from .errors import ShardDbgWarning, TraceFileError
-from .exporters.perfetto import perfetto_dict, write_perfetto  # noqa: F401 - also sharddbg.trace.perfetto_dict
+from .files import write_file_atomically
+from .exporters.perfetto import perfetto_dict, write_perfetto  # noqa: F401 - perfetto_dict: also sharddbg.trace.perfetto_dict
 
 TRACE_FORMAT = "sharddbg.trace"
 TRACE_VERSION = 1
 
-__all__ = ["Trace", "load_trace", "TRACE_FORMAT", "TRACE_VERSION"]
+__all__ = ["Trace", "load_trace", "TRACE_FORMAT", "TRACE_VERSION", "MAX_ABS_INT",
+           "MAX_NESTING"]
 
 
 class Trace:
@@ -40,14 +49,16 @@ class Trace:
     ``clock_offsets_ns[r]``: how far rank r's clock is ahead of the reference (client) clock;
     every time in the DataFrames is ``rank time - offset``.
     ``incomplete_ranks``: ranks whose recording did not finish (timed out: events up to the snapshot,
-    in-flight ops marked ``in_flight``) or that sent nothing at all.
+    in-flight ops marked ``in_flight``) or that sent nothing at all; a rank whose payload is None or
+    says ``complete`` False is always among them.
     """
 
     def __init__(self, payloads: dict[int, dict | None], clock_offsets_ns: dict[int, int],
                  incomplete_ranks: Iterable[int], meta: dict | None = None) -> None:
         self.payloads = dict(sorted(payloads.items()))
         self.clock_offsets_ns = {int(r): int(clock_offsets_ns.get(r, 0)) for r in self.payloads}
-        self.incomplete_ranks = sorted(set(int(r) for r in incomplete_ranks))
+        unfinished = {r for r, p in self.payloads.items() if p is None or not p["complete"]}
+        self.incomplete_ranks = sorted({int(r) for r in incomplete_ranks} | unfinished)
         self.meta = dict(meta or {})
         self._ops: pd.DataFrame | None = None
         self._collectives: pd.DataFrame | None = None
@@ -134,8 +145,25 @@ class Trace:
         return _ops.fallbacks(self.get_ops())
 
     def get_errors(self, include_propagated: bool = False) -> pd.DataFrame:
-        """Real exceptions per rank (origin op), with tracebacks."""
-        return _ops.errors(self.get_ops(), include_propagated)
+        """Real exceptions per rank, with tracebacks: one row per origin, the innermost recorded op that
+        raised it, or the cell itself for an exception raised outside every recorded op (``op`` is
+        ``<outside recorded ops>``, ``user_frame`` the cell's line); ``cell_line`` / ``cell_code``: the cell
+        statement the exception ended (analysis/ops.py ``errors``)."""
+        return _ops.errors(self.get_ops(), include_propagated, self.get_cell_errors())
+
+    def get_cell_errors(self) -> pd.DataFrame:
+        """The exception that ended the cell on each rank that raised (schema "error" records, since
+        version 3): rank, seq, t_ns (reference clock), exc_type, message, traceback, origin_seq (the op
+        record where it started, or None), cell_line, cell_code."""
+        return _ops.cell_errors_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+                                      self.clock_offsets_ns)
+
+    @property
+    def incomplete_reasons(self) -> dict[int, str]:
+        """Why each incomplete rank is incomplete ("did not finish within 60 s", "its process died ..."),
+        where the cluster said so."""
+        given = self.meta.get("incomplete_reasons") or {}
+        return {int(r): str(why) for r, why in given.items()}
 
     def get_promotions(self) -> pd.DataFrame:
         """Plain tensors promoted to Replicate, per op, with parameter names where known."""
@@ -158,8 +186,9 @@ class Trace:
         return _comm.imbalance(self.get_ops(), self.get_collectives())
 
     def get_collective_mismatches(self) -> pd.DataFrame:
-        """Collectives whose kind, dtype or sizes differ across the ranks at the same group_seq."""
-        return _comm.collective_mismatches(self.get_collectives())
+        """Collectives that do not line up across the ranks of their group at the same group_seq: a
+        different kind, dtype, size or split, or a rank that never issued it (``missing``)."""
+        return _comm.collective_mismatches(self.get_collectives(), traced_ranks=self.ranks)
 
     # ---- files ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -175,17 +204,15 @@ class Trace:
         }
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write the trace as JSON (``load_trace`` reads it back). Returns the path."""
-        path = os.fspath(path)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, allow_nan=False, separators=(",", ":"))
-        os.replace(tmp, path)  # never leave a half-written trace under the real name
-        return path
+        """Write the trace as JSON (``load_trace`` reads it back). Returns the path. The file appears
+        whole or not at all (``write_file_atomically``)."""
+        doc = self.to_dict()
+        return write_file_atomically(path, lambda f: json.dump(doc, f, allow_nan=False, separators=(",", ":")))
 
     def to_perfetto(self, path: str | os.PathLike) -> str:
         """Chrome trace-event JSON (open in ui.perfetto.dev or chrome://tracing): one process per
-        rank, one complete ("X") slice per op and per collective; see ``sharddbg.exporters.perfetto``."""
+        rank, one complete ("X") slice per op and per collective; see ``sharddbg.exporters.perfetto``.
+        Written like ``save``: whole or not at all."""
         return write_perfetto(self, path)
 
     # ---- views and the HTML report (imported lazily: the data layer never needs plotly or widgets) ----
@@ -221,42 +248,196 @@ class Trace:
         return to_html(self, path, **kwargs)
 
 
+# What a trace file may hold, checked before anything is built from it.
+# Every integer lies within +-2**61: times are int64 ns, and the analyses subtract a clock offset and the
+# trace's first time from each; within this bound the result stays inside +-(2**62 + 2**61), which int64
+# holds (2**61 ns is 73 years; byte counts fit as well).
+MAX_ABS_INT = 2**61
+_INT_BOUND_TEXT = "integers in a trace lie within +-2**61: times are int64 ns, and offsets are subtracted from them"
+# Containers nest at most this deep in the whole file. A recorded op's shard shapes sit 8 levels down
+# (file > payloads > payload > events > event > sharding_shapes > per-rank list > shape); the bound
+# leaves room for free-form meta and keeps every reader that walks values recursively far from Python's
+# recursion limit.
+MAX_NESTING = 64
+
+
 def load_trace(path: str | os.PathLike) -> Trace:
-    """Read a file written by ``Trace.save``. Wrong or corrupt files raise TraceFileError."""
+    """Read a file written by ``Trace.save``. Wrong or corrupt files raise TraceFileError, naming the field
+    (and the payload, rank and event index) that is wrong, before anything is built from the file."""
     path = os.fspath(path)
     with open(path, "rb") as f:
         raw = f.read()
     try:
         d = json.loads(raw)
+    except RecursionError:
+        raise TraceFileError(f"{path}: corrupt sharddbg trace: its JSON nests deeper than Python's parser can "
+                             f"follow (a trace nests at most {MAX_NESTING} levels)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TraceFileError(f"{path}: not a sharddbg trace: not valid JSON ({e}); the file is corrupt or truncated") from None
+    except ValueError:  # Python's limit on the digits of an integer it converts (4300 by default)
+        raise TraceFileError(f"{path}: corrupt sharddbg trace: it holds an integer too long to read "
+                             f"({_INT_BOUND_TEXT})") from None
     if not isinstance(d, dict) or d.get("format") != TRACE_FORMAT:
         raise TraceFileError(f"{path}: not a sharddbg trace (no \"format\": \"{TRACE_FORMAT}\" field)")
     v = d.get("version")
-    if not isinstance(v, int) or v < 1:
+    if not _is_int(v) or v < 1:
         raise TraceFileError(f"{path}: sharddbg trace with a missing or invalid version field ({v!r})")
     if v > TRACE_VERSION:
         raise TraceFileError(f"{path}: trace file version {v} was written by a newer sharddbg; "
                              f"this one reads versions up to {TRACE_VERSION}: upgrade sharddbg")
     sv = d.get("schema_version")
-    if not isinstance(sv, int) or sv > schema.SCHEMA_VERSION:
+    if _is_int(sv) and sv > schema.SCHEMA_VERSION:
         raise TraceFileError(f"{path}: its events use schema version {sv!r}; this sharddbg reads up to "
                              f"{schema.SCHEMA_VERSION}: upgrade sharddbg")
     try:
-        payloads = d["payloads"]
-        ranks = d.get("ranks") or list(range(len(payloads)))
-        if not isinstance(payloads, list) or len(ranks) != len(payloads):
-            raise TraceFileError(f"{path}: corrupt sharddbg trace: 'payloads' and 'ranks' disagree")
-        by_rank = {}
-        for r, p in zip(ranks, payloads):
-            if p is not None:
-                schema.validate_payload(p)
-            by_rank[int(r)] = p
-        offsets = {int(k): int(v) for k, v in (d.get("clock_offsets_ns") or {}).items()}
-        return Trace(by_rank, offsets, d.get("incomplete_ranks") or [], d.get("meta") or {})
-    except schema.SchemaError as e:
+        return _trace_of_file(d)
+    except _FileProblem as e:
         raise TraceFileError(f"{path}: corrupt sharddbg trace: {e}") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, TraceFileError):
-            raise
-        raise TraceFileError(f"{path}: corrupt sharddbg trace: {type(e).__name__}: {e}") from None
+
+
+class _FileProblem(Exception):
+    """What is wrong in a trace file's content (load_trace adds the file's name)."""
+
+
+def _is_int(v) -> bool:
+    return type(v) is int  # not bool, which is an int in Python
+
+
+def _trace_of_file(d: dict) -> Trace:
+    """The Trace a parsed trace file describes; _FileProblem naming the field when the file contradicts
+    itself or holds what no sharddbg writes."""
+    payloads = d.get("payloads")
+    if "ranks" in d:
+        ranks = d["ranks"]
+    else:  # "ranks" may be left out: the payloads are then those of ranks 0, 1, ...
+        ranks = list(range(len(payloads))) if isinstance(payloads, list) else []
+    _check_values(d, ranks)
+    sv = d.get("schema_version")
+    if not _is_int(sv) or sv < 1:
+        raise _FileProblem(f'field "schema_version" = {sv!r} is not a schema version (1..{schema.SCHEMA_VERSION})')
+    if not isinstance(payloads, list):
+        raise _FileProblem(f'field "payloads" must be a list (one payload or null per rank), '
+                           f"got {type(payloads).__name__}")
+    if not isinstance(ranks, list) or not all(_is_int(r) and r >= 0 for r in ranks):
+        raise _FileProblem(f'field "ranks" = {ranks!r} must be a list of ranks (integers >= 0)')
+    if len(ranks) != len(payloads):
+        raise _FileProblem(f'"ranks" lists {len(ranks)} ranks but "payloads" holds {len(payloads)}')
+    first_entry: dict[int, int] = {}
+    for i, r in enumerate(ranks):
+        if r in first_entry:
+            raise _FileProblem(f'"ranks" lists rank {r} twice ("ranks"[{first_entry[r]}] and "ranks"[{i}])')
+        first_entry[r] = i
+    world_sizes: dict[int, int] = {}  # world size -> first payload index that says it
+    for i, (r, p) in enumerate(zip(ranks, payloads)):
+        if p is None:
+            continue
+        try:
+            schema.validate_payload(p)
+        except schema.SchemaError as e:
+            raise _FileProblem(f"payload {i}: {e}") from None
+        where = f"payload {i} (rank {r})"
+        if p["rank"] != r:
+            raise _FileProblem(f'payload {i} says rank {p["rank"]} but "ranks"[{i}] is {r}')
+        if p["schema_version"] > sv:
+            raise _FileProblem(f'{where} has schema_version {p["schema_version"]}, newer than the file\'s '
+                               f'"schema_version" {sv}')
+        if p["dropped"] < 0:
+            raise _FileProblem(f'{where} field "dropped" = {p["dropped"]} is negative (it counts records the '
+                               f"recorder could not keep)")
+        if p["world_size"] < 1 or r >= p["world_size"]:
+            raise _FileProblem(f'{where} field "world_size" = {p["world_size"]} does not hold rank {r}')
+        world_sizes.setdefault(p["world_size"], i)
+        if len(world_sizes) > 1:
+            (ws0, i0), (ws1, i1) = world_sizes.items()
+            raise _FileProblem(f'payload {i1} says "world_size" {ws1} but payload {i0} says {ws0}')
+    offsets_field = d.get("clock_offsets_ns", {})
+    if not isinstance(offsets_field, dict):
+        raise _FileProblem(f'field "clock_offsets_ns" must map each rank to an integer, '
+                           f"got {type(offsets_field).__name__}")
+    offsets: dict[int, int] = {}
+    for key, off in offsets_field.items():
+        if not (key.isascii() and key.isdigit() and str(int(key)) == key and int(key) in first_entry):
+            raise _FileProblem(f'field "clock_offsets_ns" has an entry {key!r} that is not a rank of "ranks" {ranks}')
+        if not _is_int(off):
+            raise _FileProblem(f'field "clock_offsets_ns"[{json.dumps(key)}] = {off!r} is not an integer (ns)')
+        offsets[int(key)] = off
+    if "clock_offsets_ns" in d and set(offsets) != set(ranks):
+        missing = sorted(set(ranks) - set(offsets))
+        raise _FileProblem(f'field "clock_offsets_ns" has no offset for rank{"s" if len(missing) > 1 else ""} '
+                           f'{", ".join(map(str, missing))}')
+    incomplete = d.get("incomplete_ranks", [])
+    if not isinstance(incomplete, list) or not all(_is_int(r) and r in first_entry for r in incomplete):
+        raise _FileProblem(f'field "incomplete_ranks" = {incomplete!r} must list ranks of "ranks" {ranks}')
+    for i, (r, p) in enumerate(zip(ranks, payloads)):
+        if (p is None or not p["complete"]) and r not in incomplete:
+            what = "is null (the rank sent nothing)" if p is None else 'says "complete": false'
+            raise _FileProblem(f'payload {i} (rank {r}) {what} but "incomplete_ranks" {incomplete} '
+                               f"does not list rank {r}")
+    meta = d.get("meta", {})
+    if not isinstance(meta, dict):
+        raise _FileProblem(f'field "meta" must be an object, got {type(meta).__name__}')
+    return Trace(dict(zip(ranks, payloads)), offsets, incomplete, meta)
+
+
+def _check_values(d: dict, ranks) -> None:
+    """Every container of the file nests at most MAX_NESTING deep, every integer lies within MAX_ABS_INT,
+    every float is finite; else _FileProblem naming the first value found that does not."""
+    if _values_in_bounds(d):
+        return
+    stack: list[tuple[dict | list, tuple]] = [(d, ())]  # (container, its path from the file's top)
+    while stack:
+        node, path = stack.pop()
+        if len(path) >= MAX_NESTING:
+            raise _FileProblem(f"{_where(path, ranks)} nests deeper than {MAX_NESTING} levels")
+        for key, v in (node.items() if type(node) is dict else enumerate(node)):
+            t = type(v)
+            if t is int:
+                if not -MAX_ABS_INT <= v <= MAX_ABS_INT:
+                    raise _FileProblem(f"{_where(path + (key,), ranks)} = {v} is out of range ({_INT_BOUND_TEXT})")
+            elif t is float:
+                if not math.isfinite(v):
+                    raise _FileProblem(f"{_where(path + (key,), ranks)} = {v} is not a finite number")
+            elif t is dict or t is list:
+                stack.append((v, path + (key,)))
+
+
+def _values_in_bounds(d: dict) -> bool:
+    """_check_values' test without keeping paths: it runs on every value of every file, so it is kept lean
+    (a fraction of what json.loads takes); the slower walk that names the culprit runs only when this fails."""
+    stack = [(d, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            return False
+        for v in (node.values() if type(node) is dict else node):
+            t = type(v)
+            if t is int:
+                if v > MAX_ABS_INT or v < -MAX_ABS_INT:
+                    return False
+            elif t is float:
+                if v - v != 0.0:  # inf and nan: inf - inf is nan, and nan != 0
+                    return False
+            elif t is dict or t is list:
+                stack.append((v, depth + 1))
+    return True
+
+
+def _where(path: tuple, ranks) -> str:
+    """A value's place in a trace file, in the file's terms: 'payload 2 (rank 2) event #5 field "t_start_ns"'."""
+    rest = path
+    text = ""
+    if len(path) >= 2 and path[0] == "payloads":
+        i = path[1]
+        rank = ranks[i] if isinstance(ranks, list) and i < len(ranks) and _is_int(ranks[i]) else None
+        text = f"payload {i}" + (f" (rank {rank})" if rank is not None else "")
+        rest = path[2:]
+        if len(rest) >= 2 and rest[0] == "events":
+            text += f" event #{rest[1]}"
+            rest = rest[2:]
+    if rest:
+        shown = rest[:8]  # a path down a deeply nested value is cut, with how deep it goes
+        field = json.dumps(shown[0]) + "".join(f"[{json.dumps(k)}]" for k in shown[1:])
+        if len(rest) > len(shown):
+            field += f"... ({len(rest) - len(shown)} levels more)"
+        text = f"{text} field {field}" if text else f"field {field}"
+    return text

@@ -1,6 +1,14 @@
-"""``scatter``: one sample in, one ShardTensor on the "domain" sub-mesh out (runs on every rank)."""
+"""``scatter``: one sample in, one ShardTensor on the "domain" sub-mesh out (runs on every rank).
+
+Every rank checks its own arguments, then the ranks of the domain group exchange, in one collective,
+each rank's arguments and verdict together with the source's tensor metadata. From that same list every
+rank decides the same way, so a bad request raises the same ``ScatterError`` on every rank and no rank is
+left waiting in a collective its peers never join.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..errors import ShardDbgError
 from .rank_state import STATE, current_rank
@@ -18,9 +26,98 @@ def domain_mesh():
     return mesh["domain"]
 
 
-def _check(meta, dim, batch_dim, replicate) -> str | None:
-    """Why ``meta`` (shape, dtype) cannot be scattered, or None. Pure: every rank reaches the same answer."""
-    shape, _dtype = meta
+# The arguments every rank of a domain group must pass alike, with the types each accepts.
+ARGUMENT_TYPES = {
+    "dim": "an int or None",
+    "batch_dim": "an int or None",
+    "replicate": "a bool",
+    "requires_grad": "a bool",
+}
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """What the source rank's tensor is: all the other ranks need to know to receive their shard."""
+
+    shape: tuple[int, ...]
+    dtype: object  # torch.dtype (picklable)
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class RankRequest:
+    """One rank's side of a scatter, as every rank of the domain group receives it.
+
+    ``arguments`` holds ``repr()`` of each argument (never the object itself: whatever a rank passed
+    must reach its peers, picklable or not); ``type_problems`` the arguments of the wrong type;
+    ``source`` is set on the source rank only, ``source_problem`` when its tensor is not a tensor.
+    """
+
+    rank: int
+    arguments: tuple[tuple[str, str], ...]
+    type_problems: tuple[str, ...]
+    source: SourceTensor | None
+    source_problem: str | None
+
+    def argument(self, name: str) -> str:
+        """``repr()`` of the argument ``name`` as this rank passed it."""
+        return dict(self.arguments)[name]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _type_problems(dim, batch_dim, replicate, requires_grad) -> tuple[str, ...]:
+    """The names of the arguments of the wrong type (ARGUMENT_TYPES says what each accepts)."""
+    ok = {
+        "dim": dim is None or _is_int(dim),
+        "batch_dim": batch_dim is None or _is_int(batch_dim),
+        "replicate": isinstance(replicate, bool),
+        "requires_grad": isinstance(requires_grad, bool),
+    }
+    return tuple(name for name, good in ok.items() if not good)
+
+
+def _ranks_text(ranks: list[int], everyone: list[int]) -> str:
+    if sorted(ranks) == sorted(everyone) and len(everyone) > 1:
+        return "every rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in sorted(ranks))
+
+
+def _request_problems(requests: list[RankRequest], source_rank: int) -> list[str]:
+    """What is wrong with the ranks' requests taken together: arguments of the wrong type, arguments
+    that differ between ranks, a source holding no tensor. Pure: every rank reaches the same answer."""
+    everyone = [q.rank for q in requests]
+    source = next(q for q in requests if q.rank == source_rank)
+    problems = []
+    for name, expected in ARGUMENT_TYPES.items():
+        by_value: dict[str, list[int]] = {}  # repr of the value -> ranks that passed it
+        for q in requests:
+            by_value.setdefault(q.argument(name), []).append(q.rank)
+        mistyped = {q.argument(name) for q in requests if name in q.type_problems}
+        if mistyped:
+            problems += [f"{name}={value} is not {expected} (on {_ranks_text(by_value[value], everyone)})"
+                         for value in sorted(mistyped, key=lambda v: min(by_value[v]))]
+            continue
+        if len(by_value) == 1:
+            continue
+        # the value most ranks passed is the reference (the source's on a tie); the others are named
+        reference = max(by_value, key=lambda v: (len(by_value[v]), v == source.argument(name)))
+        others = sorted((ranks, value) for value, ranks in by_value.items() if value != reference)
+        told = [f"{_ranks_text(ranks, everyone)} {'passed ' if i == 0 else ''}{name}={value}"
+                for i, (ranks, value) in enumerate(others)]
+        rest = "the others" if len(by_value[reference]) > 1 else _ranks_text(by_value[reference], everyone)
+        problems.append(f"{', '.join(told)}, {rest} {name}={reference} "
+                        f"(every rank of the domain group must pass the same {name})")
+    if source.source_problem:
+        problems.append(source.source_problem)
+    return problems
+
+
+def _shape_problem(src: SourceTensor, dim, batch_dim, replicate, group_ranks: list[int]) -> str | None:
+    """Why the source tensor cannot be scattered as asked, or None. Pure: every rank reaches the same answer."""
+    shape = src.shape
     ndim = len(shape)
     if ndim == 0:
         return "cannot scatter a 0-d tensor"
@@ -40,6 +137,13 @@ def _check(meta, dim, batch_dim, replicate) -> str | None:
         return f"dim={dim} is out of range for a {ndim}-d tensor of shape {tuple(shape)}"
     if batch_dim is not None and dim % ndim == batch_dim % ndim:
         return f"dim={dim} is the batch axis; shard along a spatial axis"
+    rows = shape[dim % ndim]
+    sizes = balanced_sizes(rows, len(group_ranks))
+    empty = [r for r, size in zip(group_ranks, sizes) if size == 0]
+    if empty:
+        return (f"dim={dim}: {rows} row{'' if rows == 1 else 's'} over {len(group_ranks)} ranks would leave "
+                f"{_ranks_text(empty, [])} with no rows; ShardTensor ops fail on empty shards: use fewer domain "
+                f"ranks or a larger dim")
     return None
 
 
@@ -49,8 +153,13 @@ def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replic
 
     The tensor held by rank 0 of each domain group is the one that counts (physicsnemo's ``scatter_tensor``
     broadcasts it from that rank); other ranks' values are ignored and may be None. Uneven sizes are fine:
-    66 rows over 4 ranks give 17, 17, 16, 16. Errors are decided from the source's shape after one small
-    broadcast, so every rank raises the same error instead of leaving peers blocked in a collective.
+    66 rows over 4 ranks give 17, 17, 16, 16; fewer rows than ranks are refused (a rank would hold none).
+    Every rank of the domain group must pass the same ``dim``, ``batch_dim``, ``replicate`` and
+    ``requires_grad``. The result requires grad on every rank when the source tensor does or
+    ``requires_grad`` is True, and is then a leaf that accumulates its gradient on every rank.
+
+    Before any data moves, the ranks exchange their arguments and the source's shape in one collective,
+    and every rank raises the same ``ScatterError`` when any rank's request is wrong.
     """
     import torch
     import torch.distributed as dist
@@ -59,31 +168,43 @@ def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replic
     from torch.distributed.tensor import Replicate, Shard
 
     mesh = domain_mesh()
-    source = int(mesh.mesh.flatten()[0].item())
-    is_source = current_rank() == source
-    if is_source and not isinstance(tensor, torch.Tensor):
-        problem = f"expected a torch.Tensor on the source rank {source}, got {type(tensor).__name__}"
-        meta = None
-    else:
-        meta = (tuple(tensor.shape), tensor.dtype) if is_source else None
-        problem = None
-    if is_source and problem is None:
-        problem = _check(meta, dim, batch_dim, replicate)
-    shared = [(meta, problem)]
-    dist.broadcast_object_list(shared, src=source, group=DistributedManager().get_mesh_group(mesh))
-    meta, problem = shared[0]
-    if problem:
-        raise ScatterError(f"sharddbg.engine.scatter: {problem}")
-    shape, dtype = meta
-    if not is_source:
+    group_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    source_rank = group_ranks[0]
+    me = current_rank()
+    source = source_problem = None
+    if me == source_rank:
+        if isinstance(tensor, torch.Tensor):
+            source = SourceTensor(tuple(tensor.shape), tensor.dtype, bool(tensor.requires_grad))
+        else:
+            source_problem = f"the source rank {source_rank} holds a {type(tensor).__name__}, not a torch.Tensor"
+    arguments = {"dim": dim, "batch_dim": batch_dim, "replicate": replicate, "requires_grad": requires_grad}
+    mine = RankRequest(rank=me, arguments=tuple((k, _short_repr(v)) for k, v in arguments.items()),
+                       type_problems=_type_problems(dim, batch_dim, replicate, requires_grad),
+                       source=source, source_problem=source_problem)
+    requests: list = [None] * len(group_ranks)
+    dist.all_gather_object(requests, mine, group=DistributedManager().get_mesh_group(mesh))
+    requests.sort(key=lambda q: q.rank)
+    problems = _request_problems(requests, source_rank)
+    src = next(q for q in requests if q.rank == source_rank).source
+    if not problems:
+        shape_problem = _shape_problem(src, dim, batch_dim, replicate, group_ranks)
+        problems = [shape_problem] if shape_problem else []
+    if problems:
+        raise ScatterError("sharddbg.engine.scatter: " + "; ".join(problems))
+
+    shape = src.shape
+    if me != source_rank:
         tensor = None
-    elif tensor.device != DistributedManager().device:
-        tensor = tensor.to(DistributedManager().device)
+    else:
+        # the data only: the result is a leaf of its own on every rank, never part of the source's graph
+        tensor = tensor.detach()
+        if tensor.device != DistributedManager().device:
+            tensor = tensor.to(DistributedManager().device)
     # physicsnemo's scatter_tensor does the broadcast from the source rank; it splits like torch.chunk
     # (66 over 4 -> 17,17,17,15), so we cut the replicated copy into balanced pieces ourselves
     # (17,17,16,16: no rank more than one row above another) and declare those shapes explicitly.
-    full = scatter_tensor(tensor.contiguous() if tensor is not None else None, source, mesh, (Replicate(),),
-                          global_shape=torch.Size(shape), dtype=dtype)
+    full = scatter_tensor(tensor.contiguous() if tensor is not None else None, source_rank, mesh, (Replicate(),),
+                          global_shape=torch.Size(shape), dtype=src.dtype)
     if replicate:
         result = full
     else:
@@ -93,9 +214,18 @@ def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replic
         local = pieces[mesh.get_local_rank()].contiguous()
         shard_shapes = [tuple(shape[:axis]) + (size,) + tuple(shape[axis + 1:]) for size in sizes]
         result = ShardTensor.from_local(local, mesh, (Shard(axis),), sharding_shapes={0: shard_shapes})
-    if requires_grad:
+    if requires_grad or src.requires_grad:  # decided from the gathered requests: the same on every rank
         result = result.detach().requires_grad_(True)
     return result
+
+
+def _short_repr(value) -> str:
+    """``repr(value)``, cut to a length that reads well in an error message."""
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001 - a broken __repr__ must not break the exchange
+        text = f"<{type(value).__name__} whose repr raised {type(exc).__name__}>"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def balanced_sizes(length: int, parts: int) -> list[int]:

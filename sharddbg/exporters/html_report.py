@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from ..files import write_file_atomically
 from ..views.comm import plot_comm_by_op
 from ..views.common import esc, json_for_script, module_as_script, path_color, static
 from ..views.explorer import DEFAULT_MAX_ROWS, explorer_data
@@ -55,7 +56,8 @@ def _errors_html(trace: Trace) -> str:
 
 
 def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, max_rows: int = DEFAULT_MAX_ROWS) -> str:
-    """Write the report for ``trace`` to ``path`` (one self-contained HTML file). Returns the path."""
+    """Write the report for ``trace`` to ``path`` (one self-contained HTML file). Returns the path. The file
+    appears whole or not at all (``sharddbg.files.write_file_atomically``)."""
     import plotly.io as pio
 
     path = os.fspath(path)
@@ -115,8 +117,4 @@ details.sd-error {{ margin: 6px 0; }} pre.sd-code {{ background: #f6f8fa; paddin
 </script>
 </body></html>
 """
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(doc)
-    os.replace(tmp, path)
-    return path
+    return write_file_atomically(path, lambda f: f.write(doc))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from .. import schema
+from ..files import write_file_atomically
 from ..analysis.formatting import json_value
 from ..analysis.timeline import time_origin_ns
 
@@ -89,8 +90,6 @@ def perfetto_dict(trace: Trace) -> dict:
 
 
 def write_perfetto(trace: Trace, path: str | os.PathLike) -> str:
-    """Write ``perfetto_dict(trace)`` to ``path`` as strict JSON. Returns the path."""
-    path = os.fspath(path)
-    with open(path, "w") as f:
-        json.dump(perfetto_dict(trace), f, allow_nan=False)
-    return path
+    """Write ``perfetto_dict(trace)`` to ``path`` as strict JSON, whole or not at all. Returns the path."""
+    doc = perfetto_dict(trace)
+    return write_file_atomically(path, lambda f: json.dump(doc, f, allow_nan=False))

@@ -1,0 +1,411 @@
+"""Trace files that contradict themselves are refused with the field named; every writer goes through a
+fresh temp file. No cluster: each bad file is the golden trace (a real 4-rank recording, tests/data) with
+one thing corrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from sharddbg.errors import ShardDbgWarning, TraceFileError
+from sharddbg.trace import MAX_ABS_INT, MAX_NESTING, Trace, load_trace, write_file_atomically
+
+GOLDEN = Path(__file__).parent / "data" / "conv4.sdtrace.json"
+NAME = "run.sdtrace.json"
+
+
+def golden() -> dict:
+    return json.loads(GOLDEN.read_text())
+
+
+def content(d: dict) -> dict:
+    """A trace file's content, without the header's schema_version (a file is written with the writer's)."""
+    return {k: v for k, v in d.items() if k != "schema_version"}
+
+
+def first_op(d: dict, payload: int) -> tuple[int, dict]:
+    """(index, event) of the first op record of a payload."""
+    return next((i, e) for i, e in enumerate(d["payloads"][payload]["events"]) if e["kind"] == "op")
+
+
+def nested(depth: int, leaf=1):
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+# ---- one corruption per case: (change to the parsed file, what the message must say) -------------------
+def _duplicate_rank(d):
+    d["ranks"][1] = 0
+    d["payloads"][1]["rank"] = 0
+
+
+def _payload_says_other_rank(d):
+    d["payloads"][2]["rank"] = 3
+
+
+def _negative_dropped(d):
+    d["payloads"][1]["dropped"] = -5
+
+
+def _negative_file_schema_version(d):
+    d["schema_version"] = -1
+
+
+def _negative_payload_schema_version(d):
+    d["payloads"][3]["schema_version"] = -2
+
+
+def _payload_schema_newer_than_file(d):
+    d["schema_version"] = 1
+    for p in d["payloads"]:  # a version-1 file whose last payload claims version 2
+        p["events"] = [e for e in p["events"] if e["kind"] != "collective"]
+        p["schema_version"] = 1
+    d["payloads"][3]["schema_version"] = 2
+
+
+def _huge_time(d):
+    i, ev = first_op(d, 1)
+    ev["t_start_ns"] = 2**63  # one past int64
+    return i
+
+
+def _huge_shape_entry(d):
+    i, ev = first_op(d, 0)
+    ev["in_local_shapes"][0][2] = 10**30
+    return i
+
+
+def _huge_clock_offset(d):
+    d["clock_offsets_ns"]["2"] = -(2**64)
+
+
+def _huge_payload_clock(d):
+    d["payloads"][0]["clock"]["t_start_ns"] = MAX_ABS_INT + 1
+
+
+def _deep_event_field(d):
+    i, ev = first_op(d, 0)
+    ev["in_local_shapes"] = nested(MAX_NESTING + 10)
+    return i
+
+
+def _deep_meta(d):
+    d["meta"]["code"] = nested(MAX_NESTING - 1, "x")  # one level past the bound (see the valid case)
+
+
+def _world_size_too_small(d):
+    d["payloads"][3]["world_size"] = 3
+
+
+def _world_sizes_disagree(d):
+    d["payloads"][0]["world_size"] = 8
+    d["payloads"][1]["world_size"] = 8  # payloads 0 and 1 say 8, payload 2 says 4
+
+
+def _negative_rank(d):
+    d["ranks"][0] = -1
+    d["payloads"][0]["rank"] = -1
+
+
+def _ranks_and_payloads_differ_in_length(d):
+    d["ranks"].append(4)
+
+
+def _offset_of_unknown_rank(d):
+    d["clock_offsets_ns"]["7"] = 0
+
+
+def _offset_missing(d):
+    del d["clock_offsets_ns"]["2"]
+
+
+def _offset_not_int(d):
+    d["clock_offsets_ns"]["1"] = 1.5
+
+
+def _incomplete_unknown_rank(d):
+    d["incomplete_ranks"] = [9]
+
+
+def _null_payload_not_incomplete(d):
+    d["payloads"][2] = None
+
+
+def _unfinished_payload_not_incomplete(d):
+    d["payloads"][1]["complete"] = False
+
+
+def _bool_version(d):
+    d["version"] = True
+
+
+def _meta_not_object(d):
+    d["meta"] = ["code"]
+
+
+CORRUPTIONS = [
+    (_duplicate_rank, r'"ranks" lists rank 0 twice \("ranks"\[0\] and "ranks"\[1\]\)'),
+    (_payload_says_other_rank, r'payload 2 says rank 3 but "ranks"\[2\] is 2'),
+    (_negative_dropped, r'payload 1 \(rank 1\) field "dropped" = -5 is negative'),
+    (_negative_file_schema_version, r'field "schema_version" = -1 is not a schema version'),
+    (_negative_payload_schema_version, r"payload 3: payload schema_version -2 is not supported"),
+    (_payload_schema_newer_than_file,
+     r'payload 3 \(rank 3\) has schema_version 2, newer than the file\'s "schema_version" 1'),
+    (_huge_time, r'payload 1 \(rank 1\) event #{i} field "t_start_ns" = 9223372036854775808 is out of range'),
+    (_huge_shape_entry,
+     r'payload 0 \(rank 0\) event #{i} field "in_local_shapes"\[0\]\[2\] = 10{{30}} is out of range'),
+    (_huge_clock_offset, r'field "clock_offsets_ns"\["2"\] = -18446744073709551616 is out of range'),
+    (_huge_payload_clock, r'payload 0 \(rank 0\) field "clock"\["t_start_ns"\] = 2305843009213693953 is out of range'),
+    (_deep_event_field, (r'payload 0 \(rank 0\) event #{i} field "in_local_shapes"(\[0\])+\.\.\. \(\d+ levels more\) '
+                         r'nests deeper than 64 levels')),
+    (_deep_meta, r'field "meta"\["code"\](\[0\])+.* nests deeper than 64 levels'),
+    (_world_size_too_small, r'payload 3 \(rank 3\) field "world_size" = 3 does not hold rank 3'),
+    (_world_sizes_disagree, r'payload 2 says "world_size" 4 but payload 0 says 8'),
+    (_negative_rank, r'field "ranks" = \[-1, 1, 2, 3\] must be a list of ranks'),
+    (_ranks_and_payloads_differ_in_length, r'"ranks" lists 5 ranks but "payloads" holds 4'),
+    (_offset_of_unknown_rank, r'field "clock_offsets_ns" has an entry \'7\' that is not a rank'),
+    (_offset_missing, r'field "clock_offsets_ns" has no offset for rank 2$'),
+    (_offset_not_int, r'field "clock_offsets_ns"\["1"\] = 1.5 is not an integer'),
+    (_incomplete_unknown_rank, r'field "incomplete_ranks" = \[9\] must list ranks of "ranks"'),
+    (_null_payload_not_incomplete, r'payload 2 \(rank 2\) is null .* "incomplete_ranks" \[\] does not list rank 2'),
+    (_unfinished_payload_not_incomplete, (r'payload 1 \(rank 1\) says "complete": false but "incomplete_ranks" \[\] '
+                                          r"does not list rank 1")),
+    (_bool_version, r"missing or invalid version field \(True\)"),
+    (_meta_not_object, r'field "meta" must be an object'),
+]
+
+
+@pytest.mark.parametrize("corrupt, match", CORRUPTIONS, ids=[c.__name__.strip("_") for c, _ in CORRUPTIONS])
+def test_self_contradicting_file_is_refused_naming_the_field(tmp_path, corrupt, match):
+    d = golden()
+    event_index = corrupt(d)
+    path = tmp_path / NAME
+    path.write_text(json.dumps(d))
+    with pytest.raises(TraceFileError) as info:
+        load_trace(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    assert re.search(match.format(i=event_index), message), message
+
+
+# ---- corruptions of the text itself (what json.dumps would not write) ----------------------------------
+def _not_a_number(text):
+    return text.replace('"host_ms":', '"host_ms":NaN,"was_host_ms":', 1)
+
+
+def _overflowing_float(text):
+    return text.replace('"host_ms":', '"host_ms":1e999,"was_host_ms":', 1)
+
+
+def _nested_past_the_parser(text):
+    return text.replace('"code":', '"code":' + "[" * 100_000 + "]" * 100_000 + ',"was_code":', 1)
+
+
+def _too_many_digits(text):
+    return text.replace('"dropped":0', '"dropped":' + "9" * 5000, 1)
+
+
+TEXT_CORRUPTIONS = [
+    (_not_a_number, r'payload 0 \(rank 0\) event #0 field "host_ms" = nan is not a finite number'),
+    (_overflowing_float, r'payload 0 \(rank 0\) event #0 field "host_ms" = inf is not a finite number'),
+    (_nested_past_the_parser, r"corrupt sharddbg trace: its JSON nests deeper than Python's parser can follow"),
+    (_too_many_digits, (r"corrupt sharddbg trace: it holds an integer too long to read \(integers in a trace lie "
+                        r"within \+-2\*\*61")),
+]
+
+
+@pytest.mark.parametrize("corrupt, match", TEXT_CORRUPTIONS, ids=[c.__name__.strip("_") for c, _ in TEXT_CORRUPTIONS])
+def test_corrupt_text_is_refused_naming_the_cause(tmp_path, corrupt, match):
+    d = golden()
+    assert d["payloads"][0]["events"][0]["kind"] == "op"  # the first "host_ms" is that of event #0 of rank 0
+    text = json.dumps(d, separators=(",", ":"))
+    path = tmp_path / NAME
+    path.write_text(corrupt(text))
+    with pytest.raises(TraceFileError, match=match):
+        load_trace(path)
+
+
+# ---- valid files keep loading ---------------------------------------------------------------------------
+def test_golden_trace_loads_unchanged():
+    t = load_trace(GOLDEN)
+    d = golden()
+    assert content(t.to_dict()) == content(d)
+    assert t.ranks == [0, 1, 2, 3] and t.incomplete_ranks == [] and t.dropped == 0
+    assert len(t.get_ops()) == sum(e["kind"] == "op" for p in d["payloads"] for e in p["events"])
+
+
+def test_schema_version_1_file_loads(tmp_path):
+    """A file as sharddbg wrote it before collective records existed (schema version 1)."""
+    d = golden()
+    for p in d["payloads"]:
+        p["events"] = [e for e in p["events"] if e["kind"] != "collective"]
+        p["schema_version"] = 1
+        del p["meta"]["comm"]
+    d["schema_version"] = 1
+    path = tmp_path / NAME
+    path.write_text(json.dumps(d))
+    t = load_trace(path)
+    assert not t.collectives_recorded and t.get_collectives().empty
+    assert len(t.get_ops()) == sum(len(p["events"]) for p in d["payloads"])
+
+
+def test_file_without_optional_fields_loads(tmp_path):
+    """"ranks", "clock_offsets_ns", "incomplete_ranks" and "meta" may be left out (ranks 0.., offsets 0)."""
+    d = golden()
+    for k in ("ranks", "clock_offsets_ns", "incomplete_ranks", "meta"):
+        del d[k]
+    path = tmp_path / NAME
+    path.write_text(json.dumps(d))
+    t = load_trace(path)
+    assert t.ranks == [0, 1, 2, 3] and t.clock_offsets_ns == {0: 0, 1: 0, 2: 0, 3: 0} and t.meta == {}
+
+
+def test_incomplete_trace_with_a_silent_rank_round_trips(tmp_path):
+    """A hung recording: rank 1 sent a snapshot (complete False), rank 3 nothing; saved and read back."""
+    d = golden()
+    payloads = d["payloads"]
+    payloads[1]["complete"] = False
+    payloads[1]["dropped"] = 3
+    with pytest.warns(ShardDbgWarning, match="3 events were dropped"):
+        t = Trace.from_payloads([payloads[0], payloads[1], payloads[2], None], [0, 5, -5, 0])
+    assert t.incomplete_ranks == [1, 3]
+    with pytest.warns(ShardDbgWarning, match="3 events were dropped"):
+        t2 = load_trace(t.save(tmp_path / NAME))
+    assert t2.to_dict() == t.to_dict() and t2.incomplete_ranks == [1, 3]
+    pd.testing.assert_frame_equal(t2.get_ops(), t.get_ops())
+
+
+def test_extreme_but_valid_values_load(tmp_path):
+    """An integer at the bound and meta nested exactly as deep as allowed load, and the analyses run."""
+    d = golden()
+    d["meta"]["code"] = nested(MAX_NESTING - 2, "x")  # below the file's top and meta: MAX_NESTING levels
+    d["clock_offsets_ns"]["0"] = -MAX_ABS_INT
+    path = tmp_path / NAME
+    path.write_text(json.dumps(d))
+    t = load_trace(path)
+    assert t.clock_offsets_ns[0] == -MAX_ABS_INT
+    assert t.get_ops()["t_start_ns"].dtype == "Int64" and len(t.get_collectives()) > 0
+
+
+def test_from_payloads_and_trace_agree_on_unfinished_ranks():
+    """The constructor itself lists a rank whose payload is None or unfinished as incomplete, so that
+    whatever a Trace saves, load_trace reads back."""
+    d = golden()
+    d["payloads"][2]["complete"] = False
+    t = Trace(dict(enumerate(d["payloads"])), {}, incomplete_ranks=[])
+    assert t.incomplete_ranks == [2]
+    t = Trace({0: d["payloads"][0], 1: None}, {}, incomplete_ranks=[])
+    assert t.incomplete_ranks == [1]
+
+
+# ---- writers: a fresh temp file beside the target, renamed into place ----------------------------------
+def _golden_trace() -> Trace:
+    return load_trace(GOLDEN)
+
+
+WRITERS = {
+    "save": lambda t, p: t.save(p),
+    "to_perfetto": lambda t, p: t.to_perfetto(p),
+    "to_html": lambda t, p: t.to_html(p),
+}
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_writer_leaves_a_symlink_at_the_old_temp_name_alone(tmp_path, writer):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours")
+    target = tmp_path / "out.file"
+    planted = tmp_path / "out.file.tmp"  # the name earlier versions wrote through
+    planted.symlink_to(victim)
+    assert WRITERS[writer](_golden_trace(), target) == os.fspath(target)
+    assert victim.read_text() == "not yours"
+    assert planted.is_symlink() and os.readlink(planted) == os.fspath(victim)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.file", "out.file.tmp", "victim.txt"]
+    text = target.read_text(encoding="utf-8")
+    if writer == "save":
+        assert content(load_trace(target).to_dict()) == content(golden())
+    elif writer == "to_perfetto":
+        assert json.loads(text)["traceEvents"]
+    else:
+        assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
+
+
+def test_failed_save_leaves_no_temp_file_and_no_target(tmp_path):
+    t = _golden_trace()
+    t.meta["not_json"] = object()  # serialising fails part way through the file
+    target = tmp_path / NAME
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        t.save(target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_save_keeps_the_old_file(tmp_path):
+    target = tmp_path / NAME
+    _golden_trace().save(target)
+    before = target.read_bytes()
+    t = _golden_trace()
+    t.meta["wall_s"] = float("nan")  # strict JSON refuses NaN, after much of the file was written
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        t.save(target)
+    assert target.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [NAME]
+
+
+def test_failure_after_writing_leaves_no_temp_file(tmp_path):
+    """The rename itself fails (the target is a directory): the written temp file is removed."""
+    target = tmp_path / "taken"
+    target.mkdir()
+    with pytest.raises(OSError):
+        _golden_trace().save(target)
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"] and list(target.iterdir()) == []
+
+
+def test_save_into_a_missing_folder_names_the_target(tmp_path):
+    target = tmp_path / "no" / NAME
+    with pytest.raises(FileNotFoundError) as info:
+        _golden_trace().save(target)
+    assert info.value.filename == os.fspath(target) and list(tmp_path.iterdir()) == []
+
+
+def test_write_file_atomically_removes_its_temp_file_when_the_writer_raises(tmp_path):
+    during = []
+
+    def half_then_fail(f):
+        f.write("half a file")
+        f.flush()
+        during.extend(tmp_path.iterdir())
+        raise RuntimeError("writer broke")
+
+    with pytest.raises(RuntimeError, match="writer broke"):
+        write_file_atomically(tmp_path / "x.txt", half_then_fail)
+    # while writing, one hidden temp file named after the target sat beside it; now nothing is left
+    assert len(during) == 1 and re.fullmatch(r"\.x\.txt\..+\.tmp", during[0].name)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_new_file_mode_follows_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        path = _golden_trace().save(tmp_path / NAME)
+        written = write_file_atomically(tmp_path / "plain.txt", lambda f: f.write("x"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == mode
+    assert stat.S_IMODE(os.stat(written).st_mode) == mode
+
+
+def test_overwrite_keeps_the_existing_files_mode(tmp_path):
+    target = tmp_path / NAME
+    target.write_text("old")
+    target.chmod(0o640)
+    _golden_trace().save(target)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640 and load_trace(target).ranks == [0, 1, 2, 3]
+
