@@ -1,10 +1,57 @@
 """Every error and warning sharddbg raises on purpose. Each names what was wrong and what to do."""
 
+import os
+import re
 from typing import NamedTuple
+
+
+def hide_own_frames() -> bool:
+    """sharddbg's frames are left out of the tracebacks it shows, unless ``SHARDDBG_DEBUG=1`` is set (for
+    debugging sharddbg itself). Read at each call: set it any time."""
+    return os.environ.get("SHARDDBG_DEBUG", "").strip().lower() in ("", "0", "false", "no")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# IPython's own frames between a cell and the code it runs (run_code, a magic's dispatch)
+_IPYTHON_MACHINERY = (f"{os.sep}IPython{os.sep}core{os.sep}interactiveshell.py",
+                      f"{os.sep}IPython{os.sep}core{os.sep}magic.py", "<decorator-gen-")
+
+
+def without_own_frames(tb):
+    """The traceback ``tb`` without sharddbg's frames and IPython's dispatch of a cell or magic: the user's
+    own lines only (None when nothing is left)."""
+    import types
+
+    kept = []
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (os.path.abspath(name).startswith(_PACKAGE_DIR) or any(m in name for m in _IPYTHON_MACHINERY)):
+            kept.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for t in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return rebuilt
 
 
 class ShardDbgError(Exception):
     """Base class of sharddbg's own errors."""
+
+    def _render_traceback_(self) -> list[str]:
+        """How IPython shows this error (its hook for exceptions that render themselves): the user's frames,
+        then the message, which carries the ranks' own tracebacks; sharddbg's frames only with
+        ``SHARDDBG_DEBUG=1``."""
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        tb = self.__traceback__
+        if hide_own_frames():
+            tb = without_own_frames(tb)
+        if shell is None:  # not inside IPython: the standard rendering
+            import traceback
+
+            return traceback.format_exception(type(self), self, tb)
+        return shell.InteractiveTB.structured_traceback(type(self), self, tb, tb_offset=0)
 
 
 class MeshError(ShardDbgError, ValueError):
@@ -31,6 +78,22 @@ class RankTimeoutError(ShardDbgError, TimeoutError):
         self.report = report
 
 
+# a C++ source location in front of a library's message ("[.../gloo/transport/tcp/pair.cc:561] "), and
+# gloo's sign-off after it: neither says what went wrong
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(cc|cpp|c|h|hpp):\d+\] ")
+_GLOO_SIGN_OFF = re.compile(r"\s*This is typically caused by a remote worker crashing\..*$", re.DOTALL)
+
+
+def short_message(message: str) -> str:
+    """The first line of an exception's message, without a C++ source location or a library's sign-off."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    return _GLOO_SIGN_OFF.sub("", _SOURCE_PREFIX.sub("", first))
+
+
+_CELL_FRAME = re.compile(r"^Cell In\[\d+\], line (\d+)", re.MULTILINE)
+_ARROW = re.compile(r"^-+> *\d+ (.*)$", re.MULTILINE)
+
+
 class RankFailure(NamedTuple):
     """How code failed on one rank (a tuple, so ``ename, message, tb = failure`` works too)."""
 
@@ -38,13 +101,55 @@ class RankFailure(NamedTuple):
     message: str
     traceback: str  # the rank's traceback text, ipyparallel's own frame left out
 
+    @property
+    def cell_line(self) -> int | None:
+        """The line of the cell (1-based) whose statement raised, when the traceback shows the cell."""
+        m = _CELL_FRAME.search(self.traceback)
+        return int(m.group(1)) if m else None
+
+    @property
+    def cell_code(self) -> str | None:
+        """That statement's source text."""
+        m = _CELL_FRAME.search(self.traceback)
+        if not m:
+            return None
+        arrow = _ARROW.search(self.traceback, m.end())
+        return arrow.group(1).strip() if arrow else None
+
+    def headline(self, rank: int) -> str:
+        """ "rank 3 raised IndexError: boom (line 2 of the cell: `x = y[5]`)" """
+        where = ""
+        if self.cell_line is not None:
+            code = self.cell_code
+            where = f" (line {self.cell_line} of the cell" + (f": `{code}`)" if code else ")")
+        return f"rank {rank} raised {self.type_name}: {short_message(self.message)}{where}"
+
 
 class RankError(ShardDbgError):
-    """Code failed on one or more ranks. ``errors`` maps rank -> :class:`RankFailure`."""
+    """Code failed on one or more ranks. ``errors`` maps rank -> :class:`RankFailure`.
 
-    def __init__(self, message, errors=None):
+    ``causes``: the ranks whose own failure started it (the others failed because of them, e.g. in a
+    collective that a failed rank never joined); ``released``: ranks sharddbg released from a collective
+    that waited for a failed rank; ``report``: where those ranks waited (a
+    :class:`sharddbg.cluster.hang.HangReport`), or None.
+    """
+
+    def __init__(self, message, errors=None, *, causes=None, released=None, report=None):
         super().__init__(message)
         self.errors = errors or {}
+        self.causes = sorted(causes) if causes is not None else sorted(self.errors)
+        self.released = sorted(released or [])
+        self.report = report
+
+
+class RankDiedError(ClusterError):
+    """A rank's process died while it ran something. ``dead`` maps rank -> how it died; ``outputs``: what
+    the surviving ranks printed and raised (``RankOutput`` per rank, in rank order)."""
+
+    def __init__(self, message, dead, outputs=None):
+        super().__init__(message)
+        self.dead = dict(dead)
+        self.outputs = list(outputs or [])
 
 
 class InspectError(ShardDbgError, ValueError):

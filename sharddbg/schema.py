@@ -13,6 +13,9 @@ Records (``event["kind"]``)
                 send/recv, barrier), attributed to the recorded op that caused it. Shares ``seq``
                 numbering (assigned at issue), the ``t_*_ns`` clock and the ``phase``/``autograd_node``
                 meaning with ``op``. Fields: ``COLLECTIVE_FIELDS`` (since schema version 2).
+``error``       an exception that ended the cell on one rank, wherever it was raised (in a recorded op,
+                or in the user's own code, which no op record shows). Fields: ``CELL_ERROR_FIELDS``
+                (since schema version 3).
 ``meta``        a free-form marker, e.g. "cell started": ``kind``, ``seq``, ``name`` (str), ``t_ns`` (int,
                 rank clock), ``data`` (JSON-able). Readers skip it; only ``kind`` and ``seq`` are checked.
 
@@ -23,7 +26,7 @@ kinds so that records of one rank interleave correctly). Times are ns on the ran
 
 Payload (what ``recorder.stop()`` / ``recorder.peek()`` return on one rank)::
 
-    {"format": "sharddbg.payload", "schema_version": 2, "rank": 0, "world_size": 4,
+    {"format": "sharddbg.payload", "schema_version": 3, "rank": 0, "world_size": 4,
      "complete": True,            # False for a snapshot of a recorder still running (e.g. a hung rank)
      "events": [...],             # records above, sorted by seq; a snapshot adds in-flight ops
      "dropped": 0,                # records not kept because the buffer (max_events) was full
@@ -44,13 +47,17 @@ from .errors import SchemaError  # what the validators below raise (defined with
 #   2  collective records defined, emitted by the recorder and validated; op records gain the path
 #      "python_method" (ShardTensor.full_tensor / redistribute / backward / from_local, which bypass
 #      __torch_function__). Otherwise op records are unchanged: version-1 payloads read as before.
-SCHEMA_VERSION = 2
+#   3  error records (the exception that ended a cell on a rank); a collective's ``in_flight`` means "not
+#      completed" (no wait for it returned while recording), no longer "its issuing call had not returned".
+#      Version-1 and -2 payloads read as before.
+SCHEMA_VERSION = 3
 PAYLOAD_FORMAT = "sharddbg.payload"
 
 KIND_OP = "op"
 KIND_COLLECTIVE = "collective"
+KIND_ERROR = "error"
 KIND_META = "meta"
-KINDS = (KIND_OP, KIND_COLLECTIVE, KIND_META)
+KINDS = (KIND_OP, KIND_COLLECTIVE, KIND_ERROR, KIND_META)
 
 PHASES = ("forward", "backward")
 
@@ -170,8 +177,23 @@ COLLECTIVE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "autograd_node": (_STR_OR_NONE, "backward: name of the autograd node that issued it"),
     "param": (_STR_OR_NONE, "weight-gradient reduction: name of the parameter the node accumulates into"),
     "device_ms": ((float, int, type(None)), "CUDA event time from issue to wait; None on CPU or not finished"),
-    "in_flight": ((bool,), "the issuing call had not returned when the snapshot was taken"),
+    "in_flight": ((bool,), "not completed: no wait for it returned while recording (still blocked when the "
+                           "snapshot was taken, or never waited); schema 1-2: the issuing call had not returned"),
     "thread": ((int,), "recorder thread id (0 = the thread that started the recorder)"),
+}
+
+CELL_ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "kind": ((str,), '"error"'),
+    "seq": ((int,), "per-rank sequence number shared with the other records"),
+    "t_ns": ((int,), "when the cell's exception was reported, rank clock"),
+    "exc_type": ((str,), "qualified exception class name"),
+    "message": ((str,), "str(exception), whole"),
+    "traceback": ((str,), "formatted traceback, every frame"),
+    "origin_seq": (_INT_OR_NONE, "seq of the recorded op where this exception was first seen; None: raised outside "
+                                 "every recorded op (the op record carries the details when it is not None)"),
+    "cell_line": (_INT_OR_NONE, "line of the cell (1-based) whose statement the exception went through"),
+    "cell_code": (_STR_OR_NONE, "that line's source text"),
+    "thread": ((int,), "recorder thread id"),
 }
 
 PAYLOAD_FIELDS: dict[str, tuple[type, ...]] = {
@@ -215,6 +237,9 @@ def validate_event(ev: Any, where: str = "event") -> None:
             raise SchemaError(f"{where}: unknown phase {ev['phase']!r}")
         if ev["bytes_sent"] < 0 or ev["bytes_recv"] < 0:
             raise SchemaError(f"{where}: negative byte count")
+        return
+    if kind == KIND_ERROR:
+        _check_fields(ev, CELL_ERROR_FIELDS, f"{where} (error seq {ev['seq']})")
         return
     if kind != KIND_OP:
         return

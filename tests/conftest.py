@@ -26,9 +26,20 @@ def cluster4():
         cl.stop()
 
 
+@pytest.fixture(scope="module")
+def patient_cluster4():
+    """A 4-rank cluster of the module's own whose collective timeout (300 s) no test may wait out: what
+    ends a fault there is sharddbg noticing it."""
+    cl = _start(n=4, mesh={"ddp": 1, "domain": 4}, timeout=60, collective_timeout=300)
+    yield cl
+    if cl.running:
+        cl.stop()
+
+
 def pytest_collection_modifyitems(config, items):
     """Run the tests that start their own clusters (notebooks, browser, lifecycle, magics) first, before
     the shared cluster4 exists: never two clusters at once on a small machine, and the magics' "no
     cluster running" errors are tested while none runs."""
-    own = ("test_browser.py", "test_notebooks.py", "test_lifecycle.py", "test_magics.py")
+    own = ("test_browser.py", "test_notebooks.py", "test_lifecycle.py", "test_magics.py", "test_processes.py",
+           "test_scatter_input.py", "test_faults.py", "test_bad_input.py")
     items.sort(key=lambda item: 0 if item.path.name in own else 1)

@@ -85,7 +85,8 @@ def test_batch_of_two_is_refused_on_every_rank(cluster4):
         assert isinstance(failure, RankFailure) and failure.type_name == "ScatterError"
         assert "batch size per domain group must be 1" in failure.message and "'ddp'" in failure.message
         assert "scatter" in failure.traceback and "ipyparallel/engine/kernel.py" not in failure.traceback
-    assert str(info.value).startswith("4 of 4 ranks raised in the cell:\n[rank 0] ScatterError: ")
+    assert str(info.value).startswith("ranks [0, 1, 2, 3] raised ScatterError: sharddbg.engine.scatter: ")
+    assert info.value.causes == [0, 1, 2, 3] and info.value.released == []
     # nobody was left waiting in a collective: the cluster still answers
     assert cluster4.eval("1", timeout=10) == [1] * 4
 

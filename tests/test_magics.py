@@ -29,7 +29,8 @@ def test_px_option_parsing():
     args, code = split_px_line("--timeout 5 -t 0,2 print(rank, '--timeout')")
     assert args.timeout == 5.0 and parse_targets(args.targets) == [0, 2]
     assert code == "print(rank, '--timeout')"
-    assert parse_targets("1:3") == [1, 2]
+    assert parse_targets("1:3") == slice(1, 3) and parse_targets("1:3", 4) == [1, 2]
+    assert parse_targets("2:", 4) == [2, 3] and parse_targets("::2", 4) == [0, 2]
 
 
 def test_magic_errors_before_start(ip):
@@ -73,7 +74,7 @@ def test_start_px_status_stop(ip):
     with capture_output() as cap, pytest.raises(sharddbg.errors.RankError, match="ValueError: boom"):
         ip.run_cell_magic("shard_trace", "", "z2 = torch.nn.functional.conv2d(x, w, padding=1)\nraise ValueError('boom')")
     failed = sharddbg.last_trace()
-    assert failed is not trace and failed.meta["failed"].startswith("RankError: 4 of 4 ranks raised")
+    assert failed is not trace and failed.meta["failed"].startswith("RankError: ranks [0, 1, 2, 3] raised ValueError: boom")
     assert "op calls on 4 ranks" in cap.stdout
     with capture_output() as cap:
         assert ip.run_line_magic("shard_cluster", "diagnose").unfinished == []

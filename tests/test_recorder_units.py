@@ -519,11 +519,14 @@ def test_collective_record_export_bytes_worked_out_later():
         "all_gather_into_tensor", "_c10d_functional.all_gather_into_tensor", "functional", RANKS, 4, "domain")
     assert (r["bytes_sent"], r["bytes_recv"], r["dtype"], r["shape"]) == (nb(A), 4 * nb(A), "float32", [6, 4])
     assert (r["op"], r["op_seq"], r["outer_op"], r["in_flight"]) == ("torch.conv2d", 0, "torch.conv2d", True)
-    # the group's ranks unknown: its size from the arguments
+    # the group's ranks unknown: its size from the arguments; issued and returned but never waited for:
+    # not completed, so still in flight
     ev.group = GroupInfo("g", None, None)
     ev.t_return_ns = 6
     r = export.collective_record(ev, in_flight=False, rec=rec)
-    assert (r["group_ranks"], r["group_size"], r["in_flight"]) == (None, GROUP_SIZE, False)
+    assert (r["group_ranks"], r["group_size"], r["in_flight"]) == (None, GROUP_SIZE, True)
+    ev.t_done_ns, ev.waited = 9, True  # its wait returned: completed
+    assert export.collective_record(ev, in_flight=False, rec=rec)["in_flight"] is False
     # backward: attributed at export to the forward op that made the node
     rec.forward_ops, rec.forward_op_ends = [op], [10]
     ev.node_seq_nr, ev.forward_ops_ended, ev.phase = 4, 1, "backward"

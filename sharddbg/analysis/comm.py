@@ -20,6 +20,7 @@ import math
 import pandas as pd
 
 from ..schema import COLLECTIVE_FIELDS
+from .ops import NO_OP
 
 COLLECTIVE_COLUMNS = [
     "rank", "seq", "group_seq", "kind", "group_ranks", "mesh_dim", "bytes_sent", "bytes_recv", "t_issue_ns",
@@ -39,7 +40,6 @@ IMBALANCE_COLUMNS = ["op", "rank", "calls", "shard_elems", "host_ms", "comm_ms",
                      "shard_imbalance", "host_imbalance", "wait_ms_max"]
 MISMATCH_COLUMNS = ["group_name", "group_seq", "mesh_dim", "problem", "ranks", "kinds", "detail"]
 
-NO_OP = "<outside recorded ops>"
 
 # kinds whose buffers must have the same size on every rank of the group
 _SAME_SIZE = {"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather",
@@ -229,20 +229,22 @@ def _shard_elems(f: pd.DataFrame) -> int:
     return int(total)
 
 
-def collective_mismatches(colls: pd.DataFrame) -> pd.DataFrame:
+def collective_mismatches(colls: pd.DataFrame, traced_ranks=None) -> pd.DataFrame:
     """Collectives that do not line up across the ranks of their group.
 
     At each (group_name, group_seq) every rank of the group must have issued the same collective:
     ``problem`` is ``"kind"`` (different kinds; send/recv count as one point-to-point kind),
     ``"dtype"``, ``"size"`` (different buffer sizes for a kind whose sizes must agree, or a broadcast
     with different sizes or roots), ``"splits"`` (all_to_all: what rank i sends to j differs from what j
-    expects from i), or ``"missing"`` (a rank of the group recorded fewer collectives on it than this
-    group_seq; only ranks that recorded something for the group are checked).
+    expects from i), or ``"missing"`` (a rank of the group never issued a collective with this group_seq:
+    it recorded fewer on the group, or none at all). ``traced_ranks``: the ranks the trace holds (a rank of
+    the group outside them is not counted missing); None: every rank of the group. Point-to-point calls
+    are not counted: a send and its recv are one pair of ranks, not the whole group.
     """
     rows = []
     if colls.empty:
         return pd.DataFrame(columns=MISMATCH_COLUMNS)
-    recorded = {g: set(int(r) for r in d["rank"]) for g, d in colls.groupby("group_name")}
+    traced = None if traced_ranks is None else {int(r) for r in traced_ranks}
     for (gname, gseq), d in colls.groupby(["group_name", "group_seq"], sort=True):
         d = d.sort_values("rank")
         ranks = [int(r) for r in d["rank"]]
@@ -251,10 +253,11 @@ def collective_mismatches(colls: pd.DataFrame) -> pd.DataFrame:
         base = {"group_name": gname, "group_seq": int(gseq), "mesh_dim": mesh_dim, "ranks": ranks, "kinds": kinds}
         gr = d["group_ranks"].iloc[0]
         members = [int(x) for x in gr] if isinstance(gr, (list, tuple)) else ranks
-        missing = sorted((set(members) & recorded.get(gname, set())) - set(ranks))
-        if missing:
-            rows.append({**base, "problem": "missing", "detail": f"ranks {missing} have no collective #{int(gseq)} "
-                                                                  f"in group {gname} ({kinds[0]} elsewhere)"})
+        missing = sorted(set(members) - set(ranks) - (set() if traced is None else set(members) - traced))
+        if missing and not all(k in _P2P for k in kinds):
+            where = mesh_dim if isinstance(mesh_dim, str) else f"process group {gname}"
+            rows.append({**base, "problem": "missing", "detail": "; ".join(
+                f"rank {r} never issued group_seq {int(gseq)}: {kinds[0]} on {where}" for r in missing)})
         classes = {("p2p" if k in _P2P else k) for k in kinds}
         if len(classes) > 1:
             rows.append({**base, "problem": "kind", "detail": ", ".join(f"rank {r}: {k}" for r, k in zip(ranks, kinds))})

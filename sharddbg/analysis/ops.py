@@ -9,7 +9,10 @@ import math
 
 import pandas as pd
 
-from ..schema import FALLBACK_PATHS, OP_FIELDS
+from ..schema import CELL_ERROR_FIELDS, FALLBACK_PATHS, OP_FIELDS
+
+# what tables call the place of a collective or an exception outside every recorded op
+NO_OP = "<outside recorded ops>"
 
 # get_ops() columns: rank, then the op record's fields up to error in schema order (error as
 # "exc_type: message"), then its remaining fields and the error's parts.
@@ -22,7 +25,11 @@ OPS_COLUMNS = [
 OPS_EXTRA_COLUMNS = ["fwd_seq", "in_placements", "fallback", "not_implemented", "in_flight", "thread",
                      "exc_type", "traceback", "error_origin_seq", "unmasked", "promotions"]
 FALLBACK_COLUMNS = ["op", "path", "calls", "ranks", "host_ms_total", "user_frames", "via_handler", "bwd_host_ms_total"]
-ERROR_COLUMNS = ["rank", "seq", "op", "path", "exc_type", "message", "traceback", "user_frame", "phase", "unmasked", "propagated_to"]
+ERROR_COLUMNS = ["rank", "seq", "op", "path", "exc_type", "message", "traceback", "user_frame", "phase", "unmasked",
+                 "propagated_to", "cell_line", "cell_code"]
+CELL_ERROR_COLUMNS = ["rank", "seq", "t_ns", "exc_type", "message", "traceback", "origin_seq", "cell_line", "cell_code"]
+
+assert set(CELL_ERROR_COLUMNS[1:]) <= set(CELL_ERROR_FIELDS), "get_cell_errors columns must come from the schema"
 PROMOTION_COLUMNS = ["rank", "seq", "op", "param", "shape", "dtype", "module", "user_frame"]
 
 assert set(OPS_COLUMNS[1:]) <= set(OP_FIELDS), "get_ops columns must come from the schema"
@@ -96,25 +103,69 @@ def fallbacks(ops: pd.DataFrame) -> pd.DataFrame:
         ["host_ms_total", "calls"], ascending=False, kind="stable").reset_index(drop=True)
 
 
-def errors(ops: pd.DataFrame, include_propagated: bool = False) -> pd.DataFrame:
-    """The real exceptions, one row per rank and origin (the innermost op that raised it).
+def cell_errors_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -> pd.DataFrame:
+    """One row per "error" record (an exception that ended the cell on a rank); ``t_ns`` on the reference
+    clock."""
+    rows = []
+    for rank in sorted(rows_by_rank):
+        off = int(offsets_ns.get(rank, 0))
+        for ev in rows_by_rank[rank]:
+            if ev.get("kind") == "error":
+                r = {k: ev.get(k) for k in CELL_ERROR_COLUMNS[1:]}
+                r["rank"] = rank
+                r["t_ns"] = ev["t_ns"] - off
+                rows.append(r)
+    df = pd.DataFrame(rows, columns=CELL_ERROR_COLUMNS)
+    for c in ("seq", "t_ns", "origin_seq", "cell_line"):
+        df[c] = df[c].astype("Int64")
+    return df
+
+
+def errors(ops: pd.DataFrame, include_propagated: bool = False, cell_errors: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The real exceptions, one row per rank and origin: the innermost recorded op that raised it, or, for
+    an exception raised outside every recorded op (``cell_errors`` rows whose ``origin_seq`` is None), the
+    cell itself (``op`` is ``NO_OP``, ``user_frame`` the cell's line).
 
     ``propagated_to``: seqs of the enclosing ops the same exception went through.
-    ``include_propagated=True`` keeps those rows too.
+    ``include_propagated=True`` keeps those rows too. ``cell_line`` / ``cell_code``: the statement of the
+    cell the exception ended (when the trace recorded it).
     """
-    if ops.empty:
+    parts = []
+    cells = cell_errors if cell_errors is not None and len(cell_errors) else None
+    where = {}  # (rank, origin seq) -> (cell line, code): which cell statement an op's exception ended
+    if cells is not None:
+        for r in cells.itertuples(index=False):
+            if not pd.isna(r.origin_seq):
+                where[(int(r.rank), int(r.origin_seq))] = (r.cell_line, r.cell_code)
+    if not ops.empty:
+        e = ops[ops["exc_type"].notna()].copy()
+        if not e.empty:
+            e["message"] = [s.split(": ", 1)[1] if ": " in s else s for s in e["error"]]
+            origin = e["error_origin_seq"] == e["seq"]
+            prop = {}
+            for (rank, o), g in e[~origin].groupby(["rank", "error_origin_seq"]):
+                prop[(rank, o)] = sorted(int(s) for s in g["seq"])
+            sel = e if include_propagated else e[origin]
+            sel = sel.assign(
+                propagated_to=[prop.get((r, s), []) for r, s in zip(sel["rank"], sel["seq"])],
+                cell_line=[where.get((int(r), int(o)), (None, None))[0] for r, o in zip(sel["rank"], sel["error_origin_seq"])],
+                cell_code=[where.get((int(r), int(o)), (None, None))[1] for r, o in zip(sel["rank"], sel["error_origin_seq"])])
+            parts.append(sel[ERROR_COLUMNS])
+    if cells is not None:
+        own = cells[cells["origin_seq"].isna()]
+        if len(own):
+            parts.append(pd.DataFrame({
+                "rank": own["rank"].to_numpy(), "seq": own["seq"].to_numpy(), "op": NO_OP, "path": None,
+                "exc_type": own["exc_type"].to_numpy(), "message": own["message"].to_numpy(),
+                "traceback": own["traceback"].to_numpy(),
+                "user_frame": [f"line {int(n)} of the cell" if not pd.isna(n) else "the cell" for n in own["cell_line"]],
+                "phase": "cell", "unmasked": False, "propagated_to": [[] for _ in range(len(own))],
+                "cell_line": own["cell_line"].to_numpy(), "cell_code": own["cell_code"].to_numpy()}))
+    if not parts:
         return pd.DataFrame(columns=ERROR_COLUMNS)
-    e = ops[ops["exc_type"].notna()].copy()
-    if e.empty:
-        return pd.DataFrame(columns=ERROR_COLUMNS)
-    e["message"] = [s.split(": ", 1)[1] if ": " in s else s for s in e["error"]]
-    origin = e["error_origin_seq"] == e["seq"]
-    prop = {}
-    for (rank, o), g in e[~origin].groupby(["rank", "error_origin_seq"]):
-        prop[(rank, o)] = sorted(int(s) for s in g["seq"])
-    sel = e if include_propagated else e[origin]
-    sel = sel.assign(propagated_to=[prop.get((r, s), []) for r, s in zip(sel["rank"], sel["seq"])])
-    return sel[ERROR_COLUMNS].reset_index(drop=True)
+    out = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
+    out["cell_line"] = out["cell_line"].astype("Int64")
+    return out.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True)
 
 
 def promotions(ops: pd.DataFrame) -> pd.DataFrame:

@@ -23,8 +23,9 @@ from __future__ import annotations
 import time
 
 from ..engine import api
-from ..errors import ClusterError, NoActiveClusterError, ShardDbgError
-from . import hang, registry
+from ..errors import ClusterError, NoActiveClusterError, ShardDbgError, hide_own_frames
+from . import arguments, hang, registry
+from .arguments import check_memory
 from .control import ControlChannel
 from .execution import RankExecution, RankOutput, filter_noise
 from .mesh import MeshSpec, resolve_mesh
@@ -39,8 +40,8 @@ __all__ = ["Cluster", "RankOutput", "active_cluster", "running_clusters", "filte
 _STARTED: "list[Cluster]" = []
 
 STATUS_COLUMNS = ["rank", "pid", "host", "device", "backend", "ddp", "domain", "patch_mode", "n_patches",
-                  "torch", "physicsnemo", "python", "state", "engine_id", "dist_initialized", "patch_reason",
-                  "collective_timeout_s", "threads"]
+                  "torch", "physicsnemo", "python", "state", "process_group", "engine_id", "dist_initialized",
+                  "patch_reason", "collective_timeout_s", "threads"]
 
 
 def running_clusters() -> "list[Cluster]":
@@ -70,21 +71,22 @@ class Cluster:
 
     def __init__(self, n: int | None = None, mesh=None, *, backend: str | None = None, timeout: float = 60.0,
                  start_timeout: float = 180.0, collective_timeout: float = 60.0, threads_per_rank: int = 1,
-                 env: dict | None = None):
+                 env: dict | None = None, force: bool = False):
         self.mesh: MeshSpec = resolve_mesh(n, mesh)
         self.n = self.mesh.size
         if backend not in (None, "gloo", "nccl"):
             raise ClusterError(f"backend must be 'gloo', 'nccl' or None (auto), got {backend!r}")
-        for name, value in (("timeout", timeout), ("start_timeout", start_timeout),
-                            ("collective_timeout", collective_timeout)):
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ClusterError(f"{name} must be a positive number of seconds, got {value!r}")
         self.requested_backend = backend
-        self.timeout = float(timeout)
-        self.start_timeout = float(start_timeout)
-        self.collective_timeout = float(collective_timeout)
-        self.threads_per_rank = int(threads_per_rank)
+        self.timeout = arguments.seconds("timeout", timeout)
+        self.start_timeout = arguments.seconds("start_timeout", start_timeout)
+        self.collective_timeout = arguments.seconds("collective_timeout", collective_timeout)
+        self.threads_per_rank = arguments.positive_int("threads_per_rank", threads_per_rank)
+        if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                  for k, v in env.items())):
+            raise ClusterError(f"env must map variable names to string values, got {env!r}")
         self.extra_env = dict(env or {})
+        if not force:
+            check_memory(self.n)
         self.backend: str | None = None
         self.use_cuda = False
         self.timings: dict[str, float] = {}
@@ -125,6 +127,15 @@ class Cluster:
         return self._processes.fork_server_pid if self._processes else None
 
     @property
+    def controller_pid(self) -> int | None:
+        """The ipyparallel controller's process id (None when it does not run)."""
+        return self._processes.controller_pid if self._processes else None
+
+    def controller_failure(self) -> str | None:
+        """None while the controller runs; else how it died ("the controller (pid N) died: killed by ...")."""
+        return self._processes.controller_failure() if self._processes else None
+
+    @property
     def client(self):
         """The ipyparallel Client connected to the engines (None when not running)."""
         return self._execution.client if self._execution else None
@@ -160,6 +171,7 @@ class Cluster:
 
     def start(self) -> "Cluster":
         """Start controller and engines, initialise torch.distributed and the mesh. Makes this the active cluster."""
+        __tracebackhide__ = hide_own_frames()
         if self.running:
             raise ClusterError(f"this cluster is already running ({self.n} ranks); stop() it first, or restart()")
         registry.reap_orphans()
@@ -186,6 +198,7 @@ class Cluster:
         client = self._processes.launch_engines(self.n, self.start_timeout)
         self._execution = RankExecution.connect(client, self.n, self._processes, self.hang_report, self.timeout)
         self._control = ControlChannel(client, self._execution.engine_ids)
+        self._execution.release = self._release
         self.timings["engines_s"] = time.perf_counter() - t0
         self._init_distributed()
 
@@ -209,6 +222,7 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop engines and controller; check that none of their processes is left."""
+        __tracebackhide__ = hide_own_frames()
         if not self.running and (self._processes is None or self._processes.fork_server is None):
             raise ClusterError("this cluster is not running (it was never started, or was stopped already)")
         t0 = time.perf_counter()
@@ -223,6 +237,7 @@ class Cluster:
 
         The fork server (torch and physicsnemo already imported) is kept, so this is quicker than a start.
         """
+        __tracebackhide__ = hide_own_frames()
         if not self.running or not self._processes.fork_server_alive():
             if self.running or (self._processes is not None and self._processes.fork_server is not None):
                 self.stop()
@@ -239,24 +254,41 @@ class Cluster:
         return self
 
     def recover(self, timeout: float | None = None) -> None:
-        """After a timeout: release ranks blocked in a collective and re-create the process group.
+        """After a hang or a broken process group: release ranks blocked in a collective and re-create the
+        process group.
 
-        The engines (and their pids) are kept. Idle ranks destroy their process group, which makes the
-        blocked ranks' collective fail ("Connection closed by peer"); then every rank joins a new process
-        group on a fresh port. Tensors built on the old mesh must be rebuilt.
+        The engines (and their pids) are kept. Every rank ends the collectives it waits in, from its control
+        thread (its connections to the other ranks shut: a gloo collective fails at once; its NCCL
+        communicators aborted); then every rank tears the old group down and joins a new one on a fresh
+        port. Tensors built on the old mesh must be rebuilt. A dead rank cannot be recovered: restart().
         """
+        __tracebackhide__ = hide_own_frames()
         self._require_running()
-        timeout = self.timeout if timeout is None else timeout
+        timeout = arguments.seconds("timeout", timeout, allow_none=True) or self.timeout
+        dead = self.dead_ranks()
+        if dead:
+            raise ClusterError(self._execution.dead_message(dead))
         busy = self.busy_ranks()
-        if busy and len(busy) == self.n:
-            raise ClusterError(
-                f"every rank ({busy}) is busy, so none can release the others; they free themselves after the "
-                f"collective timeout ({self.collective_timeout:g} s), or call restart() for new engines now")
         if busy:
             self._execution.release_blocked(busy, timeout)
         self._execution.forget_stuck()
         self._execution.call(api.teardown, timeout=timeout, what="process-group teardown")
         self._init_distributed()
+        self._execution.group_recovered()
+
+    def _release(self, ranks=None) -> dict:
+        """Every rank of ``ranks`` (None: every live rank) ends the collectives it waits in, answered by its
+        control thread: its TCP connections to the other ranks shut, its NCCL communicators aborted."""
+        dead = self.dead_ranks()
+        ranks = [r for r in (range(self.n) if ranks is None else ranks) if r not in dead]
+        answers = {}
+        for rank in ranks:
+            peers = [pid for r, pid in self.pids.items() if r != rank]
+            try:
+                answers[rank] = self._control.request(rank, api.RELEASE_REQUEST, {"peer_pids": peers}, timeout=5.0)
+            except ClusterError as exc:
+                answers[rank] = {"status": "error", "evalue": str(exc)}
+        return answers
 
     # ------------------------------------------------------------------ running code
     def _require_running(self) -> None:
@@ -277,25 +309,33 @@ class Cluster:
         Prints each rank's output in rank order when ``display``. Raises :class:`RankError` if a rank
         raised, :class:`RankTimeoutError` (with a hang report) if a rank did not finish in time.
         """
+        __tracebackhide__ = hide_own_frames()
         self._require_running()
         _check_code(code)
+        timeout = arguments.seconds("timeout", timeout, allow_none=True)
         return self._execution.run(code, self._execution.ranks(targets), timeout, display)
 
     def apply(self, fn, *args, timeout: float | None = None, targets=None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on every rank (or ``targets``); results in rank order.
 
         ``fn`` is normally a function of ``sharddbg.engine.api`` (what a rank answers)."""
+        __tracebackhide__ = hide_own_frames()
         self._require_running()
+        if not callable(fn):
+            raise ClusterError(f"apply() takes a function, got {type(fn).__name__} {fn!r}")
+        timeout = arguments.seconds("timeout", timeout, allow_none=True)
         return self._execution.apply(fn, args, kwargs, self._execution.ranks(targets), timeout)
 
     def pull(self, name: str, *, timeout: float | None = None, targets=None) -> list:
         """The value of variable ``name`` on every rank (or ``targets``), in rank order."""
+        __tracebackhide__ = hide_own_frames()
         if not isinstance(name, str) or not name.isidentifier():
             raise ClusterError(f"pull() takes a variable name, got {name!r}")
         return self.apply(api.user_value, name, timeout=timeout, targets=targets)
 
     def eval(self, expression: str, *, timeout: float | None = None, targets=None) -> list:
         """Evaluate a Python expression in every rank's namespace; values in rank order."""
+        __tracebackhide__ = hide_own_frames()
         if not isinstance(expression, str):
             raise ClusterError(f"eval() takes an expression as a string, got {type(expression).__name__}")
         return self.apply(api.user_eval, expression, timeout=timeout, targets=targets)
@@ -303,19 +343,23 @@ class Cluster:
     # ------------------------------------------------------------------ inspection
     def diagnose(self, ranks=None, timeout: float = 5.0) -> dict[int, dict | None]:
         """Each rank's stack and Flight Recorder, answered by its control thread even while it is blocked."""
+        __tracebackhide__ = hide_own_frames()
         self._require_running()
+        timeout = arguments.seconds("timeout", timeout)
         return self._control.diagnose(self._execution.ranks(ranks), timeout)
 
     def hang_report(self, timeout, finished, unfinished, what="the cell", *,
-                    diagnose_timeout: float = 5.0) -> hang.HangReport:
+                    diagnose_timeout: float = 5.0, failures=None) -> hang.HangReport:
         """Where the ``unfinished`` ranks wait, after ``timeout`` seconds of ``what`` (each rank's diagnosis,
-        answered within ``diagnose_timeout``, is in the report's ``diagnoses``).
+        answered within ``diagnose_timeout``, is in the report's ``diagnoses``); ``failures``: the ranks
+        that raised meanwhile (rank -> RankFailure), which the report leads with.
 
         Works from the moment the engines are connected, so a start-up that times out is diagnosed too."""
         if self._control is None:
             raise ClusterError("this cluster is not running; start() it first")
-        diagnoses = self._control.diagnose(range(self.n), diagnose_timeout)
-        return hang.build_report(timeout, finished, unfinished, diagnoses, self.pids, what=what)
+        dead = self.dead_ranks()
+        diagnoses = self._control.diagnose([r for r in range(self.n) if r not in dead], diagnose_timeout)
+        return hang.build_report(timeout, finished, unfinished, diagnoses, self.pids, what=what, failures=failures)
 
     def clock_offsets(self, samples: int = 15, timeout: float = 5.0) -> dict[int, dict]:
         """How far each rank's recorder clock is ahead of this process's ``time.monotonic_ns()``.
@@ -327,25 +371,38 @@ class Cluster:
         return self._control.clock_offsets(samples, timeout)
 
     def status(self):
-        """One row per rank: pid, host, device, backend, mesh coordinate, versions, patch mode."""
+        """One row per rank: pid, host, device, backend, mesh coordinate, versions, patch mode; ``state``
+        idle / busy / dead (and how it died); ``process_group`` ok or why it broke."""
+        __tracebackhide__ = hide_own_frames()
         import pandas as pd
 
         self._require_running()
+        self._execution.check_controller()
+        dead = self.dead_ranks()
         busy = self.busy_ranks()
-        idle = [r for r in range(self.n) if r not in busy]
+        idle = [r for r in range(self.n) if r not in busy and r not in dead]
         fresh = dict(zip(idle, self._execution.call(api.status, ranks=idle, what="status()"))) if idle else {}
+        broken = self._execution.broken
         rows = []
         for rank in range(self.n):
             known = self._start_statuses[rank] if rank < len(self._start_statuses) else {"rank": rank}
             row = dict(fresh.get(rank) or known)
             row["engine_id"] = self.engine_ids[rank]
-            row["state"] = "busy" if rank in busy else "idle"
+            row["state"] = f"dead: {dead[rank]}" if rank in dead else "busy" if rank in busy else "idle"
+            row["process_group"] = "ok" if broken is None else f"broken at {broken.cause}"
             rows.append(row)
         frame = pd.DataFrame(rows)
         return frame[[c for c in STATUS_COLUMNS if c in frame.columns]].set_index("rank")
 
+    @property
+    def broken(self) -> str | None:
+        """Why the process group cannot be used (a failed or released collective, a hang, a dead rank), or
+        None while it works; cells are refused until ``recover()``."""
+        return self._execution.broken.cause if self._execution is not None and self._execution.broken else None
+
     def inspect(self, name: str, *, timeout: float | None = None):
         """The shard inspector for the ShardTensor named ``name`` on the ranks (see sharddbg.cluster.inspect)."""
+        __tracebackhide__ = hide_own_frames()
         from .inspect import inspect_tensor
 
         return inspect_tensor(self, name, timeout=timeout)
@@ -358,8 +415,11 @@ class Cluster:
         The trace is kept even when the cell fails or times out (ranks that timed out contribute their
         events up to then, marked incomplete): ``last_trace()`` returns it, and the error is re-raised.
         """
+        __tracebackhide__ = hide_own_frames()
         self._require_running()
         _check_code(code)
+        timeout = arguments.seconds("timeout", timeout, allow_none=True)
+        self._execution.check_group()
         return self._tracer.trace(self._execution, self._control, code, timeout=timeout, max_events=max_events,
                                   unmask=unmask, display=display,
                                   meta={"cluster_id": self.cluster_id, "mesh": self.mesh.as_dict(),

@@ -75,7 +75,7 @@ class ControlChannel:
         return {rank: answers[rank].get("report") if answers.get(rank, {}).get("status") == "ok" else None
                 for rank in ranks}
 
-    def clock_offsets(self, samples: int = 15, timeout: float = 5.0) -> dict[int, dict]:
+    def clock_offsets(self, samples: int = 15, timeout: float = 5.0, ranks=None) -> dict[int, dict]:
         """How far each rank's recorder clock is ahead of this process's ``time.monotonic_ns()``.
 
         NTP-style: for each rank, ``samples`` round trips; the one with the shortest round trip wins,
@@ -83,7 +83,7 @@ class ControlChannel:
         Rank -> {"offset_ns", "uncertainty_ns"}.
         """
         offsets = {}
-        for rank in range(len(self.engine_ids)):
+        for rank in range(len(self.engine_ids)) if ranks is None else ranks:
             best_round_trip_ns = best_offset_ns = None
             for _ in range(samples):
                 t0 = time.monotonic_ns()

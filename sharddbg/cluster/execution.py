@@ -1,11 +1,22 @@
-"""Running code on the ranks: ``%px`` cells and ``sharddbg.engine.api`` calls, with bounded waits.
+"""Running code on the ranks: ``%px`` cells and ``sharddbg.engine.api`` calls, with bounded waits that name
+the cause of a failure.
 
 ``RankExecution`` holds the ipyparallel client of a running cluster and its engines in rank order. It
 runs a cell (``run``) or calls an engine API function (``apply``) on chosen ranks and waits in short
-slices up to a timeout: a rank whose process died ends the wait at once (``ClusterError`` saying how it
-died); a rank still running at the timeout gives a ``RankTimeoutError`` with the hang report, and its
-call is remembered so that new work for it is refused instead of queueing behind it. Each rank's output
-is collected as a ``RankOutput`` and shown in rank order; exceptions on ranks become one ``RankError``.
+slices up to a timeout. Between slices it looks for what ends a wait early:
+
+- the controller died: nothing can arrive any more (``ClusterError`` saying how it died);
+- a rank's process died: the surviving ranks are released from any collective they wait in with it, and
+  ``RankDiedError`` says which rank died and how, with what the others printed and raised;
+- a rank raised while others still run: if they wait for it in a collective (their Flight Recorder says
+  so), they are released at once instead of waiting out the collective timeout, and the ``RankError``
+  leads with the rank that raised, its exception and the line of the cell, then who waited where.
+
+A rank still running at the timeout gives a ``RankTimeoutError`` whose hang report leads with the ranks
+that raised, if any; its call is remembered so that new work for it is refused instead of queueing
+behind it. A release, a collective that failed for want of a peer, or a desynchronised hang leaves the
+process group broken (``broken``): cells are refused until ``Cluster.recover()`` builds a new one. Each
+rank's output is collected as a ``RankOutput`` and shown in rank order.
 
 It uses ipyparallel's public API only; the control channel (answered while a rank is blocked) is
 ``control``.
@@ -13,21 +24,32 @@ It uses ipyparallel's public API only; the control channel (answered while a ran
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine import api
-from ..errors import ClusterError, RankError, RankFailure, RankTimeoutError
-from .hang import HangReport
+from ..errors import (ClusterError, RankDiedError, RankError, RankFailure, RankTimeoutError, hide_own_frames,
+                      short_message)
+from . import arguments
+from .hang import RECOVERY_HINT, HangReport, format_failures
 from .processes import ClusterProcesses
 
-# How often a wait looks for dead ranks.
+# How often a wait looks for dead ranks, a dead controller and failed ranks.
 WAIT_SLICE_S = 0.25
+# While a rank has failed and others still run: how often to ask whether they wait for it.
+PROBE_EVERY_S = 0.5
+# How long released ranks get to finish their cell once their collective was ended.
+RELEASE_WAIT_S = 5.0
 # Results can arrive before the ranks' last printed lines (iopub is a separate stream): wait this long for them.
 OUTPUT_GRACE_S = 5.0
+# A question to the controller (which ranks are busy) must come back within this.
+CONTROLLER_ANSWER_S = 10.0
 
 # Lines engines print that say nothing about the user's program.
 _NOISE = [
@@ -35,13 +57,27 @@ _NOISE = [
     re.compile(r"FutureWarning: .*all_gather_tensor"),
     re.compile(r"^\s*warnings\.warn\($"),
     re.compile(r"^\s*(return )?funcol\.all_gather_tensor"),
+    # torch 2.13+ prefers TORCH_FR_BUFFER_SIZE; the older name is set too, for older torch on GPU hosts
+    re.compile(r"Environment variable TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated"),
 ]
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# What torch.distributed says when a collective failed for want of a peer (gloo, NCCL, the store).
+_COMM_FAILURE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Application timeout caused pair closure|Timed out waiting"
+    r"|Broken pipe|connectFullMesh|Socket Timeout|NCCL (communicator|error)|ProcessGroup\w* (is )?(aborted|shut down)"
+    r"|process group has been destroyed|Watchdog caught collective operation timeout")
+_COMM_FAILURE_TYPES = {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}
 
 
 def filter_noise(text: str) -> str:
     """``text`` without the lines engines print that say nothing about the user's program."""
     return "".join(line for line in text.splitlines(keepends=True) if not any(p.search(line) for p in _NOISE))
+
+
+def is_comm_failure(failure: RankFailure) -> bool:
+    """The failure is a collective that failed for want of a peer (the process group is unusable after it)."""
+    return failure.type_name in _COMM_FAILURE_TYPES or bool(_COMM_FAILURE.search(failure.message))
 
 
 @dataclass
@@ -56,22 +92,38 @@ class RankOutput:
     displays: list = field(default_factory=list)  # rich outputs (display() calls), as IPython publishes them
 
 
-# (timeout_s, finished ranks, unfinished ranks, what) -> the report a RankTimeoutError carries
-HangReporter = Callable[[float, list, list, str], HangReport]
+@dataclass
+class BrokenGroup:
+    """Why the process group cannot be used any more (until ``Cluster.recover()`` builds a new one)."""
+
+    cause: str  # one line: what broke it, rank first
+
+    def refusal(self) -> str:
+        return (f"The process group broke at {self.cause}. Its collectives would fail or hang: run cl.recover() "
+                f"(%shard_cluster recover) to re-create it (ShardTensors made before must be made again), "
+                f"or cl.restart() for new engines")
+
+
+# (timeout_s, finished ranks, unfinished ranks, what, failures) -> the report a RankTimeoutError carries
+HangReporter = Callable[..., HangReport]
+# ranks to release (None: every rank) -> {rank: what its control thread answered}
+Releaser = Callable[[list], dict]
 
 
 class RankExecution:
     """Code and engine API calls on the ranks of one running cluster, in rank order, with bounded waits."""
 
     def __init__(self, client, engine_ids: list[int], processes: ClusterProcesses, hang_report: HangReporter,
-                 default_timeout: float):
+                 default_timeout: float, release: Releaser | None = None):
         self.client = client
         self.engine_ids = engine_ids  # engine id of rank r at index r
         self.view = client.direct_view(engine_ids)  # every rank, in rank order
         self.view.block = False
         self.processes = processes
         self.hang_report = hang_report
+        self.release = release  # set by the cluster once its control channel exists
         self.default_timeout = default_timeout
+        self.broken: BrokenGroup | None = None
         self._stuck: dict[str, int] = {}  # message id -> rank, of calls that timed out and still run
 
     @classmethod
@@ -94,28 +146,51 @@ class RankExecution:
         return len(self.engine_ids)
 
     def ranks(self, targets) -> list[int]:
-        """``targets`` (None: every rank; an int; or ranks) as a checked list of ranks."""
-        if targets is None:
-            return list(range(self.n))
-        ranks = [targets] if isinstance(targets, int) else list(targets)
-        bad = [r for r in ranks if not isinstance(r, int) or not 0 <= r < self.n]
-        if bad:
-            raise ClusterError(f"ranks {bad} do not exist; this cluster has ranks 0..{self.n - 1}")
+        """``targets`` (None: every rank; an int; or ranks) as a checked list of live ranks."""
+        __tracebackhide__ = hide_own_frames()
+        ranks = arguments.ranks(targets, self.n)
+        dead = {r: how for r, how in self.processes.dead_ranks().items() if r in ranks}
+        if dead:
+            alive = [r for r in range(self.n) if r not in self.processes.dead_ranks()]
+            raise ClusterError(self.dead_message(dead) + (f" Ranks {alive} still answer (targets={alive})."
+                                                           if alive else ""))
         return ranks
+
+    def dead_message(self, dead: dict[int, str]) -> str:
+        who = "; ".join(f"rank {r} (pid {self.processes.pids.get(r)}) {how}" for r, how in sorted(dead.items()))
+        return (f"{who}: its engine is gone. cl.restart() (%shard_cluster restart) starts new engines for every "
+                f"rank.")
 
     def view_of(self, ranks):
         view = self.client.direct_view([self.engine_ids[r] for r in ranks])
         view.block = False
         return view
 
+    def check_controller(self) -> None:
+        """Raise ClusterError when the controller process is gone: no call can be answered any more."""
+        __tracebackhide__ = hide_own_frames()
+        failure = self.processes.controller_failure()
+        if failure:
+            raise ClusterError(f"{failure}. Nothing sent to the engines can be answered any more: cl.restart() "
+                               f"(%shard_cluster restart) rebuilds the cluster, cl.stop() ends it.")
+
     def busy_ranks(self) -> list[int]:
-        """Ranks whose engine is still running (or queued) work."""
-        status = self.client.queue_status(targets=self.engine_ids, verbose=False)
-        return [r for r, eid in enumerate(self.engine_ids)
-                if status.get(eid, {}).get("queue", 0) or status.get(eid, {}).get("tasks", 0)]
+        """Live ranks whose engine is still running (or queued) work."""
+        __tracebackhide__ = hide_own_frames()
+        self.check_controller()
+        dead = self.processes.dead_ranks()
+        live = [r for r in range(self.n) if r not in dead]
+        if not live:
+            return []
+        targets = [self.engine_ids[r] for r in live]
+        status = _bounded(lambda: self.client.queue_status(targets=targets, verbose=False), CONTROLLER_ANSWER_S,
+                          f"the controller did not answer which ranks are busy within {CONTROLLER_ANSWER_S:g} s")
+        return [r for r in live if status.get(self.engine_ids[r], {}).get("queue", 0)
+                or status.get(self.engine_ids[r], {}).get("tasks", 0)]
 
     def check_not_stuck(self, ranks) -> None:
         """Refuse work for ranks still running a call that timed out: it would queue behind that call."""
+        __tracebackhide__ = hide_own_frames()
         outstanding = self.client.outstanding
         for msg_id in list(self._stuck):
             if msg_id not in outstanding:
@@ -126,79 +201,190 @@ class RankExecution:
                 f"ranks {blocked} are still running an earlier call that timed out; new work would queue behind "
                 f"it. Call recover() (%shard_cluster recover) or restart() first")
 
+    def check_group(self) -> None:
+        """Refuse a cell while the process group is broken."""
+        __tracebackhide__ = hide_own_frames()
+        if self.broken is not None:
+            raise ClusterError(self.broken.refusal())
+
     def forget_stuck(self) -> None:
         """The calls that timed out are over (their ranks were released)."""
+        self._stuck.clear()
+
+    def group_recovered(self) -> None:
+        """A new process group is up on every rank."""
+        self.broken = None
         self._stuck.clear()
 
     # ------------------------------------------------------------------ running
     def run(self, code: str, ranks: list[int], timeout: float | None, display: bool) -> list[RankOutput]:
         """Execute ``code`` on ``ranks``; each rank's output, in rank order."""
+        __tracebackhide__ = hide_own_frames()
+        self.check_group()
         self.check_not_stuck(ranks)
+        self.check_controller()
         ar = self.view_of(ranks).execute(code, silent=False, block=False)
         return self.collect(ar, ranks, timeout, display=display, what="the cell")
 
     def apply(self, fn, args: tuple, kwargs: dict, ranks: list[int], timeout: float | None, *,
               display: bool = True, what: str | None = None) -> list:
         """``fn(*args, **kwargs)`` on ``ranks``; results in rank order."""
+        __tracebackhide__ = hide_own_frames()
         self.check_not_stuck(ranks)
+        self.check_controller()
         ar = self.view_of(ranks).apply_async(fn, *args, **kwargs)
         what = what or f"{getattr(fn, '__name__', 'the call')}()"
         return [o.result for o in self.collect(ar, ranks, timeout, display=display, what=what)]
 
     def call(self, fn, *args, ranks: list[int] | None = None, timeout: float | None = None, what: str) -> list:
         """An engine API call the cluster makes for itself: not checked against stuck calls, nothing shown."""
+        __tracebackhide__ = hide_own_frames()
         ranks = list(range(self.n)) if ranks is None else ranks
+        self.check_controller()
         ar = self.view_of(ranks).apply_async(fn, *args)
         return [o.result for o in self.collect(ar, ranks, timeout, display=False, what=what)]
 
     def collect(self, ar, ranks: list[int], timeout: float | None, display: bool, what: str) -> list[RankOutput]:
         """Wait for ``ar`` (one message per rank of ``ranks``, in that order) at most ``timeout`` seconds."""
-        timeout = self.default_timeout if timeout is None else float(timeout)
-        # Wait in slices, so that a rank whose process died ends the wait at once instead of at the timeout.
-        deadline = time.monotonic() + timeout
+        __tracebackhide__ = hide_own_frames()
+        timeout = self.default_timeout if timeout is None else arguments.seconds("timeout", timeout)
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        next_probe = t0
+        release = None  # (report, released ranks, seconds after the start) once ranks were released
         while True:
             finished_in_time = ar.wait(max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic())))
             if finished_in_time:
                 break
-            dead = self.processes.dead_ranks()
+            self.check_controller()
+            dead = {r: how for r, how in self.processes.dead_ranks().items() if r in ranks}
             if dead:
-                raise ClusterError(self.processes.describe_dead(dead, what))
-            if time.monotonic() >= deadline:
+                self._after_death(ar, ranks, dead, what, display)
+            now = time.monotonic()
+            if now >= deadline:
                 break
+            if release is None and now >= next_probe and self.release is not None:
+                next_probe = now + PROBE_EVERY_S
+                release = self._release_if_waiting_for_failed(ar, ranks, what, now - t0)
         if finished_in_time:
             ar.wait_for_output(OUTPUT_GRACE_S)
         outputs = self._outputs(ar, ranks, finished_in_time)
         if display:
             show(outputs)
         if not finished_in_time:
-            outstanding = self.client.outstanding
-            unfinished = [r for r, msg_id in zip(ranks, ar.msg_ids) if msg_id in outstanding]
+            unfinished = self._unfinished(ar, ranks)
             finished = [r for r in ranks if r not in unfinished]
-            self._stuck.update({msg_id: r for r, msg_id in zip(ranks, ar.msg_ids) if msg_id in outstanding})
-            report = self.hang_report(timeout, finished, unfinished, what)
+            self._stuck.update({msg_id: r for r, msg_id in zip(ranks, ar.msg_ids) if msg_id in self.client.outstanding})
+            report = self.hang_report(timeout, finished, unfinished, what, failures=self._failures(ar, ranks))
+            if any(d.pending for d in report.ranks.values()) and self.broken is None:
+                waiting = [r for r, d in sorted(report.ranks.items()) if d.pending]
+                self.broken = BrokenGroup(
+                    f"{what}: ranks {waiting} were left waiting in a collective after {timeout:g} s"
+                    + (f" ({_first_failure(report.failures)})" if report.failures else ""))
             raise RankTimeoutError(report.format(), report)
         errors = {o.rank: o.error for o in outputs if o.error}
         if errors:
-            lines = [f"{len(errors)} of {len(ranks)} ranks raised in {what}:"]
-            for rank, failure in sorted(errors.items()):
-                lines.append(f"[rank {rank}] {failure.type_name}: {failure.message}")
-            first_rank = min(errors)
-            lines.append(f"\nTraceback on rank {first_rank}:\n{errors[first_rank].traceback}")
-            raise RankError("\n".join(lines), errors)
+            raise self._rank_error(errors, ranks, what, release)
         return outputs
 
-    def _outputs(self, ar, ranks: list[int], finished: bool) -> list[RankOutput]:
-        """Each rank's printed output, and when every rank finished, its result or error."""
+    # ------------------------------------------------------------------ failures
+    def _unfinished(self, ar, ranks: list[int]) -> list[int]:
+        outstanding = self.client.outstanding
+        return [r for r, msg_id in zip(ranks, ar.msg_ids) if msg_id in outstanding]
+
+    def _failures(self, ar, ranks: list[int]) -> dict[int, RankFailure]:
+        """The ranks of ``ar`` that already finished by raising, with their failure."""
+        out = {}
+        for rank, md in zip(ranks, ar.metadata):
+            if md.get("status") == "error" and md.get("error") is not None:
+                out[rank] = _failure(md["error"])
+        return out
+
+    def _release_if_waiting_for_failed(self, ar, ranks: list[int], what: str, elapsed: float):
+        """When ranks raised and others wait for them in a collective, release those and return (report,
+        released, elapsed); else None."""
+        failed = self._failures(ar, ranks)
+        if not failed:
+            return None
+        running = self._unfinished(ar, ranks)
+        if not running:
+            return None
+        finished = [r for r in ranks if r not in running]
+        report = self.hang_report(elapsed, finished, running, what, failures=failed, diagnose_timeout=2.0)
+        waiting = [r for r in running if r in report.ranks and report.ranks[r].waits_for(failed)]
+        if not waiting:
+            return None
+        self.release(None)
+        self.broken = BrokenGroup(f"{what}: {_first_failure(failed)}; ranks {waiting} waited for it in a "
+                                  f"collective and were released")
+        end = time.monotonic() + RELEASE_WAIT_S
+        while not ar.wait(WAIT_SLICE_S) and time.monotonic() < end:
+            self.check_controller()
+        return report, waiting, elapsed
+
+    def _after_death(self, ar, ranks: list[int], dead: dict[int, str], what: str, display: bool) -> None:
+        """A rank died: release the survivors from any collective with it, collect what they did, raise."""
+        __tracebackhide__ = hide_own_frames()
+        survivors = [r for r in ranks if r not in dead]
+        if self.release is not None and survivors:
+            try:
+                self.release(survivors)
+            except ClusterError:
+                pass
+        end = time.monotonic() + RELEASE_WAIT_S
+        while time.monotonic() < end and any(r in survivors for r in self._unfinished(ar, ranks)):
+            ar.wait(WAIT_SLICE_S)
+        self.broken = BrokenGroup(f"{what}: " + "; ".join(f"rank {r} died ({how})" for r, how in sorted(dead.items())))
+        outputs = [o for o in self._outputs(ar, ranks, finished=False, partial=True) if o.rank not in dead]
+        if display:
+            show(outputs)
+        message = self.processes.describe_dead(dead, what)
+        failed = {o.rank: o.error for o in outputs if o.error}
+        if failed:
+            message += "\n\nWhat the other ranks raised:\n" + format_failures(failed, tracebacks=0)
+        message += "\n\n" + self.broken.refusal() + "."
+        raise RankDiedError(message, dead, outputs)
+
+    def _rank_error(self, errors: dict[int, RankFailure], ranks: list[int], what: str, release) -> RankError:
+        """The RankError for ``errors``, leading with the ranks whose own failure started it."""
+        comm = {r for r, f in errors.items() if is_comm_failure(f)}
+        causes = {r: f for r, f in errors.items() if r not in comm} or errors
+        released = release[1] if release is not None else []
+        lines = [format_failures(causes)]
+        if release is not None:
+            report, waited, elapsed = release
+            where = []
+            for r in waited:
+                for p in report.ranks[r].pending[:1]:
+                    where.append(f"rank {r} in {p.describe().splitlines()[0]}")
+            after = {r: errors[r] for r in waited if r in errors}
+            how = f" (their collective then failed: {_first_line(next(iter(after.values())))})" if after else ""
+            lines.append(f"Ranks {waited} were waiting for {_ranks_text(causes)} in a collective; sharddbg released "
+                         f"them {elapsed:.1f} s into {what}{how}:\n  " + "\n  ".join(where))
+        elif set(causes) != set(errors):
+            lines.append("Then " + "; ".join(f"rank {r}: {_first_line(errors[r])}" for r in sorted(comm)))
+        n_failed = len(errors)
+        lines.append(f"({n_failed} of {len(ranks)} ranks raised in {what}.)")
+        if comm and self.broken is None:
+            self.broken = BrokenGroup(f"{what}: {_first_failure(causes)}")
+        if self.broken is not None:
+            lines.append("The process group is broken now. " + RECOVERY_HINT)
+        return RankError("\n\n".join(lines), errors, causes=causes, released=released,
+                         report=release[0] if release is not None else None)
+
+    def _outputs(self, ar, ranks: list[int], finished: bool, partial: bool = False) -> list[RankOutput]:
+        """Each rank's printed output, and its result or error where it finished (``partial``: some ranks
+        may not have; their result stays None)."""
         # one value per message, an exception object where the rank raised
         values = ar.get(0, return_exceptions=True) if finished else [None] * len(ranks)
         outputs = []
         for rank, md, value in zip(ranks, ar.metadata, values):
             out = RankOutput(rank, stdout=md.get("stdout", ""), stderr=filter_noise(md.get("stderr", "")),
                              displays=list(md.get("outputs", [])))
+            if partial and md.get("status") == "error" and md.get("error") is not None:
+                value = md["error"]
             if isinstance(value, Exception):
-                tb = getattr(value, "traceback", None) or ""
-                out.error = RankFailure(getattr(value, "ename", type(value).__name__),
-                                        getattr(value, "evalue", str(value)), _user_traceback(_strip_ansi(tb)))
+                out.error = _failure(value)
             else:
                 out.result = value
             execute_result = md.get("execute_result")
@@ -209,23 +395,79 @@ class RankExecution:
 
     # ------------------------------------------------------------------ recovery
     def release_blocked(self, blocked: list[int], timeout: float) -> None:
-        """Free ``blocked`` ranks (waiting in a collective) by tearing the process group down on the others.
-
-        The idle ranks shut their connections to the blocked ones first, so the pending collective fails
-        at once ("Connection closed by peer"). Raises when the blocked ranks stay busy: they are not
-        waiting in a collective.
-        """
-        idle = [r for r in range(self.n) if r not in blocked]
-        blocked_pids = [self.processes.pids[r] for r in blocked]
-        self.call(api.teardown, blocked_pids, ranks=idle, timeout=timeout, what="process-group teardown")
-        deadline = time.monotonic() + timeout
-        while self.busy_ranks() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        still = self.busy_ranks()
+        """Free ``blocked`` ranks: every rank ends the collectives it waits in (control thread: connections
+        to its peers shut, NCCL communicators aborted); a rank still busy after that runs the user's code
+        (a loop, a sleep) and is interrupted (SIGINT: KeyboardInterrupt in its cell). Raises when a rank
+        stays busy even so."""
+        __tracebackhide__ = hide_own_frames()
+        if self.release is not None:
+            self.release(None)
+        still = self._wait_idle(min(timeout, RELEASE_WAIT_S))
+        if still:
+            self._interrupt(still)
+            still = self._wait_idle(min(timeout, RELEASE_WAIT_S))
         if still:
             raise ClusterError(
-                f"ranks {still} are still busy after their peers released them: they are not waiting in a "
-                f"collective. restart() replaces the engines")
+                f"ranks {still} are still busy after they were released from their collectives and interrupted "
+                f"(SIGINT): cl.restart() (%shard_cluster restart) replaces the engines")
+
+    def _interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to the ranks' engines: the code running in their cell raises KeyboardInterrupt."""
+        for rank in ranks:
+            try:
+                os.kill(self.processes.pids[rank], signal.SIGINT)
+            except (KeyError, ProcessLookupError):
+                continue
+
+    def _wait_idle(self, timeout: float) -> list[int]:
+        """Wait until no rank is busy, at most ``timeout`` seconds; the ranks still busy."""
+        deadline = time.monotonic() + timeout
+        busy = self.busy_ranks()
+        while busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+            busy = self.busy_ranks()
+        return busy
+
+
+def _failure(error) -> RankFailure:
+    tb = getattr(error, "traceback", None) or ""
+    return RankFailure(getattr(error, "ename", type(error).__name__), getattr(error, "evalue", str(error)),
+                       _user_traceback(_strip_ansi(tb)))
+
+
+def _first_line(f: RankFailure) -> str:
+    """ "RuntimeError: Connection closed by peer [127.0.0.1]:16061" """
+    return f"{f.type_name}: {short_message(f.message)}"
+
+
+def _first_failure(failures: dict[int, RankFailure]) -> str:
+    rank = min(failures)
+    return failures[rank].headline(rank)
+
+
+def _ranks_text(failures: dict) -> str:
+    ranks = sorted(failures)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _bounded(fn, timeout: float, message: str):
+    """``fn()`` in a helper thread, waited for at most ``timeout`` seconds (ClusterError ``message`` then)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    worker = threading.Thread(target=run, name="sharddbg-bounded-call", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise ClusterError(message)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def show(outputs: list[RankOutput]) -> None:

@@ -7,17 +7,18 @@ client names these functions without importing torch; the work is done by the en
 each docstring.
 
 Control messages are answered on the kernel's control thread, which runs even while the main thread is
-blocked in a collective: ``DIAGNOSE_REQUEST`` (stack, Flight Recorder, recording so far) and
-``CLOCK_REQUEST`` (this rank's clock, for the client's offset estimate). They are defined with their
+blocked in a collective: ``DIAGNOSE_REQUEST`` (stack, Flight Recorder, recording so far),
+``CLOCK_REQUEST`` (this rank's clock, for the client's offset estimate) and ``RELEASE_REQUEST`` (end every
+collective the rank waits in: its connections to the peers shut, its NCCL communicators aborted). They are defined with their
 handlers in ``engine.control`` (a light module) and listed here.
 """
 
 from __future__ import annotations
 
 # ---- control channel: request type -> reply type ------------------------------------------------
-from .control import CLOCK_REPLY, CLOCK_REQUEST, DIAGNOSE_REPLY, DIAGNOSE_REQUEST
+from .control import CLOCK_REPLY, CLOCK_REQUEST, DIAGNOSE_REPLY, DIAGNOSE_REQUEST, RELEASE_REPLY, RELEASE_REQUEST
 
-__all__ = ["DIAGNOSE_REQUEST", "DIAGNOSE_REPLY", "CLOCK_REQUEST", "CLOCK_REPLY", "rank", "init_rank", "teardown",
+__all__ = ["DIAGNOSE_REQUEST", "DIAGNOSE_REPLY", "CLOCK_REQUEST", "CLOCK_REPLY", "RELEASE_REQUEST", "RELEASE_REPLY", "rank", "init_rank", "teardown",
            "status", "user_value", "user_eval", "tensor_snapshot", "recording_start", "recording_stop",
            "recording_peek", "is_recording"]
 

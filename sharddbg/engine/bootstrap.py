@@ -67,9 +67,12 @@ def on_fork(rank: int) -> None:
     """First thing in a freshly forked engine, before ipyparallel starts: this process is rank ``rank``."""
     STATE.rank = rank
     # A C-level stack dump on SIGUSR1, for a rank so stuck that even the control thread cannot answer.
+    # The file is this user's only (0600), like everything in the state folder.
     log_dir = os.environ.get("SHARDDBG_LOG_DIR")
     if log_dir:
-        dump = open(os.path.join(log_dir, f"stack-rank{rank}.txt"), "w")  # noqa: SIM115 - lives with the process
+        fd = os.open(os.path.join(log_dir, f"stack-rank{rank}.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        dump = os.fdopen(fd, "w")  # lives with the process
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
 
 
@@ -117,6 +120,7 @@ def init_rank(world_size: int, mesh_shape, backend: str, master_port: int, colle
         import_physicsnemo(register_on_cpu=True)
     if dist.is_initialized():
         teardown()
+    _flight_recorder_env(torch.__version__)
     if use_cuda:
         local_rank = rank % torch.cuda.device_count()
         device = torch.device("cuda", local_rank)
@@ -150,6 +154,18 @@ def init_rank(world_size: int, mesh_shape, backend: str, master_port: int, colle
     out = status()
     out["t_init_s"] = time.perf_counter() - t0
     return out
+
+
+def _flight_recorder_env(torch_version: str) -> None:
+    """The Flight Recorder's buffer size (the hang reports read it) under the name this torch reads: 2.13 and
+    later read TORCH_FR_BUFFER_SIZE and warn on every rank about the older TORCH_NCCL_TRACE_BUFFER_SIZE,
+    which earlier versions need (the cluster sets both)."""
+    try:
+        major, minor = (int(part) for part in torch_version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return
+    if (major, minor) >= (2, 13) and "TORCH_FR_BUFFER_SIZE" in os.environ:
+        os.environ.pop("TORCH_NCCL_TRACE_BUFFER_SIZE", None)
 
 
 def _silence_known_noise() -> None:
@@ -195,7 +211,7 @@ def teardown(release_pids=()) -> None:
 
     recorder.abandon()  # a recording cut short by a hang: unhook before anything else
     if release_pids:
-        _sever_connections_to(release_pids)
+        control.sever_connections_to(release_pids)
     if dist.is_initialized():
         dist.destroy_process_group()
     listener, STATE.store_listener = STATE.store_listener, None
@@ -217,34 +233,6 @@ def teardown(release_pids=()) -> None:
     except ImportError:
         pass
     gc.collect()
-
-
-def _sever_connections_to(pids) -> int:
-    """Shut down this process's TCP connections to the processes ``pids`` (local peers only).
-
-    Destroying the process group would close them only once nothing references it, and live
-    ShardTensors, meshes or autograd graphs in the user's namespace can keep it referenced.
-    """
-    import psutil
-
-    peer_ports = set()
-    for pid in pids:
-        try:
-            peer_ports.update(c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp") if c.laddr)
-        except psutil.Error:
-            continue
-    severed = 0
-    for conn in psutil.Process().net_connections(kind="tcp"):
-        if conn.raddr and conn.raddr.port in peer_ports and conn.fd >= 0:
-            try:
-                dup = socket.fromfd(conn.fd, socket.AF_INET6 if ":" in conn.raddr.ip else socket.AF_INET,
-                                    socket.SOCK_STREAM)
-                dup.shutdown(socket.SHUT_RDWR)
-                dup.close()
-                severed += 1
-            except OSError:
-                continue
-    return severed
 
 
 def _install_user_namespace() -> None:

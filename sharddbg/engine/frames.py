@@ -13,6 +13,12 @@ import os
 import sys
 from typing import Any
 
+from ..errors import hide_own_frames
+
+# The recorder's wrapper frames are left out of the tracebacks a user reads on a rank (IPython honours a
+# true ``__tracebackhide__`` local), unless SHARDDBG_DEBUG=1 was set when the engine started.
+HIDE_FRAMES = hide_own_frames()
+
 LIBRARY_PACKAGES = ("torch", "physicsnemo", "sharddbg", "IPython", "ipykernel", "ipyparallel", "tornado", "zmq",
                     "traitlets", "asyncio", "concurrent")
 

@@ -52,6 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import clock
+from ..frames import HIDE_FRAMES
 from .autograd import BOX_KEY
 from .comm_bytes import BYTE_COUNTS, first_tensor, no_bytes
 from .cuda import CudaSpan
@@ -261,6 +262,7 @@ class CollectiveMode(TorchDispatchMode):
         self.dead = False  # stopped from another thread: left on this thread's mode stack, inert
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         if self.dead:
             return func(*args, **kwargs) if kwargs else func(*args)
         # the hot path (every aten op while recording): two dict lookups, then the op itself
@@ -302,6 +304,7 @@ class PacketWrapper:
         self._hooks = hooks
 
     def __call__(self, *args, **kwargs):
+        __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         hooks = self._hooks
         rec = hooks.rec
         if rec.running:
@@ -315,6 +318,7 @@ class PacketWrapper:
         return self._packet(*args, **kwargs)
 
     def _call(self, *args, **kwargs):
+        __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         # recorded here: the ADInplaceOrView kernels (C++ callers) need not see it again
         with torch._C._ExcludeDispatchKeyGuard(_ADIOV_SET):
             return self._packet(*args, **kwargs)
@@ -363,6 +367,7 @@ class CollectiveHooks:
         original = dist.Work.__dict__["wait"]
 
         def wait(self, *a, **k):
+            __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
             res = original(self, *a, **k)
             if state.pending_works:
                 ev = state.pending_works.pop(id(self), None)
@@ -428,9 +433,11 @@ class CollectiveHooks:
         handle = self.handle
 
         def kernel(keyset, *args, **kwargs):
+            __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
             ks = keyset & after
             if rec.running and not rec.thread().collective_depth:
                 def call(*a, **k):
+                    __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
                     # what the op dispatches (a funcol kernel's c10d op) is this collective, not another
                     with torch._C._ExcludeDispatchKeyGuard(_ADIOV_SET):
                         return func.redispatch(ks, *a, **k)
@@ -445,6 +452,7 @@ class CollectiveHooks:
         mode = self.mode
 
         def wrapper(*args, **kwargs):
+            __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
             if rec.running and (_excluded(_ADIOV) or torch.is_inference_mode_enabled()):
                 st = rec.thread()
                 if not (st.collective_depth or st.collective_mode or st.busy):
@@ -501,6 +509,7 @@ class CollectiveHooks:
     def handle(self, func, s, args: tuple, kwargs: dict):
         """Record one collective (or a wait / wrap). ``func`` runs the op itself (an OpOverload, a
         packet, or a redispatch below the ADInplaceOrView kernel)."""
+        __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         rec = self.rec
         if not rec.running:
             return func(*args, **kwargs)

@@ -175,3 +175,20 @@ class CollectiveEvent:
 
     def __repr__(self) -> str:
         return f"CollectiveEvent(seq={self.seq}, group_seq={self.group_seq}, spec={self.spec!r})"
+
+
+class CellErrorEvent:
+    """An exception that ended the cell on this rank (schema "error" record at export), wherever it was
+    raised: inside a recorded op (``origin_seq`` names that op's record) or in the user's own code."""
+
+    __slots__ = ("seq", "t_ns", "exception", "origin_seq", "cell_line", "cell_code", "thread")
+
+    def __init__(self, seq: int, t_ns: int, exception: BaseException, origin_seq: int | None,
+                 cell_line: int | None, cell_code: str | None, thread: int) -> None:
+        self.seq = seq
+        self.t_ns = t_ns
+        self.exception = exception
+        self.origin_seq = origin_seq
+        self.cell_line = cell_line  # the line of the cell (1-based) whose statement raised
+        self.cell_code = cell_code
+        self.thread = thread

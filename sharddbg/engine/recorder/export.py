@@ -18,7 +18,7 @@ from .. import clock
 from ..frames import format_frame
 from ..rank_state import STATE
 from .comm_bytes import TensorMeta
-from .events import CollectiveEvent, OpEvent
+from .events import CellErrorEvent, CollectiveEvent, OpEvent
 from .state import RecordingState
 from .tensors import placements_str, shape_list, sharding_shapes_plain
 
@@ -158,15 +158,43 @@ def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState)
         "param": ev.param,
         "thread": ev.thread,
         "device_ms": ev.cuda.device_ms() if ev.cuda is not None else None,
-        "in_flight": bool(in_flight or ev.t_return_ns is None),
+        "in_flight": bool(in_flight or ev.t_done_ns is None),
     }
+
+
+def error_record(ev: CellErrorEvent) -> dict:
+    """The schema record of an exception that ended the cell (schema.CELL_ERROR_FIELDS)."""
+    import traceback
+
+    exc = ev.exception
+    return {
+        "kind": "error",
+        "seq": ev.seq,
+        "t_ns": ev.t_ns,
+        "exc_type": f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins."),
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "origin_seq": ev.origin_seq,
+        "cell_line": ev.cell_line,
+        "cell_code": ev.cell_code,
+        "thread": ev.thread,
+    }
+
+
+def _record(ev, rec: RecordingState) -> dict:
+    kind = type(ev)
+    if kind is OpEvent:
+        return op_record(ev, False)
+    if kind is CollectiveEvent:
+        return collective_record(ev, False, rec)
+    return error_record(ev)
 
 
 def records(rec: RecordingState, include_in_flight: bool) -> list[dict]:
     """Schema records of the kept events (and, with ``include_in_flight``, of the ops still running on
     every thread), sorted by seq."""
     kept = list(rec.buffer)  # list() of a list is atomic under the GIL: safe from another thread
-    out = [op_record(ev, False) if type(ev) is OpEvent else collective_record(ev, False, rec) for ev in kept]
+    out = [_record(ev, rec) for ev in kept]
     if include_in_flight:
         for st in list(rec.threads.values()):
             for ev in list(st.op_stack):

@@ -21,6 +21,7 @@ import torch
 
 from ... import errors
 from .. import clock
+from ..frames import HIDE_FRAMES
 from ..frames import user_frame, user_frame_until
 from .autograd import hook_backward
 from .cuda import CudaSpan
@@ -147,6 +148,7 @@ def record_error(rec: RecordingState, st: ThreadState, ev: OpEvent, e: BaseExcep
 
 def run_recorded(rec: RecordingState, st: ThreadState, ev: OpEvent, fn: Callable, *args, **kwargs):
     """Run ``fn`` for the begun event ``ev``, then record its error or its end."""
+    __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
     try:
         res = fn(*args, **kwargs)
     except BaseException as e:
@@ -187,6 +189,7 @@ def torch_function_wrapper(rec: RecordingState, original: Callable, fallback: Ca
     shard_tensor_cls = rec.shard_tensor_cls
 
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         if not rec.running:
             return original(cls, func, types, args, kwargs)
         st = rec.thread()
@@ -249,6 +252,7 @@ def torch_dispatch_wrapper(rec: RecordingState, original: Callable, fallback: Ca
     shard_tensor_cls = rec.shard_tensor_cls
 
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         if not rec.running:
             return original(cls, func, types, args, kwargs)
         st = rec.thread()
@@ -283,6 +287,7 @@ def python_method_wrapper(rec: RecordingState, name: str, fn: Callable) -> Calla
     shard_tensor_cls = rec.shard_tensor_cls
 
     def method(*args, **kwargs):
+        __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         if not rec.running:
             return fn(*args, **kwargs)
         st = rec.thread()
@@ -313,6 +318,7 @@ def fallback_marker(rec: RecordingState, original: Callable) -> Callable:
     calls the fallback itself)."""
 
     def marked(*a, **k):
+        __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         if rec.running:
             stack = rec.thread().op_stack
             if stack:
@@ -327,6 +333,7 @@ def promotion_recorder(rec: RecordingState, original: Callable) -> Callable:
     """``_promote_plain_tensor_to_dtensor`` that records the promotion on the running op."""
 
     def promote(tensor, mesh, *a, **k):
+        __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         if rec.running:
             st = rec.thread()
             if st.op_stack and not st.busy:

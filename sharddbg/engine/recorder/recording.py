@@ -7,7 +7,7 @@ import torch
 from ...errors import RecorderError
 from .. import clock
 from ..rank_state import rank_and_world
-from . import export, ops
+from . import cell_errors, export, ops
 from .collectives import CollectiveHooks
 from .state import RecordingState
 from .undo import UndoLog
@@ -54,6 +54,7 @@ class Recorder(RecordingState):
             ops.install(self, undo)
             if self.comm:
                 CollectiveHooks(self).install(undo)
+            cell_errors.install(self, undo)
         except BaseException:
             undo.restore()
             raise

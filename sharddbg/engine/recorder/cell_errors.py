@@ -1,0 +1,71 @@
+"""Exceptions that end a cell on this rank, recorded while a cluster's recording runs.
+
+A cell can fail outside every recorded op (an IndexError in the user's own code, a collective that fails
+in a plain ``dist.all_reduce``): no op hook sees that. IPython reports every exception that ends a cell
+through ``shell.showtraceback``; while a recording started by ``recorder.start()`` runs, that method is
+wrapped (on the shell instance, put back at stop) to record a ``CellErrorEvent`` first: the exception, the
+line of the cell where it surfaced, and the recorded op where it was first seen, if any.
+"""
+
+from __future__ import annotations
+
+import linecache
+import sys
+from typing import Any
+
+from .. import clock
+from ..frames import is_library_file
+from .events import CellErrorEvent
+from .state import RecordingState
+from .undo import UndoLog
+
+
+def cell_position(exc: BaseException) -> tuple[int | None, str | None]:
+    """(line, source text) of the cell statement the exception went through: the outermost frame of its
+    traceback that is the user's module-level code (the cell), else (None, None)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "<module>" and not is_library_file(code.co_filename):
+            line = tb.tb_lineno
+            text = linecache.getline(code.co_filename, line).strip()
+            return line, text or None
+        tb = tb.tb_next
+    return None, None
+
+
+def record(rec: RecordingState, exc: BaseException) -> None:
+    """Keep a CellErrorEvent for ``exc`` (once per exception object)."""
+    seen = rec.errors_seen.get(id(exc))
+    origin = seen.record["origin_seq"] if seen is not None and seen.exception is exc else None
+    if any(type(ev) is CellErrorEvent and ev.exception is exc for ev in rec.buffer[-8:]):
+        return
+    line, text = cell_position(exc)
+    rec.keep(CellErrorEvent(next(rec.seq), clock.now_ns(), exc, origin, line, text, rec.thread().tid))
+
+
+def install(rec: RecordingState, undo: UndoLog) -> bool:
+    """Wrap the IPython shell's ``showtraceback`` to record the exception that ends a cell; False when this
+    process has no IPython shell (a plain script: nothing to hook)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    if shell is None:
+        return False
+    original = shell.showtraceback
+
+    def showtraceback(exc_tuple: Any = None, *args, **kwargs):
+        try:
+            exc = exc_tuple[1] if exc_tuple is not None else sys.exc_info()[1]
+            if isinstance(exc, BaseException) and rec.running:
+                record(rec, exc)
+        except Exception:  # noqa: BLE001 - recording must never hide the user's traceback
+            import traceback
+
+            rec.internal_errors.append(traceback.format_exc())
+        return original(exc_tuple, *args, **kwargs)
+
+    undo.setattr(shell, "showtraceback", showtraceback)
+    return True

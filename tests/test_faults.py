@@ -1,0 +1,320 @@
+"""The fault matrix: every case of ``tests/fault_cases.py`` FAULTS on a real 4-rank cluster (gloo), with the
+collective timeout at 300 s so that nothing here ends by waiting it out. Each case asserts the first line
+the user reads (cause first: which rank, what it raised, where in the cell), the time it took (bounded:
+nothing hangs), that the recorded events were kept, and the state the cluster is left in."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+import pytest
+
+import sharddbg
+from sharddbg.cluster.hang import ordinal
+from sharddbg.errors import ClusterError, RankDiedError, RankError, RankTimeoutError
+
+from fault_cases import FAULTS, TABLE_END, TABLE_START, starts_with, table
+
+pytestmark = pytest.mark.cluster
+
+CASES = {c.name: c for c in FAULTS}
+RELEASED_WITHIN_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def cl(patient_cluster4):
+    return patient_cluster4
+
+
+@pytest.fixture
+def healthy(cl):
+    """The cluster with every rank alive and a working process group (restored after each case)."""
+    if cl.dead_ranks() or not _controller_alive(cl):
+        cl.restart()
+    elif cl.broken or cl.busy_ranks():
+        cl.recover()
+    yield cl
+    if cl.dead_ranks() or not _controller_alive(cl):
+        cl.restart()
+    elif cl.broken or cl.busy_ranks():
+        cl.recover()
+
+
+def _controller_alive(cl) -> bool:
+    return cl.controller_failure() is None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0]
+
+
+def _expect(case_name: str, exc: BaseException) -> None:
+    case = CASES[case_name]
+    assert type(exc).__name__ == case.error, (type(exc).__name__, str(exc)[:500])
+    assert starts_with(case).match(_first_line(exc)), (case.sees, _first_line(exc))
+
+
+def _works(cl) -> None:
+    """A collective on every rank gives the right sum."""
+    assert cl.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [4.0] * 4
+
+
+def test_raise_while_peers_wait(healthy):
+    cl = healthy
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cl.run("x = 1\nif rank == 3:\n    raise IndexError('boom')\nt = torch.ones(3)\ndist.all_reduce(t)\n")
+    elapsed = time.monotonic() - t0
+    _expect("raise_while_peers_wait", info.value)
+    err = info.value
+    assert elapsed < RELEASED_WITHIN_S, elapsed
+    assert err.causes == [3] and err.released == [0, 1, 2]
+    assert err.errors[3].type_name == "IndexError" and err.errors[3].cell_line == 3
+    assert all("Connection closed by peer" in err.errors[r].message for r in (0, 1, 2))
+    text = str(err)
+    # then who waited, and where: the collective, named as the Flight Recorder counts it outside a trace
+    assert "Ranks [0, 1, 2] were waiting for rank 3 in a collective" in text
+    assert re.search(r"rank 0 in all_reduce, the \d+(st|nd|rd|th) collective on process group 'domain'", text)
+    assert cl.broken and "rank 3 raised IndexError: boom" in cl.broken
+    cl.recover()
+    assert cl.broken is None
+    _works(cl)
+
+
+def test_raise_inside_collective_traced(healthy):
+    cl = healthy
+    # ranks 0-2 enter conv2d's halo exchange; rank 3 holds no rows and fails inside the op
+    code = ("from torch.distributed.tensor import Shard\n"
+            "rows = [2, 2, 1, 0]\n"
+            "x = ShardTensor.from_local(torch.randn(1, 3, rows[rank], 8), sharddbg.engine.domain_mesh(), (Shard(2),),\n"
+            "                           sharding_shapes={0: [(1, 3, r, 8) for r in rows]})\n"
+            "y = torch.nn.functional.conv2d(x, torch.randn(4, 3, 3, 3), padding=1)\n")
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cl.trace(code)
+    assert time.monotonic() - t0 < RELEASED_WITHIN_S + 5  # the recorder's start and stop included
+    err = info.value
+    _expect("raise_inside_collective", err)
+    assert err.causes == [3] and err.released == [0, 1, 2]
+    # nothing lost: every rank's events are in the trace, the failing op on each
+    t = cl.last_trace()
+    assert t.incomplete_ranks == []
+    errors = t.get_errors()
+    assert sorted(errors["rank"]) == [0, 1, 2, 3] and set(errors["op"]) == {"torch.conv2d"}
+    assert "index_select" in errors[errors["rank"] == 3]["message"].iloc[0]
+    # the collective ranks 0-2 waited in never completed: in flight, and rank 3 never issued it
+    colls = t.get_collectives()
+    stuck = colls[colls["in_flight"]]
+    assert sorted(stuck["rank"]) == [0, 1, 2] and set(stuck["kind"]) == {"all_to_all_single"}
+    missing = t.get_collective_mismatches()
+    missing = missing[missing["problem"] == "missing"]
+    assert len(missing) == 1 and "rank 3 never issued group_seq" in missing["detail"].iloc[0]
+
+
+def test_raise_while_peer_computes_leads_the_timeout(healthy):
+    cl = healthy
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeoutError) as info:
+        cl.run("import time\nif rank == 3:\n    raise IndexError('boom')\nif rank == 0:\n    time.sleep(120)\n", timeout=4)
+    assert time.monotonic() - t0 < 10
+    _expect("raise_while_peer_computes", info.value)
+    report = info.value.report
+    assert list(report.failures) == [3] and report.unfinished == [0]
+    assert "ranks [0] still running; ranks [3] raised; ranks [1, 2] finished." in str(info.value)
+    # recover() interrupts a rank busy in the user's own code (it waits in no collective)
+    cl.recover()
+    assert cl.busy_ranks() == []
+    _works(cl)
+
+
+def test_skip_collective_names_the_missing_rank(healthy):
+    cl = healthy
+    with pytest.raises(RankTimeoutError) as info:
+        cl.run("t = torch.ones(3)\nif rank != 3:\n    dist.all_reduce(t)\n", timeout=3)
+    _expect("skip_collective", info.value)
+    text = str(info.value)
+    [pending] = info.value.report.ranks[0].pending
+    assert pending.missing_ranks == [3] and pending.last_seq_of[3] == pending.seq - 1
+    assert f"never joined by: rank 3 (it issued {pending.seq - 1} on this group)" in text
+    assert f"all_reduce, the {ordinal(pending.seq)} collective on process group 'domain'" in text
+    # the group is desynchronised: the next cell is refused with why, until recover()
+    with pytest.raises(ClusterError) as refused:
+        cl.run("print(1)")
+    assert _first_line(refused.value).startswith("The process group broke at the cell: ranks [0, 1, 2] were left "
+                                                 "waiting in a collective after 3 s")
+    t0 = time.monotonic()
+    cl.recover()
+    assert time.monotonic() - t0 < 10
+    _works(cl)
+
+
+def test_sizes_that_disagree_are_named(healthy):
+    cl = healthy
+    with pytest.raises(RankTimeoutError) as info:
+        cl.run("t = torch.ones(3 if rank == 1 else 4)\ndist.all_reduce(t)\n", timeout=3)
+    _expect("sizes_disagree", info.value)
+    assert "issued differently by: rank 1: all_reduce, input [3]" in str(info.value)
+
+
+def test_broken_group_refused_and_status_says_why(healthy):
+    cl = healthy
+    with pytest.raises(RankError):
+        cl.run("if rank == 1:\n    raise ValueError('stop')\nt = torch.ones(2)\ndist.all_reduce(t)\n")
+    with pytest.raises(ClusterError) as info:
+        cl.run("print(1)")
+    _expect("broken_group_refused", info.value)
+    assert "rank 1 raised ValueError: stop" in _first_line(info.value) and "cl.recover()" in str(info.value)
+    status = cl.status()
+    assert set(status["state"]) == {"idle"}
+    assert all(s.startswith("broken at the cell: rank 1 raised ValueError: stop") for s in status["process_group"])
+    # inspecting variables still works on a broken group
+    assert cl.eval("rank") == [0, 1, 2, 3]
+
+
+def test_collective_timeout_inside_gloo():
+    """gloo's own collective timeout (short here) fails the waiting rank: the group is broken and said so."""
+    with sharddbg.Cluster(n=2, timeout=60, collective_timeout=3) as cl2:
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as info:
+            cl2.run("t = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(t)\n")
+        assert time.monotonic() - t0 < 30
+        _expect("collective_timeout", info.value)
+        assert cl2.broken is not None
+        with pytest.raises(ClusterError, match="The process group broke at"):
+            cl2.run("print(1)")
+        cl2.recover()
+        assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
+
+
+def test_rank_killed_then_calls(healthy):
+    cl = healthy
+    t0 = time.monotonic()
+    with pytest.raises(RankDiedError) as info:
+        cl.run("import os, signal\nif rank == 2:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+               "t = torch.ones(2)\ndist.all_reduce(t)\n")
+    assert time.monotonic() - t0 < 15
+    _expect("rank_killed", info.value)
+    assert info.value.dead == {2: "killed by signal 9 (SIGKILL)"}
+    assert "rank 2 (pid " in str(info.value) and "killed by signal 9 (SIGKILL)" in str(info.value)
+    # the survivors were released from the collective with the dead rank, not left waiting
+    assert cl.busy_ranks() == []
+    status = cl.status()
+    assert status.loc[2, "state"] == "dead: killed by signal 9 (SIGKILL)"
+    assert list(status.loc[[0, 1, 3], "state"]) == ["idle"] * 3
+    # a call that needs the dead rank: one ClusterError naming it; healthy ranks still answer
+    for call in (lambda: cl.run("print(1)"), lambda: cl.eval("rank"), lambda: cl.recover()):
+        with pytest.raises(ClusterError) as dead:
+            call()
+        _expect("call_needs_dead_rank", dead.value)
+        assert "killed by signal 9 (SIGKILL)" in str(dead.value) and "restart()" in str(dead.value)
+    assert cl.eval("rank", targets=[0, 1, 3]) == [0, 1, 3]
+    cl.restart()
+    _works(cl)
+
+
+def test_rank_segfault(healthy):
+    cl = healthy
+    with pytest.raises(RankDiedError) as info:
+        cl.run("import ctypes\nif rank == 1:\n    ctypes.string_at(0)\n")
+    _expect("rank_segfault", info.value)
+    assert info.value.dead == {1: "killed by signal 11 (SIGSEGV)"}
+    cl.restart()
+
+
+def test_rank_died_during_a_trace_keeps_the_others_events(healthy):
+    cl = healthy
+    code = ("x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)\ny = x * 2\n"
+            "if rank == 1:\n    import os\n    os._exit(3)\nz = y.full_tensor()\n")
+    with pytest.raises(RankDiedError) as info:
+        cl.trace(code)
+    _expect("rank_died_traced", info.value)
+    t = cl.last_trace()
+    assert t.meta["code"] == code  # this cell's trace, not the previous one
+    assert t.incomplete_ranks == [1]
+    assert t.incomplete_reasons[1] == "its process died (exited with status 3); its events are lost"
+    ops = t.get_ops()
+    assert sorted(set(ops["rank"])) == [0, 2, 3]
+    for r in (0, 2, 3):  # every survivor's multiply and its failed full_tensor are there
+        mine = ops[ops["rank"] == r]
+        assert "Tensor.mul" in set(mine["op"]) or "torch.mul" in set(mine["op"])
+        assert "ShardTensor.full_tensor" in set(mine["op"])
+    cl.restart()
+
+
+def test_controller_killed(healthy):
+    cl = healthy
+    pid = cl.controller_pid
+    os.kill(pid, signal.SIGKILL)
+    psutil.Process(pid).wait(10) if psutil.pid_exists(pid) else None
+    for call in (cl.busy_ranks, cl.status, lambda: cl.run("print(1)"), cl.recover):
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as info:
+            call()
+        assert time.monotonic() - t0 < 15
+        _expect("controller_killed", info.value)
+        assert f"the controller (pid {pid}) died: killed by signal 9 (SIGKILL)" in str(info.value)
+    cl.restart()
+    _works(cl)
+
+
+def test_readme_table_is_generated_from_the_cases():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    m = re.search(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), readme, re.DOTALL)
+    assert m, "README lacks the generated fault table"
+    assert m.group(0) == table(), "README's fault table is stale: paste the output of `python tests/fault_cases.py`"
+
+
+def test_tracebacks_show_the_users_code(healthy, monkeypatch):
+    """In IPython a sharddbg error shows the user's cell and the message, not sharddbg's frames; on the rank,
+    the recorder's wrapper frames are left out of the user's traceback. SHARDDBG_DEBUG=1 shows them all."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "sharddbg")
+    # a conv whose weight has the wrong channel count fails inside physicsnemo's handler, under the
+    # recorder's __torch_function__ wrapper
+    cell = ("%%shard_trace --quiet\nx = sharddbg.engine.scatter(torch.randn(1, 3, 8, 8), dim=2)\n"
+            "y = torch.nn.functional.conv2d(x, torch.randn(4, 5, 3, 3), padding=1)\n")
+    with capture_output() as cap:
+        ip.run_cell(cell)
+    shown = cap.stdout + cap.stderr
+    assert "RankError" in shown and "ranks [0, 1, 2, 3] raised RuntimeError" in shown
+    assert "(line 2 of the cell: `y = torch.nn.functional.conv2d(x, torch.randn(4, 5, 3, 3), padding=1)`)" in shown
+    assert "sharddbg/cluster" not in shown and "sharddbg/magics.py" not in shown
+    assert "sharddbg/engine/recorder" not in shown  # the ranks' tracebacks inside the message, too
+    assert "skipping hidden" in shown  # IPython on the rank says that it left frames out
+    monkeypatch.setenv("SHARDDBG_DEBUG", "1")
+    with capture_output() as cap:
+        ip.run_cell(cell)
+    shown = cap.stdout + cap.stderr
+    assert "sharddbg/cluster/execution.py" in shown and "sharddbg/magics.py" in shown
+
+
+def test_an_error_outside_every_op_is_in_the_trace(healthy):
+    cl = healthy
+    with pytest.raises(RankError) as info:
+        cl.trace("x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)\ny = x + x\nif rank == 2:\n"
+                 "    [][1]\nz = y.full_tensor()\n")
+    assert _first_line(info.value) == "rank 2 raised IndexError: list index out of range (line 4 of the cell: `[][1]`)"
+    t = cl.last_trace()
+    errors = t.get_errors()
+    mine = errors[errors["rank"] == 2].iloc[0]
+    assert (mine["op"], mine["exc_type"], mine["message"], mine["user_frame"], mine["cell_line"], mine["cell_code"]) == (
+        "<outside recorded ops>", "IndexError", "list index out of range", "line 4 of the cell", 4, "[][1]")
+    assert "IndexError: list index out of range" in mine["traceback"]
+    # the others failed in full_tensor's gather, released: their rows name the op and the same cell line
+    others = errors[errors["rank"] != 2]
+    assert sorted(others["rank"]) == [0, 1, 3] and set(others["op"]) == {"ShardTensor.redistribute"}
+    assert set(others["cell_line"]) == {5}
+    cells = t.get_cell_errors()
+    assert sorted(cells["rank"]) == [0, 1, 2, 3] and cells.loc[cells["rank"] == 2, "origin_seq"].isna().all()
+    # survives saving
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        again = sharddbg.load_trace(t.save(os.path.join(d, "t.sdtrace.json")))
+    assert again.get_errors().equals(errors)
