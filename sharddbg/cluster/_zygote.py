@@ -93,6 +93,14 @@ def _keep_cuda_uninitialised(gpu_host: bool):
         torch._C._cuda_getDeviceCount = device_count
 
 
+def _thread_count() -> int:
+    """Native threads of this process (a fork copies only the calling one: others' locks stay held)."""
+    try:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+    except OSError:
+        return -1
+
+
 def _cuda_initialized() -> bool:
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda.is_initialized())
@@ -102,19 +110,23 @@ def _preload(config: dict) -> dict:
     """Import what every engine needs. Returns facts for the client (GPU count, patch mode, timings)."""
     facts: dict = {"pid": os.getpid(), "python": sys.version.split()[0]}
     t0 = time.perf_counter()
-    if _nvidia_device_present():
-        # A CUDA host: torch, warp and the CUDA libraries start native threads at import, and forking a
+    gpu_host = _nvidia_device_present()
+    if gpu_host and os.environ.get("SHARDDBG_GPU_PRELOAD") != "full":
+        # A CUDA host: torch, warp and the CUDA libraries may start native threads at import, and forking a
         # multi-threaded process can deadlock the child. Count GPUs in a throw-away process and let
         # each engine import the heavy stack itself after the fork (GPU hosts have the cores for it).
+        # SHARDDBG_GPU_PRELOAD=full preloads there too (measured in bench/gpu_check.py, not the default).
         facts["cuda_count"] = _count_gpus_in_subprocess()
         facts["preload"] = "light"
     else:
+        if gpu_host:
+            facts["cuda_count"] = _count_gpus_in_subprocess()
         import torch
 
-        with _keep_cuda_uninitialised(gpu_host=False):
+        with _keep_cuda_uninitialised(gpu_host=gpu_host):
             torch.set_num_threads(int(config.get("threads_per_rank") or 1))
             facts["torch"] = torch.__version__
-            facts["cuda_count"] = 0
+            facts.setdefault("cuda_count", 0)
             facts["t_torch_s"] = time.perf_counter() - t0
             facts["preload"] = "full"
             from sharddbg.engine import bootstrap
@@ -122,6 +134,7 @@ def _preload(config: dict) -> dict:
             t1 = time.perf_counter()
             facts.update(bootstrap.import_physicsnemo(register_on_cpu=True))
             facts["t_physicsnemo_s"] = time.perf_counter() - t1
+            facts["threads_after_preload"] = _thread_count()
     # The engine machinery itself (ipykernel, zmq bindings, ipyparallel) is pure import cost too.
     t2 = time.perf_counter()
     import ipykernel.ipkernel  # noqa: F401

@@ -358,7 +358,11 @@ class RankExecution:
                 for p in report.ranks[r].pending[:1]:
                     where.append(f"rank {r} in {p.describe().splitlines()[0]}")
             after = {r: errors[r] for r in waited if r in errors}
-            how = f" (their collective then failed: {_first_line(next(iter(after.values())))})" if after else ""
+            if after:
+                how = f" (their collective then failed: {_first_line(next(iter(after.values())))})"
+            else:  # NCCL: an aborted collective returns without an error
+                how = (" (their collectives were aborted and returned without an error: what they computed after "
+                       "that point is not valid)")
             lines.append(f"Ranks {waited} were waiting for {_ranks_text(causes)} in a collective; sharddbg released "
                          f"them {elapsed:.1f} s into {what}{how}:\n  " + "\n  ".join(where))
         elif set(causes) != set(errors):

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import RankFailure
+import os
+
+from ..errors import RankFailure, hide_own_frames
+
+_OWN_FILE = f"{os.sep}sharddbg{os.sep}"
 
 
 def ordinal(n: int) -> str:
@@ -100,9 +104,11 @@ class RankDiagnosis:
             lines.append(f"  did not answer the diagnosis request: {self.note}")
             return "\n".join(lines)
         user = self.user_frames()
-        # Library frames inside the innermost user frame: where the user's call went to wait.
+        # Library frames inside the innermost user frame: where the user's call went to wait (sharddbg's own
+        # hooks are left out unless SHARDDBG_DEBUG=1)
         last_user = max((i for i, f in enumerate(self.stack) if f.get("user")), default=-1)
-        library = [f for f in self.stack[last_user + 1:] if not f.get("user")]
+        library = [f for f in self.stack[last_user + 1:] if not f.get("user")
+                   and not (hide_own_frames() and _OWN_FILE in f.get("file", ""))]
         if user:
             lines.append("  in your code (innermost last):")
             lines += [f"    {f['file']}:{f['line']} in {f['function']}: {f['code']}" for f in user[-6:]]

@@ -112,6 +112,9 @@ class ClusterProcesses:
             # Flight Recorder: what each rank's collectives were, for hang reports.
             "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "2000"),
             "TORCH_NCCL_TRACE_BUFFER_SIZE": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+            # NCCL's watchdog on a collective timeout: abort the communicators, keep the process (its default
+            # kills it, and a debugger's engines must survive a hang; sharddbg names the hang itself)
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
             "PYTHONUNBUFFERED": "1",
             # Loopback only: gloo's and NCCL's own sockets, like the controller and the rendezvous store.
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
