@@ -49,8 +49,9 @@ def item(name, fn, only):
         RESULTS["items"][name] = {"status": "measured", **(fn() or {})}
     except NotRun as exc:
         RESULTS["items"][name] = {"status": "not run", "why": str(exc)}
-    except Exception as exc:
-        RESULTS["items"][name] = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc)[:3000]}",
+    except Exception as exc:  # what the item measured before it failed is kept
+        RESULTS["items"][name] = {**RESULTS["items"].get(name, {}), "status": "failed",
+                                  "error": f"{type(exc).__name__}: {str(exc)[:3000]}",
                                   "traceback": traceback.format_exc()[-4000:]}
     RESULTS["items"][name]["seconds"] = round(time.perf_counter() - t0, 2)
     shown = {k: v for k, v in RESULTS["items"][name].items() if k != "traceback"}
@@ -97,12 +98,14 @@ def hang_report(cl):
         report = exc.report
         pending = [(p.kind, p.missing_ranks, p.seq, p.mesh_dim) for d in report.ranks.values() for p in d.pending]
         text = str(exc)
+    out = {"report_after_s": round(elapsed, 2), "pending": pending, "unfinished": report.unfinished,
+           "names_collective_and_missing_rank": bool(pending) and pending[0][1] == [1] and "never joined by: rank 1" in text,
+           "report_excerpt": text[:1800]}
+    RESULTS["items"]["hang_report"] = dict(out, status="partial: recover() did not return")
     t1 = time.monotonic()
     cl.recover()
-    recover_s = time.monotonic() - t1
-    return {"report_after_s": round(elapsed, 2), "pending": pending, "unfinished": report.unfinished,
-            "names_collective_and_missing_rank": bool(pending) and pending[0][1] == [1] and "never joined by: rank 1" in text,
-            "report_excerpt": text[:1800], "recover_s": round(recover_s, 2), "collective_after_recover": _works(cl)}
+    out.update(recover_s=round(time.monotonic() - t1, 2), collective_after_recover=_works(cl))
+    return out
 
 
 def raise_releases_peers(cl):
@@ -134,7 +137,7 @@ def traced_hang(cl):
         text = str(exc)
     t = cl.last_trace()
     colls = t.get_collectives()
-    out = {"incomplete_ranks": t.incomplete_ranks, "incomplete_reasons": t.incomplete_reasons,
+    out = {"hang_reported": text[:300], "incomplete_ranks": t.incomplete_ranks, "incomplete_reasons": t.incomplete_reasons,
            "ops_per_rank": t.get_ops().groupby("rank").size().to_dict(),
            "in_flight_collectives": colls[colls["in_flight"]][["rank", "kind", "group_seq"]].to_dict("records"),
            "named_by_group_seq": "group_seq" in text and "of this trace" in text, "report_excerpt": text[:1500]}
@@ -398,24 +401,31 @@ def main() -> None:
                           "preload": cl.facts.get("preload")}
     print(json.dumps(RESULTS["cluster"]), flush=True)
     cuda = cl.backend == "nccl"
+    def ready():
+        """Before each item: every rank alive and a working process group (a failed item may leave neither)."""
+        if cl.dead_ranks() or cl.controller_failure():
+            cl.restart()
+            cl.run(SETUP, display=False)
+        elif cl.broken or cl.busy_ranks():
+            cl.recover()
+
     try:
         cl.run(SETUP, display=False)
-        item("hang_report", lambda: hang_report(cl), only)
-        item("raise_releases_peers", lambda: raise_releases_peers(cl), only)
-        item("traced_hang", lambda: traced_hang(cl), only)
+        for name, fn in (("hang_report", hang_report), ("raise_releases_peers", raise_releases_peers),
+                         ("traced_hang", traced_hang)):
+            item(name, lambda fn=fn: (ready(), fn(cl))[1], only)
         for name, fn in (("ring_attention", ring_attention), ("halo_p2p", halo_p2p), ("bandwidth", bandwidth),
                          ("net_and_overhead", net_and_overhead), ("ring_radius_search", ring_radius_search)):
             def run(fn=fn):
                 if not cuda:
                     raise NotRun("CUDA only")
-                if cl.broken or cl.busy_ranks():
-                    cl.recover()
+                ready()
                 return fn(cl, torch)
             item(name, run, only)
     finally:
         cl.stop()
-    item("start_full_preload", lambda: start_full_preload(sharddbg, n) if cuda else (_ for _ in ()).throw(
-        NotRun("CUDA only")), only)
+    if "start_full_preload" in only:  # measured once: engines then fail to initialise CUDA (bench/RESULTS.md)
+        item("start_full_preload", lambda: start_full_preload(sharddbg, n), only)
     item("numerical_check", lambda: (_ for _ in ()).throw(NotRun(
         "sharddbg has no numerical check yet (cl.check / %%shard_check come with the verification work)")), only)
     item("ring_knn", lambda: (_ for _ in ()).throw(NotRun(

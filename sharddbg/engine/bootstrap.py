@@ -128,16 +128,16 @@ def init_rank(world_size: int, mesh_shape, backend: str, master_port: int, colle
     else:
         local_rank = rank
         device = torch.device("cpu")
-    kwargs = {}
-    if use_cuda:
-        kwargs["device_id"] = device
+    # No device_id: NCCL communicators are then made at the first collective (on the current device, set
+    # above) instead of eagerly, and the mesh's subgroups are their own communicators rather than splits of
+    # the world's. Split communicators crash the process (SIGSEGV, seen on 2 H200s with torch 2.11) when
+    # they are aborted to release a hung rank and the group is then re-created (Cluster.recover).
     dist.init_process_group(
         backend,
         store=_loopback_store(rank, world_size, master_port, collective_timeout_s),
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=collective_timeout_s),
-        **kwargs,
     )
     mesh = init_device_mesh(device.type, tuple(mesh_shape), mesh_dim_names=("ddp", "domain"))
     _fill_distributed_manager(rank, world_size, local_rank, device, mesh, mesh_shape)
