@@ -403,11 +403,15 @@ def main() -> None:
     cuda = cl.backend == "nccl"
     def ready():
         """Before each item: every rank alive and a working process group (a failed item may leave neither)."""
-        if cl.dead_ranks() or cl.controller_failure():
+        if not (cl.dead_ranks() or cl.controller_failure()) and (cl.broken or cl.busy_ranks()):
+            try:
+                cl.recover()
+                return
+            except sharddbg.errors.ClusterError:
+                pass  # a rank that cannot be released: new engines
+        if cl.dead_ranks() or cl.controller_failure() or cl.broken or cl.busy_ranks():
             cl.restart()
             cl.run(SETUP, display=False)
-        elif cl.broken or cl.busy_ranks():
-            cl.recover()
 
     try:
         cl.run(SETUP, display=False)

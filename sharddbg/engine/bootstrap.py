@@ -140,6 +140,8 @@ def init_rank(world_size: int, mesh_shape, backend: str, master_port: int, colle
         timeout=timedelta(seconds=collective_timeout_s),
     )
     mesh = init_device_mesh(device.type, tuple(mesh_shape), mesh_dim_names=("ddp", "domain"))
+    if use_cuda:
+        _make_communicators(mesh, device)
     _fill_distributed_manager(rank, world_size, local_rank, device, mesh, mesh_shape)
     STATE.world_size = world_size
     STATE.mesh_shape = tuple(mesh_shape)
@@ -154,6 +156,23 @@ def init_rank(world_size: int, mesh_shape, backend: str, master_port: int, colle
     out = status()
     out["t_init_s"] = time.perf_counter() - t0
     return out
+
+
+def _make_communicators(mesh, device) -> None:
+    """One tiny collective on the world group and on each mesh dim's group, here where every rank takes
+    part: NCCL creates a group's communicator at its first collective, and a rank blocked in that creation
+    (a peer that never comes) cannot be released, while one blocked in a collective's kernel can (its
+    communicator is aborted). Later hangs then always wait in a kernel."""
+    import torch
+    import torch.distributed as dist
+
+    one = torch.ones(1, device=device)
+    dist.all_reduce(one)
+    for dim in mesh.mesh_dim_names:
+        group = mesh.get_group(dim)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(one, group=group)
+    torch.cuda.synchronize(device)
 
 
 def _flight_recorder_env(torch_version: str) -> None:
