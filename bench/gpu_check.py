@@ -55,14 +55,26 @@ def item(name, fn, only):
                                   "traceback": traceback.format_exc()[-4000:]}
     RESULTS["items"][name]["seconds"] = round(time.perf_counter() - t0, 2)
     shown = {k: v for k, v in RESULTS["items"][name].items() if k != "traceback"}
-    print(f"[{RESULTS['items'][name]['status']}] {name}: {json.dumps(shown, default=str)[:3000]}", flush=True)
+    try:
+        text = json.dumps(shown, default=str)
+    except TypeError:
+        text = repr(shown)
+    print(f"[{RESULTS['items'][name]['status']}] {name}: {text[:3000]}", flush=True)
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "gpu_check.json"), "w") as f:  # after every item: a killed run keeps the rest
-        json.dump(RESULTS, f, indent=1, default=str)
+        try:
+            json.dump(RESULTS, f, indent=1, default=str)
+        except TypeError:
+            f.write(repr(RESULTS))
 
 
 class NotRun(Exception):
     """The item cannot run here; the message says why."""
+
+
+def _counts(frame, by) -> dict:
+    """Rows per group, keyed by "a/b" (JSON keys are strings)."""
+    return {"/".join(map(str, k)) if isinstance(k, tuple) else str(k): int(v) for k, v in frame.groupby(by).size().items()}
 
 
 def _sh(cmd: str) -> str:
@@ -138,8 +150,9 @@ def traced_hang(cl):
     t = cl.last_trace()
     colls = t.get_collectives()
     out = {"hang_reported": text[:300], "incomplete_ranks": t.incomplete_ranks, "incomplete_reasons": t.incomplete_reasons,
-           "ops_per_rank": t.get_ops().groupby("rank").size().to_dict(),
-           "in_flight_collectives": colls[colls["in_flight"]][["rank", "kind", "group_seq"]].to_dict("records"),
+           "ops_per_rank": {int(k): int(v) for k, v in t.get_ops().groupby("rank").size().items()},
+           "in_flight_collectives": [{k: (v if k == "kind" else int(v)) for k, v in r.items()} for r in
+                                     colls[colls["in_flight"]][["rank", "kind", "group_seq"]].to_dict("records")],
            "named_by_group_seq": "group_seq" in text and "of this trace" in text, "report_excerpt": text[:1500]}
     cl.recover()
     out["collective_after_recover"] = _works(cl)
@@ -164,7 +177,7 @@ def ring_attention(cl, torch):
     local = cl.eval("tuple(k._local_tensor.shape)")
     kv_bytes = [2 * int(torch.tensor(s).prod()) * 4 for s in local]  # k and v shards, fp32
     fwd = colls[colls["phase"] == "forward"]
-    sent = fwd[fwd["kind"] == "send"].groupby("rank")["bytes_sent"].sum().to_dict()
+    sent = {int(k): int(v) for k, v in fwd[fwd["kind"] == "send"].groupby("rank")["bytes_sent"].sum().items()}
     outs = cl.eval("out.full_tensor().detach().cpu()")
     grads = cl.eval("[g.full_tensor().detach().cpu() for g in (q.grad, k.grad, v.grad)]")
     torch.manual_seed(0)
@@ -173,8 +186,8 @@ def ring_attention(cl, torch):
     ref.square().mean().backward()
     rel = lambda a, b: float((a - b.cpu()).abs().max() / b.abs().max().clamp_min(1e-30).cpu())  # noqa: E731
     n = cl.n
-    return {"sdpa_paths": sdpa.groupby("phase")["path"].unique().apply(list).to_dict(),
-            "collective_kinds": colls.groupby(["phase", "kind"]).size().to_dict(),
+    return {"sdpa_paths": {str(k): list(v) for k, v in sdpa.groupby("phase")["path"].unique().items()},
+            "collective_kinds": _counts(colls, ["phase", "kind"]),
             "p2p_fwd_bytes_sent_per_rank": sent,
             "expected_fwd_bytes_per_rank": {r: (n - 1) * kv_bytes[r] for r in range(n)},
             "p2p_bytes_exact": all(sent.get(r) == (n - 1) * kv_bytes[r] for r in range(n)),
@@ -206,7 +219,7 @@ def ring_radius_search(cl, torch):
     rs = ops[ops["op"].str.contains("radius_search")]
     local = cl.eval("tuple(points._local_tensor.shape)")
     fwd = colls[colls["phase"] == "forward"]
-    sent = fwd[fwd["kind"] == "send"].groupby("rank")["bytes_sent"].sum().to_dict()
+    sent = {int(k): int(v) for k, v in fwd[fwd["kind"] == "send"].groupby("rank")["bytes_sent"].sum().items()}
     n = cl.n
     pts_bytes = [s[0] * s[1] * 4 for s in local]
     d_sh = cl.eval("dists.full_tensor().detach().cpu()")[0]
@@ -216,7 +229,7 @@ def ring_radius_search(cl, torch):
     ref = torch.ops.physicsnemo.radius_search_warp(pf, qf, 0.05, 16, True, False)
     d_ref = ref[2].cpu()
     same = bool(torch.allclose(torch.sort(d_sh, dim=-1).values, torch.sort(d_ref, dim=-1).values, atol=1e-6))
-    return {"paths": rs["path"].unique().tolist(), "collective_kinds": colls.groupby(["phase", "kind"]).size().to_dict(),
+    return {"paths": rs["path"].unique().tolist(), "collective_kinds": _counts(colls, ["phase", "kind"]),
             "p2p_fwd_bytes_sent_per_rank": sent,
             "points_shard_bytes": pts_bytes, "ring_sends_every_other_shard": sent and all(
                 sent.get(r, 0) >= pts_bytes[r] for r in range(n)),
@@ -245,11 +258,11 @@ def halo_p2p(cl, torch):
     n = cl.n
     values_ok = all(torch.equal(bottoms[r], edges[r + 1][0]) and torch.equal(tops[r + 1], edges[r][1])
                     for r in range(n - 1))
-    per_rank = p2p.groupby(["rank", "kind"]).agg(calls=("kind", "size"), sent=("bytes_sent", "sum"),
-                                                 recv=("bytes_recv", "sum")).reset_index().to_dict("records")
+    per_rank = [{k: (int(v) if k != "kind" else v) for k, v in r.items()} for r in p2p.groupby(["rank", "kind"]).agg(
+        calls=("kind", "size"), sent=("bytes_sent", "sum"), recv=("bytes_recv", "sum")).reset_index().to_dict("records")]
     interior = [r for r in range(n)]
     expected = {r: halo_bytes * ((r > 0) + (r < n - 1)) for r in interior}
-    sent = p2p.groupby("rank")["bytes_sent"].sum().to_dict()
+    sent = {int(k): int(v) for k, v in p2p.groupby("rank")["bytes_sent"].sum().items()}
     return {"padded_shapes": padded, "p2p": per_rank, "expected_sent_per_rank": expected,
             "bytes_exact": all(sent.get(r, 0) == expected[r] for r in interior), "halo_values_match": values_ok}
 

@@ -205,7 +205,8 @@ def _trace_group_seq(recording: dict | None, group: str) -> int | None:
         return None
     found = None
     for ev in recording.get("events", []):
-        if ev.get("kind") == "collective" and ev.get("group_name") == group and ev.get("t_done_ns") is None:
+        if ev.get("kind") == "collective" and ev.get("group_name") == group and (
+                ev.get("t_done_ns") is None or ev.get("in_flight")):
             found = ev.get("group_seq")
     return found
 

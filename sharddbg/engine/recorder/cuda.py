@@ -51,6 +51,16 @@ class CudaSpan:
             self.mem_delta = allocated_bytes() - self.allocated_at_start
         self.closed = True
 
+    def device_done(self) -> bool:
+        """The device has passed the end event (never blocks). On NCCL a collective's host-side wait returns
+        at once: only this says whether its kernel finished."""
+        if not self.closed:
+            return False
+        try:
+            return bool(self.end.query())
+        except Exception:  # noqa: BLE001
+            return False
+
     def device_ms(self) -> float | None:
         """Milliseconds between the two events once the device has passed the end event; None before
         (never blocks: a snapshot may be taken while the rank hangs)."""

@@ -158,7 +158,8 @@ def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState)
         "param": ev.param,
         "thread": ev.thread,
         "device_ms": ev.cuda.device_ms() if ev.cuda is not None else None,
-        "in_flight": bool(in_flight or ev.t_done_ns is None),
+        # not completed: never waited for, or (CUDA) its kernel has not finished, whatever the host saw
+        "in_flight": bool(in_flight or ev.t_done_ns is None or (ev.cuda is not None and not ev.cuda.device_done())),
     }
 
 
