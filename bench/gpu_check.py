@@ -203,7 +203,7 @@ N, M = {N}, {M}
 pf = torch.rand(N, 3, device=DEV); qf = torch.rand(M, 3, device=DEV)
 points = sharddbg.engine.scatter(pf, dim=0, batch_dim=None)
 queries = sharddbg.engine.scatter(qf, dim=0, batch_dim=None)
-res = torch.ops.physicsnemo.radius_search_warp(points, queries, 0.05, 16, True, False)
+res = torch.ops.physicsnemo.radius_search_warp.default(points, queries, 0.05, 16, True, False)
 idx, dists = res[0], res[2]
 """
 
