@@ -182,6 +182,10 @@ class RankExecution:
         live = [r for r in range(self.n) if r not in dead]
         if not live:
             return []
+        if not self.client.outstanding:
+            # every request this client sent has its reply (only it sends work to these engines): the
+            # controller's queue counts can lag a reply by a moment, so they are not asked
+            return []
         targets = [self.engine_ids[r] for r in live]
         status = _bounded(lambda: self.client.queue_status(targets=targets, verbose=False), CONTROLLER_ANSWER_S,
                           f"the controller did not answer which ranks are busy within {CONTROLLER_ANSWER_S:g} s")
