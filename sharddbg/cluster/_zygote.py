@@ -67,30 +67,32 @@ def _keep_cuda_uninitialised(gpu_host: bool):
 
     ``torch.cuda.is_available()`` (physicsnemo calls it at import) asks the CUDA runtime for the device
     count, and from then on every child forked from this process is a "bad fork": a CUDA call in an engine
-    raises "Cannot re-initialize CUDA in forked subprocess" instead of the real answer. On a host without
-    NVIDIA devices the answer is known (no device), so the runtime is not asked while the stack imports;
-    the real function is back before any fork. On a GPU host torch counts devices through NVML, which
-    does not initialise CUDA.
+    raises "Cannot re-initialize CUDA in forked subprocess" instead of the real answer (on a host without a
+    driver, torch's own "Found no NVIDIA driver"). So the runtime is not asked while the stack imports: the
+    count is 0 for that time, and the real function is back before any fork. On a GPU host physicsnemo also
+    calls ``warp.init()`` at import, which initialises the CUDA driver (an engine forked after it cannot
+    initialise CUDA at all): ``warp.init`` does nothing for that time either, and warp initialises itself
+    in each engine at its first use. physicsnemo, seeing no GPU, then leaves its patches to the preload
+    (``register_custom_ops()``), as on a CPU host.
     """
     import torch
 
-    if gpu_host:
-        previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-        try:
-            yield
-        finally:
-            if previous is None:
-                os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
-            else:
-                os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
-        return
     device_count = torch._C._cuda_getDeviceCount
     torch._C._cuda_getDeviceCount = lambda: 0
+    warp_inits = []
+    if gpu_host:
+        import warp
+        import warp._src.context as warp_context
+
+        for owner in (warp, warp_context):
+            warp_inits.append((owner, owner.init))
+            owner.init = lambda: None
     try:
         yield
     finally:
         torch._C._cuda_getDeviceCount = device_count
+        for owner, init in warp_inits:
+            owner.init = init
 
 
 def _thread_count() -> int:
