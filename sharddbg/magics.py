@@ -1,36 +1,27 @@
-"""IPython magics: a thin layer that parses arguments and calls the API (ipyparallel's style).
+"""IPython magics: a thin layer that parses arguments and calls the API, with ipyparallel's conventions.
 
-``%shard_cluster start|status|stop|restart|recover|diagnose``, ``%px`` / ``%%px`` (bounded waits on the
-sharddbg cluster), ``%%shard_trace`` (run a cell under the recorder on every rank), ``%shard_inspect``.
+``%shard_cluster start|status|stop|restart|recover|diagnose``; ``%px`` / ``%%px`` (ipyparallel's options:
+``--targets``, ``--block`` / ``--noblock``, ``--group-outputs``, ``--stream``, ``--local``, ``--verbose``, ``-o``;
+every wait bounded by ``--timeout`` or the cluster's), ``%pxresult``, ``%pxconfig``, ``%autopx``;
+``%%shard_trace`` (run a cell under the recorder on every rank), ``%shard_inspect``. Every magic is declared
+with IPython's ``magic_arguments``: ``%px?`` shows its options, bad arguments give a ``UsageError``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import re
 import shlex
+from dataclasses import dataclass, field
 
+from IPython.core import magic_arguments
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, cell_magic, magics_class
 
 from . import errors
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises a UsageError instead of exiting the kernel."""
-
-    def error(self, message):
-        from IPython.core.error import UsageError
-
-        raise UsageError(f"{self.prog}: {message}\n{self.format_usage()}")
-
-    def exit(self, status=0, message=None):
-        from IPython.core.error import UsageError
-
-        if message:
-            raise UsageError(message)
-        raise UsageError(self.format_help())
+from .cluster.execution import GROUPINGS
 
 
 def seconds(text: str) -> float:
@@ -57,64 +48,152 @@ def count(text: str) -> int:
 
 
 def split_words(line: str, prog: str) -> list[str]:
-    """``shlex.split`` with a usage error (not a raw ValueError) for an unbalanced quote."""
+    """``shlex.split`` with a usage error (not a raw ValueError) for an unbalanced quote; a ``# comment`` after
+    the options is left out, as in a cell."""
     try:
-        return shlex.split(line)
+        return shlex.split(line, comments=True)
     except ValueError as exc:
         raise UsageError(f"{prog}: cannot read the options ({exc}): {line!r}") from None
 
 
-def _cluster_parser() -> _Parser:
-    parser = _Parser(prog="%shard_cluster", description="Start, inspect and stop the sharddbg cluster.")
-    sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
-    start = sub.add_parser("start", help="start N ranks (CPU+gloo here, GPU+NCCL where GPUs exist)")
-    start.add_argument("-n", type=count, default=None, help="number of ranks")
-    start.add_argument("--mesh", default=None, help="e.g. ddp=1,domain=4 (one axis may be left out)")
-    start.add_argument("--backend", choices=["gloo", "nccl"], default=None)
-    start.add_argument("--timeout", type=seconds, default=60.0, help="default wait for engine calls, seconds")
-    start.add_argument("--collective-timeout", type=seconds, default=60.0,
-                       help="torch.distributed collective timeout, seconds")
-    start.add_argument("--force", action="store_true",
-                       help="start even when the ranks would not fit in the memory available now")
-    sub.add_parser("status", help="one row per rank")
-    stop = sub.add_parser("stop", help="stop the active cluster")
-    stop.add_argument("--all", action="store_true",
-                      help="also reap every cluster sharddbg left behind on this machine (owner process gone)")
-    sub.add_parser("restart", help="new engines, same settings")
-    recover = sub.add_parser("recover", help="release ranks blocked in a collective, new process group")
-    recover.add_argument("--timeout", type=seconds, default=None)
-    diagnose = sub.add_parser("diagnose", help="where is every rank now (stack, pending collective)")
-    diagnose.add_argument("--timeout", type=seconds, default=5.0)
-    return parser
+def parse_options(magic, words: list[str], prog: str) -> argparse.Namespace:
+    """``words`` read by the parser IPython's ``magic_arguments`` built for ``magic``; a usage error names the
+    magic and where its options are listed."""
+    try:
+        return magic.parser.parse_args(words)
+    except UsageError as exc:
+        raise UsageError(f"{prog}: {exc} ({prog}? lists the options)") from None
 
 
-def _px_parser() -> _Parser:
-    parser = _Parser(prog="%px", description="Run code on the ranks of the sharddbg cluster, with a bounded wait.")
-    parser.add_argument("--timeout", type=seconds, default=None, help="seconds to wait (default: the cluster's)")
-    parser.add_argument("--targets", "-t", default=None, help="ranks, e.g. 0 or 0,2 or 1:3 or 2:")
-    return parser
+@dataclass(frozen=True)
+class MagicOption:
+    """One option of a magic: its flags and the keywords of argparse's ``add_argument``."""
+
+    flags: tuple[str, ...]
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def takes_value(self) -> bool:
+        return self.settings.get("action", "store") == "store"
 
 
-def _trace_parser() -> _Parser:
-    parser = _Parser(prog="%%shard_trace", description="Run the cell on every rank under the recorder.")
-    parser.add_argument("--max-events", type=count, default=200_000)
-    parser.add_argument("--timeout", type=seconds, default=None)
-    parser.add_argument("--no-unmask", action="store_true",
-                        help="leave the generic 'unsupported operand type(s)' TypeError as PyTorch raises it")
-    parser.add_argument("--quiet", action="store_true", help="no summary line after the cell")
-    return parser
+def with_options(options: list[MagicOption]):
+    """Declare ``options`` on a magic (IPython's ``magic_arguments.argument``), listed in their order."""
+
+    def declare(func):
+        for option in reversed(options):
+            func = magic_arguments.argument(*option.flags, **option.settings)(func)
+        return func
+
+    return declare
 
 
-_TARGET = re.compile(r"^-?\d+$")
+TIMEOUT = MagicOption(("--timeout",), dict(
+    type=seconds, default=None, metavar="S",
+    help="the cell's time limit in seconds, counted from when it is sent (default: the cluster's, "
+         "%%shard_cluster start --timeout). Past it, the ranks still running are reported with where each "
+         "waits (RankTimeoutError)"))
+TARGETS = MagicOption(("-t", "--targets"), dict(
+    default=None, metavar="RANKS",
+    help="the ranks to run on, as ipyparallel writes them: 2, 0,2, [0,2], 1:3, 2:, ::2, -1 (the last) or all "
+         "(the default)"))
+# ipyparallel options that sharddbg has no use for: refused with what to use instead
+UNSUPPORTED = {
+    "progress_after": "--progress-after: sharddbg shows no progress bar; --stream prints each rank's lines as "
+                      "they arrive, and --noblock returns a handle whose wait(seconds) / done() say how far it is",
+    "signal_on_interrupt": "--signal-on-interrupt: Ctrl-C stops waiting and leaves the cell running on the ranks; "
+                           "%shard_cluster recover releases ranks blocked in a collective and interrupts (SIGINT) "
+                           "the ones still running",
+}
+
+
+def _refused_help(dest: str) -> str:
+    # argparse %-formats help text: a literal % is written %%
+    return "ipyparallel's, refused: " + UNSUPPORTED[dest].split(": ", 1)[1].replace("%", "%%")
+
+
+EXEC_OPTIONS = [
+    TIMEOUT,
+    TARGETS,
+    MagicOption(("-b", "--block"), dict(action="store_const", const=True, dest="block",
+                                        help="wait for the cell, at most its time limit (the default)")),
+    MagicOption(("-a", "--noblock"), dict(
+        action="store_const", const=False, dest="block",
+        help="return at once with the cell's handle (a PendingCell): h.wait(seconds), h.done(), h.get() (waits "
+             "at most to the time limit, prints each rank's output), or %%pxresult")),
+    MagicOption(("--stream",), dict(action="store_const", const=True, dest="stream",
+                                    help="print each rank's lines as they arrive, prefixed with the rank")),
+    MagicOption(("--no-stream",), dict(action="store_const", const=False, dest="stream",
+                                       help="print each rank's output once the cell is over, in rank order "
+                                            "(the default)")),
+    MagicOption(("--verbose",), dict(action="store_const", const=True, dest="verbose",
+                                     help="say which ranks run the cell, and its time limit")),
+    MagicOption(("--no-verbose",), dict(action="store_const", const=False, dest="verbose",
+                                        help="say nothing before the output (the default)")),
+    MagicOption(("--progress-after",), dict(default=None, metavar="S", help=_refused_help("progress_after"))),
+    MagicOption(("--signal-on-interrupt",), dict(default=None, metavar="SIGNAL",
+                                                 help=_refused_help("signal_on_interrupt"))),
+]
+OUTPUT_OPTIONS = [
+    MagicOption(("--group-outputs",), dict(
+        dest="groupby", choices=GROUPINGS, default=None,
+        help="type (the default): every rank's stdout, then every rank's stderr, then rich output, then values; "
+             "engine: each rank's output together; order: as type, rich output collated (each rank's first, "
+             "then each rank's second, ...). Ranks in rank order in each")),
+    MagicOption(("-r",), dict(action="store_const", const="order", dest="groupby",
+                              help="same as --group-outputs order")),
+    MagicOption(("-e",), dict(action="store_const", const="engine", dest="groupby",
+                              help="same as --group-outputs engine")),
+    MagicOption(("-o", "--out"), dict(dest="save_name", default=None, metavar="NAME",
+                                      help="also keep the cell's handle (a PendingCell) in the variable NAME")),
+]
+PX_OPTIONS = EXEC_OPTIONS + OUTPUT_OPTIONS + [
+    MagicOption(("--local",), dict(action="store_true",
+                                   help="also run the cell here, in the notebook, once it was sent to the ranks")),
+]
+PX_FLAGS = {flag: option for option in PX_OPTIONS for flag in option.flags}
+
+
+@dataclass
+class PxDefaults:
+    """What %px / %%px / %autopx do where their options do not say (``%pxconfig`` changes it)."""
+
+    block: bool = True
+    targets: str | None = None  # the -t text, read against the active cluster when a cell runs; None: every rank
+    timeout: float | None = None  # None: the cluster's
+    stream: bool = False
+    verbose: bool = False
+
+    def describe(self) -> str:
+        """One line: what %px does now."""
+        waits = "waits for the cell" if self.block else "returns a handle at once (--noblock)"
+        ranks = "every rank" if self.targets is None else f"ranks {self.targets}"
+        limit = "the cluster's" if self.timeout is None else f"{self.timeout:g} s"
+        output = "as it arrives (--stream)" if self.stream else "in rank order at the end"
+        return f"%px {waits}, on {ranks}, time limit {limit}, output {output}{', verbose' if self.verbose else ''}"
+
+
+def refuse_unsupported(args: argparse.Namespace, prog: str) -> None:
+    """A usage error naming sharddbg's way for an ipyparallel option it does not take."""
+    for dest, message in UNSUPPORTED.items():
+        if getattr(args, dest, None) is not None:
+            raise UsageError(f"{prog}: {message}")
+
+
+_RANK = re.compile(r"^-?\d+$")
 _SLICE = re.compile(r"^(-?\d*):(-?\d*)(?::(-?\d*))?$")
 
 
 def parse_targets(text: str | None, n: int | None = None):
-    """``-t`` as ranks: "2" -> [2], "0,2" -> [0, 2], "1:3" / "2:" / "::2" -> a slice (resolved against the
-    ``n`` ranks when given). A usage error for anything else, or for a choice that names no rank."""
+    """``-t`` as ranks, in ipyparallel's forms: "2" -> [2], "0,2" / "[0,2]" / "(0,2)" -> [0, 2], "1:3" / "2:" /
+    "::2" -> a slice, "all" -> None (every rank). With the cluster's ``n`` ranks known, a slice becomes its
+    ranks and a negative rank counts from the end ("-1": the last). A usage error for anything else, or for a
+    choice that names no rank."""
     if text is None:
         return None
     text = text.strip()
+    if text == "all":
+        return None
     m = _SLICE.match(text)
     if m:
         parts = [int(p) if p else None for p in m.groups()]
@@ -127,21 +206,54 @@ def parse_targets(text: str | None, n: int | None = None):
                 raise UsageError(f"-t {text} names no rank; the cluster has ranks 0..{n - 1}")
         return chosen
     words = [w.strip() for w in text.split(",")]
-    if not words or not all(_TARGET.match(w) for w in words):
-        raise UsageError(f"-t {text}: ranks are written 2, or 0,2, or 1:3, or 2: (a slice)")
-    return [int(w) for w in words]
+    if _RANK.match(text) or (len(words) > 1 and all(_RANK.match(w) for w in words)):
+        ranks = [int(w) for w in words]
+    else:
+        try:
+            value = ast.literal_eval(text) if text[:1] in "[(" else None
+        except (ValueError, SyntaxError):
+            value = None
+        if not (isinstance(value, (list, tuple)) and value and all(type(r) is int for r in value)):
+            raise UsageError(f"-t {text}: ranks are written 2, or 0,2, or [0,2], or 1:3, or 2: (a slice), or all")
+        ranks = list(value)
+    if n is not None:
+        ranks = [r + n if -n <= r < 0 else r for r in ranks]
+    return ranks
 
 
-_PX_OPTION = re.compile(r"^\s*(--timeout|--targets|-t)(?:=|\s+)(\S+)")
+_WORD = re.compile(r"""\s*('[^']*'|"[^"]*"|\S+)""")
 
 
 def split_px_line(line: str):
-    """``--timeout 5 -t 0,1 print(rank)`` -> (options, "print(rank)"): options first, then code verbatim."""
+    """``--timeout 5 -t 0,1 print(rank)`` -> (options, "print(rank)"): %px's options first, then the code
+    verbatim. The options end at the first word that is not one (or at ``--``); an unknown option is an error,
+    not code."""
     words = []
-    while (match := _PX_OPTION.match(line)) is not None:
-        words += [match.group(1), match.group(2)]
-        line = line[match.end():]
-    return _px_parser().parse_args(words), line.strip()
+    pos = 0
+    wants_value = False
+    while (match := _WORD.match(line, pos)) is not None:
+        word = match.group(1)
+        if wants_value:
+            words.append(word[1:-1] if word[:1] in "'\"" and word[-1:] == word[:1] and len(word) > 1 else word)
+            wants_value = False
+        elif word == "--":
+            pos = match.end()
+            break
+        elif word.startswith("-") and len(word) > 1 and not word[1].isdigit():
+            flag = word.split("=", 1)[0]
+            option = PX_FLAGS.get(flag)
+            if option is None and PX_FLAGS.get(word[:2]) is not None and PX_FLAGS[word[:2]].takes_value:
+                flag, option = word[:2], PX_FLAGS[word[:2]]  # a short option with its value attached: -t0
+                word = f"{flag}={word[2:]}"
+            if option is None:
+                raise UsageError(f"%px: unknown option {flag} (%px? lists the options; code that starts with - "
+                                 f"goes after --)")
+            words.append(word)
+            wants_value = option.takes_value and "=" not in word
+        else:
+            break
+        pos = match.end()
+    return parse_options(ShardMagics.px, words, "%px"), line[pos:].strip()
 
 
 def hide_own_frames() -> bool:
@@ -149,14 +261,77 @@ def hide_own_frames() -> bool:
     return errors.hide_own_frames()
 
 
+# %shard_cluster: the options each action takes (the rest are refused for it), and --timeout's default per action
+CLUSTER_ACTIONS = {
+    "start": ("n", "mesh", "backend", "timeout", "collective_timeout", "force"),
+    "status": (),
+    "stop": ("all",),
+    "restart": (),
+    "recover": ("timeout",),
+    "diagnose": ("timeout",),
+}
+CLUSTER_TIMEOUT_DEFAULTS = {"start": 60.0, "recover": None, "diagnose": 5.0}
+CLUSTER_DEFAULTS = {"collective_timeout": 60.0, "force": False, "all": False}
+CLUSTER_FLAGS = {"n": "-n", "mesh": "--mesh", "backend": "--backend", "timeout": "--timeout",
+                 "collective_timeout": "--collective-timeout", "force": "--force", "all": "--all"}
+
+
+def read_cluster_line(line: str) -> argparse.Namespace:
+    """%shard_cluster's arguments, each option checked against its action; --timeout's default set per action."""
+    args = parse_options(ShardMagics.shard_cluster, split_words(line, "%shard_cluster"), "%shard_cluster")
+    allowed = CLUSTER_ACTIONS[args.action]
+    for dest, flag in CLUSTER_FLAGS.items():
+        if getattr(args, dest) not in (None, False) and dest not in allowed:
+            owners = [a for a, dests in CLUSTER_ACTIONS.items() if dest in dests]
+            owners = " and ".join([", ".join(owners[:-1]), owners[-1]] if len(owners) > 1 else owners)
+            raise UsageError(f"%shard_cluster {args.action}: {flag} is an option of {owners} "
+                             f"(%shard_cluster? lists the options)")
+    if args.timeout is None:
+        args.timeout = CLUSTER_TIMEOUT_DEFAULTS.get(args.action)
+    for dest, default in CLUSTER_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+    return args
+
+
+# cells that %autopx leaves to run here: the ones that start with a sharddbg magic
+_OWN_MAGIC = re.compile(r"^%{1,2}(autopx|px|pxresult|pxconfig|shard_\w+)\b")
+
+
 @magics_class
 class ShardMagics(Magics):
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self.px_defaults = PxDefaults()
+        self.last_result = None  # the handle of the last %px cell (%pxresult shows it)
+        self.autopx_enabled = False
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("action", choices=list(CLUSTER_ACTIONS), help=(
+        "start: start N ranks (CPU+gloo here, GPU+NCCL where GPUs exist); status: one row per rank; stop: stop "
+        "the active cluster; restart: new engines, same settings; recover: release ranks blocked in a collective "
+        "and make a new process group; diagnose: where every rank is now (stack, pending collective)"))
+    @magic_arguments.argument("-n", type=count, default=None, help="start: number of ranks")
+    @magic_arguments.argument("--mesh", default=None,
+                              help="start: e.g. ddp=1,domain=4 (one axis may be left out: it is inferred)")
+    @magic_arguments.argument("--backend", choices=["gloo", "nccl"], default=None,
+                              help="start: the torch.distributed backend (default: nccl with GPUs, else gloo)")
+    @magic_arguments.argument("--timeout", type=seconds, default=None, metavar="S", help=(
+        "start: the default time limit of a cell or call, seconds (60); recover: how long ranks get to be "
+        "released (the cluster's time limit); diagnose: how long each rank gets to answer (5)"))
+    @magic_arguments.argument("--collective-timeout", type=seconds, default=None, metavar="S",
+                              help="start: torch.distributed's collective timeout, seconds (60)")
+    @magic_arguments.argument("--force", action="store_true", default=None,
+                              help="start: start even when the ranks would not fit in the memory available now")
+    @magic_arguments.argument("--all", action="store_true", default=None, help=(
+        "stop: also reap every cluster sharddbg left behind on this machine (owner process gone)"))
     @line_magic
     def shard_cluster(self, line):
+        """Start, inspect and stop the sharddbg cluster (the ranks %px runs on)."""
         from .cluster import Cluster, active_cluster, registry
 
         __tracebackhide__ = hide_own_frames()
-        args = _cluster_parser().parse_args(split_words(line, "%shard_cluster"))
+        args = read_cluster_line(line)
         if args.action == "start":
             current = active_cluster(required=False)
             if current is not None:
@@ -201,36 +376,160 @@ class ShardMagics(Magics):
             print("sharddbg: process group re-created on every rank; rebuild ShardTensors made before")
             return None
         if args.action == "diagnose":
+            # printed, not returned: a returned report would also show as its repr (cl.hang_report() gives the object)
             busy = cl.busy_ranks()
+            if not busy:
+                print("every rank is idle" + (f"\nthe process group is broken: {cl.broken}" if cl.broken else ""))
+                return None
             report = cl.hang_report(0, [r for r in range(cl.n) if r not in busy], busy, what="their current work",
                                     diagnose_timeout=args.timeout)
-            print(report.format() if busy else "every rank is idle")
-            return report
+            print(report.format())
+            return None
         return None
 
+    @magic_arguments.magic_arguments()
+    @with_options(PX_OPTIONS)
     @line_cell_magic
     def px(self, line, cell=None):
-        """Run code on every rank of the sharddbg cluster; output per rank; bounded wait."""
+        """Run code on the ranks of the sharddbg cluster: ``%px print(rank)`` (options first, then the code) or
+        a ``%%px`` cell. ipyparallel's %px options, with one difference: every wait is bounded (``--timeout``,
+        default the cluster's). The output comes per rank, each line prefixed with its rank, once the cell is
+        over (``--stream``: as it arrives), with each rank's value of the last expression (``[rank 0 Out]``).
+        ``%pxconfig`` changes the defaults; ``%autopx`` sends every cell."""
         __tracebackhide__ = hide_own_frames()
-        from .cluster import active_cluster
-
-        args, code = split_px_line(line)
-        if cell is not None:
-            if code:
-                raise UsageError(f"%%px options are --timeout S and --targets RANKS; not understood: {code!r}")
-            code = cell
+        if cell is None:
+            args, code = split_px_line(line)
+            prog = "%px"
+        else:
+            args, code, prog = parse_options(self.px, split_words(line, "%%px"), "%%px"), cell, "%%px"
+        refuse_unsupported(args, prog)
         if not code.strip():
             raise UsageError("%px needs code: %px print(rank)  or a %%px cell")
-        cl = active_cluster()
-        cl.run(code, timeout=args.timeout, targets=parse_targets(args.targets, cl.n))
+        if args.save_name is not None and not args.save_name.isidentifier():
+            raise UsageError(f"{prog}: -o takes a variable name, got {args.save_name!r}")
+        return self.run_px(code, args)
 
-    @cell_magic
-    def shard_trace(self, line, cell):
-        """Run the cell on every rank under the recorder, gather one Trace (``sharddbg.last_trace()``)."""
+    def run_px(self, code: str, args: argparse.Namespace):
+        """Send ``code`` as %px's ``args`` (and ``%pxconfig``'s defaults) say; its handle when not waited for."""
         __tracebackhide__ = hide_own_frames()
         from .cluster import active_cluster
 
-        args = _trace_parser().parse_args(split_words(line, "%%shard_trace"))
+        cl = active_cluster()
+        defaults = self.px_defaults
+        targets = parse_targets(defaults.targets if args.targets is None else args.targets, cl.n)
+        block = defaults.block if args.block is None else args.block
+        handle = cl.submit(code, timeout=defaults.timeout if args.timeout is None else args.timeout, targets=targets)
+        handle.groupby = args.groupby or "type"
+        handle.results = True
+        handle.stream = defaults.stream if args.stream is None else args.stream
+        self.last_result = handle
+        if args.save_name:
+            self.shell.user_ns[args.save_name] = handle
+        if defaults.verbose if args.verbose is None else args.verbose:
+            print(f"{'Parallel' if block else 'Async parallel'} execution on ranks {handle.ranks}, time limit "
+                  f"{handle.timeout:g} s")
+        if args.local:
+            self.shell.run_cell(code)
+        if not block:
+            return handle
+        handle.get()
+        return None
+
+    @magic_arguments.magic_arguments()
+    @with_options(OUTPUT_OPTIONS + [MagicOption(("--timeout",), dict(
+        type=seconds, default=None, metavar="S",
+        help="wait at most this long for the cell (default: up to its own time limit); a shorter wait that ends "
+             "first raises CellStillRunningError and changes nothing"))])
+    @line_magic
+    def pxresult(self, line):
+        """Show the output of the last %px cell, each rank's in rank order, waiting for it if it still runs (at
+        most to its time limit): the cell sent with ``%px --noblock`` comes back here. Raises what the cell
+        raised."""
+        __tracebackhide__ = hide_own_frames()
+        args = parse_options(self.pxresult, split_words(line, "%pxresult"), "%pxresult")
+        handle = self.last_result
+        if handle is None:
+            raise UsageError("%pxresult shows the output of the last %px cell; no %px cell ran yet")
+        if args.save_name is not None:
+            if not args.save_name.isidentifier():
+                raise UsageError(f"%pxresult: -o takes a variable name, got {args.save_name!r}")
+            self.shell.user_ns[args.save_name] = handle
+            return None
+        if args.groupby:
+            handle.groupby = args.groupby
+        shown_before = handle.shown
+        try:
+            handle.get(args.timeout)
+        finally:
+            if shown_before:
+                handle.display_outputs()
+        return None
+
+    @magic_arguments.magic_arguments()
+    @with_options(EXEC_OPTIONS)
+    @line_magic
+    def pxconfig(self, line):
+        """Set what %px, %%px and %autopx do where their own options do not say (the ranks, waiting or not, the
+        time limit, streaming, verbose); prints the settings."""
+        __tracebackhide__ = hide_own_frames()
+        from .cluster import active_cluster
+
+        args = parse_options(self.pxconfig, split_words(line, "%pxconfig"), "%pxconfig")
+        refuse_unsupported(args, "%pxconfig")
+        defaults = self.px_defaults
+        if args.targets is not None:
+            current = active_cluster(required=False)
+            chosen = parse_targets(args.targets, current.n if current is not None else None)  # refused now if bad
+            defaults.targets = None if chosen is None else args.targets
+        for name in ("block", "timeout", "stream", "verbose"):
+            if getattr(args, name) is not None:
+                setattr(defaults, name, getattr(args, name))
+        print(defaults.describe())
+
+    @magic_arguments.magic_arguments()
+    @line_magic
+    def autopx(self, line):
+        """Toggle auto-parallel mode: every cell then runs on the ranks as a %%px cell (with %pxconfig's
+        settings), except cells that start with a sharddbg magic (%autopx again ends the mode)."""
+        __tracebackhide__ = hide_own_frames()
+        from .cluster import active_cluster
+
+        parse_options(self.autopx, split_words(line, "%autopx"), "%autopx")
+        transforms = self.shell.input_transformers_cleanup
+        if self.autopx_enabled:
+            transforms.remove(self.to_px_cell)
+            self.autopx_enabled = False
+            print("%autopx disabled")
+            return
+        active_cluster()  # with no cluster every cell would fail: say so now
+        transforms.append(self.to_px_cell)
+        self.autopx_enabled = True
+        print("%autopx enabled: every cell runs on the ranks (as %%px) until %autopx")
+
+    def to_px_cell(self, lines: list[str]) -> list[str]:
+        """%autopx's input transformer: the cell as a %%px cell, unless it is empty or starts with a sharddbg
+        magic."""
+        first = next((line.strip() for line in lines if line.strip()), "")
+        if not first or _OWN_MAGIC.match(first):
+            return lines
+        return ["%%px\n", *lines]
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("--max-events", type=count, default=200_000, metavar="N",
+                              help="events kept per rank (200000); beyond it events are counted as dropped")
+    @magic_arguments.argument("--timeout", type=seconds, default=None, metavar="S",
+                              help="the cell's time limit, seconds (default: the cluster's)")
+    @magic_arguments.argument("--no-unmask", action="store_true",
+                              help="leave the generic 'unsupported operand type(s)' TypeError as PyTorch raises it")
+    @magic_arguments.argument("--quiet", action="store_true", help="no summary line after the cell")
+    @cell_magic
+    def shard_trace(self, line, cell):
+        """Run the cell on every rank under the recorder and gather one Trace (``sharddbg.last_trace()``), kept
+        even when the cell fails."""
+        __tracebackhide__ = hide_own_frames()
+        from .cluster import active_cluster
+
+        args = parse_options(self.shard_trace, split_words(line, "%%shard_trace"), "%%shard_trace")
         cl = active_cluster()
         try:
             cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask)
@@ -240,13 +539,16 @@ class ShardMagics(Magics):
             if not args.quiet and trace is not None:
                 print(trace_summary(trace))
 
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("name", nargs="*", metavar="NAME",
+                              help="the name of a variable on the ranks that holds a ShardTensor")
     @line_magic
     def shard_inspect(self, line):
-        """Show the ShardTensor named on the line (a variable on the engines)."""
+        """Show the ShardTensor named on the line (a variable on the ranks): who holds which block."""
         __tracebackhide__ = hide_own_frames()
         import sharddbg
 
-        name = line.strip()
+        name = " ".join(parse_options(self.shard_inspect, split_words(line, "%shard_inspect"), "%shard_inspect").name)
         if not name.isidentifier():
             raise UsageError(f"%shard_inspect takes the name of a variable on the engines, got {name!r}")
         return sharddbg.inspect(name)
@@ -256,18 +558,30 @@ def trace_summary(trace) -> str:
     """One line after a %%shard_trace cell: what was recorded and where to look next."""
     ops = trace.get_ops()
     fallbacks = trace.get_fallbacks()
+    metadata = trace.get_fallbacks(include_metadata=True)
+    metadata = metadata[metadata["category"] == "metadata"]
     errors_ = trace.get_errors()
     parts = [f"sharddbg: recorded {len(ops)} op calls on {len(trace.ranks)} ranks"]
     if len(fallbacks):
-        parts.append(f"{len(fallbacks)} op(s) took a DTensor fallback ({', '.join(map(str, fallbacks['op'][:4]))}"
-                     f"{', ...' if len(fallbacks) > 4 else ''})")
+        parts.append(f"{len(fallbacks)} op(s) computed through a DTensor fallback "
+                     f"({', '.join(map(str, fallbacks['op'][:4]))}{', ...' if len(fallbacks) > 4 else ''})")
+    if len(metadata):
+        parts.append(f"{int(metadata['calls'].sum())} metadata reads through the fallback")
+    if trace.collectives_recorded:
+        by_rank = trace.get_comm_by_rank()
+        if len(by_rank) and by_rank["n_collectives"].sum():
+            parts.append(f"{int(by_rank['n_collectives'].max())} collectives per rank (at most), "
+                         f"{by_rank['comm_wall_ms'].max():.1f} ms in collectives on the slowest rank")
+            stuck = int(by_rank["n_in_flight"].sum())
+            if stuck:
+                parts.append(f"{stuck} collective(s) never completed")
     if len(errors_):
         parts.append(f"{len(errors_)} error(s) recorded")
     if trace.incomplete_ranks:
         parts.append(f"ranks {trace.incomplete_ranks} incomplete")
     if trace.dropped:
         parts.append(f"{trace.dropped} events dropped (raise --max-events)")
-    return "; ".join(parts) + ". sharddbg.last_trace() has it all."
+    return "; ".join(parts) + ". sharddbg.last_trace().get_op_summary() first; the trace has it all."
 
 
 def load_ipython_extension(ipython) -> None:

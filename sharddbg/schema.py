@@ -10,7 +10,8 @@ Records (``event["kind"]``)
                 ``__torch_dispatch__`` call) or backward (the autograd node behind a recorded forward op's
                 output). Fields: ``OP_FIELDS``.
 ``collective``  one collective call on one rank (functional collective, c10d collective, point-to-point
-                send/recv, barrier), attributed to the recorded op that caused it. Shares ``seq``
+                send/recv, barrier), attributed to the recorded op that caused it (or to a DDP gradient
+                bucket, ``DDP_BUCKET_OP``). Shares ``seq``
                 numbering (assigned at issue), the ``t_*_ns`` clock and the ``phase``/``autograd_node``
                 meaning with ``op``. Fields: ``COLLECTIVE_FIELDS`` (since schema version 2).
 ``error``       an exception that ended the cell on one rank, wherever it was raised (in a recorded op,
@@ -26,7 +27,7 @@ kinds so that records of one rank interleave correctly). Times are ns on the ran
 
 Payload (what ``recorder.stop()`` / ``recorder.peek()`` return on one rank)::
 
-    {"format": "sharddbg.payload", "schema_version": 3, "rank": 0, "world_size": 4,
+    {"format": "sharddbg.payload", "schema_version": 4, "rank": 0, "world_size": 4,
      "complete": True,            # False for a snapshot of a recorder still running (e.g. a hung rank)
      "events": [...],             # records above, sorted by seq; a snapshot adds in-flight ops
      "dropped": 0,                # records not kept because the buffer (max_events) was full
@@ -50,7 +51,14 @@ from .errors import SchemaError  # what the validators below raise (defined with
 #   3  error records (the exception that ended a cell on a rank); a collective's ``in_flight`` means "not
 #      completed" (no wait for it returned while recording), no longer "its issuing call had not returned".
 #      Version-1 and -2 payloads read as before.
-SCHEMA_VERSION = 3
+#   4  where in the notebook: op records gain ``user_cell`` / ``user_code`` (the IPython cell and the text of
+#      the user's line) and ``local_ms`` (CPU: the same function timed on plain tensors of the call's local
+#      shapes); collective records gain ``params`` and ``bucket`` (the parameters a gradient reduction
+#      carries, a DDP bucket's index) and, outside every recorded op, the user's line; error records gain
+#      ``cell``. A collective's ``op`` may be ``DDP_BUCKET_OP``; its ``phase`` is "backward" also for a
+#      parameter's gradient reduced after the backward pass (a deferred Partial gradient, a DDP bucket).
+#      Older payloads read as before (the new fields read as None).
+SCHEMA_VERSION = 4
 PAYLOAD_FORMAT = "sharddbg.payload"
 
 KIND_OP = "op"
@@ -79,6 +87,10 @@ PATHS = (
 )
 FALLBACK_PATHS = ("dtensor_fallback_function", "dtensor_fallback_dispatch")
 
+# the ``op`` of a collective that DistributedDataParallel's reducer issued for one gradient bucket (its
+# ``params``: the bucket's parameters, ``bucket``: its index)
+DDP_BUCKET_OP = "DDP gradient bucket"
+
 # name -> (JSON types allowed, meaning). Order is the column order of Trace.get_ops() (after "rank").
 OP_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "kind": ((str,), '"op"'),
@@ -92,6 +104,9 @@ OP_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "autograd_node": ((str, type(None)), "backward: name of the autograd node that ran"),
     "module": ((str, type(None)), "nn.Module path (relative to the outermost module) the op ran in"),
     "user_frame": ((str, type(None)), "'file:line in function' of the first frame outside torch/physicsnemo/sharddbg"),
+    "user_cell": ((int, type(None)), "the IPython cell (its execution count on the rank, In[n]) that user_frame "
+                                     "lies in; None for a frame in a file (since version 4)"),
+    "user_code": ((str, type(None)), "the text of user_frame's line (since version 4)"),
     "in_local_shapes": ((list,), "per tensor argument: the shape this rank holds"),
     "in_global_shapes": ((list,), "per tensor argument: the global shape (plain tensors: their shape)"),
     "out_local_shape": ((list, type(None)), "first tensor result: local shape"),
@@ -106,6 +121,10 @@ OP_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "host_ms": ((float, int, type(None)), "wall time on the host, (t_end_ns - t_start_ns) / 1e6"),
     "device_ms": ((float, int, type(None)), "CUDA event time; None on CPU or not finished"),
     "mem_delta_bytes": ((int, type(None)), "CUDA allocator delta over the call; None on CPU"),
+    "local_ms": ((float, int, type(None)), "CPU, forward calls of a top-level op: host time of the same function "
+                                           "on plain tensors of this call's local shapes (other arguments left at "
+                                           "their defaults), the least of a few runs after recording; None where "
+                                           "not measured (since version 4)"),
     "error": ((dict, type(None)), "ERROR_FIELDS if the call raised, else None"),
     # beyond the columns get_ops() starts with
     "fwd_seq": ((int, type(None)), "backward: seq of the forward op this node belongs to"),
@@ -173,9 +192,17 @@ COLLECTIVE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "op_seq": (_INT_OR_NONE, "seq of that op (in backward: of the forward op)"),
     "outer_op": (_STR_OR_NONE, "outermost (user-level) recorded op on the stack; in backward, of the forward op"),
     "outer_op_seq": (_INT_OR_NONE, "its seq"),
-    "phase": ((str,), "'forward' or 'backward' (an autograd node was running)"),
+    "phase": ((str,), "'forward' or 'backward': an autograd node was running, or (since version 4) it reduces a "
+                      "parameter's gradient after the backward pass (a deferred Partial gradient, a DDP bucket)"),
     "autograd_node": (_STR_OR_NONE, "backward: name of the autograd node that issued it"),
     "param": (_STR_OR_NONE, "weight-gradient reduction: name of the parameter the node accumulates into"),
+    "params": (_LIST_OR_NONE, "gradient reduction: names of every parameter whose gradient it carries (a DDP "
+                              "bucket: the bucket's parameters) (since version 4)"),
+    "bucket": (_INT_OR_NONE, "DDP gradient bucket: the bucket's index in DDP's reducer (since version 4)"),
+    "user_frame": (_STR_OR_NONE, "outside every recorded op: 'file:line in function' of the user's frame that "
+                                 "issued it (since version 4)"),
+    "user_cell": (_INT_OR_NONE, "the IPython cell (execution count on the rank) of user_frame (since version 4)"),
+    "user_code": (_STR_OR_NONE, "the text of user_frame's line (since version 4)"),
     "device_ms": ((float, int, type(None)), "CUDA event time from issue to wait; None on CPU or not finished"),
     "in_flight": ((bool,), "not completed: no wait for it returned while recording (still blocked when the "
                            "snapshot was taken, or never waited); schema 1-2: the issuing call had not returned"),
@@ -193,7 +220,16 @@ CELL_ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
                                  "every recorded op (the op record carries the details when it is not None)"),
     "cell_line": (_INT_OR_NONE, "line of the cell (1-based) whose statement the exception went through"),
     "cell_code": (_STR_OR_NONE, "that line's source text"),
+    "cell": (_INT_OR_NONE, "the IPython cell (execution count on the rank) of that line (since version 4)"),
     "thread": ((int,), "recorder thread id"),
+}
+
+# Fields a record of an older payload may lack (it was written before they existed): name -> the first
+# schema version that writes them. Readers see them as None.
+FIELDS_SINCE: dict[str, dict[str, int]] = {
+    KIND_OP: {"user_cell": 4, "user_code": 4, "local_ms": 4},
+    KIND_COLLECTIVE: {"params": 4, "bucket": 4, "user_frame": 4, "user_cell": 4, "user_code": 4},
+    KIND_ERROR: {"cell": 4},
 }
 
 PAYLOAD_FIELDS: dict[str, tuple[type, ...]] = {
@@ -209,21 +245,27 @@ PAYLOAD_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
-def _check_fields(rec: Any, fields: dict, what: str) -> None:
+def _check_fields(rec: Any, fields: dict, what: str, optional: dict[str, int] | None = None,
+                  version: int = SCHEMA_VERSION) -> None:
+    """``optional``: fields first written by a later schema version than ``version`` may be absent."""
     if not isinstance(rec, dict):
         raise SchemaError(f"{what}: expected a dict, got {type(rec).__name__}")
-    missing = [k for k in fields if k not in rec]
+    later = {k for k, since in (optional or {}).items() if since > version}
+    missing = [k for k in fields if k not in rec and k not in later]
     if missing:
         raise SchemaError(f"{what}: missing field(s) {missing}")
     for k, (types, _doc) in fields.items():
+        if k not in rec:
+            continue
         v = rec[k]
         # bool is an int in Python; an int field holding True is still a bug worth catching.
         if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
             raise SchemaError(f"{what}: field {k!r} = {v!r} has type {type(v).__name__}, expected {[t.__name__ for t in types]}")
 
 
-def validate_event(ev: Any, where: str = "event") -> None:
-    """Raise SchemaError unless ``ev`` is a well-formed record of a known kind."""
+def validate_event(ev: Any, where: str = "event", version: int = SCHEMA_VERSION) -> None:
+    """Raise SchemaError unless ``ev`` is a well-formed record of a known kind, as schema ``version`` writes it
+    (fields added later may be absent)."""
     if not isinstance(ev, dict):
         raise SchemaError(f"{where}: expected a dict, got {type(ev).__name__}")
     kind = ev.get("kind")
@@ -232,18 +274,19 @@ def validate_event(ev: Any, where: str = "event") -> None:
     if not isinstance(ev.get("seq"), int):
         raise SchemaError(f"{where}: 'seq' must be an int")
     if kind == KIND_COLLECTIVE:
-        _check_fields(ev, COLLECTIVE_FIELDS, f"{where} (collective seq {ev['seq']})")
+        _check_fields(ev, COLLECTIVE_FIELDS, f"{where} (collective seq {ev['seq']})", FIELDS_SINCE[KIND_COLLECTIVE],
+                      version)
         if ev["phase"] not in PHASES:
             raise SchemaError(f"{where}: unknown phase {ev['phase']!r}")
         if ev["bytes_sent"] < 0 or ev["bytes_recv"] < 0:
             raise SchemaError(f"{where}: negative byte count")
         return
     if kind == KIND_ERROR:
-        _check_fields(ev, CELL_ERROR_FIELDS, f"{where} (error seq {ev['seq']})")
+        _check_fields(ev, CELL_ERROR_FIELDS, f"{where} (error seq {ev['seq']})", FIELDS_SINCE[KIND_ERROR], version)
         return
     if kind != KIND_OP:
         return
-    _check_fields(ev, OP_FIELDS, f"{where} (op seq {ev['seq']})")
+    _check_fields(ev, OP_FIELDS, f"{where} (op seq {ev['seq']})", FIELDS_SINCE[KIND_OP], version)
     if ev["path"] not in PATHS:
         raise SchemaError(f"{where}: unknown path {ev['path']!r}")
     if ev["phase"] not in PHASES:
@@ -263,5 +306,5 @@ def validate_payload(p: Any) -> None:
         raise SchemaError(f"payload schema_version {v!r} is not supported (this sharddbg reads 1..{SCHEMA_VERSION})")
     _check_fields(p, {k: (t, "") for k, t in PAYLOAD_FIELDS.items()}, f"payload of rank {p.get('rank')}")
     for i, ev in enumerate(p["events"]):
-        validate_event(ev, f"rank {p['rank']} event #{i}")
+        validate_event(ev, f"rank {p['rank']} event #{i}", v)
 

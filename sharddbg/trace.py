@@ -8,7 +8,7 @@ views when called.
 
 File format (``save`` / ``load_trace``), JSON::
 
-    {"format": "sharddbg.trace", "version": 1, "schema_version": 2,
+    {"format": "sharddbg.trace", "version": 1, "schema_version": 4,
      "meta": {...}, "clock_offsets_ns": {"0": 0, "1": -1234, ...},
      "incomplete_ranks": [2], "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 
@@ -32,6 +32,7 @@ import pandas as pd
 from . import schema
 from .analysis import comm as _comm
 from .analysis import ops as _ops
+from .analysis import summary as _summary
 from .errors import ShardDbgWarning, TraceFileError
 from .files import write_file_atomically
 from .exporters.perfetto import perfetto_dict, write_perfetto  # noqa: F401 - perfetto_dict: also sharddbg.trace.perfetto_dict
@@ -134,27 +135,42 @@ class Trace:
 
     # ---- DataFrames (one-line delegations) ---------------------------------------------------------
     def get_ops(self) -> pd.DataFrame:
-        """One row per op call (forward and backward) per rank; times on the reference clock."""
+        """One row per op call (forward and backward) per rank; times on the reference clock. Beside the
+        record's fields: ``location`` (where the user's code made the call: "cell [6], line 5: `y = x + x`"),
+        ``message`` / ``exc_type`` / ``traceback`` of an error, ``local_ms`` (CPU: the call's own local
+        computation, timed after recording)."""
         if self._ops is None:
             self._ops = _ops.ops_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
                                        self.clock_offsets_ns)
         return self._ops.copy()
 
-    def get_fallbacks(self) -> pd.DataFrame:
-        """Ops that took a DTensor fallback: op, path, calls, ranks, host_ms_total, user_frames."""
-        return _ops.fallbacks(self.get_ops())
+    def get_op_summary(self, nested: bool = False) -> pd.DataFrame:
+        """The table to read first: one row per (op, dispatch path, phase) with calls, ranks, first-call and
+        steady-state host time (median, p95), device / local time, what host dispatch adds (and whether it
+        dominates), communication exclusive and inclusive, collectives in flight, errors, where in the code.
+        Forward rows are the user's own calls (``nested=True``: every call); see analysis/summary.py."""
+        return _summary.op_summary(self.get_ops(), self.get_collectives(), nested)
+
+    def get_fallbacks(self, include_metadata: bool = False) -> pd.DataFrame:
+        """Ops whose computation took a DTensor fallback: op, path, calls, ranks, host_ms_total, user_frames,
+        ..., locations. Metadata reads (``shape``, ``ndim``, ``dtype``, ``detach``, ...) only with
+        ``include_metadata=True`` (``category`` "metadata"); ``Tensor.backward`` is never one (its time is the
+        whole backward pass)."""
+        return _ops.fallbacks(self.get_ops(), include_metadata)
 
     def get_errors(self, include_propagated: bool = False) -> pd.DataFrame:
-        """Real exceptions per rank, with tracebacks: one row per origin, the innermost recorded op that
-        raised it, or the cell itself for an exception raised outside every recorded op (``op`` is
-        ``<outside recorded ops>``, ``user_frame`` the cell's line); ``cell_line`` / ``cell_code``: the cell
-        statement the exception ended (analysis/ops.py ``errors``)."""
+        """Real exceptions per rank: one row per origin, the innermost recorded op that raised it, or the cell
+        itself for an exception raised outside every recorded op (``op`` is ``<outside recorded ops>``,
+        ``user_frame`` the cell's line); ``message`` whole, ``traceback`` from the user's line down;
+        ``cell_line`` / ``cell_code``: the cell statement the exception ended; ``location``: where, as
+        "cell [6], line 5: `y = x + x`" (analysis/ops.py ``errors``)."""
         return _ops.errors(self.get_ops(), include_propagated, self.get_cell_errors())
 
     def get_cell_errors(self) -> pd.DataFrame:
         """The exception that ended the cell on each rank that raised (schema "error" records, since
         version 3): rank, seq, t_ns (reference clock), exc_type, message, traceback, origin_seq (the op
-        record where it started, or None), cell_line, cell_code."""
+        record where it started, or None), cell_line, cell_code, cell (the cell's execution count on the
+        ranks, since version 4), location."""
         return _ops.cell_errors_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
                                       self.clock_offsets_ns)
 
@@ -177,9 +193,25 @@ class Trace:
                                                         self.clock_offsets_ns)
         return self._collectives.copy()
 
-    def get_comm_by_op(self, by: str = "op") -> pd.DataFrame:
-        """Communication per op name and rank (``by="op"``) or per op call (``by="call"``)."""
-        return _comm.comm_by_op(self.get_collectives(), self.get_ops(), by)
+    def get_comm_by_op(self, by: str = "op", inclusive: bool = False) -> pd.DataFrame:
+        """Communication per op name and rank (``by="op"``) or per op call (``by="call"``); forward
+        (``comm_ms`` / ``op_ms`` / ``comm_share``) and backward (``bwd_*``) apart. ``inclusive=True``: a
+        collective counts for every recorded op it ran inside, not only the innermost."""
+        return _comm.comm_by_op(self.get_collectives(), self.get_ops(), by, inclusive)
+
+    def get_comm_by_kind(self) -> pd.DataFrame:
+        """Communication per (op, collective kind), all ranks together: the sum over ranks beside the per-rank
+        maximum and mean of the time."""
+        return _comm.comm_by_op_kind(self.get_collectives())
+
+    def get_comm_by_rank(self) -> pd.DataFrame:
+        """Communication of each rank: collectives, in flight, bytes, time summed and as wall time, and the
+        rank's recorded span."""
+        return _comm.comm_by_rank(self.get_collectives(), self.get_ops(), self.ranks)
+
+    def get_comm_by_peer(self) -> pd.DataFrame:
+        """Bytes each rank sent to / received from each other rank (all_to_all splits, send / recv)."""
+        return _comm.comm_by_peer(self.get_collectives())
 
     def get_imbalance(self) -> pd.DataFrame:
         """Per op and rank: shard volume beside host, comm and wait-for-other-ranks time."""

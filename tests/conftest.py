@@ -41,5 +41,6 @@ def pytest_collection_modifyitems(config, items):
     the shared cluster4 exists: never two clusters at once on a small machine, and the magics' "no
     cluster running" errors are tested while none runs."""
     own = ("test_browser.py", "test_notebooks.py", "test_lifecycle.py", "test_magics.py", "test_processes.py",
-           "test_scatter_input.py", "test_faults.py", "test_bad_input.py")
+           "test_scatter_input.py", "test_faults.py", "test_bad_input.py", "test_analysis_real.py",
+           "test_setup.py")
     items.sort(key=lambda item: 0 if item.path.name in own else 1)

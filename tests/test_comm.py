@@ -123,6 +123,8 @@ def test_conv2d_forward_halo_all_to_all(cl):
         assert conv_rows.loc[r, "n_collectives"] == 1 and conv_rows.loc[r, "calls"] == 1
         assert conv_rows.loc[r, "bytes_sent"] == sum(_halo_splits(r))
         assert 0 < conv_rows.loc[r, "comm_share"] <= 1
+        assert conv_rows.loc[r, "comm_ms"] == pytest.approx(c[c["rank"] == r]["duration_ms"].sum())
+        assert conv_rows.loc[r, "bwd_n_collectives"] == 0 and conv_rows.loc[r, "n_in_flight"] == 0
     by_call = t.get_comm_by_op(by="call")
     assert (by_call[by_call["op"] == "torch.conv2d"]["n_collectives"] == 1).all()
     imb = t.get_imbalance()
@@ -158,10 +160,20 @@ def test_conv2d_backward_weight_grad_all_reduce_named(cl):
         assert ar.loc["conv.weight", "bytes_sent"] == CO * C * 3 * 3 * F32
         assert ar.loc["conv.bias", "bytes_sent"] == CO * F32
         assert set(ar["autograd_node"]) == {"GradReducerBackward"}
+        assert ar.loc["conv.weight", "params"] == ["conv.weight"] and pd.isna(ar.loc["conv.weight", "bucket"])
         a2a = cr[cr["kind"] == "all_to_all_single"].iloc[0]
         # the halo's backward returns the gradient of the borrowed rows: the same rows, the other way
         assert a2a["splits_sent"] == _halo_splits(r) and pd.isna(a2a["param"])
         assert "Halo" in a2a["autograd_node"]
+    # forward and backward apart: the conv's one halo forward, its three backward collectives
+    by_op = t.get_comm_by_op().set_index(["op", "rank"])
+    for r in range(N):
+        row = by_op.loc[("torch.conv2d", r)]
+        fwd = c[(c["rank"] == r) & (c["op"] == "torch.conv2d") & (c["phase"] == "forward")]
+        bwd = c[(c["rank"] == r) & (c["op"] == "torch.conv2d") & (c["phase"] == "backward")]
+        assert row["n_collectives"] == len(fwd) + len(bwd) == 4 and row["bwd_n_collectives"] == len(bwd) == 3
+        assert row["comm_ms"] == pytest.approx(fwd["duration_ms"].sum()) and row["comm_share"] <= 1
+        assert row["bwd_comm_ms"] == pytest.approx(bwd["duration_ms"].sum())
     # the gradient arrived where the collectives say: grad of the weight equals the single-process one
     ok = cl.eval("bool(torch.allclose(cnet.conv.weight.grad, torch.autograd.grad(torch.nn.functional.conv2d("
                  "cX, cnet.conv.weight, cnet.conv.bias, padding=1), cnet.conv.weight, torch.ones(1, 4, 66, 8))[0], "
@@ -194,6 +206,16 @@ def test_full_tensor_uneven_and_redistribute(cl):
         assert list(cr["group_seq"]) == sorted(cr["group_seq"])
     for counts in _cdm(cl, "_f = cx.full_tensor()"):
         assert counts == {"all_gather_into_tensor": 1}
+    # what CommDebugMode counts for full_tensor is its inclusive total (issued by the redistribute inside)
+    inc = t.get_comm_by_op(inclusive=True).set_index(["op", "rank"])
+    exc = t.get_comm_by_op().set_index(["op", "rank"])
+    for r in range(N):
+        assert exc.loc[("ShardTensor.full_tensor", r), "n_collectives"] == 0
+        assert inc.loc[("ShardTensor.full_tensor", r), "kinds"] == {"all_gather_into_tensor": 1}
+        assert inc.loc[("ShardTensor.full_tensor", r), "bytes_sent"] == pad
+        # the redistribute of the second line is a user call of its own: its all_to_all, and the all_gather
+        # of the one inside full_tensor
+        assert inc.loc[("ShardTensor.redistribute", r), "kinds"] == {"all_gather_into_tensor": 1, "all_to_all_single": 1}
     for counts in _cdm(cl, "_z = cx.redistribute(cmesh, (Shard(3),))"):
         assert counts == {"all_to_all_single": 1}
 
@@ -298,7 +320,8 @@ def _coll(seq, gseq, coll, sent, recv, splits_s=None, splits_r=None, **kw):
         "splits_recv": splits_r, "dtype": "float32", "shape": [4], "async": True, "t_issue_ns": 1000 + seq,
         "t_return_ns": 1100 + seq, "t_done_ns": 3000 + seq, "wait_op_seq": None, "waited": True, "op": "torch.conv2d",
         "op_seq": 0, "outer_op": "torch.conv2d", "outer_op_seq": 0, "phase": "forward", "autograd_node": None,
-        "param": None, "device_ms": None, "in_flight": False, "thread": 0,
+        "param": None, "device_ms": None, "in_flight": False, "thread": 0, "params": None, "bucket": None,
+        "user_frame": None, "user_cell": None, "user_code": None,
     }
     ev.update(kw)
     return ev

@@ -139,6 +139,15 @@ def test_paths_shapes_modules_backward(cl):
             f"{_line_of(PATHS_CELL, '    y_fb = net.conv1(x)')} in <module>"]
         assert files_lines[0][0] == files_lines[1][0] != files_lines[2][0]
         assert not any(is_library_file(f) for f, _line in files_lines)
+        # both are IPython cells: the set-up cell (Net.forward) and the traced cell, with their lines' text
+        setup_cell, traced_cell = (int(x) for x in convs["user_cell"].iloc[[0, 2]])
+        assert setup_cell < traced_cell and convs["user_cell"].iloc[1] == setup_cell
+        assert list(convs["user_code"]) == ["return self.conv2(self.conv1(x).relu())"] * 2 + ["y_fb = net.conv1(x)"]
+        assert convs["location"].iloc[2] == (f"cell [{traced_cell}], line {_line_of(PATHS_CELL, '    y_fb = net.conv1(x)')}: "
+                                             "`y_fb = net.conv1(x)`")
+        # CPU: each top-level forward call's local computation was timed on plain tensors after recording
+        assert convs["local_ms"].notna().all() and (convs["local_ms"] < convs["host_ms"]).all()
+        assert o[o["phase"] == "backward"]["local_ms"].isna().all()
         # abs has no patch: the DTensor fallback
         assert _fwd(o, "Tensor.abs")["path"].tolist() == ["dtensor_fallback_function"]
         # backward of each patched conv is its own event, linked to its forward
@@ -187,6 +196,10 @@ def test_typeerror_trap_unmasked(cl):
         for res in _pull(cl, "dunder") + _pull(cl, "dunder_r"):
             assert res[0] == "UnmaskedOpError", res
             assert "sharddbg-test: add handler exploded" in res[1] and res[2] == "TypeError"
+        # the message names the user's line: the lambda of the traced cell
+        for res in _pull(cl, "dunder"):
+            line = _line_of(TRAP_CELL, "dunder = _catch(lambda: x + x)")
+            assert "at cell [" in res[1] and f"line {line}: `dunder = _catch(lambda: x + x)`" in res[1], res[1]
         for r, res in enumerate(_pull(cl, "method")):  # not a dunder: unchanged
             assert res == ("TypeError", "sharddbg-test: add handler exploded", None), (r, res)
         errs = t.get_errors()
@@ -194,6 +207,11 @@ def test_typeerror_trap_unmasked(cl):
         assert (errs["exc_type"] == "TypeError").all()
         assert errs["message"].eq("sharddbg-test: add handler exploded").all()
         assert errs["traceback"].str.contains("_boom_add").all()
+        # each recorded traceback starts at the user's code (the traced cell, named as IPython does), above
+        # the handler that raised
+        for tb in errs["traceback"]:
+            assert "Cell In[" in tb and tb.index("Cell In[") < tb.index("_boom_add"), tb
+            assert "sharddbg/engine" not in tb  # the recorder's own frames are left out
         assert errs["unmasked"].sum() == 2 * N  # x + x and 1 - x, not x.add(x)
         assert set(errs["op"]) == {"Tensor.add", "Tensor.__rsub__"}
         # unmask=False: PyTorch's behaviour, still recorded
@@ -205,12 +223,15 @@ def test_typeerror_trap_unmasked(cl):
         cl.run(UNTRAP, timeout=30)
 
 
-def _trap_trace(cl, unmask):
-    return _trace(cl, """
+TRAP_CELL = """
 dunder = _catch(lambda: x + x)
 dunder_r = _catch(lambda: 1 - x)
 method = _catch(lambda: x.add(x))
-""", unmask=unmask)
+"""
+
+
+def _trap_trace(cl, unmask):
+    return _trace(cl, TRAP_CELL, unmask=unmask)
 
 
 def test_real_error_recorded_per_rank(cl):
@@ -408,3 +429,14 @@ comp_ok = bool(torch.allclose(_out.full_tensor(), _eager))
     for payload in _pull(cl, "comp_final"):
         assert payload["meta"]["internal_errors"] == [] and payload["meta"]["reentries"] == 0
         assert payload["events"] == [], payload["events"][:3]
+
+
+def test_recording_leaves_the_random_stream_alone(cl):
+    """Traced and untraced runs agree bit for bit: what the recorder does after the cell (timing each op's
+    local computation) draws nothing from the user's random stream."""
+    cl.run("torch.manual_seed(7)", timeout=30)
+    _trace(cl, "_r0 = x.abs()\n_d = torch.nn.functional.dropout(x_local, 0.5)")
+    traced = cl.eval("torch.rand(4).tolist()")
+    cl.run("torch.manual_seed(7)\n_r0 = x.abs()\n_d = torch.nn.functional.dropout(x_local, 0.5)", timeout=30)
+    untraced = cl.eval("torch.rand(4).tolist()")
+    assert traced == untraced

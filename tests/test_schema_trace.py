@@ -41,6 +41,7 @@ def op(seq, name, path="function_handler", t0=1_000_000, dur=2_000_000, **kw):
         "in_bytes": 1632, "out_bytes": 2176, "t_start_ns": t0, "t_end_ns": t0 + dur, "host_ms": dur / 1e6,
         "device_ms": None, "mem_delta_bytes": None, "error": None, "fwd_seq": None, "in_placements": ["(S(2),)"],
         "fallback": False, "promotions": [], "not_implemented": False, "in_flight": False, "thread": 0,
+        "user_cell": 3, "user_code": "y = net(x)", "local_ms": None,
     }
     ev.update(kw)
     return ev
@@ -228,3 +229,176 @@ def test_collectives_of_a_trace_without_them():
     t1 = Trace.from_payloads(old)
     assert not t1.collectives_recorded and list(t1.get_collectives().columns) == list(colls.columns)
     assert not Trace.from_payloads([None]).collectives_recorded
+
+
+# ---- the analysis layer on hand-made records: every number known in advance -------------------------------
+
+def coll(seq, name, op_seq, t_issue, dur_ms, phase="forward", in_flight=False, **kw):
+    ev = {
+        "kind": "collective", "seq": seq, "group_seq": seq, "coll": name, "aten_op": f"_c10d_functional.{name}",
+        "api": "functional", "group_name": "1", "group_ranks": [0, 1], "group_size": 2, "mesh_dim": "domain",
+        "peer": None, "root": None, "bytes_sent": 100, "bytes_recv": 200, "splits_sent": None, "splits_recv": None,
+        "dtype": "float32", "shape": [25], "async": True, "t_issue_ns": t_issue, "t_return_ns": t_issue + 10,
+        "t_done_ns": None if in_flight else t_issue + int(dur_ms * 1e6), "wait_op_seq": None, "waited": not in_flight,
+        "op": None, "op_seq": op_seq, "outer_op": None, "outer_op_seq": None, "phase": phase, "autograd_node": None,
+        "param": None, "params": None, "bucket": None, "user_frame": None, "user_cell": None, "user_code": None,
+        "device_ms": None, "in_flight": in_flight, "thread": 0,
+    }
+    ev.update(kw)
+    return ev
+
+
+def test_op_summary_first_calls_steady_and_comm():
+    ms = 1_000_000
+    r0 = [
+        # abs: shapes A three times (10, 1, 3 ms), then shape B once (5 ms): two first calls
+        op(0, "Tensor.abs", "dtensor_fallback_function", t0=0, dur=10 * ms, fallback=True, local_ms=0.5),
+        op(1, "Tensor.abs", "dtensor_fallback_function", t0=20 * ms, dur=1 * ms, fallback=True, local_ms=0.5),
+        op(2, "Tensor.abs", "dtensor_fallback_function", t0=30 * ms, dur=3 * ms, fallback=True, local_ms=0.5),
+        op(3, "Tensor.abs", "dtensor_fallback_function", t0=40 * ms, dur=5 * ms, fallback=True, local_ms=0.5,
+           in_local_shapes=[[1, 3, 9, 8]]),
+        # full_tensor (user call) -> redistribute (nested) -> its all_gather, 2 ms of the 4 ms call
+        op(4, "ShardTensor.full_tensor", "python_method", t0=50 * ms, dur=4 * ms),
+        op(5, "ShardTensor.redistribute", "python_method", t0=50 * ms, dur=3 * ms, parent_seq=4, depth=1),
+        coll(6, "all_gather_into_tensor", 5, 51 * ms, 2.0, op="ShardTensor.redistribute",
+             outer_op="ShardTensor.full_tensor", outer_op_seq=4),
+        # conv: forward halo 1 ms of 8; backward event 0.5 ms, with two backward collectives (3 + 4 ms)
+        op(7, "torch.conv2d", t0=60 * ms, dur=8 * ms),
+        coll(8, "all_to_all_single", 7, 61 * ms, 1.0, op="torch.conv2d"),
+        op(9, "torch.conv2d", phase="backward", fwd_seq=7, t0=80 * ms, dur=ms // 2, autograd_node="ConvBackward"),
+        coll(10, "all_reduce", 7, 81 * ms, 3.0, phase="backward", op="torch.conv2d"),
+        coll(11, "all_reduce", 7, 85 * ms, 4.0, phase="backward", op="torch.conv2d"),
+        # an all_reduce never waited: counted, not timed
+        coll(12, "all_reduce", None, 90 * ms, 0.0, in_flight=True),
+    ]
+    r1 = [op(0, "Tensor.abs", "dtensor_fallback_function", t0=0, dur=8 * ms, fallback=True, local_ms=0.5),
+          op(1, "Tensor.abs", "dtensor_fallback_function", t0=10 * ms, dur=2 * ms, fallback=True, local_ms=0.5)]
+    t = Trace.from_payloads([payload(0, r0), payload(1, r1)])
+    s = t.get_op_summary().set_index(["op", "phase"])
+    a = s.loc[("Tensor.abs", "forward")]
+    assert (a["calls"], a["first_calls"], a["steady_calls"]) == (6, 3, 3)
+    assert a["first_ms_median"] == pytest.approx(8.0)  # median of 10 (r0 A), 5 (r0 B), 8 (r1)
+    assert a["steady_ms_median"] == pytest.approx(2.0)  # 1, 3, 2
+    assert a["steady_ms_p95"] == pytest.approx(float(pd.Series([1.0, 3.0, 2.0]).quantile(0.95)))
+    assert a["host_ms_total"] == pytest.approx(29.0) and a["ranks"] == [0, 1]
+    assert a["local_ms_median"] == 0.5 and a["dispatch_ms_median"] == pytest.approx(1.5) and a["dispatch_bound"]
+    ft = s.loc[("ShardTensor.full_tensor", "forward")]
+    assert (ft["n_collectives"], ft["n_collectives_inclusive"]) == (0, 1)
+    assert ft["comm_ms_inclusive"] == pytest.approx(2.0) and ft["bytes_inclusive"] == 300
+    assert ("ShardTensor.redistribute", "forward") not in s.index  # nested: not a user call
+    nested = t.get_op_summary(nested=True).set_index(["op", "phase"])
+    assert nested.loc[("ShardTensor.redistribute", "forward"), "n_collectives"] == 1
+    cf, cb = s.loc[("torch.conv2d", "forward")], s.loc[("torch.conv2d", "backward")]
+    assert (cf["n_collectives"], cf["comm_ms"]) == (1, pytest.approx(1.0))
+    assert (cb["n_collectives"], cb["comm_ms"], cb["calls"]) == (2, pytest.approx(7.0), 1)
+    assert s["n_in_flight"].sum() == 0  # the never-waited all_reduce belongs to no op
+    # the table's comm adds up to the collectives' own rows: exclusive over every call, or inclusive over the
+    # user's calls (each collective lies inside exactly one of them)
+    colls = t.get_collectives()
+    owned = colls[colls["op_seq"].notna()]["duration_ms"].sum()
+    assert t.get_op_summary(nested=True)["comm_ms"].sum() == pytest.approx(owned) == pytest.approx(10.0)
+    assert s["comm_ms_inclusive"].sum() == pytest.approx(owned)
+    assert math.isnan(colls[colls["in_flight"]]["duration_ms"].iloc[0])  # never counted as done
+
+
+def test_comm_by_op_like_with_like_inclusive_kind_rank_peer():
+    ms = 1_000_000
+    r0 = [
+        op(0, "ShardTensor.full_tensor", "python_method", t0=0, dur=4 * ms),
+        op(1, "ShardTensor.redistribute", "python_method", t0=0, dur=3 * ms, parent_seq=0, depth=1),
+        coll(2, "all_gather_into_tensor", 1, 1 * ms, 2.0, op="ShardTensor.redistribute"),
+        op(3, "torch.conv2d", t0=10 * ms, dur=8 * ms),
+        coll(4, "all_to_all_single", 3, 11 * ms, 1.0, op="torch.conv2d", group_ranks=[0, 1],
+             splits_sent=[0, 64], splits_recv=[0, 32], bytes_sent=64, bytes_recv=32),
+        op(5, "torch.conv2d", phase="backward", fwd_seq=3, t0=30 * ms, dur=ms // 2),
+        coll(6, "all_reduce", 3, 31 * ms, 6.0, phase="backward", op="torch.conv2d"),
+        coll(7, "all_reduce", None, 40 * ms, 0.0, in_flight=True),
+    ]
+    r1 = [op(0, "torch.conv2d", t0=10 * ms, dur=2 * ms),
+          coll(1, "all_to_all_single", 0, 10 * ms, 3.0, op="torch.conv2d", splits_sent=[32, 0],
+               splits_recv=[64, 0], bytes_sent=32, bytes_recv=64)]
+    t = Trace.from_payloads([payload(0, r0), payload(1, r1)])
+    by = t.get_comm_by_op().set_index(["op", "rank"])
+    conv = by.loc[("torch.conv2d", 0)]
+    # forward against forward: 1 ms of the 8 ms call; backward apart (6 ms against a 0.5 ms node)
+    assert conv["comm_ms"] == pytest.approx(1.0) and conv["op_ms"] == pytest.approx(8.0)
+    assert conv["comm_share"] == pytest.approx(1 / 8)
+    assert (conv["bwd_n_collectives"], conv["bwd_comm_ms"], conv["bwd_op_ms"]) == (1, pytest.approx(6.0),
+                                                                                    pytest.approx(0.5))
+    assert conv["n_collectives"] == 2
+    assert by.loc[("ShardTensor.full_tensor", 0), "n_collectives"] == 0
+    assert by.loc[("<outside recorded ops>", 0), "n_in_flight"] == 1
+    assert by.loc[("<outside recorded ops>", 0), "comm_ms"] == 0.0
+    inc = t.get_comm_by_op(inclusive=True).set_index(["op", "rank"])
+    assert inc.loc[("ShardTensor.full_tensor", 0), "n_collectives"] == 1
+    assert inc.loc[("ShardTensor.redistribute", 0), "n_collectives"] == 1
+    calls = t.get_comm_by_op(by="call").set_index(["rank", "op_seq"])
+    assert calls.loc[(0, 3), "op_ms"] == pytest.approx(8.0) and calls.loc[(0, 3), "bwd_op_ms"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="inclusive"):
+        t.get_comm_by_op(inclusive="yes")
+    # time summed over ranks beside the slowest rank and the mean per rank
+    k = t.get_comm_by_kind().set_index(["op", "kind"]).loc[("torch.conv2d", "all_to_all_single")]
+    assert k["comm_ms"] == pytest.approx(4.0) and k["comm_ms_rank_max"] == pytest.approx(3.0)
+    assert k["comm_ms_rank_mean"] == pytest.approx(2.0)
+    r = t.get_comm_by_rank().set_index("rank")
+    assert (r.loc[0, "n_collectives"], r.loc[0, "n_in_flight"]) == (4, 1)
+    assert r.loc[0, "comm_ms"] == pytest.approx(9.0) and r.loc[0, "comm_wall_ms"] == pytest.approx(9.0)
+    assert r.loc[0, "span_ms"] == pytest.approx(40.0)  # first op start to the last collective issued
+    peers = t.get_comm_by_peer().set_index(["rank", "peer"])
+    assert (peers.loc[(0, 1), "bytes_sent"], peers.loc[(0, 1), "bytes_recv"]) == (64, 32)
+    assert (peers.loc[(1, 0), "bytes_sent"], peers.loc[(1, 0), "bytes_recv"]) == (32, 64)
+    assert bool(peers.loc[(0, 0), "local"]) and peers.loc[(0, 0), "bytes_sent"] == 0
+
+
+def test_fallbacks_compute_metadata_and_autograd():
+    r0 = [
+        op(0, "Tensor.abs", "dtensor_fallback_function", fallback=True),
+        op(1, "Tensor.shape.__get__", "dtensor_fallback_function", fallback=True),
+        op(2, "Tensor.detach", "dtensor_fallback_function", fallback=True),
+        op(3, "ShardTensor.backward", "python_method", dur=50_000_000),
+        op(4, "Tensor.backward", "dtensor_fallback_function", fallback=True, parent_seq=3, depth=1,
+           dur=49_000_000),
+        op(5, "aten.detach.default", "dtensor_fallback_dispatch", phase="backward", fallback=True),
+    ]
+    t = Trace.from_payloads([payload(0, r0)])
+    assert list(t.get_fallbacks()["op"]) == ["Tensor.abs"]
+    every = t.get_fallbacks(include_metadata=True).set_index("op")
+    assert set(every.index) == {"Tensor.abs", "Tensor.shape.__get__", "Tensor.detach"}
+    assert every.loc["Tensor.shape.__get__", "category"] == "metadata" and every.loc["Tensor.abs", "category"] == "compute"
+    assert every.loc["Tensor.abs", "locations"] == ["cell [3], line 3: `y = net(x)`"]
+    s = t.get_op_summary().set_index("op")
+    assert "Tensor.backward" not in s.index and s.loc["ShardTensor.backward", "category"] == "autograd"
+
+
+def test_errors_keep_the_whole_message_and_say_where():
+    long = "local size 17: must be divisible by 2\n4 were expected: ranks 0-3 disagree (" + "x" * 200 + ")"
+    r0 = [op(0, "Tensor.add", error=err(0, long, exc="UndeterminedShardingError"))]
+    e = Trace.from_payloads([payload(0, r0)]).get_errors().iloc[0]
+    assert e["message"] == long and e["location"] == "cell [3], line 3: `y = net(x)`"
+    from sharddbg.analysis.formatting import format_location
+
+    assert format_location("/m/model.py:12 in forward", None, "return self.conv(x)") == \
+        "/m/model.py:12 in forward: `return self.conv(x)`"
+    assert format_location(None) is None
+
+
+def test_older_payloads_load_newer_fields_are_required():
+    """A schema 3 payload (no user_cell / local_ms / params) reads, its new columns empty; a schema 4 record
+    without them is refused. The golden trace of schema 3 in tests/data loads and every table reads it."""
+    old = payload(0, [{k: v for k, v in op(0, "Tensor.abs").items() if k not in ("user_cell", "user_code", "local_ms")}])
+    old["schema_version"] = 3
+    ops = Trace.from_payloads([old]).get_ops()
+    assert pd.isna(ops["user_cell"].iloc[0]) and math.isnan(ops["local_ms"].iloc[0])
+    assert ops["location"].iloc[0] == "cell.py:3 in <module>"
+    new = payload(0, [{k: v for k, v in op(0, "Tensor.abs").items() if k != "user_cell"}])
+    with pytest.raises(schema.SchemaError, match="user_cell"):
+        Trace.from_payloads([new])
+    from pathlib import Path
+
+    for name in ("conv4.sdtrace.json", "conv4_schema3.sdtrace.json"):
+        t = load_trace(Path(__file__).parent / "data" / name)
+        s = t.get_op_summary()
+        assert len(s) and (s["calls"] > 0).all()
+        assert "Tensor.backward" not in set(t.get_fallbacks(include_metadata=True)["op"])
+        by = t.get_comm_by_op()
+        assert (by["comm_share"].dropna() <= 1).all()

@@ -2,11 +2,12 @@
 
 ``collectives_frame`` builds ``Trace.get_collectives()``; the others take that frame (and the op table
 of ``Trace.get_ops()``) and return DataFrames. Collectives issued outside any recorded op are counted
-under ``NO_OP`` everywhere.
+under ``NO_OP`` everywhere (a DDP gradient bucket's all_reduce under ``schema.DDP_BUCKET_OP``).
 
 Definitions used throughout:
-- ``duration_ms``: ``t_done_ns - t_issue_ns`` on the host (issue to the return of its wait); NaN when
-  no wait was seen while recording.
+- ``duration_ms``: ``t_done_ns - t_issue_ns`` on the host (issue to the return of its wait, or to its
+  completion for work C++ waits on); NaN for a collective that never completed (``in_flight``): it is
+  counted (``n_in_flight``) but never timed as done.
 - ``bandwidth_gbps``: effective bandwidth in GB/s (10^9 bytes per second) =
   ``max(bytes_sent, bytes_recv) / duration`` (``device_ms`` when measured, else ``duration_ms``).
 - ``wait_ms`` (imbalance): how long this rank waited for the last rank of the group to arrive at the
@@ -20,6 +21,7 @@ import math
 import pandas as pd
 
 from ..schema import COLLECTIVE_FIELDS
+from .formatting import format_location
 from .ops import NO_OP
 
 COLLECTIVE_COLUMNS = [
@@ -30,12 +32,18 @@ COLLECTIVE_COLUMNS = [
 COLLECTIVE_EXTRA_COLUMNS = [
     "group_name", "group_size", "peer", "root", "splits_sent", "splits_recv", "dtype", "shape", "api", "aten_op",
     "t_return_ns", "issue_ms", "wait_op_seq", "waited", "device_ms", "in_flight", "thread",
+    "params", "bucket", "user_frame", "user_cell", "user_code", "location",
 ]
 COMM_BY_OP_COLUMNS = ["op", "rank", "calls", "n_collectives", "kinds", "bytes_sent", "bytes_recv", "comm_ms", "op_ms",
-                      "comm_share"]
-COMM_BY_OP_KIND_COLUMNS = ["op", "kind", "calls", "bytes", "comm_ms"]
+                      "comm_share", "bwd_n_collectives", "bwd_comm_ms", "bwd_op_ms", "n_in_flight"]
+COMM_BY_OP_KIND_COLUMNS = ["op", "kind", "calls", "bytes", "comm_ms", "comm_ms_rank_max", "comm_ms_rank_mean",
+                           "n_in_flight"]
 COMM_BY_CALL_COLUMNS = ["rank", "op_seq", "op", "path", "module", "n_collectives", "kinds", "bytes_sent", "bytes_recv",
-                        "comm_ms", "op_ms", "comm_share", "user_frame"]
+                        "comm_ms", "op_ms", "comm_share", "user_frame", "bwd_n_collectives", "bwd_comm_ms",
+                        "bwd_op_ms", "n_in_flight", "location"]
+COMM_BY_RANK_COLUMNS = ["rank", "n_collectives", "n_in_flight", "bytes_sent", "bytes_recv", "comm_ms", "comm_wall_ms",
+                        "span_ms"]
+COMM_BY_PEER_COLUMNS = ["rank", "peer", "kind", "n_collectives", "bytes_sent", "bytes_recv", "local"]
 IMBALANCE_COLUMNS = ["op", "rank", "calls", "shard_elems", "host_ms", "comm_ms", "wait_ms", "n_collectives",
                      "shard_imbalance", "host_imbalance", "wait_ms_max"]
 MISMATCH_COLUMNS = ["group_name", "group_seq", "mesh_dim", "problem", "ranks", "kinds", "detail"]
@@ -48,11 +56,12 @@ _SAME_SIZE = {"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "a
 _P2P = {"send", "recv"}
 
 assert {c for c in COLLECTIVE_COLUMNS[1:] + COLLECTIVE_EXTRA_COLUMNS
-        if c not in ("kind", "duration_ms", "bandwidth_gbps", "issue_ms")} <= set(COLLECTIVE_FIELDS)
+        if c not in ("kind", "duration_ms", "bandwidth_gbps", "issue_ms", "location")} <= set(COLLECTIVE_FIELDS)
 
 
 def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -> pd.DataFrame:
-    """One row per collective record per rank; times on the reference clock (t - offset)."""
+    """One row per collective record per rank; times on the reference clock (t - offset). A collective that
+    never completed (``in_flight``) has no ``duration_ms``: it is never counted as done."""
     rows = []
     for rank in sorted(rows_by_rank):
         off = int(offsets_ns.get(rank, 0))
@@ -64,14 +73,17 @@ def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
             r["kind"] = ev["coll"]
             for k in ("t_issue_ns", "t_return_ns", "t_done_ns"):
                 r[k] = ev[k] - off if ev.get(k) is not None else None
+            r["location"] = format_location(ev.get("user_frame"), ev.get("user_cell"), ev.get("user_code"))
             rows.append(r)
     df = pd.DataFrame(rows, columns=COLLECTIVE_COLUMNS + COLLECTIVE_EXTRA_COLUMNS)
     for c in ("t_issue_ns", "t_return_ns", "t_done_ns", "op_seq", "outer_op_seq", "wait_op_seq", "peer", "root",
-              "group_size"):
+              "group_size", "bucket", "user_cell"):
         df[c] = df[c].astype("Int64")
-    df["duration_ms"] = ((df["t_done_ns"] - df["t_issue_ns"]).astype("Float64") / 1e6).astype(float)
+    df["in_flight"] = df["in_flight"].fillna(False).astype(bool)
+    done = (df["t_done_ns"] - df["t_issue_ns"]).astype("Float64") / 1e6
+    df["duration_ms"] = done.astype(float).where(~df["in_flight"])
     df["issue_ms"] = ((df["t_return_ns"] - df["t_issue_ns"]).astype("Float64") / 1e6).astype(float)
-    df["device_ms"] = pd.to_numeric(df["device_ms"], errors="coerce").astype(float)
+    df["device_ms"] = pd.to_numeric(df["device_ms"], errors="coerce").astype(float).where(~df["in_flight"])
     t_ms = df["device_ms"].where(df["device_ms"].notna(), df["duration_ms"])
     vol = df[["bytes_sent", "bytes_recv"]].max(axis=1).astype(float) if len(df) else pd.Series(dtype=float)
     df["bandwidth_gbps"] = (vol / (t_ms / 1e3) / 1e9).where(t_ms > 0)
@@ -86,19 +98,75 @@ def _sum_ms(s: pd.Series) -> float:
     return float(s.sum()) if s.notna().any() else 0.0
 
 
-def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op") -> pd.DataFrame:
-    """Communication per op name and rank (``by="op"``) or per op call (``by="call"``).
+def op_chains(ops: pd.DataFrame) -> dict[tuple[int, int], list[int]]:
+    """(rank, seq) of every op record -> [seq, its parent's seq, ..., the outermost recorded op's seq]: the
+    calls a collective attributed to ``seq`` ran inside (inclusive totals count it for each)."""
+    if ops.empty:
+        return {}
+    parent = {(int(r), int(s)): (None if pd.isna(p) else int(p))
+              for r, s, p in zip(ops["rank"], ops["seq"], ops["parent_seq"])}
+    chains: dict[tuple[int, int], list[int]] = {}
+    for (r, s) in parent:
+        chain, cur, guard = [], s, 0
+        while cur is not None and guard < 256:  # depth of nesting: small; the guard is for a corrupt file
+            chain.append(cur)
+            cur = parent.get((r, cur))
+            guard += 1
+        chains[(r, s)] = chain
+    return chains
 
-    Collectives count for the op they are attributed to (``op``: innermost recorded op at issue; in
-    backward the forward op whose autograd node issued them). ``calls``: forward calls of the op on that
-    rank; ``op_ms``: host time of those calls plus their backward events; ``comm_ms``: sum of the
-    collectives' ``duration_ms`` (async ones may overlap each other and compute); ``comm_share`` =
-    comm_ms / op_ms. Collectives issued outside any recorded op appear under ``NO_OP``.
+
+def attributed(colls: pd.DataFrame, ops: pd.DataFrame, inclusive: bool) -> pd.DataFrame:
+    """One row per (collective, op call it counts for): the collective's own op (``op``/``op_seq``; NO_OP for
+    none), and with ``inclusive`` every enclosing recorded call too (each call once, each op name once per
+    collective). Columns: the collective's, with ``op``/``op_seq`` replaced."""
+    c = colls.copy()
+    c["op"] = c["op"].where(c["op"].notna(), NO_OP)
+    if not inclusive or c.empty or ops.empty:
+        return c
+    chains = op_chains(ops)
+    names = {(int(r), int(s)): o for r, s, o in zip(ops["rank"], ops["seq"], ops["op"])}
+    rows, idx = [], []
+    for i, (r, seq) in enumerate(zip(c["rank"], c["op_seq"])):
+        if pd.isna(seq):
+            idx.append(i)
+            rows.append((c["op"].iat[i], pd.NA))
+            continue
+        seen_names = set()
+        for s in chains.get((int(r), int(seq)), [int(seq)]):
+            name = names.get((int(r), s), c["op"].iat[i])
+            if name in seen_names:
+                continue
+            seen_names.add(name)
+            idx.append(i)
+            rows.append((name, s))
+    out = c.iloc[idx].reset_index(drop=True)
+    out["op"] = [n for n, _ in rows]
+    out["op_seq"] = pd.array([s for _, s in rows], dtype="Int64")
+    return out
+
+
+def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive: bool = False) -> pd.DataFrame:
+    """Communication per op name and rank (``by="op"``) or per op call (``by="call"``), forward and backward
+    apart.
+
+    A collective counts for the op it is attributed to (``op``: innermost recorded op at issue; in backward
+    the forward op whose autograd node issued it); with ``inclusive=True`` also for every recorded op it ran
+    inside (``ShardTensor.full_tensor`` then owns the all_gather of the ``redistribute`` it calls; inclusive
+    rows overlap, so they do not add up to the trace's total). ``calls``: forward calls of the op on that rank.
+    ``n_collectives`` / ``kinds`` / ``bytes_*``: both phases. Like with like: ``comm_ms`` (sum of the forward
+    collectives' ``duration_ms``) against ``op_ms`` (host time of the forward calls), ``comm_share`` =
+    comm_ms / op_ms, so a share above 1 can only come from async collectives overlapping each other or
+    outlasting the call; ``bwd_comm_ms`` / ``bwd_op_ms``: the same for the backward collectives and events
+    (a backward event times the op's output node only, so the two are not a share). ``n_in_flight``:
+    collectives that never completed (counted, never timed). Collectives outside every recorded op appear
+    under ``NO_OP`` (a DDP bucket under ``schema.DDP_BUCKET_OP``).
     """
     if by not in ("op", "call"):
         raise ValueError(f"by must be 'op' or 'call', got {by!r}")
-    c = colls.copy()
-    c["op"] = c["op"].where(c["op"].notna(), NO_OP)
+    if not isinstance(inclusive, bool):
+        raise ValueError(f"inclusive must be True or False, got {inclusive!r}")
+    c = attributed(colls, ops, inclusive)
     if by == "call":
         return _comm_by_call(c, ops)
     rows = []
@@ -107,18 +175,26 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op") -> pd.Dat
     keys |= set(zip(fwd["op"], fwd["rank"])) if len(fwd) else set()
     for op, rank in sorted(keys, key=lambda k: (str(k[0]), int(k[1]))):
         g = c[(c["op"] == op) & (c["rank"] == rank)]
+        gf, gb = g[g["phase"] != "backward"], g[g["phase"] == "backward"]
         o = ops[(ops["op"] == op) & (ops["rank"] == rank)] if len(ops) else ops
-        calls = int((o["phase"] == "forward").sum()) if len(o) else 0
-        op_ms = _sum_ms(o["host_ms"]) if len(o) else math.nan
-        comm = _sum_ms(g["duration_ms"])
+        of = o[o["phase"] == "forward"] if len(o) else o
+        ob = o[o["phase"] == "backward"] if len(o) else o
+        calls = int(len(of))
+        op_ms = _sum_ms(of["host_ms"]) if len(of) else math.nan
+        comm = _sum_ms(gf["duration_ms"])
         rows.append({
             "op": op, "rank": int(rank), "calls": calls, "n_collectives": int(len(g)), "kinds": _kinds(g["kind"]),
             "bytes_sent": int(g["bytes_sent"].sum()), "bytes_recv": int(g["bytes_recv"].sum()),
             "comm_ms": comm, "op_ms": op_ms,
             "comm_share": comm / op_ms if op_ms and not math.isnan(op_ms) and op_ms > 0 else math.nan,
+            "bwd_n_collectives": int(len(gb)), "bwd_comm_ms": _sum_ms(gb["duration_ms"]),
+            "bwd_op_ms": _sum_ms(ob["host_ms"]) if len(ob) else 0.0,
+            "n_in_flight": int(g["in_flight"].sum()),
         })
     df = pd.DataFrame(rows, columns=COMM_BY_OP_COLUMNS)
-    return df.sort_values(["comm_ms", "op", "rank"], ascending=[False, True, True], kind="stable").reset_index(drop=True)
+    df["total_ms"] = df["comm_ms"] + df["bwd_comm_ms"]
+    df = df.sort_values(["total_ms", "op", "rank"], ascending=[False, True, True], kind="stable")
+    return df.drop(columns="total_ms").reset_index(drop=True)
 
 
 def _comm_by_call(c: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
@@ -135,11 +211,14 @@ def _comm_by_call(c: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
         for r, fs, ms in zip(bwd["rank"], bwd["fwd_seq"], bwd["host_ms"]):
             if not pd.isna(fs) and not pd.isna(ms):
                 bwd_ms[(int(r), int(fs))] = bwd_ms.get((int(r), int(fs)), 0.0) + float(ms)
+    groups = {k: g for k, g in with_coll.groupby(["rank", with_coll["op_seq"].astype(int)])} if len(with_coll) else {}
+    empty = c.iloc[0:0]
     for rank, seq in sorted(keys):
-        g = with_coll[(with_coll["rank"] == rank) & (with_coll["op_seq"] == seq)]
+        g = groups.get((rank, seq), empty)
+        gf, gb = g[g["phase"] != "backward"], g[g["phase"] == "backward"]
         o = fwd_idx.get((rank, seq))
-        op_ms = (float(o.host_ms) if o is not None and not pd.isna(o.host_ms) else 0.0) + bwd_ms.get((rank, seq), 0.0)
-        comm = _sum_ms(g["duration_ms"])
+        op_ms = float(o.host_ms) if o is not None and not pd.isna(o.host_ms) else 0.0
+        comm = _sum_ms(gf["duration_ms"])
         rows.append({
             "rank": int(rank), "op_seq": int(seq),
             "op": o.op if o is not None else (g["op"].iloc[0] if len(g) else None),
@@ -148,31 +227,114 @@ def _comm_by_call(c: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
             "bytes_sent": int(g["bytes_sent"].sum()), "bytes_recv": int(g["bytes_recv"].sum()),
             "comm_ms": comm, "op_ms": op_ms, "comm_share": comm / op_ms if op_ms > 0 else math.nan,
             "user_frame": o.user_frame if o is not None else None,
+            "bwd_n_collectives": int(len(gb)), "bwd_comm_ms": _sum_ms(gb["duration_ms"]),
+            "bwd_op_ms": bwd_ms.get((rank, seq), 0.0), "n_in_flight": int(g["in_flight"].sum()),
+            "location": o.location if o is not None else None,
         })
     nc = c[c["op_seq"].isna()]
-    for rank, g in nc.groupby("rank"):
-        rows.append({"rank": int(rank), "op_seq": None, "op": NO_OP, "path": None, "module": None,
+    for (rank, op), g in nc.groupby(["rank", "op"]):
+        gf, gb = g[g["phase"] != "backward"], g[g["phase"] == "backward"]
+        locs = [x for x in g["location"] if isinstance(x, str)]
+        rows.append({"rank": int(rank), "op_seq": None, "op": op, "path": None, "module": None,
                      "n_collectives": int(len(g)), "kinds": _kinds(g["kind"]),
                      "bytes_sent": int(g["bytes_sent"].sum()), "bytes_recv": int(g["bytes_recv"].sum()),
-                     "comm_ms": _sum_ms(g["duration_ms"]), "op_ms": math.nan, "comm_share": math.nan,
-                     "user_frame": None})
+                     "comm_ms": _sum_ms(gf["duration_ms"]), "op_ms": math.nan, "comm_share": math.nan,
+                     "user_frame": None, "bwd_n_collectives": int(len(gb)), "bwd_comm_ms": _sum_ms(gb["duration_ms"]),
+                     "bwd_op_ms": math.nan, "n_in_flight": int(g["in_flight"].sum()),
+                     "location": locs[0] if len(set(locs)) == 1 else None})
     df = pd.DataFrame(rows, columns=COMM_BY_CALL_COLUMNS)
     df["op_seq"] = df["op_seq"].astype("Int64")
     return df.sort_values(["rank", "op_seq"], kind="stable").reset_index(drop=True)
 
 
 def comm_by_op_kind(colls: pd.DataFrame) -> pd.DataFrame:
-    """Communication per (op, collective kind), all ranks together: ``calls`` (collectives),
-    ``bytes`` (sent + received), ``comm_ms`` (sum of ``duration_ms``; collectives not waited for add
-    nothing). Largest ``bytes`` first, then largest ``comm_ms``."""
+    """Communication per (op, collective kind), all ranks together: ``calls`` (collectives), ``bytes`` (sent +
+    received, summed over ranks), ``comm_ms`` (``duration_ms`` summed over ranks: on 4 ranks waiting together
+    it is about 4x the wall time), beside ``comm_ms_rank_max`` / ``comm_ms_rank_mean`` (per-rank totals: the
+    slowest rank's, and their mean over the ranks of the table), ``n_in_flight`` (never completed; not timed).
+    Largest ``bytes`` first, then largest ``comm_ms``."""
     if colls.empty:
         return pd.DataFrame(columns=COMM_BY_OP_KIND_COLUMNS)
     c = colls.assign(op=colls["op"].where(colls["op"].notna(), NO_OP),
-                     bytes=colls["bytes_sent"].fillna(0) + colls["bytes_recv"].fillna(0))
+                     bytes=colls["bytes_sent"].fillna(0) + colls["bytes_recv"].fillna(0),
+                     done_ms=colls["duration_ms"].fillna(0.0))
+    n_ranks = max(int(c["rank"].nunique()), 1)
     g = c.groupby(["op", "kind"], sort=False).agg(calls=("kind", "size"), bytes=("bytes", "sum"),
-                                                  comm_ms=("duration_ms", "sum"))
+                                                  comm_ms=("done_ms", "sum"), n_in_flight=("in_flight", "sum"))
+    per_rank = c.groupby(["op", "kind", "rank"], sort=False)["done_ms"].sum()
+    g["comm_ms_rank_max"] = per_rank.groupby(level=[0, 1]).max()
+    g["comm_ms_rank_mean"] = per_rank.groupby(level=[0, 1]).sum() / n_ranks
+    g["n_in_flight"] = g["n_in_flight"].astype(int)
     return g.reset_index().sort_values(["bytes", "comm_ms"], ascending=False, kind="stable").reset_index(drop=True)[
         COMM_BY_OP_KIND_COLUMNS]
+
+
+def _union_ms(starts, ends) -> float:
+    """Length (ms) of the union of [start, end) intervals in ns: wall time with at least one collective open."""
+    spans = sorted((int(a), int(b)) for a, b in zip(starts, ends) if not pd.isna(a) and not pd.isna(b) and b >= a)
+    total, cur_a, cur_b = 0, None, None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return total / 1e6
+
+
+def comm_by_rank(colls: pd.DataFrame, ops: pd.DataFrame, ranks=None) -> pd.DataFrame:
+    """Communication of each rank: ``n_collectives``, ``n_in_flight`` (never completed), ``bytes_sent`` /
+    ``bytes_recv``, ``comm_ms`` (sum of ``duration_ms``; overlapping async collectives count each),
+    ``comm_wall_ms`` (wall time with at least one of them open: never more than the span), ``span_ms`` (from
+    the rank's first recorded event to its last). ``ranks``: every rank to list (a rank without collectives
+    has zeros)."""
+    keys = set(int(r) for r in colls["rank"]) | set(int(r) for r in ops["rank"]) | set(int(r) for r in (ranks or ()))
+    rows = []
+    for rank in sorted(keys):
+        g = colls[colls["rank"] == rank]
+        o = ops[ops["rank"] == rank]
+        done = g[~g["in_flight"]]
+        t0 = [x for x in list(g["t_issue_ns"]) + list(o["t_start_ns"]) if not pd.isna(x)]
+        t1 = [x for x in list(g["t_done_ns"]) + list(g["t_issue_ns"]) + list(o["t_end_ns"]) if not pd.isna(x)]
+        rows.append({
+            "rank": rank, "n_collectives": int(len(g)), "n_in_flight": int(g["in_flight"].sum()),
+            "bytes_sent": int(g["bytes_sent"].sum()), "bytes_recv": int(g["bytes_recv"].sum()),
+            "comm_ms": _sum_ms(g["duration_ms"]), "comm_wall_ms": _union_ms(done["t_issue_ns"], done["t_done_ns"]),
+            "span_ms": (max(t1) - min(t0)) / 1e6 if t0 and t1 else math.nan,
+        })
+    return pd.DataFrame(rows, columns=COMM_BY_RANK_COLUMNS)
+
+
+def comm_by_peer(colls: pd.DataFrame) -> pd.DataFrame:
+    """Bytes each rank sent to and received from each other rank, where the records say so exactly:
+    all_to_all (its per-rank splits) and point-to-point send / recv (its peer). ``local``: the part of an
+    all_to_all a rank keeps for itself (peer == rank: no transfer). Collectives whose per-peer traffic depends
+    on the backend's algorithm (all_reduce, all_gather, broadcast, ...) are not split here."""
+    acc: dict[tuple[int, int, str], list[int]] = {}
+
+    def add(rank, peer, kind, sent, recv):
+        a = acc.setdefault((int(rank), int(peer), str(kind)), [0, 0, 0])
+        a[0] += 1
+        a[1] += int(sent)
+        a[2] += int(recv)
+
+    for r in colls.itertuples(index=False):
+        if r.kind in ("all_to_all_single", "all_to_all") and isinstance(r.group_ranks, (list, tuple)):
+            ss = r.splits_sent if isinstance(r.splits_sent, (list, tuple)) else None
+            sr = r.splits_recv if isinstance(r.splits_recv, (list, tuple)) else None
+            if ss is None and sr is None:
+                continue
+            for i, peer in enumerate(r.group_ranks):
+                add(r.rank, peer, r.kind, ss[i] if ss is not None and i < len(ss) else 0,
+                    sr[i] if sr is not None and i < len(sr) else 0)
+        elif r.kind in _P2P and not pd.isna(r.peer):
+            add(r.rank, r.peer, r.kind, r.bytes_sent, r.bytes_recv)
+    rows = [{"rank": k[0], "peer": k[1], "kind": k[2], "n_collectives": v[0], "bytes_sent": v[1], "bytes_recv": v[2],
+             "local": k[0] == k[1]} for k, v in sorted(acc.items())]
+    return pd.DataFrame(rows, columns=COMM_BY_PEER_COLUMNS)
 
 
 def arrival_wait_ms(colls: pd.DataFrame) -> pd.Series:

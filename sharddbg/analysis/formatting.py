@@ -54,3 +54,20 @@ def json_value(v):
     if isinstance(v, float) and math.isnan(v):
         return None
     return v
+
+
+def format_location(user_frame, user_cell=None, user_code=None) -> str | None:
+    """Where the user's code made a call, as a notebook reads it: ``"cell [6], line 5: `y = x + x`"`` for a
+    line of an IPython cell (``user_cell``: its execution count on the ranks), ``"model.py:12 in forward:
+    `return self.conv(x)`"`` for a file; None when no user frame was recorded. ``user_frame`` is the
+    recorder's ``"file:line in function"``."""
+    if is_missing(user_frame) or not isinstance(user_frame, str):
+        return None
+    where = user_frame.rpartition(" in ")[0] or user_frame  # "file:line"
+    line = where.rpartition(":")[2]
+    code = None if is_missing(user_code) else str(user_code)
+    if not is_missing(user_cell) and line.isdigit():
+        text = f"cell [{int(user_cell)}], line {line}"
+    else:
+        text = user_frame
+    return f"{text}: `{code}`" if code else text

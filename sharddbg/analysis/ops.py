@@ -10,9 +10,49 @@ import math
 import pandas as pd
 
 from ..schema import CELL_ERROR_FIELDS, FALLBACK_PATHS, OP_FIELDS
+from .formatting import format_location
 
 # what tables call the place of a collective or an exception outside every recorded op
 NO_OP = "<outside recorded ops>"
+
+# Calls that read a tensor's metadata (attribute reads reach __torch_function__ as ``Tensor.<name>.__get__``)
+# or make a new view of the same data without computing: on a ShardTensor they take the DTensor fallback,
+# cheaply and correctly, so get_fallbacks() lists them apart (``include_metadata=True``).
+METADATA_ATTRIBUTES = frozenset({
+    "shape", "ndim", "T", "mT", "H", "mH", "device", "dtype", "is_cuda", "is_cpu", "is_meta", "is_mps", "is_xpu",
+    "is_sparse", "is_quantized", "is_nested", "is_mkldnn", "layout", "requires_grad", "is_leaf", "grad_fn", "names",
+    "itemsize", "nbytes", "data", "grad", "output_nr", "_version", "_base"})
+METADATA_METHODS = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "element_size", "detach", "detach_", "is_contiguous",
+    "is_floating_point", "is_complex", "is_signed", "get_device", "storage_offset", "__len__", "data_ptr",
+    "requires_grad_", "dim_order", "is_pinned", "is_shared", "untyped_storage", "type"})
+METADATA_ATEN = frozenset({
+    "aten.detach.default", "aten.alias.default", "aten.sym_size.int", "aten.sym_size.default",
+    "aten.sym_stride.int", "aten.sym_stride.default", "aten.sym_numel.default", "aten.sym_storage_offset.default",
+    "aten.is_contiguous.default", "aten.dim.default", "aten.size.default", "aten.size.int", "aten.stride.default",
+    "aten.numel.default"})
+# Calls that enter the autograd engine: their time is the whole backward pass (every node's own events are
+# recorded apart), not a fallback's cost. ``ShardTensor.backward`` calls ``Tensor.backward`` itself.
+AUTOGRAD_ENTRY_OPS = frozenset({"Tensor.backward", "ShardTensor.backward", "torch.autograd.backward",
+                                "torch.autograd.grad", "torch.autograd.__init__.backward",
+                                "torch.autograd.__init__.grad"})
+
+
+def is_metadata_op(op) -> bool:
+    """``op`` (a name of ``get_ops()``) reads metadata or makes a view without computing (the METADATA_*
+    sets): ``Tensor.shape.__get__``, ``Tensor.size``, ``Tensor.detach``, ``aten.detach.default``, ..."""
+    if not isinstance(op, str):
+        return False
+    if op in METADATA_ATEN:
+        return True
+    if op.startswith("Tensor."):
+        rest = op[len("Tensor."):]
+        if rest.endswith(".__get__"):
+            return rest[: -len(".__get__")] in METADATA_ATTRIBUTES
+        return rest in METADATA_METHODS
+    if op.startswith("torch."):
+        return op[len("torch."):] in ("numel", "is_tensor", "is_floating_point", "is_complex", "detach")
+    return False
 
 # get_ops() columns: rank, then the op record's fields up to error in schema order (error as
 # "exc_type: message"), then its remaining fields and the error's parts.
@@ -23,13 +63,16 @@ OPS_COLUMNS = [
     "host_ms", "device_ms", "mem_delta_bytes", "error",
 ]
 OPS_EXTRA_COLUMNS = ["fwd_seq", "in_placements", "fallback", "not_implemented", "in_flight", "thread",
-                     "exc_type", "traceback", "error_origin_seq", "unmasked", "promotions"]
-FALLBACK_COLUMNS = ["op", "path", "calls", "ranks", "host_ms_total", "user_frames", "via_handler", "bwd_host_ms_total"]
+                     "exc_type", "traceback", "error_origin_seq", "unmasked", "promotions",
+                     "user_cell", "user_code", "location", "local_ms", "message"]
+FALLBACK_COLUMNS = ["op", "path", "calls", "ranks", "host_ms_total", "user_frames", "via_handler", "bwd_host_ms_total",
+                    "category", "locations"]
 ERROR_COLUMNS = ["rank", "seq", "op", "path", "exc_type", "message", "traceback", "user_frame", "phase", "unmasked",
-                 "propagated_to", "cell_line", "cell_code"]
-CELL_ERROR_COLUMNS = ["rank", "seq", "t_ns", "exc_type", "message", "traceback", "origin_seq", "cell_line", "cell_code"]
+                 "propagated_to", "cell_line", "cell_code", "location"]
+CELL_ERROR_COLUMNS = ["rank", "seq", "t_ns", "exc_type", "message", "traceback", "origin_seq", "cell_line", "cell_code",
+                      "cell", "location"]
 
-assert set(CELL_ERROR_COLUMNS[1:]) <= set(CELL_ERROR_FIELDS), "get_cell_errors columns must come from the schema"
+assert set(CELL_ERROR_COLUMNS[1:-1]) <= set(CELL_ERROR_FIELDS), "get_cell_errors columns must come from the schema"
 PROMOTION_COLUMNS = ["rank", "seq", "op", "param", "shape", "dtype", "module", "user_frame"]
 
 assert set(OPS_COLUMNS[1:]) <= set(OP_FIELDS), "get_ops columns must come from the schema"
@@ -52,35 +95,51 @@ def ops_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -
             for k in OPS_EXTRA_COLUMNS:
                 r[k] = ev.get(k)
             r["exc_type"] = err["exc_type"] if err else None
+            r["message"] = err["message"] if err else None
             r["traceback"] = err["traceback"] if err else None
             r["error_origin_seq"] = err["origin_seq"] if err else None
             r["unmasked"] = bool(err["unmasked"]) if err else False
+            r["location"] = format_location(ev["user_frame"], ev.get("user_cell"), ev.get("user_code"))
             rows.append(r)
     df = pd.DataFrame(rows, columns=OPS_COLUMNS + OPS_EXTRA_COLUMNS)
-    for c in ("host_ms", "device_ms"):
+    for c in ("host_ms", "device_ms", "local_ms"):
         df[c] = pd.to_numeric(df[c], errors="coerce").astype(float)  # None (not measured) -> NaN
     df["mem_delta_bytes"] = pd.to_numeric(df["mem_delta_bytes"], errors="coerce").astype(float)
-    for c in ("t_start_ns", "t_end_ns", "parent_seq", "fwd_seq", "error_origin_seq"):
+    for c in ("t_start_ns", "t_end_ns", "parent_seq", "fwd_seq", "error_origin_seq", "user_cell"):
         df[c] = df[c].astype("Int64")
     return df.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True)
 
 
-def is_fallback(ops: pd.DataFrame) -> pd.Series:
+def took_fallback_path(ops: pd.DataFrame) -> pd.Series:
     """Per row of ``get_ops()``: the call ran through a DTensor fallback, as its path (one of
-    ``schema.FALLBACK_PATHS``) or from inside its handler (``fallback``)."""
+    ``schema.FALLBACK_PATHS``) or from inside its handler (``fallback``), whatever it does."""
     return ops["path"].isin(FALLBACK_PATHS) | ops["fallback"].astype(bool)
 
 
-def fallbacks(ops: pd.DataFrame) -> pd.DataFrame:
-    """Ops that ran through a DTensor fallback, per (op, path): forward calls, ranks, host time.
+def is_fallback(ops: pd.DataFrame, include_metadata: bool = False) -> pd.Series:
+    """Per row of ``get_ops()``: a compute fallback, the calls ``get_fallbacks()`` counts: it took a DTensor
+    fallback (``took_fallback_path``), and is neither a call that enters the autograd engine
+    (``AUTOGRAD_ENTRY_OPS``) nor, unless ``include_metadata``, a metadata read (``is_metadata_op``)."""
+    fb = took_fallback_path(ops) & ~ops["op"].isin(AUTOGRAD_ENTRY_OPS)
+    if not include_metadata and len(ops):
+        fb &= ~ops["op"].map(is_metadata_op).astype(bool)
+    return fb
 
-    ``via_handler``: the op had a handler that itself called the fallback (e.g. linear on a sharded
-    feature dim); then ``path`` is the handler path. ``bwd_host_ms_total``: time of their backward
-    events (the output node only).
+
+def fallbacks(ops: pd.DataFrame, include_metadata: bool = False) -> pd.DataFrame:
+    """Ops whose computation ran through a DTensor fallback, per (op, path): forward calls, ranks, host time.
+
+    Left out: calls that enter the autograd engine (``Tensor.backward`` takes the fallback path, but its time
+    is the whole backward pass, whose nodes are recorded on their own), and metadata reads (``category``
+    "metadata": ``shape``, ``ndim``, ``dtype``, ``detach``, ..., see ``is_metadata_op``), which are listed
+    only with ``include_metadata=True``. ``via_handler``: the op had a handler that itself called the
+    fallback (e.g. linear on a sharded feature dim); then ``path`` is the handler path.
+    ``bwd_host_ms_total``: time of their backward events (the output node only). ``locations``: where the
+    user's code made the calls (``format_location``).
     """
     if ops.empty:
         return pd.DataFrame(columns=FALLBACK_COLUMNS)
-    fb = ops[is_fallback(ops)]
+    fb = ops[is_fallback(ops, include_metadata)]
     fwd = fb[fb["phase"] == "forward"].copy()
     bwd = fb[fb["phase"] == "backward"]
     if fwd.empty:
@@ -98,6 +157,8 @@ def fallbacks(ops: pd.DataFrame) -> pd.DataFrame:
             "user_frames": sorted({f for f in g["user_frame"] if isinstance(f, str)}),
             "via_handler": bool(via),
             "bwd_host_ms_total": float(b["host_ms"].sum()) if len(b) else 0.0,
+            "category": "metadata" if is_metadata_op(op) else "compute",
+            "locations": sorted({w for w in g["location"] if isinstance(w, str)}),
         })
     return pd.DataFrame(out, columns=FALLBACK_COLUMNS).sort_values(
         ["host_ms_total", "calls"], ascending=False, kind="stable").reset_index(drop=True)
@@ -114,11 +175,22 @@ def cell_errors_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
                 r = {k: ev.get(k) for k in CELL_ERROR_COLUMNS[1:]}
                 r["rank"] = rank
                 r["t_ns"] = ev["t_ns"] - off
+                r["location"] = cell_location(r["cell"], r["cell_line"], r["cell_code"])
                 rows.append(r)
     df = pd.DataFrame(rows, columns=CELL_ERROR_COLUMNS)
-    for c in ("seq", "t_ns", "origin_seq", "cell_line"):
+    for c in ("seq", "t_ns", "origin_seq", "cell_line", "cell"):
         df[c] = df[c].astype("Int64")
     return df
+
+
+def cell_location(cell, line, code) -> str | None:
+    """'cell [6], line 5: `y = x + x`' for a line of the traced cell ('line 5 of the cell' when the cell's
+    execution count was not recorded)."""
+    if line is None or pd.isna(line):
+        return None
+    where = f"cell [{int(cell)}], line {int(line)}" if cell is not None and not pd.isna(cell) else \
+        f"line {int(line)} of the cell"
+    return f"{where}: `{code}`" if isinstance(code, str) and code else where
 
 
 def errors(ops: pd.DataFrame, include_propagated: bool = False, cell_errors: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -140,7 +212,6 @@ def errors(ops: pd.DataFrame, include_propagated: bool = False, cell_errors: pd.
     if not ops.empty:
         e = ops[ops["exc_type"].notna()].copy()
         if not e.empty:
-            e["message"] = [s.split(": ", 1)[1] if ": " in s else s for s in e["error"]]
             origin = e["error_origin_seq"] == e["seq"]
             prop = {}
             for (rank, o), g in e[~origin].groupby(["rank", "error_origin_seq"]):
@@ -160,7 +231,8 @@ def errors(ops: pd.DataFrame, include_propagated: bool = False, cell_errors: pd.
                 "traceback": own["traceback"].to_numpy(),
                 "user_frame": [f"line {int(n)} of the cell" if not pd.isna(n) else "the cell" for n in own["cell_line"]],
                 "phase": "cell", "unmasked": False, "propagated_to": [[] for _ in range(len(own))],
-                "cell_line": own["cell_line"].to_numpy(), "cell_code": own["cell_code"].to_numpy()}))
+                "cell_line": own["cell_line"].to_numpy(), "cell_code": own["cell_code"].to_numpy(),
+                "location": own["location"].to_numpy()}))
     if not parts:
         return pd.DataFrame(columns=ERROR_COLUMNS)
     out = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]

@@ -27,7 +27,7 @@ from ..errors import ClusterError, NoActiveClusterError, ShardDbgError, hide_own
 from . import arguments, hang, registry
 from .arguments import check_memory
 from .control import ControlChannel
-from .execution import RankExecution, RankOutput, filter_noise
+from .execution import PendingCell, RankExecution, RankOutput, filter_noise
 from .mesh import MeshSpec, resolve_mesh
 from .processes import ClusterProcesses, choose_backend, free_port
 from .recording import CellTracer
@@ -315,6 +315,18 @@ class Cluster:
         timeout = arguments.seconds("timeout", timeout, allow_none=True)
         return self._execution.run(code, self._execution.ranks(targets), timeout, display)
 
+    def submit(self, code: str, *, timeout: float | None = None, targets=None) -> PendingCell:
+        """Send ``code`` to every rank (or ``targets``) and return at once, without waiting: the cell's
+        :class:`~sharddbg.cluster.execution.PendingCell` (``%px --noblock``). Its time limit is ``timeout``
+        (default: the cluster's), counted from now; ``wait(seconds)`` and ``get()`` stay within it, and
+        ``get()`` prints each rank's output and raises what ``run()`` raises. New work for its ranks is refused
+        while it runs (it would queue behind it)."""
+        __tracebackhide__ = hide_own_frames()
+        self._require_running()
+        _check_code(code)
+        timeout = arguments.seconds("timeout", timeout, allow_none=True)
+        return self._execution.submit(code, self._execution.ranks(targets), timeout)
+
     def apply(self, fn, *args, timeout: float | None = None, targets=None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on every rank (or ``targets``); results in rank order.
 
@@ -370,9 +382,10 @@ class Cluster:
         self._require_running()
         return self._control.clock_offsets(samples, timeout)
 
-    def status(self):
-        """One row per rank: pid, host, device, backend, mesh coordinate, versions, patch mode; ``state``
-        idle / busy / dead (and how it died); ``process_group`` ok or why it broke."""
+    def status(self, full: bool = False):
+        """One row per rank (index ``rank``): pid, device, backend, mesh coordinate (``ddp``, ``domain``),
+        patch mode, ``state`` idle / busy / dead (and how it died), ``process_group`` ok or why it broke.
+        ``full=True``: every column (host, versions, patch count and reason, engine id, threads, ...)."""
         __tracebackhide__ = hide_own_frames()
         import pandas as pd
 
@@ -392,7 +405,10 @@ class Cluster:
             row["process_group"] = "ok" if broken is None else f"broken at {broken.cause}"
             rows.append(row)
         frame = pd.DataFrame(rows)
-        return frame[[c for c in STATUS_COLUMNS if c in frame.columns]].set_index("rank")
+        # eight columns by default: the table fits a notebook or terminal without wrapping
+        shown = STATUS_COLUMNS if full else ("rank", "pid", "device", "backend", "ddp", "domain", "patch_mode",
+                                             "state", "process_group")
+        return frame[[c for c in shown if c in frame.columns]].set_index("rank")
 
     @property
     def broken(self) -> str | None:

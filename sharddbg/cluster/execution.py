@@ -3,7 +3,9 @@ the cause of a failure.
 
 ``RankExecution`` holds the ipyparallel client of a running cluster and its engines in rank order. It
 runs a cell (``run``) or calls an engine API function (``apply``) on chosen ranks and waits in short
-slices up to a timeout. Between slices it looks for what ends a wait early:
+slices up to a timeout; ``submit`` sends a cell without waiting and returns its ``PendingCell``, whose
+``wait`` / ``get`` do the same wait later, within the cell's own time limit (counted from when it was
+sent), and whose ranks take no new work meanwhile. Between slices it looks for what ends a wait early:
 
 - the controller died: nothing can arrive any more (``ClusterError`` saying how it died);
 - a rank's process died: the surviving ranks are released from any collective they wait in with it, and
@@ -16,7 +18,8 @@ A rank still running at the timeout gives a ``RankTimeoutError`` whose hang repo
 that raised, if any; its call is remembered so that new work for it is refused instead of queueing
 behind it. A release, a collective that failed for want of a peer, or a desynchronised hang leaves the
 process group broken (``broken``): cells are refused until ``Cluster.recover()`` builds a new one. Each
-rank's output is collected as a ``RankOutput`` and shown in rank order.
+rank's output is collected as a ``RankOutput`` and shown in rank order (``show``: grouped as ipyparallel's
+``--group-outputs``), or line by line as it arrives (``LiveOutput``, ``%px --stream``).
 
 It uses ipyparallel's public API only; the control channel (answered while a rank is blocked) is
 ``control``.
@@ -34,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..engine import api
-from ..errors import (ClusterError, RankDiedError, RankError, RankFailure, RankTimeoutError, hide_own_frames,
-                      short_message)
+from ..errors import (ClusterError, RankDiedError, RankError, RankFailure, RankTimeoutError, ShardDbgError,
+                      hide_own_frames, short_message)
 from . import arguments
 from .hang import RECOVERY_HINT, HangReport, format_failures
 from .processes import ClusterProcesses
@@ -104,6 +107,11 @@ class BrokenGroup:
                 f"or cl.restart() for new engines")
 
 
+class CellStillRunningError(ShardDbgError, TimeoutError):
+    """A wait shorter than the cell's own time limit ended while its ranks still run (``PendingCell.get(timeout)``):
+    nothing was diagnosed or marked; get() or wait() again."""
+
+
 # (timeout_s, finished ranks, unfinished ranks, what, failures) -> the report a RankTimeoutError carries
 HangReporter = Callable[..., HangReport]
 # ranks to release (None: every rank) -> {rank: what its control thread answered}
@@ -125,6 +133,8 @@ class RankExecution:
         self.default_timeout = default_timeout
         self.broken: BrokenGroup | None = None
         self._stuck: dict[str, int] = {}  # message id -> rank, of calls that timed out and still run
+        self._unwaited: dict[str, int] = {}  # message id -> rank, of cells sent by submit() that still run
+        self.closed = False  # the client was closed (stop / restart): nothing sent through it can arrive
 
     @classmethod
     def connect(cls, client, n: int, processes: ClusterProcesses, hang_report: HangReporter,
@@ -135,6 +145,7 @@ class RankExecution:
         return cls(client, [by_rank[r] for r in range(n)], processes, hang_report, default_timeout)
 
     def close(self) -> None:
+        self.closed = True
         try:
             self.client.close()
         except Exception:
@@ -204,6 +215,16 @@ class RankExecution:
             raise ClusterError(
                 f"ranks {blocked} are still running an earlier call that timed out; new work would queue behind "
                 f"it. Call recover() (%shard_cluster recover) or restart() first")
+        for msg_id in list(self._unwaited):
+            if msg_id not in outstanding:
+                del self._unwaited[msg_id]
+        running = sorted({r for r in self._unwaited.values() if r in ranks})
+        if running:
+            raise ClusterError(
+                f"ranks {running} are still running an earlier cell that nothing waits for (sent with %px "
+                f"--noblock or Cluster.submit, or its wait was interrupted); new work would queue behind it and "
+                f"spend its own time limit waiting. Wait for it with its handle's get() or %pxresult, or stop "
+                f"it with recover() (%shard_cluster recover)")
 
     def check_group(self) -> None:
         """Refuse a cell while the process group is broken."""
@@ -214,11 +235,13 @@ class RankExecution:
     def forget_stuck(self) -> None:
         """The calls that timed out are over (their ranks were released)."""
         self._stuck.clear()
+        self._unwaited.clear()
 
     def group_recovered(self) -> None:
         """A new process group is up on every rank."""
         self.broken = None
         self._stuck.clear()
+        self._unwaited.clear()
 
     # ------------------------------------------------------------------ running
     def run(self, code: str, ranks: list[int], timeout: float | None, display: bool) -> list[RankOutput]:
@@ -229,6 +252,18 @@ class RankExecution:
         self.check_controller()
         ar = self.view_of(ranks).execute(code, silent=False, block=False)
         return self.collect(ar, ranks, timeout, display=display, what="the cell")
+
+    def submit(self, code: str, ranks: list[int], timeout: float | None) -> "PendingCell":
+        """Send ``code`` to ``ranks`` and return at once: the cell's handle. Its time limit (``timeout``,
+        default the cluster's) counts from now."""
+        __tracebackhide__ = hide_own_frames()
+        timeout = self.default_timeout if timeout is None else arguments.seconds("timeout", timeout)
+        self.check_group()
+        self.check_not_stuck(ranks)
+        self.check_controller()
+        ar = self.view_of(ranks).execute(code, silent=False, block=False)
+        self._unwaited.update(zip(ar.msg_ids, ranks))
+        return PendingCell(self, ar, ranks, timeout)
 
     def apply(self, fn, args: tuple, kwargs: dict, ranks: list[int], timeout: float | None, *,
               display: bool = True, what: str | None = None) -> list:
@@ -248,16 +283,27 @@ class RankExecution:
         ar = self.view_of(ranks).apply_async(fn, *args)
         return [o.result for o in self.collect(ar, ranks, timeout, display=False, what=what)]
 
-    def collect(self, ar, ranks: list[int], timeout: float | None, display: bool, what: str) -> list[RankOutput]:
-        """Wait for ``ar`` (one message per rank of ``ranks``, in that order) at most ``timeout`` seconds."""
+    def collect(self, ar, ranks: list[int], timeout: float | None, display: bool, what: str, *,
+                sent_at: float | None = None, patience: float | None = None,
+                live: "LiveOutput | None" = None) -> list[RankOutput]:
+        """Wait for ``ar`` (one message per rank of ``ranks``, in that order) at most ``timeout`` seconds.
+
+        ``sent_at``: when ``ar`` was sent (``time.monotonic()``); ``timeout`` counts from then (default: from
+        now). ``patience``: stop waiting after this many seconds with ``CellStillRunningError`` while the
+        ranks still run within ``timeout`` and nothing failed (nothing is reported or marked then).
+        ``live``: prints the ranks' lines as they arrive."""
         __tracebackhide__ = hide_own_frames()
         timeout = self.default_timeout if timeout is None else arguments.seconds("timeout", timeout)
-        t0 = time.monotonic()
+        t0 = time.monotonic() if sent_at is None else sent_at
         deadline = t0 + timeout
-        next_probe = t0
+        give_up = None if patience is None else time.monotonic() + patience
+        next_probe = time.monotonic()
         release = None  # (report, released ranks, seconds after the start) once ranks were released
         while True:
-            finished_in_time = ar.wait(max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic())))
+            until = deadline if give_up is None else min(deadline, give_up)
+            finished_in_time = ar.wait(max(0.0, min(WAIT_SLICE_S, until - time.monotonic())))
+            if live is not None:
+                live.poll(ar)
             if finished_in_time:
                 break
             self.check_controller()
@@ -267,9 +313,20 @@ class RankExecution:
             now = time.monotonic()
             if now >= deadline:
                 break
-            if release is None and now >= next_probe and self.release is not None:
+            impatient = give_up is not None and now >= give_up
+            if release is None and (now >= next_probe or impatient) and self.release is not None:
                 next_probe = now + PROBE_EVERY_S
                 release = self._release_if_waiting_for_failed(ar, ranks, what, now - t0)
+            if impatient and release is None:
+                # ranks released from a collective finish within RELEASE_WAIT_S: their error is worth that wait
+                failed = self._failures(ar, ranks)
+                state = (f"{_first_failure(failed)}, and the others do not wait for it in a collective"
+                         if failed else "nothing is wrong yet")
+                raise CellStillRunningError(
+                    f"ranks {self._unfinished(ar, ranks)} still run {what} after {patience:g} s of waiting "
+                    f"({now - t0:.1f} s since it was sent; its time limit of {timeout:g} s ends in "
+                    f"{deadline - now:.1f} s): {state}. get() waits again, up to that limit; wait(seconds) waits "
+                    f"without raising")
         if finished_in_time:
             ar.wait_for_output(OUTPUT_GRACE_S)
         outputs = self._outputs(ar, ranks, finished_in_time)
@@ -437,6 +494,143 @@ class RankExecution:
         return busy
 
 
+class PendingCell:
+    """A cell sent to the ranks without waiting for it (``Cluster.submit``, ``%px --noblock``), ipyparallel's
+    AsyncResult in sharddbg's terms.
+
+    Its time limit (``timeout``) counts from when it was sent, as for a cell that is waited for. ``wait(seconds)``
+    waits at most that long and says whether the cell is over; ``get()`` waits until it is over (at most to the
+    time limit), prints each rank's output once, in rank order, and returns the outputs or raises what ``run()``
+    raises (``RankError``, ``RankTimeoutError`` past the limit with where every rank waits, ``RankDiedError``).
+    A rank that raised while others wait for it in a collective gets them released, as in ``run()``. While the
+    cell runs, new work for its ranks is refused (it would queue behind it).
+    """
+
+    def __init__(self, execution: RankExecution, ar, ranks: list[int], timeout: float):
+        self.ranks = ranks
+        self.timeout = timeout  # seconds, from sent_at
+        self.sent_at = time.monotonic()
+        self.groupby = "engine"  # how get() shows the output: one of GROUPINGS
+        self.results = False  # get() also shows each rank's value of the cell's last expression
+        self.stream = False  # waits print each rank's lines as they arrive, not in rank order at the end
+        self._execution = execution
+        self._ar = ar
+        self._live: LiveOutput | None = None
+        self._over_at: float | None = None
+        self._outputs: list[RankOutput] = []
+        self._error: Exception | None = None
+        self._shown = False
+
+    def __repr__(self) -> str:
+        if self._over_at is None:
+            state = f"running for {self.elapsed:.1f} s of its {self.timeout:g} s"
+        else:
+            state = "failed" if self._error is not None else "finished"
+        return f"<PendingCell on ranks {self.ranks}: {state}>"
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the cell was sent (until it was over)."""
+        return (self._over_at or time.monotonic()) - self.sent_at
+
+    @property
+    def shown(self) -> bool:
+        """get() printed the output already (display_outputs() prints it again)."""
+        return self._shown
+
+    def done(self) -> bool:
+        """Every rank finished the cell (or get()/wait() found it over: failed, or past its time limit)."""
+        return self._over_at is not None or self._ar.ready()
+
+    ready = done  # ipyparallel's name
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` seconds (None: up to the cell's time limit); True when the cell is over (every
+        rank finished, a rank failed or died, or the time limit passed): get() then answers at once."""
+        __tracebackhide__ = hide_own_frames()
+        timeout = arguments.seconds("timeout", timeout, allow_none=True)
+        if self._over_at is None:
+            try:
+                self._settle(timeout)
+            except CellStillRunningError:
+                return False
+        return True
+
+    def get(self, timeout: float | None = None) -> list[RankOutput]:
+        """Wait until the cell is over, at most ``timeout`` seconds (None: up to its time limit; a shorter wait
+        that ends first raises ``CellStillRunningError`` and changes nothing). Prints the output once (``groupby``,
+        ``results``); returns each rank's ``RankOutput`` in rank order, or raises the cell's error."""
+        __tracebackhide__ = hide_own_frames()
+        timeout = arguments.seconds("timeout", timeout, allow_none=True)
+        if self._over_at is None:
+            self._settle(timeout)
+        if not self._shown:
+            self._shown = True
+            show(self._outputs, self.groupby, results=self.results, streams=self._live is None)
+        if self._error is not None:
+            raise self._error
+        return self._outputs
+
+    def display_outputs(self, groupby: str | None = None) -> None:
+        """Print what every rank printed so far, in rank order (``groupby``: one of GROUPINGS, default the
+        cell's), with each rank's value once it finished."""
+        outputs = self._outputs if self._over_at is not None else self._execution._outputs(
+            self._ar, self.ranks, finished=False, partial=True)
+        show(outputs, groupby or self.groupby, results=self.results)
+
+    def _settle(self, patience: float | None) -> None:
+        """Wait for the outcome (at most ``patience`` seconds, else CellStillRunningError) and keep it."""
+        __tracebackhide__ = hide_own_frames()
+        if self._execution.closed:
+            error = ClusterError("the cluster this cell was sent to was stopped or restarted since: its outcome is "
+                                 "lost")
+            self._over(error, [])
+            return
+        if self.stream and self._live is None:
+            self._live = LiveOutput(self.ranks)
+        try:
+            outputs = self._execution.collect(self._ar, self.ranks, self.timeout, False, "the cell",
+                                              sent_at=self.sent_at, patience=patience, live=self._live)
+        except CellStillRunningError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the cell's outcome, raised by get()
+            # what every rank printed, the dead and the unfinished included
+            self._over(exc, self._execution._outputs(self._ar, self.ranks, finished=self._ar.ready(), partial=True))
+        else:
+            self._over(None, outputs)
+        if self._live is not None:
+            self._live.poll(self._ar, final=True)
+
+    def _over(self, error: Exception | None, outputs: list[RankOutput]) -> None:
+        self._over_at = time.monotonic()
+        self._error = error
+        self._outputs = outputs
+
+
+class LiveOutput:
+    """Prints each rank's stdout and stderr as it arrives (``%px --stream``), every line prefixed with its rank;
+    a line is printed once it is complete (or when the cell is over)."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = ranks
+        self.printed: dict[tuple[int, str], int] = {}  # (rank, stream name) -> characters printed so far
+
+    def poll(self, ar, final: bool = False) -> None:
+        """Print what arrived since the last poll (``final``: the unfinished last lines too)."""
+        for rank, md in zip(self.ranks, ar.metadata):
+            for name, sink, label in (("stdout", sys.stdout, f"[rank {rank}] "),
+                                      ("stderr", sys.stderr, f"[rank {rank} stderr] ")):
+                text = md.get(name) or ""
+                start = self.printed.get((rank, name), 0)
+                end = len(text) if final else text.rfind("\n", start) + 1
+                if end > start:
+                    chunk = text[start:end]
+                    sink.write(_prefix(label, filter_noise(chunk) if name == "stderr" else chunk))
+                    self.printed[(rank, name)] = end
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
 def _failure(error) -> RankFailure:
     tb = getattr(error, "traceback", None) or ""
     return RankFailure(getattr(error, "ename", type(error).__name__), getattr(error, "evalue", str(error)),
@@ -478,22 +672,67 @@ def _bounded(fn, timeout: float, message: str):
     return box["value"]
 
 
-def show(outputs: list[RankOutput]) -> None:
-    """Print each rank's output in rank order, every line prefixed with its rank; publish rich outputs."""
-    for out in outputs:
-        if out.stdout:
-            sys.stdout.write(_prefix(f"[rank {out.rank}] ", out.stdout))
-        if out.stderr:
-            sys.stderr.write(_prefix(f"[rank {out.rank} stderr] ", out.stderr))
-        if out.displays:
-            try:
-                from IPython.display import publish_display_data
+# How show() groups the ranks' output (ipyparallel's --group-outputs): "engine": each rank's whole output together;
+# "type": every rank's stdout, then every rank's stderr, then rich outputs, then values; "order": as "type", with
+# rich outputs collated (each rank's first, then each rank's second, ...). Ranks in rank order in every grouping.
+GROUPINGS = ("engine", "type", "order")
 
-                for item in out.displays:
-                    publish_display_data(item.get("data", {}), item.get("metadata", {}))
-            except ImportError:
-                pass
+
+def show(outputs: list[RankOutput], groupby: str = "engine", *, results: bool = False, streams: bool = True) -> None:
+    """Print each rank's output in rank order, every line prefixed with its rank; publish rich outputs.
+
+    ``groupby``: one of ``GROUPINGS``. ``results``: also each rank's value of the cell's last expression
+    (``[rank 0 Out] 42``). ``streams=False``: leave stdout and stderr out (they were printed as they came)."""
+    if groupby not in GROUPINGS:
+        raise ClusterError(f"groupby must be one of {', '.join(GROUPINGS)}, got {groupby!r}")
+    if groupby == "engine":
+        for out in outputs:
+            if streams:
+                _write_streams(out)
+            _publish(out.displays)
+            if results:
+                _write_result(out)
+    else:
+        if streams:
+            for out in outputs:
+                _write_streams(out, stderr=False)
+            for out in outputs:
+                _write_streams(out, stdout=False)
+        if groupby == "type":
+            for out in outputs:
+                _publish(out.displays)
+        else:
+            for i in range(max((len(out.displays) for out in outputs), default=0)):
+                _publish([out.displays[i] for out in outputs if i < len(out.displays)])
+        if results:
+            for out in outputs:
+                _write_result(out)
     sys.stdout.flush()
+
+
+def _write_streams(out: RankOutput, stdout: bool = True, stderr: bool = True) -> None:
+    if stdout and out.stdout:
+        sys.stdout.write(_prefix(f"[rank {out.rank}] ", out.stdout))
+    if stderr and out.stderr:
+        sys.stderr.write(_prefix(f"[rank {out.rank} stderr] ", out.stderr))
+
+
+def _write_result(out: RankOutput) -> None:
+    # a cell's value is the text IPython shows for its last expression (_outputs takes it from execute_result);
+    # a cell without one has ipyparallel's reply object there instead
+    if isinstance(out.result, str):
+        sys.stdout.write(_prefix(f"[rank {out.rank} Out] ", out.result))
+
+
+def _publish(displays: list) -> None:
+    if not displays:
+        return
+    try:
+        from IPython.display import publish_display_data
+    except ImportError:
+        return
+    for item in displays:
+        publish_display_data(item.get("data", {}), item.get("metadata", {}))
 
 
 def _strip_ansi(text) -> str:

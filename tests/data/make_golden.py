@@ -4,11 +4,15 @@
 
 conv4.sdtrace.json: a (1, 3, 66, 64) sample scattered over 4 ranks along H (17, 17, 16, 16 rows), a
 2-layer conv net forward and backward (conv2d through its halo handler), ``abs`` (no patch: a DTensor
-fallback), and ``x + x`` with a handler registered for ``Tensor.add`` that raises a TypeError whose
+fallback), ``linear`` on the sharded rows (its handler reads ``ndim``: a nested metadata read through the
+fallback; no collective), and ``x + x`` with a handler registered for ``Tensor.add`` that raises a TypeError whose
 message contains HTML (the escaping tests need one). The expectations of tests/test_views.py are
 computed from the shapes above, not from this file.
 
 x_snapshots.json: every rank's ``sharddbg.engine.snapshot`` of x (the shard inspector's input).
+
+conv4_schema3.sdtrace.json: the same recording made by sharddbg at schema version 3 (kept, never rewritten:
+it proves that files of an older schema still load and every analysis reads them).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ ShardTensor.register_function_handler(torch.Tensor.add, _html_boom)
 CELL = """
 y = net(x)
 z = y.abs()
+w = torch.nn.functional.linear(z, torch.ones(5, 64))
 y.square().mean().backward()
 try:
     x + x

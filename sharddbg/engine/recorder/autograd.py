@@ -98,4 +98,5 @@ def backward_event(rec: RecordingState, box: BackwardBox, grad_inputs: Any, grad
     ev = OpEvent.backward(next(rec.seq), stack[-1] if stack else None, len(stack), fwd, box.node_name,
                           uf or fwd.frame, st.tid, gout, gin, t0, clock.now_ns())
     box.t_start_ns = None
+    rec.backward_events += 1
     rec.keep(ev)

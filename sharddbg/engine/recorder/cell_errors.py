@@ -9,29 +9,29 @@ line of the cell where it surfaced, and the recorded op where it was first seen,
 
 from __future__ import annotations
 
-import linecache
 import sys
 from typing import Any
 
 from .. import clock
 from ..frames import is_library_file
+from .cells import cell_number, line_text
 from .events import CellErrorEvent
 from .state import RecordingState
 from .undo import UndoLog
 
 
-def cell_position(exc: BaseException) -> tuple[int | None, str | None]:
-    """(line, source text) of the cell statement the exception went through: the outermost frame of its
-    traceback that is the user's module-level code (the cell), else (None, None)."""
+def cell_position(exc: BaseException) -> tuple[int | None, int | None, str | None]:
+    """(cell, line, source text) of the cell statement the exception went through: the outermost frame of its
+    traceback that is the user's module-level code (the cell; ``cell`` is its execution count, None when the
+    code is not an IPython cell), else (None, None, None)."""
     tb = exc.__traceback__
     while tb is not None:
         code = tb.tb_frame.f_code
         if code.co_name == "<module>" and not is_library_file(code.co_filename):
             line = tb.tb_lineno
-            text = linecache.getline(code.co_filename, line).strip()
-            return line, text or None
+            return cell_number(code.co_filename), line, line_text(code.co_filename, line)
         tb = tb.tb_next
-    return None, None
+    return None, None, None
 
 
 def record(rec: RecordingState, exc: BaseException) -> None:
@@ -40,8 +40,8 @@ def record(rec: RecordingState, exc: BaseException) -> None:
     origin = seen.record["origin_seq"] if seen is not None and seen.exception is exc else None
     if any(type(ev) is CellErrorEvent and ev.exception is exc for ev in rec.buffer[-8:]):
         return
-    line, text = cell_position(exc)
-    rec.keep(CellErrorEvent(next(rec.seq), clock.now_ns(), exc, origin, line, text, rec.thread().tid))
+    cell, line, text = cell_position(exc)
+    rec.keep(CellErrorEvent(next(rec.seq), clock.now_ns(), exc, origin, cell, line, text, rec.thread().tid))
 
 
 def install(rec: RecordingState, undo: UndoLog) -> bool:

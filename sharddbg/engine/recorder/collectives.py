@@ -45,6 +45,7 @@ Nothing here calls a collective or dispatches a tensor op; reading shapes/numel/
 
 from __future__ import annotations
 
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -52,11 +53,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import clock
-from ..frames import HIDE_FRAMES
+from ..frames import HIDE_FRAMES, user_frame
+from ..rank_state import STATE
 from .autograd import BOX_KEY
 from .comm_bytes import BYTE_COUNTS, first_tensor, no_bytes
 from .cuda import CudaSpan
 from .events import CollectiveEvent
+from .params import deferred_gradient_owner, name_of, parameter_of
 from .state import GroupInfo, RecordingState, ThreadState
 from .tensors import compile_tracing, node_name
 from .undo import UndoLog
@@ -502,7 +505,7 @@ class CollectiveHooks:
             ranks = [int(r) for r in dist.get_process_group_ranks(pg)]
         except Exception:  # noqa: BLE001
             ranks = None
-        g = groups[name] = GroupInfo(name, ranks, mesh_dim_of(name))
+        g = groups[name] = GroupInfo(name, ranks, mesh_dim_of(name, ranks, sys._getframe(1)))
         return g
 
     # ---- the handler --------------------------------------------------------------------------
@@ -613,15 +616,33 @@ class CollectiveHooks:
             if len(rec.threads) > 1:
                 ev.node_box = node.metadata.get(BOX_KEY)
             if s.kind in _GRAD_REDUCTIONS:
-                if n != state.param_node_seq_nr:  # weight and bias of one node: walk its inputs once
-                    state.param_name = parameter_of(node, rec.params)
-                    state.param_node_seq_nr = n
-                ev.param = state.param_name
+                accumulator = getattr(node, "variable", None)
+                if accumulator is not None:
+                    # an AccumulateGrad node (every one has the same sequence number): DDP's reducer
+                    # issues its bucket's all_reduce from the hook of the parameter that completed it
+                    ev.param = name_of(rec, accumulator)
+                    ev.trigger = accumulator
+                else:
+                    if n != state.param_node_seq_nr:  # weight and bias of one node: walk its inputs once
+                        state.param_name = parameter_of(rec, node)
+                        state.param_node_seq_nr = n
+                    ev.param = state.param_name
         else:
             stack = st.op_stack
             if stack:
                 ev.op = stack[-1]
                 ev.outer = stack[0]
+            else:
+                # outside every recorded op: the user's line that issued it, and, for a reduction of a
+                # parameter's distributed gradient (reduced at its first use, e.g. the optimizer's step),
+                # that parameter
+                ev.frame = user_frame(3)
+                if s.kind in _GRAD_REDUCTIONS and t0 is not None and rec.roots:
+                    name = deferred_gradient_owner(rec, t0)
+                    if name is not None:
+                        ev.param = name
+                        ev.deferred_gradient = True
+                        ev.forward_ops_ended = len(rec.forward_ops)
         if s.synchronous:
             ev.is_async = False
         elif s.point_to_point or s.api == "functional":
@@ -668,6 +689,9 @@ class CollectiveHooks:
             if w is not None:
                 ev.waiting_on = w
                 self.rec.collectives.pending_works[id(w)] = ev
+                # work that C++ waits for (DDP's reducer and its broadcasts) never reaches Work.wait: its
+                # completion is taken from its future
+                self._on_completion(ev, w)
                 return
         self.done(ev)  # returned nothing to wait on (monitored_barrier): complete on return
 
@@ -683,6 +707,26 @@ class CollectiveHooks:
         if not any(o is t for o in ev.waiting_on):
             return
         self.done(ev)
+
+    def _on_completion(self, ev: CollectiveEvent, work: Any) -> None:
+        """Stamp ``t_done_ns`` when ``work`` completes without error, on whichever thread completes it (a
+        Python wait that returns later stamps its own time). A failed collective (a peer gone, released) is
+        not done: it stays in flight."""
+        rec = self.rec
+
+        def completed(future):
+            if not rec.running or ev.t_done_ns is not None:
+                return
+            try:
+                future.value()  # raises the collective's error
+            except Exception:  # noqa: BLE001
+                return
+            ev.t_done_ns = clock.now_ns()
+
+        try:
+            work.get_future().then(completed)
+        except Exception:  # noqa: BLE001 - a backend without futures: it stays unfinished unless waited
+            pass
 
     def done(self, ev: CollectiveEvent) -> None:
         """Its wait returned (or the op completed inside): stamp it, forget what it waited on."""
@@ -701,48 +745,84 @@ class CollectiveHooks:
 
 # ---- attribution ----------------------------------------------------------------------------------------
 
-def parameter_of(node: Any, params: dict[int, str]) -> str | None:
-    """The parameter a backward node's output accumulates into: an AccumulateGrad among its next
-    functions (or one single-input node further), named from the modules the recorder saw."""
+def _meshes_in_frames(frame: Any, limit: int = 30) -> list:
+    """DeviceMeshes the calling code holds (a ``mesh`` argument, a ShardTensor's or DTensor's spec), innermost
+    frame first: the mesh a collective's group was taken from is among them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    found: list = []
+    seen: set[int] = set()
+    f = frame
+    while f is not None and limit > 0:
+        limit -= 1
+        try:
+            values = list(f.f_locals.values())
+        except Exception:  # noqa: BLE001
+            values = []
+        for v in values:
+            m = v if isinstance(v, DeviceMesh) else None
+            if m is None and isinstance(v, torch.Tensor):
+                spec = getattr(v, "_spec", None)  # a slot of ShardTensor / DTensor: no dispatch
+                m = getattr(spec, "mesh", None) if spec is not None else None
+                if not isinstance(m, DeviceMesh):
+                    m = None
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
+                found.append(m)
+        f = f.f_back
+    return found
+
+
+def _dim_groups(mesh: Any) -> list[tuple[str, Any]]:
+    """(dim name, process group) of each dim of a mesh; an unnamed 1-d mesh's dim is "0"."""
+    out = []
+    names = mesh.mesh_dim_names or ()
+    for nm in names:
+        try:
+            out.append((nm, mesh.get_group(nm)))
+        except Exception:  # noqa: BLE001
+            continue
+    if not names and mesh.ndim == 1:
+        try:
+            out.append(("0", mesh.get_group()))
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def mesh_dim_of(group_name: str, group_ranks: list[int] | None = None, frame: Any = None) -> str | None:
+    """The name of the mesh dim whose group this is, from the group's own mesh: the meshes the calling code
+    holds (``frame`` and up), then DistributedManager's current global mesh, then the mesh the cluster built.
+    A dim whose group is this group wins; else a dim whose group has the same ranks (a group made for a
+    sub-mesh, e.g. DistributedManager.get_mesh_group after the user re-initialised the mesh). None if no
+    mesh dim matches."""
+    import torch.distributed as dist
+
+    meshes = []
     try:
-        nexts = node.next_functions
+        if frame is not None:
+            meshes += _meshes_in_frames(frame)
     except Exception:  # noqa: BLE001
-        return None
-    for fn, _ in nexts:
-        # follow a chain of single-input nodes (a promoted weight: to_local / from_local backward ...)
-        for _depth in range(6):
-            if fn is None:
-                break
-            var = getattr(fn, "variable", None)
-            if var is not None:
-                name = params.get(id(var))
-                if name is not None:
-                    return name
-                break
-            try:
-                nn = [f for f, _ in fn.next_functions if f is not None]
-            except Exception:  # noqa: BLE001
-                break
-            fn = nn[0] if len(nn) == 1 else None
-    return None
-
-
-def mesh_dim_of(group_name: str) -> str | None:
-    """Name of the mesh dim of the DistributedManager's global mesh whose group this is, if any."""
+        pass
     try:
         from physicsnemo.distributed import DistributedManager
 
-        dm = DistributedManager()
-        mesh = dm.global_mesh
-        names = mesh.mesh_dim_names or ()
-        for nm in names:
-            try:
-                if mesh.get_group(nm).group_name == group_name:
-                    return nm
-            except Exception:  # noqa: BLE001
-                continue
-        if len(names) == 0 and mesh.ndim == 1 and mesh.get_group().group_name == group_name:
-            return "0"
+        meshes.append(DistributedManager().global_mesh)
     except Exception:  # noqa: BLE001
         pass
-    return None
+    if STATE.mesh is not None:
+        meshes.append(STATE.mesh)
+    same_ranks = None
+    for mesh in meshes:
+        if mesh is None:
+            continue
+        for nm, pg in _dim_groups(mesh):
+            if pg.group_name == group_name:
+                return nm
+            if same_ranks is None and group_ranks:
+                try:
+                    if [int(r) for r in dist.get_process_group_ranks(pg)] == list(group_ranks):
+                        same_ranks = nm
+                except Exception:  # noqa: BLE001
+                    pass
+    return same_ranks

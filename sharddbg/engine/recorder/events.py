@@ -133,6 +133,9 @@ class CollectiveEvent:
         "waited",
         "op", "outer",  # forward: innermost and outermost recorded OpEvent on the stack at issue
         "phase", "autograd_node", "param",
+        "frame",  # outside every recorded op: the user's frame (file, line, function) that issued it
+        "trigger",  # issued from an AccumulateGrad node (DDP's reducer): the parameter that node accumulates
+        "deferred_gradient",  # outside every op, it reduces the distributed gradient of ``param``
         # backward: the issuing node's autograd sequence number, how many forward ops of thread 0 had ended
         # at issue, and the node's recorder box (only when ops ran on several threads): the forward op is
         # looked up from these at export
@@ -165,6 +168,9 @@ class CollectiveEvent:
         self.phase = "forward"
         self.autograd_node = None
         self.param = None
+        self.frame = None
+        self.trigger = None
+        self.deferred_gradient = False
         self.node_seq_nr = None
         self.forward_ops_ended = 0
         self.node_box = None
@@ -181,14 +187,15 @@ class CellErrorEvent:
     """An exception that ended the cell on this rank (schema "error" record at export), wherever it was
     raised: inside a recorded op (``origin_seq`` names that op's record) or in the user's own code."""
 
-    __slots__ = ("seq", "t_ns", "exception", "origin_seq", "cell_line", "cell_code", "thread")
+    __slots__ = ("seq", "t_ns", "exception", "origin_seq", "cell", "cell_line", "cell_code", "thread")
 
-    def __init__(self, seq: int, t_ns: int, exception: BaseException, origin_seq: int | None,
+    def __init__(self, seq: int, t_ns: int, exception: BaseException, origin_seq: int | None, cell: int | None,
                  cell_line: int | None, cell_code: str | None, thread: int) -> None:
         self.seq = seq
         self.t_ns = t_ns
         self.exception = exception
         self.origin_seq = origin_seq
+        self.cell = cell  # the cell's execution count on this rank (In[n]); None when not an IPython cell
         self.cell_line = cell_line  # the line of the cell (1-based) whose statement raised
         self.cell_code = cell_code
         self.thread = thread

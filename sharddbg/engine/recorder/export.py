@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import copy
 import platform
+from math import prod
 
 import torch
 
@@ -17,14 +18,17 @@ from ... import schema
 from .. import clock
 from ..frames import format_frame
 from ..rank_state import STATE
+from .cells import cell_and_code
 from .comm_bytes import TensorMeta
 from .events import CellErrorEvent, CollectiveEvent, OpEvent
+from .params import ddp_bucket_of
 from .state import RecordingState
 from .tensors import placements_str, shape_list, sharding_shapes_plain
 
 
-def op_record(ev: OpEvent, in_flight: bool) -> dict:
-    """The schema record of an op event (``in_flight``: it had not returned when the record was made)."""
+def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None) -> dict:
+    """The schema record of an op event (``in_flight``: it had not returned when the record was made;
+    ``local_ms``: what local_timing measured for it)."""
     ins = ev.inputs or []
     out = ev.output
     first = out if out is not None else (ins[0] if ins else None)
@@ -40,6 +44,7 @@ def op_record(ev: OpEvent, in_flight: bool) -> dict:
     fwd = ev.forward  # a backward event: what it runs the backward of
     src = fwd if fwd is not None else ev
     err = ev.error
+    cell, code = cell_and_code(ev.frame)
     return {
         "kind": "op",
         "seq": ev.seq,
@@ -52,6 +57,8 @@ def op_record(ev: OpEvent, in_flight: bool) -> dict:
         "autograd_node": ev.autograd_node,
         "module": src.module,
         "user_frame": format_frame(ev.frame),
+        "user_cell": cell,
+        "user_code": code,
         "in_local_shapes": [shape_list(i.local_shape) for i in ins],
         "in_global_shapes": [shape_list(i.global_shape) for i in ins],
         "out_local_shape": shape_list(out.local_shape) if out is not None else None,
@@ -66,6 +73,7 @@ def op_record(ev: OpEvent, in_flight: bool) -> dict:
         "host_ms": (t1 - t0) / 1e6 if t1 is not None else None,
         "device_ms": dev_ms,
         "mem_delta_bytes": mem,
+        "local_ms": local_ms,
         "error": dict(err) if err is not None else None,
         "fwd_seq": fwd.seq if fwd is not None else None,
         "in_placements": [placements_str(i.placements) for i in ins],
@@ -99,17 +107,45 @@ def forward_op_of(rec: RecordingState, node_seq_nr: int, limit: int | None = Non
     return None
 
 
+def forward_op_using(rec: RecordingState, param: str | None, limit: int) -> OpEvent | None:
+    """The last forward op of thread 0 (among the first ``limit`` to end) that ran in the module holding
+    ``param``: the op whose backward made that parameter's gradient (the parameter's module runs it)."""
+    module = rec.param_modules.get(param) if param is not None else None
+    if module is None:
+        return None
+    ops = rec.forward_ops
+    for j in range(min(limit, len(ops)) - 1, -1, -1):
+        if ops[j].module == module and ops[j].depth == 0:
+            return ops[j]
+    return None
+
+
 def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState) -> dict:
     """The schema record of a collective event (``in_flight`` also when its issuing call had not returned)."""
     s = ev.spec
     g = ev.group
     ranks = g.ranks
     op, outer = ev.op, ev.outer
+    op_name = None  # what the collective is attributed to when it is not a recorded op (a DDP bucket)
+    phase = ev.phase
+    params = [ev.param] if ev.param is not None else None
+    bucket = None
     if ev.node_seq_nr is not None:  # backward: the forward op that made the node
         op = forward_op_of(rec, ev.node_seq_nr, ev.forward_ops_ended)
         box = ev.node_box
         if op is None and box is not None and box.recording is rec:
             op = box.forward
+        outer = (op.root or op) if op is not None else None
+        if op is None and ev.trigger is not None:  # an AccumulateGrad hook issued it: DDP's reducer?
+            numel = prod(ev.shape) if ev.shape is not None else None
+            is_ddp, b = ddp_bucket_of(rec, g.name, ev.trigger, numel)
+            if is_ddp:
+                op_name = schema.DDP_BUCKET_OP
+                params = list(b.params) if b is not None else params
+                bucket = b.index if b is not None else None
+    elif ev.deferred_gradient:  # a parameter's distributed gradient, reduced at its first use
+        phase = "backward"
+        op = forward_op_using(rec, ev.param, ev.forward_ops_ended)
         outer = (op.root or op) if op is not None else None
     group_size = len(ranks) if ranks else ev.group_size
     sent, recv, splits_sent, splits_recv, peer, root = (ev.bytes_sent, ev.bytes_recv, ev.splits_sent,
@@ -121,6 +157,7 @@ def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState)
         peer, root = counted.peer, counted.root
         if not ranks:
             group_size = int(args.get("group_size") or 0) or None
+    cell, code = cell_and_code(ev.frame)
     dtype = ev.dtype
     if dtype is not None and not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
@@ -149,13 +186,18 @@ def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState)
         "t_done_ns": ev.t_done_ns,
         "wait_op_seq": ev.wait_op_seq,
         "waited": ev.waited,
-        "op": op.op if op is not None else None,
+        "op": op.op if op is not None else op_name,
         "op_seq": op.seq if op is not None else None,
-        "outer_op": outer.op if outer is not None else None,
+        "outer_op": outer.op if outer is not None else op_name,
         "outer_op_seq": outer.seq if outer is not None else None,
-        "phase": ev.phase,
+        "phase": phase,
         "autograd_node": ev.autograd_node,
         "param": ev.param,
+        "params": params,
+        "bucket": bucket,
+        "user_frame": format_frame(ev.frame),
+        "user_cell": cell,
+        "user_code": code,
         "thread": ev.thread,
         "device_ms": ev.cuda.device_ms() if ev.cuda is not None else None,
         # not completed: never waited for, or (CUDA) its kernel has not finished, whatever the host saw
@@ -178,6 +220,7 @@ def error_record(ev: CellErrorEvent) -> dict:
         "origin_seq": ev.origin_seq,
         "cell_line": ev.cell_line,
         "cell_code": ev.cell_code,
+        "cell": ev.cell,
         "thread": ev.thread,
     }
 
@@ -185,7 +228,7 @@ def error_record(ev: CellErrorEvent) -> dict:
 def _record(ev, rec: RecordingState) -> dict:
     kind = type(ev)
     if kind is OpEvent:
-        return op_record(ev, False)
+        return op_record(ev, False, rec.local_ms.get(ev.seq))
     if kind is CollectiveEvent:
         return collective_record(ev, False, rec)
     return error_record(ev)

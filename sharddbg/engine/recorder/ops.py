@@ -12,7 +12,6 @@ the user's result; the user's exceptions always propagate.
 
 from __future__ import annotations
 
-import itertools
 import sys
 import traceback
 from typing import Any, Callable
@@ -24,8 +23,10 @@ from .. import clock
 from ..frames import HIDE_FRAMES
 from ..frames import user_frame, user_frame_until
 from .autograd import hook_backward
+from .cells import frame_position, traceback_with_callers
 from .cuda import CudaSpan
 from .events import OpEvent, Promotion
+from .params import name_tree
 from .paths import dispatch_path, function_path
 from .state import ModuleFrame, RecordingState, SeenError, ThreadState
 from .tensors import (
@@ -127,7 +128,9 @@ def end(rec: RecordingState, st: ThreadState, ev: OpEvent, res: Any) -> None:
 
 def record_error(rec: RecordingState, st: ThreadState, ev: OpEvent, e: BaseException, unmasked: bool) -> dict:
     """The op raised ``e``: close and keep its event with the error record (schema.ERROR_FIELDS), which
-    points at the innermost op where this exception object was first seen."""
+    points at the innermost op where this exception object was first seen. Its traceback starts at the
+    user's code that made the call (the exception has not reached it yet), cells named as IPython does."""
+    caller = ev.wrapper_frame.f_back if ev.wrapper_frame is not None else None
     close(st, ev)
     seen = rec.errors_seen.get(id(e))
     if seen is not None and seen.exception is e:
@@ -136,7 +139,7 @@ def record_error(rec: RecordingState, st: ThreadState, ev: OpEvent, e: BaseExcep
         err = {
             "exc_type": f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
             "message": str(e),
-            "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+            "traceback": traceback_with_callers(e, caller),
             "origin_seq": ev.seq,
             "unmasked": unmasked,
         }
@@ -224,8 +227,10 @@ def torch_function_wrapper(rec: RecordingState, original: Callable, fallback: Ca
             finally:
                 st.busy = False
             if unmask:
+                where = frame_position(ev.frame)
                 new = errors.UnmaskedOpError(
-                    f"{ev.op} raised {err['exc_type']} on rank {rec.rank}: {err['message']}\n"
+                    f"{ev.op} raised {err['exc_type']} on rank {rec.rank}"
+                    + (f" at {where}" if where else "") + f": {err['message']}\n"
                     "(sharddbg unmasked it: without the recorder PyTorch reports only "
                     "\"unsupported operand type(s)\". The original exception is chained above; "
                     "pass unmask=False / --no-unmask for PyTorch's behaviour.)",
@@ -363,12 +368,7 @@ def module_name(rec: RecordingState, m: Any, st: ThreadState) -> str:
     if name is not None:
         return name
     if not st.module_stack:  # a new outermost module: name its whole tree once
-        rec.roots.append(m)
-        root = type(m).__name__
-        for n, sub in m.named_modules():
-            rec.module_names.setdefault(id(sub), n or root)
-        for n, p in itertools.chain(m.named_parameters(), m.named_buffers()):
-            rec.params.setdefault(id(p), n)
+        name_tree(rec, m)
         return rec.module_names[id(m)]
     name = f"{st.module_stack[-1]}.<{type(m).__name__}>"
     rec.roots.append(m)

@@ -7,7 +7,7 @@ import torch
 from ...errors import RecorderError
 from .. import clock
 from ..rank_state import rank_and_world
-from . import cell_errors, export, ops
+from . import cell_errors, export, local_timing, ops
 from .collectives import CollectiveHooks
 from .state import RecordingState
 from .undo import UndoLog
@@ -104,9 +104,14 @@ class Recorder(RecordingState):
         if self.running:
             return export.records(self, include_in_flight=False)
         if self._final_events is None:
+            local_timing.measure(self)
             self._final_events = export.records(self, include_in_flight=False)
             self.forward_ops = []
             self.forward_op_ends = []
+            self.ddp_modules = []
+            self.ddp_bucket_cache.clear()
+            self.gradient_owners.clear()
+            self.param_objects.clear()
         return self._final_events
 
     def payload(self, complete: bool | None = None) -> dict:

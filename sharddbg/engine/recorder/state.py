@@ -105,10 +105,19 @@ class RecordingState:
         self.threads: dict[int, ThreadState] = {}  # threading ident -> its state
         self._local = threading.local()
         self._tids = itertools.count()
-        # ---- modules and parameters (names from the outermost module seen)
+        # ---- modules and parameters (names from the outermost module seen; params.py)
         self.module_names: dict[int, str] = {}  # id(module) -> its path
         self.params: dict[int, str] = {}  # id(parameter or buffer) -> its name
+        self.param_objects: dict[int, Any] = {}  # id -> the parameter named (an id names only this object)
+        self.param_modules: dict[str, str] = {}  # parameter name -> the path of the module that holds it
         self.roots: list[Any] = []  # modules named so far, kept alive so that their ids are not reused
+        self.params_named_at = 0  # backward_events when the parameter names were last refreshed
+        # gradient reductions outside every op: id(local data of a parameter's distributed gradient) ->
+        # (parameter name, that tensor), rebuilt when backward events were recorded since gradients_seen_at
+        self.gradient_owners: dict[int, tuple[str, Any]] = {}
+        self.gradients_seen_at = -1
+        self.ddp_modules: list[Any] = []  # DistributedDataParallel modules among the roots (kept to export)
+        self.ddp_bucket_cache: dict[int, list] = {}  # id(DDP module) -> its buckets, read at export
         # ---- errors: id(exception) -> where it was first recorded
         self.errors_seen: dict[int, SeenError] = {}
         # ---- backward
@@ -117,12 +126,15 @@ class RecordingState:
         # frame, looked up once per pass (released at the next forward op or at stop)
         self.backward_frame: Any = None
         self.backward_user_frame: Any = None
+        self.backward_events = 0  # backward events recorded (new gradients may exist after each)
         # thread 0's forward ops in end order, and the autograd sequence number at each one's end: a
         # backward collective's node is mapped to the forward op that created it (export.forward_op_of)
         self.forward_ops: list[OpEvent] = []
         self.forward_op_ends: list[int] = []
         # ---- collectives
         self.collectives = CollectiveState()
+        # ---- after recording: seq of a forward op -> local_ms (local_timing.py)
+        self.local_ms: dict[int, float] = {}
 
     def thread(self) -> ThreadState:
         """The calling thread's state (the first thread to ask gets tid 0)."""

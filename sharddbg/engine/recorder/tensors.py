@@ -189,6 +189,14 @@ def op_name(func: Any) -> str:
     return name
 
 
+def function_named(name: str) -> Any:
+    """The function ``op_name`` gave ``name`` to (among those it named in this process), else None."""
+    for func, known in list(_op_names.items()):
+        if known == name:
+            return func
+    return None
+
+
 def qualname(fn: Any) -> str | None:
     """'module.qualname' of a handler function; None for None."""
     if fn is None:
