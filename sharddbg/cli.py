@@ -83,9 +83,10 @@ def demo(n: int = 4, tolerance: float = 1e-5) -> int:
         comm = trace.get_comm_by_op(by="op")
         comm = comm[comm["n_collectives"] > 0]
         if len(comm):
-            print("\ncommunication per op (rank 0; every collective attributed to the op that issued it):")
+            print("\ncommunication per op (rank 0; every collective attributed to the op that issued it; forward "
+                  "comm against forward time, backward apart):")
             print(comm[comm["rank"] == 0][["op", "calls", "n_collectives", "kinds", "bytes_sent", "bytes_recv",
-                                           "comm_ms", "op_ms"]].to_string(index=False))
+                                           "comm_ms", "op_ms", "bwd_n_collectives", "bwd_comm_ms"]].to_string(index=False))
         return 0 if ok else 1
     finally:
         cl.stop()
