@@ -56,7 +56,7 @@ def demo(n: int = 4, tolerance: float = 1e-5) -> int:
         t = cl.timings
         print(f"  ready in {t['start_s']:.1f} s (preload {t['preload_s']:.1f} s overlapping controller "
               f"{t['controller_s']:.1f} s, engines {t['engines_s']:.1f} s, torch.distributed {t['dist_init_s']:.1f} s)")
-        status = cl.status()
+        status = cl.status(full=True)
         print(status[["pid", "device", "backend", "ddp", "domain", "patch_mode", "torch", "physicsnemo"]].to_string())
         print(f"\nforward + backward of a 3-layer conv net on a {DEMO_SHAPE} sample sharded along H, recorded:")
         trace = cl.trace(DEMO_CELL, display=True)

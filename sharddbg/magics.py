@@ -264,16 +264,16 @@ def hide_own_frames() -> bool:
 # %shard_cluster: the options each action takes (the rest are refused for it), and --timeout's default per action
 CLUSTER_ACTIONS = {
     "start": ("n", "mesh", "backend", "timeout", "collective_timeout", "force"),
-    "status": (),
+    "status": ("full",),
     "stop": ("all",),
     "restart": (),
     "recover": ("timeout",),
     "diagnose": ("timeout",),
 }
 CLUSTER_TIMEOUT_DEFAULTS = {"start": 60.0, "recover": None, "diagnose": 5.0}
-CLUSTER_DEFAULTS = {"collective_timeout": 60.0, "force": False, "all": False}
+CLUSTER_DEFAULTS = {"collective_timeout": 60.0, "force": False, "all": False, "full": False}
 CLUSTER_FLAGS = {"n": "-n", "mesh": "--mesh", "backend": "--backend", "timeout": "--timeout",
-                 "collective_timeout": "--collective-timeout", "force": "--force", "all": "--all"}
+                 "collective_timeout": "--collective-timeout", "force": "--force", "all": "--all", "full": "--full"}
 
 
 def read_cluster_line(line: str) -> argparse.Namespace:
@@ -325,6 +325,8 @@ class ShardMagics(Magics):
                               help="start: start even when the ranks would not fit in the memory available now")
     @magic_arguments.argument("--all", action="store_true", default=None, help=(
         "stop: also reap every cluster sharddbg left behind on this machine (owner process gone)"))
+    @magic_arguments.argument("--full", action="store_true", default=None,
+                              help="status: every column (versions, engine ids, patch details), not the 8 that matter first")
     @line_magic
     def shard_cluster(self, line):
         """Start, inspect and stop the sharddbg cluster (the ranks %px runs on)."""
@@ -366,7 +368,7 @@ class ShardMagics(Magics):
             return None
         cl = active_cluster()
         if args.action == "status":
-            return cl.status()
+            return cl.status(full=args.full)
         if args.action == "restart":
             cl.restart()
             print(f"sharddbg: restarted {cl.n} ranks in {cl.timings.get('restart_s', cl.timings['start_s']):.1f} s")

@@ -1,13 +1,20 @@
 """The notebook front end in a real browser: JupyterLab on loopback, Debian's chromium driven by Playwright,
-the quickstart notebook run for real on a 4-rank CPU cluster.
+the quickstart notebook run for real on a 4-rank CPU cluster (with a few cells more for the checks below).
 
-Checks what a user sees: the inspector's blocks (one per rank, the right local shapes), the timeline's
-rows (one per rank), the explorer's detail after clicking a fallback op, and an error message that
-contains HTML shown as text. Screenshots go to test-artifacts/ (gitignored).
+Checks what a user sees, with assertions on the page: the inspector's blocks (one per rank, the right local
+shapes; a spec that disagrees drawn as the ranks hold it; both mesh coordinates; no two labels overlapping),
+the timeline (a hover anywhere on a span, names inside spans, labelled lanes, the same collective linked
+across ranks, room after the last span, colours apart, no cloud button), the explorer (shapes on one line,
+a list that fits its box, a detail that closes when filtered out, error rows marked), the magics' output
+(status table, stop, diagnose), the dark theme, and the notebook after save: reopened by its owner
+(widgets from the saved widget state, no kernel) and by someone else (the static views). Screenshots go
+to test-artifacts/ (gitignored).
 """
 
 from __future__ import annotations
 
+import colorsys
+import contextlib
 import json
 import os
 import re
@@ -20,6 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,8 +35,27 @@ ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
+NOTEBOOK = "quickstart_checked.ipynb"
 N = 4
 ROWS = [66 // N + (1 if r < 66 % N else 0) for r in range(N)]  # 17, 17, 16, 16
+OFFS = [sum(ROWS[:r]) for r in range(N)]
+VIEW_MIMETYPES = {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain", "application/vnd.sharddbg.trace+json"}
+# Cells the browser checks need beyond the quickstart, run before its last cell (%shard_cluster stop): a
+# tensor on a 2 x 2 (ddp x domain) mesh, a conv through the DTensor fallback (its output's spec says
+# Replicate while each rank holds its own rows), and %shard_cluster diagnose.
+EXTRA_CELLS = [
+    '%%px\n'
+    'from torch.distributed.device_mesh import DeviceMesh\n'
+    'mesh22 = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("ddp", "domain"))\n'
+    '_i, _j = mesh22.get_coordinate()\n'
+    'x22 = ShardTensor.from_local(torch.randn(1, 3, [34, 32][_i], [33, 31][_j]), mesh22, (Shard(2), Shard(3)),\n'
+    '    sharding_shapes={0: [(1, 3, r, [33, 31][_j]) for r in (34, 32)], 1: [(1, 3, [34, 32][_i], c) for c in (33, 31)]})\n'
+    'with sharddbg.engine.without_patches(F.conv2d):\n'
+    '    y_fb = F.conv2d(x, torch.randn(2, 3, 3, 3), padding=1)',
+    'sharddbg.inspect("x22")',
+    'sharddbg.inspect("y_fb")',
+    '%shard_cluster diagnose',
+]
 
 pytestmark = [pytest.mark.browser, pytest.mark.cluster]
 
@@ -39,11 +66,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _settings(directory: Path) -> None:
-    """JupyterLab user settings for the test: render every cell (no windowing), no news or update checks."""
+def _settings(directory: Path, save_widget_state: bool) -> None:
+    """JupyterLab user settings: render every cell (no windowing), no news or update checks; optionally save
+    the widgets' state with the notebook (Settings > Save Widget State Automatically)."""
     files = {
         "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
         "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
+        "@jupyter-widgets/jupyterlab-manager/plugin.jupyterlab-settings": {"saveState": save_widget_state},
     }
     for rel, content in files.items():
         p = directory / rel
@@ -51,21 +80,16 @@ def _settings(directory: Path) -> None:
         p.write_text(json.dumps(content))
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A JupyterLab server on 127.0.0.1 serving a scratch copy of the notebooks; yields (url, token, root)."""
-    # A missing browser is a broken set-up, not a reason to check nothing: fail loudly.
-    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: install Debian's chromium (bash .ci/setup does)"
-    import playwright.sync_api  # noqa: F401
-    work = tmp_path_factory.mktemp("lab")
-    root = work / "root"
-    root.mkdir()
-    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", root)
-    _settings(work / "settings")
+@contextlib.contextmanager
+def _jupyterlab(work: Path, root: Path, save_widget_state: bool):
+    """A JupyterLab server on 127.0.0.1 serving ``root``, with its own settings and data folders under
+    ``work`` (its own notebook-signing key: a notebook saved by another server is not trusted here);
+    yields (url, token)."""
+    _settings(work / "settings", save_widget_state)
     token, port = secrets.token_hex(16), _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"), JUPYTER_CONFIG_DIR=str(work / "config"),
-               JUPYTER_RUNTIME_DIR=str(work / "runtime"))
+               JUPYTER_RUNTIME_DIR=str(work / "runtime"), JUPYTER_DATA_DIR=str(work / "data"))
     log = open(work / "lab.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
@@ -83,7 +107,7 @@ def lab(tmp_path_factory):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"JupyterLab did not start; log:\n{(work / 'lab.log').read_text()[-3000:]}")
                 time.sleep(0.3)
-        yield url, token, root
+        yield url, token
     finally:
         proc.terminate()
         try:
@@ -94,12 +118,28 @@ def lab(tmp_path_factory):
         log.close()
 
 
+def _notebook(root: Path) -> None:
+    """The quickstart with EXTRA_CELLS before its last cell (%shard_cluster stop)."""
+    nb = nbformat.read(ROOT / "notebooks" / "01_quickstart.ipynb", as_version=4)
+    assert nb.cells[-1].source.strip() == "%shard_cluster stop"
+    for k, src in enumerate(EXTRA_CELLS):
+        cell = nbformat.v4.new_code_cell(src)
+        cell.id = f"browser-check-{k}"
+        nb.cells.insert(len(nb.cells) - 1, cell)
+    nbformat.write(nb, root / NOTEBOOK)
+
+
+def _api(url: str, token: str, path: str, method: str = "GET"):
+    req = urllib.request.Request(f"{url}{path}?token={token}", method=method)
+    body = urllib.request.urlopen(req, timeout=10).read()
+    return json.loads(body) if body else None
+
+
 def _wait_kernel_idle(url: str, token: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     state = None
     while time.monotonic() < deadline:
-        sessions = json.loads(urllib.request.urlopen(f"{url}/api/sessions?token={token}", timeout=5).read())
-        states = [s["kernel"]["execution_state"] for s in sessions if s.get("kernel")]
+        states = [s["kernel"]["execution_state"] for s in _api(url, token, "/api/sessions") if s.get("kernel")]
         state = states
         if states == ["idle"]:
             return
@@ -107,18 +147,43 @@ def _wait_kernel_idle(url: str, token: str, timeout: float = 60) -> None:
     raise AssertionError(f"the notebook's kernel did not become idle within {timeout} s: {state}")
 
 
-def test_quickstart_in_jupyterlab(lab):
+def _hue(rgb: str) -> float:
+    r, g, b = (int(v) / 255 for v in re.findall(r"\d+", rgb)[:3])
+    return colorsys.rgb_to_hls(r, g, b)[0] * 360
+
+
+def _overlaps(boxes: list[dict]) -> list[tuple[str, str]]:
+    """Pairs of label boxes ({text, x, y, w, h}) that intersect."""
+    out = []
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"] and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"]:
+                out.append((a["text"], b["text"]))
+    return out
+
+
+LABEL_BOXES = """(svg) => [...svg.querySelectorAll('text')].map((t) => { const r = t.getBoundingClientRect();
+    return { text: t.textContent, x: r.x, y: r.y, w: r.width, h: r.height }; }).filter((b) => b.w > 0)"""
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    """JupyterLab and chromium with the notebook run top to bottom; yields (page, url, token, root, work)."""
+    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: install Debian's chromium (bash .ci/setup does)"
     from playwright.sync_api import expect, sync_playwright
 
-    url, token, root = lab
     ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as p:
+    work = tmp_path_factory.mktemp("lab")
+    root = work / "root"
+    root.mkdir()
+    _notebook(root)
+    with _jupyterlab(work / "owner", root, save_widget_state=True) as (url, token), sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
-        page_errors: list[str] = []
-        page.on("pageerror", lambda e: page_errors.append(str(e)))
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
         try:
-            page.goto(f"{url}/lab/tree/01_quickstart.ipynb?token={token}", wait_until="domcontentloaded")
+            page.goto(f"{url}/lab/tree/{NOTEBOOK}?token={token}", wait_until="domcontentloaded")
             # the kernel must really be connected and idle before we run anything: the server says so,
             # and so does the page's status bar
             expect(page.locator(".jp-Notebook")).to_be_visible(timeout=60_000)
@@ -137,95 +202,335 @@ def test_quickstart_in_jupyterlab(lab):
                     if attempt == 2:
                         raise
             # done when the last cell (%shard_cluster stop) has printed its line
-            expect(page.locator(".jp-OutputArea-output", has_text="sharddbg: stopped 4 ranks")).to_have_count(
-                1, timeout=150_000)
+            try:
+                expect(page.locator(".jp-OutputArea-output", has_text="sharddbg: stopped 4 ranks")).to_have_count(
+                    1, timeout=180_000)
+            except AssertionError as exc:  # say which cell failed, with its error
+                failed = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+                raise AssertionError(f"the notebook did not run to its end; error outputs: "
+                                     f"{[t[-1500:] for t in failed.all_inner_texts()]}") from exc
             expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")).to_have_count(1, timeout=30_000)
-
-            # inspector: one block per rank with the real local shapes and offsets
-            insp = page.locator(".sd-inspector")
-            expect(insp).to_have_count(1)
-            blocks = insp.locator(".sd-block")
-            expect(blocks).to_have_count(N)
-            for r in range(N):
-                b = insp.locator(f".sd-block[data-ranks='{r}']")
-                expect(b).to_have_attribute("data-local-shape", f"1,3,{ROWS[r]},64")
-                off = sum(ROWS[:r])
-                expect(b).to_have_attribute("data-rows", f"{off}-{off + ROWS[r]}")
-                expect(b).to_contain_text(f"rank {r}")
-                expect(insp.locator(f"tr[data-rank='{r}'] td.sd-col-local_shape")).to_have_text(f"(1, 3, {ROWS[r]}, 64)")
-            # uneven shards are marked, and drawn smaller
-            expect(insp.locator(".sd-block.sd-uneven")).to_have_count(2)
-            h = [insp.locator(f".sd-block[data-ranks='{r}'] rect").first.bounding_box()["height"] for r in range(N)]
-            assert h[0] == pytest.approx(h[1]) and h[2] == pytest.approx(h[3]) and h[0] > h[2]
-            insp.screenshot(path=str(ARTIFACTS / "browser_inspector.png"))
-            # another pair of dims: channels x H; W is not sharded, so still one block per rank
-            insp.locator("select.sd-dims").select_option(label="rows: dim 1 (3) × cols: dim 2 (66)")
-            for r in range(N):
-                off = sum(ROWS[:r])
-                expect(insp.locator(f".sd-block[data-ranks='{r}']")).to_have_attribute("data-cols", f"{off}-{off + ROWS[r]}")
-
-            # timeline: one row per rank
-            plot = page.locator(".js-plotly-plot")
-            expect(plot).to_have_count(1)
-            expect(plot.locator(".ytick text")).to_have_text([f"rank {r}" for r in range(N)])
-            plot.scroll_into_view_if_needed()
-            plot.screenshot(path=str(ARTIFACTS / "browser_timeline.png"))
-            # hover over the middle of the first conv2d span of rank 2: its shapes and bytes
-            pos = plot.evaluate("""(d) => {
-                const L = d._fullLayout, r = d.getBoundingClientRect();
-                for (const t of d._fullData) {
-                  if (t.mode !== 'markers' || !t.hovertext) continue;
-                  for (let i = 0; i < t.hovertext.length; i++) {
-                    const h = t.hovertext[i];
-                    if (h.includes('torch.conv2d') && h.includes('rank 2 ') && h.includes('forward'))
-                      return [r.left + L.xaxis._offset + L.xaxis.l2p(t.x[i]), r.top + L.yaxis._offset + L.yaxis.l2p(t.y[i])];
-                  }
-                }
-                return null; }""")
-            assert pos is not None
-            page.mouse.move(pos[0], pos[1])
-            hover = plot.locator(".hoverlayer .hovertext")
-            expect(hover).to_contain_text("torch.conv2d")
-            expect(hover).to_contain_text(f"(1, 3, {ROWS[2]}, 64)")
-            expect(hover).to_contain_text("bytes in")
-            page.mouse.move(5, 5)
-
-            # explorer: click a fallback op -> its detail, the same call on every rank
-            exp = page.locator(".sd-explorer")
-            expect(exp).to_have_count(1)
-            fb = exp.locator("tr.sd-kind-fallback[data-op='Tensor.abs']").first
-            fb.scroll_into_view_if_needed()
-            fb.click()
-            detail = exp.locator(".sd-detail")
-            expect(detail).to_be_visible()
-            expect(detail.locator(".sd-detail-op")).to_have_text("Tensor.abs")
-            expect(detail).to_contain_text("ran through the DTensor fallback")
-            rows = detail.locator("table.sd-per-rank tbody tr")
-            expect(rows).to_have_count(N)
-            for r in range(N):
-                expect(rows.nth(r).locator("td.sd-col-in_local_shapes")).to_have_text(f"(1, 2, {ROWS[r]}, 64)")
-            exp.screenshot(path=str(ARTIFACTS / "browser_explorer_fallback.png"))
-            # filters: rank 2 and the DTensor fallbacks only
-            exp.locator("select.sd-f-rank").select_option("2")
-            exp.locator("select.sd-f-path").select_option("@fallback")
-            listed = exp.locator(".sd-list tr.sd-op")
-            assert listed.count() > 0
-            assert set(listed.evaluate_all("rs => rs.map(r => r.dataset.rank + ':' + r.dataset.kind)")) == {"2:fallback"}
-            exp.locator("select.sd-f-rank").select_option("")
-            exp.locator("select.sd-f-path").select_option("")
-
-            # an error whose message contains HTML is shown as text, not rendered
-            err = exp.locator("tr.sd-kind-error").first
-            err.click()
-            msg = detail.locator(".sd-error-msg")
-            expect(msg).to_have_text("TypeError: broken_add: expected <ShardTensor> & got <b>None</b>")
-            expect(detail.locator("b")).to_have_count(0)
-            expect(detail.locator("pre.sd-tb")).to_contain_text("broken_add")
-            exp.screenshot(path=str(ARTIFACTS / "browser_explorer_error.png"))
-            page.screenshot(path=str(ARTIFACTS / "browser_quickstart.png"))
-            assert not page_errors, page_errors
+            yield page, url, token, root, work
+            assert not errors, errors
         except Exception:
             page.screenshot(path=str(ARTIFACTS / "browser_failure.png"))
             raise
         finally:
             browser.close()
+
+
+def _cell(page, line: str):
+    """The code cell that has ``line`` as one of its lines."""
+    cells = page.locator(".jp-CodeCell")
+    for k in range(cells.count()):
+        text = cells.nth(k).locator(".jp-InputArea .cm-content").inner_text()
+        if line in [t.strip() for t in text.splitlines()]:
+            return cells.nth(k)
+    raise AssertionError(f"no cell has the line {line!r}")
+
+
+def _inspector(page, name: str):
+    return page.locator(".sd-inspector", has=page.locator(f"code.sd-name:text-is('{name}')"))
+
+
+def test_inspector(session):
+    from playwright.sync_api import expect
+
+    page = session[0]
+    insp = _inspector(page, "x")
+    expect(insp).to_have_count(1)
+    blocks = insp.locator(".sd-block")
+    expect(blocks).to_have_count(N)
+    for r in range(N):
+        b = insp.locator(f".sd-block[data-ranks='{r}']")
+        expect(b).to_have_attribute("data-local-shape", f"1,3,{ROWS[r]},64")
+        expect(b).to_have_attribute("data-rows", f"{OFFS[r]}-{OFFS[r] + ROWS[r]}")
+        expect(b).to_contain_text(f"rank {r}")
+        expect(insp.locator(f"tr[data-rank='{r}'] td.sd-col-local_shape")).to_have_text(f"(1, 3, {ROWS[r]}, 64)")
+    # uneven shards are marked, and drawn smaller
+    expect(insp.locator(".sd-block.sd-uneven")).to_have_count(2)
+    h = [insp.locator(f".sd-block[data-ranks='{r}'] rect").first.bounding_box()["height"] for r in range(N)]
+    assert h[0] == pytest.approx(h[1], abs=0.5) and h[2] == pytest.approx(h[3], abs=0.5) and h[0] > h[2] + 2
+    insp.scroll_into_view_if_needed()
+    insp.screenshot(path=str(ARTIFACTS / "browser_inspector.png"))
+    # another pair of dims: channels x H; W is not sharded, so still one block per rank
+    insp.locator("select.sd-dims").select_option(label="rows: dim 1 (3) × cols: dim 2 (66)")
+    for r in range(N):
+        expect(insp.locator(f".sd-block[data-ranks='{r}']")).to_have_attribute("data-cols", f"{OFFS[r]}-{OFFS[r] + ROWS[r]}")
+    # dims 0 x 1: every slice of dim 2 would show the same single block: one diagram, no facets
+    insp.locator("select.sd-dims").select_option(label="rows: dim 0 (1) × cols: dim 1 (3)")
+    expect(insp.locator(".sd-facet")).to_have_count(1)
+    expect(insp.locator(".sd-block")).to_have_count(1)
+    expect(insp.locator(".sd-block")).to_have_attribute("data-ranks", "0,1,2,3")
+
+    # a spec that disagrees with the local tensors (Replicate, while each rank holds its own rows): drawn as
+    # the ranks hold them, one after the other, each outlined as a mismatch
+    fb = _inspector(page, "y_fb")
+    expect(fb.locator(".sd-block")).to_have_count(N)
+    for r in range(N):
+        b = fb.locator(f".sd-block[data-ranks='{r}']")
+        expect(b).to_have_attribute("data-rows", f"{OFFS[r]}-{OFFS[r] + ROWS[r]}")
+        expect(b).to_have_class(re.compile(r"\bsd-bad\b"))
+        expect(b.locator("rect").first).to_have_attribute("stroke", "#d32f2f")
+    fb.scroll_into_view_if_needed()
+    fb.screenshot(path=str(ARTIFACTS / "browser_inspector_spec_disagrees.png"))
+
+    # a ddp x domain mesh: the header names it, each rank shows both coordinates (blocks and table)
+    m = _inspector(page, "x22")
+    expect(m.locator(".sd-title")).to_contain_text("mesh ddp=2 × domain=2")
+    for r in range(N):
+        i, j = divmod(r, 2)
+        expect(m.locator(f".sd-block[data-ranks='{r}']")).to_contain_text(f"ddp={i}, domain={j}")
+        expect(m.locator(f"tr[data-rank='{r}'] td.sd-col-coordinate")).to_have_text(f"ddp={i}, domain={j}")
+    m.scroll_into_view_if_needed()
+    m.screenshot(path=str(ARTIFACTS / "browser_inspector_mesh22.png"))
+
+    # no two labels overlap, in any diagram of any inspector, for every pair of dims
+    for view in (insp, fb, m):
+        sel = view.locator("select.sd-dims")
+        for label in sel.locator("option").all_inner_texts():
+            sel.select_option(label=label)
+            for svg in view.locator("svg.sd-diagram").all():
+                boxes = svg.evaluate(LABEL_BOXES)
+                assert boxes and not _overlaps(boxes), (label, _overlaps(boxes))
+    insp.locator("select.sd-dims").select_option(label="rows: dim 2 (66) × cols: dim 3 (64)")
+
+
+def _plot_geometry(plot):
+    """Per bar trace of the timeline: its name, colour as drawn, and each span's pixel box in the page."""
+    return plot.evaluate("""(d) => {
+        const L = d._fullLayout, r = d.getBoundingClientRect(), out = [];
+        const bars = [...d.querySelectorAll('.barlayer .trace')];
+        let k = 0;
+        for (const t of d._fullData) {
+          if (t.type !== 'bar') continue;
+          const g = bars[k++];
+          const path = g && g.querySelector('path');
+          const spans = Array.from(t.base).map((b, i) => ({
+            x0: r.left + L.xaxis._offset + L.xaxis.l2p(b), x1: r.left + L.xaxis._offset + L.xaxis.l2p(b + t.x[i]),
+            y: r.top + L.yaxis._offset + L.yaxis.l2p(t.y[i]), hover: t.hovertext[i] }));
+          out.push({ name: t.name, fill: path ? getComputedStyle(path).fill : null, spans: spans });
+        }
+        return { traces: out, right: r.left + L.xaxis._offset + L.xaxis._length };
+    }""")
+
+
+def test_timeline(session):
+    from playwright.sync_api import expect
+
+    page = session[0]
+    plot = page.locator(".js-plotly-plot")
+    expect(plot).to_have_count(1)
+    plot.scroll_into_view_if_needed()
+    # every lane labelled: the rank at its op lane, the autograd and collectives lanes by name
+    ticks = plot.locator(".ytick text").all_text_contents()
+    assert [t for t in ticks if t.startswith("rank")] == [f"rank {r}" for r in range(N)]
+    assert ticks.count("collectives") == N and ticks.count("autograd") == N
+    plot.screenshot(path=str(ARTIFACTS / "browser_timeline.png"))
+    geo = _plot_geometry(plot)
+    spans = [(t, s) for t in geo["traces"] for s in t["spans"]]
+    # hover anywhere on a span: 6 px inside either end of rank 2's widest forward op, far from its middle
+    fwd = [s for t, s in spans if "rank 2 " in s["hover"] and "<br>forward ·" in s["hover"] and "backward" not in s["hover"]]
+    span = max(fwd, key=lambda s: s["x1"] - s["x0"])
+    assert span["x1"] - span["x0"] > 60, span
+    op = re.match(r"<b>(.*?)</b>", span["hover"]).group(1)
+    hover = plot.locator(".hoverlayer .hovertext")
+    for x in (span["x0"] + 6, span["x1"] - 6):
+        page.mouse.move(5, 5)
+        page.mouse.move(x, span["y"] + 3)
+        expect(hover).to_contain_text(f"{op} · rank 2 ")
+        expect(hover).to_contain_text(f", {ROWS[2]}, 64)")
+        expect(hover).to_contain_text("bytes in")
+    page.mouse.move(5, 5)
+    # op names inside the spans wide enough to hold them, and only there
+    labels = plot.evaluate("""(d) => [...d.querySelectorAll('.barlayer .point')].map((g) => {
+        const t = g.querySelector('text'), p = g.querySelector('path');
+        if (!t || !p || !t.textContent) return null;
+        const a = t.getBoundingClientRect(), b = p.getBoundingClientRect(), st = getComputedStyle(t);
+        if (a.width === 0 || st.display === 'none' || st.visibility === 'hidden' || Number(st.opacity) === 0) return null;  // hidden: too wide
+        return { text: t.textContent, inside: a.left >= b.left - 1 && a.right <= b.right + 1 && a.top >= b.top - 1 && a.bottom <= b.bottom + 1 };
+      }).filter((x) => x)""")
+    assert any(x["text"] == "conv2d" for x in labels) and any(x["text"] == "backward" for x in labels)
+    assert all(x["inside"] for x in labels), [x for x in labels if not x["inside"]]
+    # the whole backward pass in its own lane, above the ops it contains (they stay visible)
+    backward = [s for t, s in spans if s["hover"].startswith("<b>ShardTensor.backward</b>")]
+    bwd_ops = [s for t, s in spans if "backward ·" in s["hover"] and "torch.conv2d" in s["hover"]]
+    rank_of = lambda s: int(re.search(r" · rank (\d+) ", s["hover"]).group(1))  # noqa: E731
+    assert backward and bwd_ops and all(b["y"] < o["y"] - 8 for b in backward for o in bwd_ops if rank_of(b) == rank_of(o))
+    assert {rank_of(b) for b in backward} == {rank_of(o) for o in bwd_ops} == set(range(N))
+    # the same collective joined across ranks
+    expect(plot.locator(".legendtext", has_text="same collective on every rank")).to_have_count(1)
+    assert plot.evaluate("(d) => d._fullData.filter((t) => t.name === 'same collective on every rank')[0].x.filter((v) => v !== null).length") == 8 * N
+    # room after the last span
+    assert max(s["x1"] for _, s in spans) < geo["right"] - 5
+    # DTensor fallbacks and all_to_all in colours apart (hue)
+    fills = {t["name"]: t["fill"] for t in geo["traces"]}
+    a2a = _hue(fills["all_to_all_single"])
+    for name in ("dtensor fallback function",):
+        d = abs(_hue(fills[name]) - a2a)
+        assert min(d, 360 - d) >= 60, fills
+    # no modebar button that sends the chart to a cloud service
+    titles = plot.locator(".modebar-btn").evaluate_all("bs => bs.map(b => b.getAttribute('data-title') || '')")
+    assert titles and not [t for t in titles if re.search(r"cloud|chart studio", t, re.I)], titles
+
+
+def test_explorer(session):
+    from playwright.sync_api import expect
+
+    page = session[0]
+    exp = page.locator(".sd-explorer")
+    expect(exp).to_have_count(1)
+    listing = exp.locator(".sd-list")
+    # the list fits its box: no horizontal scrolling, no cell beyond its right edge; a cut cell keeps its text
+    fit = listing.evaluate("""(l) => { const r = l.getBoundingClientRect();
+        return { scroll: l.scrollWidth, client: l.clientWidth,
+                 beyond: [...l.querySelectorAll('td')].filter((td) => td.getBoundingClientRect().right > r.right + 1).length }; }""")
+    assert fit["scroll"] <= fit["client"] and fit["beyond"] == 0, fit
+    sources = listing.locator("td.sd-col-user_frame").evaluate_all("tds => tds.map(td => td.title)")
+    assert sources and all(re.search(r"\.py:\d+", s) for s in sources if s), sources[:3]
+    # an error row is marked as an error, not only by its dispatch path
+    err_row = exp.locator("tr.sd-kind-error").first
+    expect(err_row.locator(".sd-chip-error")).to_have_text("✖ raised")
+    bg = err_row.locator("td").nth(3).evaluate("td => getComputedStyle(td).backgroundColor")
+    rgb = [int(v) for v in re.findall(r"\d+", bg)[:3]]
+    assert rgb[0] > rgb[1] + 10 and rgb[0] > rgb[2] + 10, bg  # a red tint
+    # click a fallback op -> its detail, the same call on every rank, each shape on one line
+    fb = exp.locator("tr.sd-kind-fallback[data-op='Tensor.abs'][data-rank='0']").first
+    fb.scroll_into_view_if_needed()
+    fb.click()
+    detail = exp.locator(".sd-detail")
+    expect(detail).to_be_visible()
+    expect(detail.locator(".sd-detail-op")).to_have_text("Tensor.abs")
+    expect(detail).to_contain_text("ran through the DTensor fallback")
+    rows = detail.locator("table.sd-per-rank tbody tr")
+    expect(rows).to_have_count(N)
+    for r in range(N):
+        expect(rows.nth(r).locator("td.sd-col-in_local_shapes")).to_have_text(f"(1, 2, {ROWS[r]}, 64)")
+    lines = detail.locator(".sd-shape").evaluate_all("""ss => ss.map(s => { const r = document.createRange();
+        r.selectNodeContents(s); return r.getClientRects().length; })""")
+    assert lines and set(lines) == {1}, lines
+    exp.screenshot(path=str(ARTIFACTS / "browser_explorer_fallback.png"))
+    # filters: rank 2 and the DTensor fallbacks only; the open detail (rank 0) is filtered out: it closes
+    exp.locator("select.sd-f-rank").select_option("2")
+    expect(detail).to_be_hidden()
+    exp.locator("select.sd-f-path").select_option("@fallback")
+    listed = exp.locator(".sd-list tr.sd-op")
+    assert listed.count() > 0
+    assert set(listed.evaluate_all("rs => rs.map(r => r.dataset.rank + ':' + r.dataset.kind)")) == {"2:fallback"}
+    exp.locator("select.sd-f-rank").select_option("")
+    exp.locator("select.sd-f-path").select_option("")
+    # an error whose message contains HTML is shown as text, not rendered
+    err_row.click()
+    msg = detail.locator(".sd-error-msg")
+    expect(msg).to_have_text("TypeError: broken_add: expected <ShardTensor> & got <b>None</b>")
+    expect(detail.locator("b")).to_have_count(0)
+    expect(detail.locator("pre.sd-tb")).to_contain_text("broken_add")
+    expect(detail.locator(".sd-chip-error")).to_have_count(1)
+    exp.screenshot(path=str(ARTIFACTS / "browser_explorer_error.png"))
+
+
+def test_magics_output(session):
+    page = session[0]
+    # %shard_cluster status: at most 8 columns besides the rank, no cell wrapped over two lines
+    table = _cell(page, "%shard_cluster status").locator(".jp-OutputArea-output table")
+    header = table.locator("thead tr").first.locator("th")
+    assert 2 <= header.count() <= 9, header.all_inner_texts()
+    wrapped = table.evaluate("""(t) => [...t.querySelectorAll('td, th')].filter((c) => {
+        const r = document.createRange(); r.selectNodeContents(c); return r.getClientRects().length > 1; }).map((c) => c.textContent)""")
+    assert not wrapped, wrapped
+    assert table.locator("tbody tr").count() == N
+    table.screenshot(path=str(ARTIFACTS / "browser_status.png"))
+    # %shard_cluster stop: its one-line summary and nothing else (no controller log)
+    stop = _cell(page, "%shard_cluster stop").locator(".jp-OutputArea-output")
+    assert stop.count() == 1 and re.fullmatch(r"sharddbg: stopped 4 ranks in \d+\.\d s", stop.inner_text().strip())
+    # %shard_cluster diagnose: a readable report, not a repr
+    diag = _cell(page, "%shard_cluster diagnose").locator(".jp-OutputArea-output")
+    assert [o.strip() for o in diag.all_inner_texts()] == ["every rank is idle"]
+
+
+def _css_color(page, expression: str, prop: str = "backgroundColor") -> str:
+    """A CSS colour expression (e.g. ``var(--jp-layout-color0)``) as the page computes it."""
+    return page.evaluate("""([expr, prop]) => { const e = document.createElement('div');
+        e.style[prop === 'color' ? 'color' : 'backgroundColor'] = expr; document.body.append(e);
+        const v = getComputedStyle(e)[prop === 'color' ? 'color' : 'backgroundColor']; e.remove(); return v; }""",
+                         [expression, prop])
+
+
+def test_dark_theme(session):
+    from playwright.sync_api import expect
+
+    page = session[0]
+    page.locator(".lm-MenuBar-itemLabel").get_by_text("Settings", exact=True).click()
+    page.locator(".lm-Menu-itemLabel").get_by_text("Theme", exact=True).hover()
+    page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
+    expect(page.locator("body[data-jp-theme-light='false']")).to_have_count(1, timeout=20_000)
+    page.wait_for_timeout(500)
+    background, text = _css_color(page, "var(--jp-layout-color0)"), _css_color(page, "var(--jp-ui-font-color1)", "color")
+    assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) < 150, background  # a dark background
+    for view in (page.locator(".sd-explorer").first, _inspector(page, "x")):
+        view.scroll_into_view_if_needed()
+        assert view.evaluate("e => getComputedStyle(e).backgroundColor") == background
+        assert view.evaluate("e => getComputedStyle(e).color") == text
+        head = view.locator("th").first.evaluate("e => getComputedStyle(e).backgroundColor")
+        assert sum(int(v) for v in re.findall(r"\d+", head)[:3]) < 300, head  # table headers dark too
+    page.locator(".sd-explorer").first.screenshot(path=str(ARTIFACTS / "browser_explorer_dark.png"))
+    _inspector(page, "x").screenshot(path=str(ARTIFACTS / "browser_inspector_dark.png"))
+
+
+def test_saved_notebook(session):
+    """Save, shut the kernel down, reopen: the owner's JupyterLab draws the widgets from the state saved with
+    the notebook (no kernel); another JupyterLab (another signing key: the notebook is not trusted there)
+    shows each view's static rendering."""
+    from playwright.sync_api import expect
+
+    page, url, token, root, work = session
+    page.locator(".jp-Notebook").click()
+    page.keyboard.press("Control+s")
+    path = root / NOTEBOOK
+    deadline = time.monotonic() + 30
+    while True:
+        nb = nbformat.read(path, as_version=4)
+        outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+        if any("application/vnd.sharddbg.trace+json" in o.get("data", {}) for o in outputs) and nb.metadata.get("widgets"):
+            break
+        assert time.monotonic() < deadline, "the notebook was not saved with its outputs"
+        time.sleep(0.5)
+    # each view left one output bundle: widget, static HTML, text, payload
+    views = [o for o in outputs if "application/vnd.sharddbg.trace+json" in o.get("data", {})]
+    assert len(views) == 4 and all(set(o["data"]) == VIEW_MIMETYPES for o in views)  # 3 inspectors, 1 explorer
+    assert all(o["data"]["application/vnd.sharddbg.trace+json"]["version"] == 1 for o in views)
+    for s in _api(url, token, "/api/sessions"):
+        _api(url, token, f"/api/sessions/{s['id']}", method="DELETE")
+    assert _api(url, token, "/api/kernels") == []
+
+    # the owner reloads: the widgets come back from the saved widget state, without the kernel that made
+    # them (JupyterLab starts a fresh one), and their filters work
+    page.reload(wait_until="domcontentloaded")
+    expect(page.locator(".sd-explorer:not(.sd-static)")).to_have_count(1, timeout=60_000)
+    expect(page.get_by_text("Error displaying widget")).to_have_count(0)
+    exp = page.locator(".sd-explorer")
+    exp.locator("select.sd-f-rank").select_option("3")
+    assert set(exp.locator(".sd-list tr.sd-op").evaluate_all("rs => rs.map(r => r.dataset.rank)")) == {"3"}
+    expect(_inspector(page, "x").locator(".sd-block")).to_have_count(N)
+
+    # someone else opens the saved file: the static views
+    other = work / "other"
+    other_root = other / "root"
+    other_root.mkdir(parents=True)
+    shutil.copy(path, other_root / NOTEBOOK)
+    with _jupyterlab(other, other_root, save_widget_state=False) as (url2, token2):
+        page.goto(f"{url2}/lab/tree/{NOTEBOOK}?token={token2}", wait_until="domcontentloaded")
+        expect(page.locator(".sd-static.sd-explorer")).to_have_count(1, timeout=60_000)
+        expect(page.get_by_text("Error displaying widget")).to_have_count(0)
+        grid = page.locator(".sd-static.sd-inspector pre.sd-grid").first
+        for r in range(N):
+            expect(grid).to_contain_text(f"rank {r}")
+        for r in range(1, N):
+            expect(grid).to_contain_text(f"┤ {OFFS[r]}")
+        static_exp = page.locator(".sd-static.sd-explorer")
+        expect(static_exp.locator("tr.sd-kind-error")).to_have_count(N)
+        expect(static_exp).to_contain_text("broken_add: expected <ShardTensor> & got <b>None</b>")
+        expect(static_exp.locator("b", has_text="None")).to_have_count(0)
+        for name, view in (("inspector", page.locator(".sd-static.sd-inspector").first), ("explorer", static_exp)):
+            view.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / f"browser_saved_static_{name}.png"))

@@ -6,11 +6,13 @@ never read back from the inspector.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import sharddbg
 from sharddbg.analysis.layout import ShardLayout
-from sharddbg.cluster.inspect import InspectError
+from sharddbg.cluster.inspect import InspectError, gather_snapshots
 from sharddbg.views.inspector import ShardInspector
 
 N = 4
@@ -80,13 +82,18 @@ def test_uneven_scatter(cl):
     assert [(b["row0"], b["row1"]) for b in blocks] == [(o, o + r) for o, r in zip(OFFS, ROWS)]
     assert all((b["col0"], b["col1"]) == (0, 64) for b in blocks)
     assert [b["uneven"] for b in blocks] == [r < max(ROWS) for r in ROWS]
-    # every pair of dims is drawable (4-d: 6 pairs); dims 0 x 1: the sharded dim 2 becomes facets
+    # every pair of dims is drawable (4-d: 6 pairs); dims 0 x 1: every slice of the sharded dim 2 would show
+    # the same whole block, so there is one diagram, one block listing every rank, each with its slice
     assert len(data["pairs"]) == 6
-    b01 = data["pairs"][0]["blocks"]
-    assert [(b["facet"], b["ranks"]) for b in b01] == \
-        [(f"dim 2 in [{o}, {o + r})", [k]) for k, (o, r) in enumerate(zip(OFFS, ROWS))]
-    # module-level entry point and plain-text rendering
-    assert "rank 3 [domain=3] local (1, 3, 16, 64) offsets (0, 0, 50, 0)" in repr(sharddbg.inspect("x"))
+    (b01,) = data["pairs"][0]["blocks"]
+    assert (b01["facet"], b01["ranks"], b01["split_along"]) == ("", list(range(N)), [2])
+    assert b01["local_shapes"] == [[1, 3, r, 64] for r in ROWS]
+    # module-level entry point and plain-text rendering: a line per rank, the block diagram as characters
+    text = repr(sharddbg.inspect("x"))
+    assert "rank 3 [domain=3] local (1, 3, 16, 64) offsets (0, 0, 50, 0)" in text
+    grid = [line for line in text.splitlines() if any(ch in line for ch in "│┐┤┘")]
+    assert [int(m.group(1)) for line in grid if (m := re.search(r"[┐┤┘] (\d+)$", line))] == [0] + OFFS[1:] + [66]
+    assert [m.group(0) for line in grid if (m := re.search(r"rank \d\*?", line))] == ["rank 0", "rank 1", "rank 2*", "rank 3*"]
 
 
 def test_spec_disagrees_with_local(cl):
@@ -122,20 +129,40 @@ def test_multi_dim_mesh(cl):
     blocks = lay.blocks(2, 3)
     assert sorted((b["row0"], b["col0"], tuple(b["ranks"])) for b in blocks) == \
         [(0, 0, (0,)), (0, 33, (1,)), (34, 0, (2,)), (34, 33, (3,))]
-    # dims 1 x 2: dim 3 is sharded but not drawn -> two facets (its two column ranges)
-    facets = {b["facet"] for b in lay.blocks(1, 2)}
-    assert facets == {"dim 3 in [0, 33)", "dim 3 in [33, 64)"}
+    # dims 1 x 2 (channels down, H across): dim 3 is sharded but not drawn; its two column ranges hold the
+    # same split of H, so one diagram: H 0-34 held by ranks 0 and 1 (each its own W columns), 34-66 by 2 and 3
+    assert [(b["facet"], b["row0"], b["row1"], b["col0"], b["col1"], b["ranks"], b["split_along"])
+            for b in lay.blocks(1, 2)] == [("", 0, 3, 0, 34, [0, 1], [3]), ("", 0, 3, 34, 66, [2, 3], [3])]
 
     # a sample per ddp group, sharded over the domain sub-mesh: two groups of two ranks
     lay = cl.inspect("xdom").shard_layout
     assert [g["ranks"] for g in lay.groups] == [[0, 1], [2, 3]]
     assert [o[2] for o in lay.get_ranks()["offsets"]] == [0, 33, 0, 33]
     assert lay.warnings == []
+    # with the mesh the ranks sit on (mesh22 is ddp x domain = 2 x 2, row-major like a cluster's), every rank
+    # and every group is named by both coordinates
+    lay = ShardLayout(gather_snapshots(cl, "xdom"), world_mesh={"ddp": 2, "domain": 2})
+    assert list(lay.get_ranks()["coordinate"]) == [f"ddp={r // 2}, domain={r % 2}" for r in range(N)]
+    assert [g["label"] for g in lay.groups] == ["ddp=0: ranks [0, 1]", "ddp=1: ranks [2, 3]"]
     # Replicate over ddp, Shard(2) over domain: replicas share one block each
     lay = cl.inspect("xrep").shard_layout
     assert lay.warnings == []
     assert [(b["row0"], b["ranks"]) for b in lay.blocks(2, 3)] == [(0, [0, 2]), (33, [1, 3])]
     assert any("Replicate over mesh dim 'ddp'" in n for n in lay.notes)
+
+
+def test_replicate_spec_over_sharded_rows(cl):
+    """A conv through the DTensor fallback: its output's spec says Replicate (whole on every rank), while
+    each rank holds only its own rows. The inspector lays them out as held, each rank a mismatch."""
+    cl.run("with sharddbg.engine.without_patches(F.conv2d):\n    y_fb = F.conv2d(x, torch.randn(2, 3, 3, 3), padding=1)",
+           timeout=60)
+    lay = cl.inspect("y_fb").shard_layout
+    assert [p["type"] for p in lay.snapshots[0]["placements"]] == ["replicate"]
+    assert cl.eval("tuple(y_fb._local_tensor.shape)") == [(1, 2, r, 64) for r in ROWS]  # what they really hold
+    assert [(b["row0"], b["row1"], b["ranks"], b["ok"]) for b in lay.blocks(2, 3)] == \
+        [(o, o + r, [k], False) for k, (o, r) in enumerate(zip(OFFS, ROWS))]
+    assert lay.inferred == {0: [2]} and not lay.get_ranks()["ok"].any()
+    assert any("drawn as the ranks really hold it" in n for n in lay.notes)
 
 
 def test_partial_and_plain(cl):

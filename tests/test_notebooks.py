@@ -51,25 +51,55 @@ def cell_with(nb, snippet: str):
     return next(c for c in nb.cells if c.cell_type == "code" and snippet in c.source)
 
 
+VIEW_MIMETYPES = {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain", "application/vnd.sharddbg.trace+json"}
+
+
+def check_common(nb) -> None:
+    """What every tutorial notebook must hold: the stop cell prints its one-line summary and nothing else;
+    no file is written under a fixed name in a shared folder."""
+    stop = cell_with(nb, "%shard_cluster stop")
+    assert [o.get("name") for o in stop.outputs] == ["stdout"], stop.outputs
+    assert re.fullmatch(r"sharddbg: stopped 4 ranks in \d+\.\d s\n", stop.outputs[0]["text"]), stop.outputs[0]["text"]
+    assert not any("gettempdir()" in c.source for c in nb.cells if c.cell_type == "code")
+
+
 def test_01_quickstart():
     nb = run_notebook("01_quickstart.ipynb")
+    check_common(nb)
     assert result_of(nb, 'cl.eval("tuple(x._local_tensor.shape)")') == [(1, 3, r, 64) for r in ROWS]
+    # the status table: eight columns by default, one row per rank
+    (status,) = [o for o in cell_with(nb, "%shard_cluster status").outputs if o.get("output_type") == "execute_result"]
+    header = re.search(r"<thead>\s*<tr[^>]*>(.*?)</tr>", status["data"]["text/html"], re.S).group(1)
+    assert len(re.findall(r"<th", header)) - 1 <= 8  # the first is the index's
+    assert status["data"]["text/html"].count("<tr>") >= N and "registered-by-sharddbg" in status["data"]["text/html"]
+    # the inspector's output bundle: the widget, static HTML, the text grid, the snapshots
     insp = cell_with(nb, 'sharddbg.inspect("x")')
     (out,) = [o for o in insp.outputs if "data" in o]
-    assert "application/vnd.jupyter.widget-view+json" in out["data"]
+    assert set(out["data"]) == VIEW_MIMETYPES
+    text = out["data"]["text/plain"]
     for r in range(N):
-        assert f"rank {r} [domain={r}] local (1, 3, {ROWS[r]}, 64) offsets (0, 0, {sum(ROWS[:r])}, 0)" in out["data"]["text/plain"]
+        assert f"rank {r} [domain={r}] local (1, 3, {ROWS[r]}, 64) offsets (0, 0, {sum(ROWS[:r])}, 0)" in text
+    assert re.search(r"│\s+rank 3\*\s+│", text) and '<pre class="sd-grid">' in out["data"]["text/html"]
+    assert len(out["data"]["application/vnd.sharddbg.trace+json"]["data"]["snapshots"]) == N
     fb = outputs_text(cell_with(nb, "get_fallbacks()"))
     assert "Tensor.abs" in fb and "dtensor_fallback_function" in fb
-    assert "application/vnd.jupyter.widget-view+json" in cell_with(nb, "t.show()").outputs[0]["data"]
+    (explorer,) = [o for o in cell_with(nb, "t.show()").outputs if "data" in o]
+    assert set(explorer["data"]) == VIEW_MIMETYPES
+    assert explorer["data"]["text/plain"].startswith("Trace explorer: ") and "object at 0x" not in explorer["data"]["text/plain"]
+    assert "broken_add: expected &lt;ShardTensor&gt;" in explorer["data"]["text/html"]
+    assert explorer["data"]["application/vnd.sharddbg.trace+json"]["data"]["ranks"] == list(range(N))
     tl = cell_with(nb, "t.plot_timeline()").outputs[0]["data"]
     fig = tl["application/vnd.plotly.v1+json"]
-    assert fig["layout"]["yaxis"]["ticktext"] == [f"rank {r}" for r in range(N)]
-    assert re.search(r"sharddbg_quickstart_report\.html \d+\.\d MB", outputs_text(cell_with(nb, "to_html(")))
+    assert [t for t in fig["layout"]["yaxis"]["ticktext"] if t.startswith("rank")] == [f"rank {r}" for r in range(N)]
+    assert fig["layout"]["yaxis"]["ticktext"].count("collectives") == N
+    # the report goes to a fresh temporary folder, not a fixed shared name
+    m = re.search(r"(\S+)/sharddbg_quickstart_report\.html \d+\.\d MB", outputs_text(cell_with(nb, "to_html(")))
+    assert m and os.path.basename(m.group(1)).startswith("sharddbg-quickstart-")
 
 
 def test_02_dispatch_paths():
     nb = run_notebook("02_dispatch_paths.ipynb")
+    check_common(nb)
     fb = outputs_text(cell_with(nb, "fb = t_net.get_fallbacks()"))
     assert "gelu" in fb and "dtensor_fallback_function" in fb
     cost = outputs_text(cell_with(nb, "t_conv = sharddbg.last_trace()"))
@@ -81,17 +111,20 @@ def test_02_dispatch_paths():
     for r, (patch_err, rows) in enumerate(check):
         lo, hi = sum(ROWS[:r]), sum(ROWS[:r + 1])
         assert patch_err < 1e-4 and rows == [i for i in wrong if lo <= i < hi], check
-    # the fallback's output says Replicate while every rank holds only its own rows
+    # the fallback's output says Replicate while every rank holds only its own rows: drawn as they hold them
     insp = [o for o in cell_with(nb, 'inspect("y1_fb")').outputs if "data" in o][0]["data"]["text/plain"]
     assert "placements Replicate()" in insp, insp
     for r in range(N):
-        assert f"rank {r} [domain={r}] local (1, 8, {ROWS[r]}, 64) offsets (0, 0, 0, 0)" in insp, insp
+        assert f"rank {r} [domain={r}] local (1, 8, {ROWS[r]}, 64) offsets (0, 0, {sum(ROWS[:r])}, 0) " in insp, insp
         assert f"WARNING: rank {r}: tensor dim 2 is not sharded, but its local size is {ROWS[r]} while the global " \
                f"size is 66" in insp, insp
+        assert re.search(rf"│\s+rank {r}\*?!\s+│", insp), insp  # every rank's box, marked as a mismatch
+    assert "drawn as the ranks really hold it" in insp
 
 
 def test_03_hidden_errors():
     nb = run_notebook("03_hidden_errors.ipynb")
+    check_common(nb)
     both = result_of(nb, 'eval("(plain, unmasked)")')
     assert both == [("TypeError: unsupported operand type(s) for +: 'ShardTensor' and 'ShardTensor' | cause: None",
                      "UnmaskedOpError -> TypeError('my_add() takes 2 positional arguments but 4 were given')")] * N
@@ -102,6 +135,7 @@ def test_03_hidden_errors():
 
 def test_04_comm_profile():
     nb = run_notebook("04_comm_profile.ipynb")
+    check_common(nb)
     summary = outputs_text(cell_with(nb, "def summary"))
     # 3 conv2d calls per rank; the halo patch sends one row (8 channels x 64 columns x 4 B) to each
     # neighbour per call and receives as much; the fallback communicates nothing
@@ -109,6 +143,16 @@ def test_04_comm_profile():
     row = r"<td>{}</td>\s*<td>{}</td>\s*<td>{}</td>\s*<td>[\d.]+</td>\s*<td>[\d.]+</td>\s*<td>{}</td>\s*<td>{}</td>"
     assert re.search(row.format("halo patch", "function_handler", 3 * N, 3 * N, halo_bytes), summary), summary
     assert re.search(row.format("DTensor fallback", "dtensor_fallback_function", 3 * N, 0, 0), summary), summary
+    # the notebook says only what this run measured: the sentence is computed from the table's numbers
+    means = [float(v) for v in re.findall(r"<td>(?:halo patch|DTensor fallback)</td>\s*<td>[^<]*</td>\s*<td>\d+</td>\s*"
+                                           r"<td>([\d.]+)</td>", summary)]
+    halo_ms, fb_ms = means
+    said = outputs_text(cell_with(nb, "ratio = "))
+    m = re.search(r"the fallback took ([\d.]+) ms per call, the halo patch ([\d.]+) ms: the fallback was (.*?)\. ", said)
+    assert m and float(m.group(1)) == pytest.approx(fb_ms, abs=0.006) and float(m.group(2)) == pytest.approx(halo_ms, abs=0.006)
+    ratio = fb_ms / halo_ms
+    assert m.group(3) == (f"{ratio:.1f}x slower" if ratio > 1.05 else f"{1 / ratio:.1f}x faster" if ratio < 0.95 else "about as fast")
+    assert not any("cheaper" in c.source or "faster" in c.source for c in nb.cells if c.cell_type == "markdown")
     comm = cell_with(nb, "t_halo.plot_comm_by_op()").outputs[0]["data"]["application/vnd.plotly.v1+json"]
     assert [d["name"] for d in comm["data"]] == ["all_to_all_single"] * 2
     empty = cell_with(nb, "t_fb.plot_comm_by_op()").outputs[0]["data"]["application/vnd.plotly.v1+json"]

@@ -21,6 +21,7 @@ import sharddbg
 from sharddbg.analysis.comm import COLLECTIVE_COLUMNS, COLLECTIVE_EXTRA_COLUMNS, NO_OP, comm_by_op_kind
 from sharddbg.analysis.formatting import format_bytes, format_shape, json_value
 from sharddbg.analysis.layout import ShardLayout
+from sharddbg.analysis.ops import is_metadata_op
 from sharddbg.analysis.timeline import OVERVIEW_COLUMNS, timeline_overview
 from sharddbg.exporters.perfetto import perfetto_dict
 from sharddbg.trace import Trace
@@ -116,8 +117,17 @@ def test_timeline_frame_matches_payloads(trace):
         assert row.end_ms == pytest.approx((e["t_end_ns"] - off - t0) / 1e6)
         assert row.category == ("error" if e["error"] else e["path"])
         assert row.rank - 0.5 < row.y < row.rank + 0.5  # inside its rank's band
+        # a whole backward pass has its own lane, above the ops it contains
+        wide = e["op"] in ("Tensor.backward", "ShardTensor.backward")
+        assert row.lane == ("autograd" if wide else "ops") and row.label == e["op"].rsplit(".", 1)[-1]
+        assert (row.y == pytest.approx(row.rank + tl.AUTOGRAD_LANE)) == wide
         assert row.hover.startswith(f"<b>{e['op']}</b> · rank {row.rank} · seq {row.seq}<br>")
         assert f"bytes in {format_bytes(e['in_bytes'])} · out {format_bytes(e['out_bytes'])}" in row.hover
+    # the ops of the backward pass (nested two deep, in ShardTensor.backward > Tensor.backward) sit in the
+    # first op lane, like the forward ops, below the autograd spans that cover them
+    bwd = df[df["phase"] == "backward"]
+    assert len(bwd) and (bwd["y"] - bwd["rank"]).round(6).eq(round(tl.OP_LANE0, 6)).all()
+    assert (df.loc[df["lane"] == "autograd", "y"] - df.loc[df["lane"] == "autograd", "rank"]).max() < tl.OP_LANE0 - tl.BAR_HEIGHT
     conv = df[(df["op"] == "torch.conv2d") & (df["phase"] == "forward")]
     for r in range(N):  # hover shows the real local shapes of the conv inputs: conv1 (3 channels), conv2 (4)
         assert sorted(re.search(r"in \((1, \d, \d+, 64)\)", h).group(1) for h in conv[conv["rank"] == r]["hover"]) == \
@@ -140,34 +150,109 @@ def test_collective_spans_match_payloads(trace):
         assert f"from op {c['op']}<br>sent {format_bytes(c['bytes_sent'])}" in s.hover
 
 
-def test_plot_timeline_one_row_per_rank(trace, tmp_path):
+def _lane_ticks(fig) -> dict[float, str]:
+    return {round(v, 6): t for v, t in zip(fig.layout.yaxis.tickvals, fig.layout.yaxis.ticktext)}
+
+
+def test_plot_timeline_one_band_per_rank(trace, tmp_path):
     fig = tl.plot_timeline(trace)
-    assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(N)]
-    assert list(fig.layout.yaxis.tickvals) == list(range(N))
+    # every lane is labelled: the rank at its first op lane, the autograd and collectives lanes by name
+    ticks = _lane_ticks(fig)
+    for r in range(N):
+        assert ticks[round(r + tl.OP_LANE0, 6)] == f"rank {r}"
+        assert ticks[round(r + tl.COLL_LANE, 6)] == "collectives" and ticks[round(r + tl.AUTOGRAD_LANE, 6)] == "autograd"
+    assert len(ticks) == 3 * N
     assert fig.layout.yaxis.range[0] > fig.layout.yaxis.range[1]  # rank 0 on top
     ops = trace.get_ops()
-    spans = {d.name: int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines" and d.legendgroup.startswith("op:")}
-    hovers = {d.name: len(d.hovertext) for d in fig.data if d.mode == "markers" and d.legendgroup.startswith("op:")}
-    assert hovers == spans  # one hover label per span
+    frame = tl.timeline_frame(trace)
+    # one bar per span (a hover anywhere on it shows its label), from its start to its end
+    bars = {d.name: d for d in fig.data if d.type == "bar" and d.legendgroup.startswith("op:")}
     expected = ops.assign(cat=ops["path"].where(ops["exc_type"].isna(), "error"))["cat"].value_counts()
-    assert spans == {k.replace("_", " "): int(v) for k, v in expected.items()}
-    assert all(d.type == "scattergl" for d in fig.data)
+    assert {k: len(d.x) for k, d in bars.items()} == {k.replace("_", " "): int(v) for k, v in expected.items()}
+    assert all(len(d.hovertext) == len(d.x) and d.hoverinfo == "text" for d in bars.values())
+    for cat, part in frame.groupby("category"):
+        d = bars[cat.replace("_", " ")]
+        assert np.allclose(d.base, part["start_ms"]) and np.all(np.asarray(d.base) + np.asarray(d.x) >= part["end_ms"] - 1e-9)
+        assert list(d.text) == [o.rsplit(".", 1)[-1] for o in part["op"]]  # names inside the spans that hold them
+    assert fig.layout.uniformtext.mode == "hide"  # a name that does not fit is not drawn
     raw_kinds = pd.Series([c["coll"] for c in _raw_colls(trace)]).value_counts().to_dict()
     assert raw_kinds == {"all_to_all_single": 3 * N, "all_reduce": 5 * N}
     assert f"{sum(raw_kinds.values())} collectives" in fig.layout.title.text
-    coll = {d.name: int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines" and d.legendgroup.startswith("coll:")}
+    coll = {d.name: len(d.x) for d in fig.data if d.type == "bar" and d.legendgroup.startswith("coll:")}
     assert coll == raw_kinds
-    coll_hovers = {d.name: len(d.hovertext) for d in fig.data if d.mode == "markers" and d.legendgroup.startswith("coll:")}
-    assert coll_hovers == raw_kinds
+    # room on both sides: the first and the last span are not clipped
+    spans = pd.concat([frame[["start_ms", "end_ms"]], tl.collective_spans(trace)[["start_ms", "end_ms"]]])
+    lo, hi = fig.layout.xaxis.range
+    assert lo < spans["start_ms"].min() and hi > spans["end_ms"].max() + 0.01 * (spans["end_ms"].max() - spans["start_ms"].min())
+    assert set(tl.CLOUD_BUTTONS) <= set(fig.layout.modebar.remove)  # no button sends the chart to a cloud service
+    assert not any(d.type == "scattergl" for d in fig.data)
     nocoll = tl.plot_timeline(_without_collectives(tmp_path))
     assert "no collectives recorded" in nocoll.layout.title.text
-    assert not any(d.legendgroup.startswith("coll:") for d in nocoll.data)
+    assert not any(d.legendgroup and d.legendgroup.startswith("coll:") for d in nocoll.data)
+    assert "collectives" not in nocoll.layout.yaxis.ticktext
+
+
+def test_timeline_many_spans_drawn_as_webgl_lines(trace, monkeypatch):
+    monkeypatch.setattr(tl, "BARS_UP_TO", 10)
+    fig = tl.plot_timeline(trace)
+    ops = trace.get_ops()
+    spans = {d.name: int(np.isnan(d.x).sum()) for d in fig.data if d.mode == "lines" and d.legendgroup.startswith("op:")}
+    hovers = {d.name: len(d.hovertext) for d in fig.data if d.mode == "markers" and d.legendgroup.startswith("op:")
+              and d.name != "error raised"}
+    assert hovers == spans  # one hover label per span
+    expected = ops.assign(cat=ops["path"].where(ops["exc_type"].isna(), "error"))["cat"].value_counts()
+    assert spans == {k.replace("_", " "): int(v) for k, v in expected.items()}
+    assert not any(d.type == "bar" for d in fig.data)
+
+
+def test_collectives_linked_across_ranks(trace):
+    """The same collective (same group, same group_seq) on every rank: one link, from the payloads."""
+    links = tl.collective_links(trace)
+    t0 = _time_origin(trace)
+    issued = {}
+    for c in _raw_colls(trace):
+        issued.setdefault(c["group_seq"], {})[c["rank"]] = (c["t_issue_ns"] - trace.clock_offsets_ns[c["rank"]] - t0) / 1e6
+    assert sorted(links["group_seq"]) == sorted(issued) and len(links) == 8
+    for link in links.itertuples():
+        times = issued[link.group_seq]
+        assert link.ranks == sorted(times) == list(range(N))
+        assert link.start_ms == pytest.approx([times[r] for r in link.ranks])
+        assert link.last_rank == max(times, key=times.get) and link.first_rank == min(times, key=times.get)
+        assert link.lag_ms == pytest.approx(max(times.values()) - min(times.values()))
+        assert link.group == "domain ranks [0, 1, 2, 3]"
+    fig = tl.plot_timeline(trace)
+    (drawn,) = [d for d in fig.data if d.name == "same collective on every rank"]
+    xs = [x for x in drawn.x if x is not None]
+    assert len(xs) == 8 * N and sorted(xs) == pytest.approx(sorted(t for v in issued.values() for t in v.values()))
+    span = tl.collective_spans(trace).iloc[0]
+    link = links[links["group_seq"] == span["group_seq"]].iloc[0]
+    assert f"rank {link.last_rank} issued it last, {link.lag_ms:.3f} ms after rank {link.first_rank}" in span["hover"]
+
+
+def _hue(color: str) -> float:
+    import colorsys
+
+    r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return colorsys.rgb_to_hls(r, g, b)[0] * 360
+
+
+def test_collective_colours_apart_from_fallbacks():
+    from sharddbg.views.common import COLLECTIVE_KIND_COLORS, OTHER_COLLECTIVE_COLORS, PATH_COLORS, collective_colors
+
+    fallbacks = [_hue(PATH_COLORS[p]) for p in ("dtensor_fallback_function", "dtensor_fallback_dispatch")]
+    for color in list(COLLECTIVE_KIND_COLORS.values()) + OTHER_COLLECTIVE_COLORS:
+        for f in fallbacks:
+            assert min(abs(_hue(color) - f), 360 - abs(_hue(color) - f)) >= 60, (color, f)
+    assert collective_colors(["all_to_all_single", "zzz_new_kind"])["all_to_all_single"] == COLLECTIVE_KIND_COLORS["all_to_all_single"]
 
 
 def test_timeline_aggregation(trace):
-    ops = trace.get_ops()
+    full = tl.timeline_frame(trace)
     agg = tl.timeline_frame(trace, aggregate=True)
-    assert len(agg) == int((ops["depth"] == 0).sum()) < len(ops) and set(agg["depth"]) == {0}
+    # what stays: the autograd spans and the ops of the first op lane (top-level, or right inside a backward pass)
+    first = full[(full["lane"] == "autograd") | ((full["y"] - full["rank"]).round(6) == round(tl.OP_LANE0, 6))]
+    assert len(agg) == len(first) < len(full) and set(zip(agg["rank"], agg["seq"])) == set(zip(first["rank"], first["seq"]))
+    assert (agg["phase"] == "backward").any()
     fig = tl.plot_timeline(trace, aggregate=True)
     assert f"nested ops merged ({len(agg)} spans drawn)" in fig.layout.title.text
 
@@ -277,9 +362,11 @@ def test_explorer_order_and_counts(trace):
     n_fb_fwd = int(fb["calls"].sum())
     assert ((df["kind"] == "fallback") & (df["phase"] == "forward")).sum() == n_fb_fwd
     raw = _raw_ops(trace)
-    for row in df.itertuples():  # a fallback: its path is a DTensor fallback, or its handler fell back
-        e = raw[(row.rank, row.seq)]
-        assert (row.kind == "fallback") == (not e["error"] and (e["path"].startswith("dtensor_fallback") or e["fallback"]))
+    for row in df.itertuples():  # a fallback: its path is a DTensor fallback, or its handler fell back; neither a
+        e = raw[(row.rank, row.seq)]  # call that runs the whole backward pass (Tensor.backward) nor a metadata read is one
+        expected = not e["error"] and (e["path"].startswith("dtensor_fallback") or e["fallback"]) and \
+            not e["op"].endswith(".backward") and not is_metadata_op(e["op"])
+        assert (row.kind == "fallback") == expected, e["op"]
     spans = tl.timeline_frame(trace).set_index(["rank", "seq"])["start_ms"]  # one time axis for both views
     assert df.set_index(["rank", "seq"])["t_start_ms"].sort_index().tolist() == pytest.approx(spans.sort_index().tolist())
     first = df.iloc[:N]
@@ -375,6 +462,162 @@ def test_inspector_layout_from_saved_snapshots():
     lay = ShardLayout(odd)
     assert lay.dtype == "torch.float32"
     assert lay.warnings[0] == "ranks disagree on dtype: torch.float32 on ranks [0, 2, 3]; torch.float64 on ranks [1]"
+
+
+def _snapshots() -> list[dict]:
+    return json.loads((DATA / "x_snapshots.json").read_text())
+
+
+def test_text_grid_draws_each_rank_where_it_holds_rows():
+    lay = ShardLayout(_snapshots())
+    grid = lay.text_grid()
+    lines = grid.splitlines()
+    # one box per rank, top to bottom, each edge labelled with the row where the next rank starts
+    edges = [int(m.group(1)) for line in lines if (m := re.search(r"[┌├└][─┬┴┼]*[┐┤┘] (\d+)$", line))]
+    assert edges == [0] + list(np.cumsum(ROWS))
+    labels = [m.group(0) for line in lines if (m := re.search(r"rank \d\*?", line))]
+    assert labels == ["rank 0", "rank 1", "rank 2*", "rank 3*"]  # * marks the smaller (uneven) shards
+    assert [f"{r}x64" in grid for r in ROWS] == [True] * N and "* uneven" in grid
+    w = len(max(lines, key=len))
+    assert all(len(line) <= w for line in lines) and w <= 80  # fits a terminal
+    # str(widget) / widget.text(): header, grid, one line per rank (terminals, logs, saved outputs)
+    from sharddbg.views.inspector import ShardInspector
+
+    widget = ShardInspector(lay)
+    assert str(widget) == widget.text() == lay.text() and grid in widget.text()
+    assert "rank 3 [domain=3] local (1, 3, 16, 64) offsets (0, 0, 50, 0)" in widget.text()
+
+
+def test_layout_of_a_spec_that_disagrees_is_what_the_ranks_hold():
+    """The spec says Replicate (the tensor is whole on every rank), but each rank holds its own rows: the
+    diagram lays the rows out one after the other, every rank outlined as a mismatch; nothing overlaps."""
+    snaps = _snapshots()
+    for sn in snaps:
+        sn.update(placements=[{"type": "replicate", "text": "Replicate()"}], sharding_shapes=None,
+                  spec_local_shape=[1, 3, 66, 64], spec_offsets=[0, 0, 0, 0])
+    lay = ShardLayout(snaps)
+    assert [o[2] for o in lay.get_ranks()["offsets"]] == OFFS
+    blocks = lay.blocks(2, 3)
+    assert [(b["row0"], b["row1"], b["ranks"]) for b in blocks] == [(o, o + r, [k]) for k, (o, r) in enumerate(zip(OFFS, ROWS))]
+    assert all(b["inferred"] and not b["ok"] for b in blocks) and not lay.get_ranks()["ok"].any()
+    assert lay.extent == [1, 3, 66, 64]
+    assert any("drawn as the ranks really hold it" in n and "17, 17, 16, 16 of its 66" in n for n in lay.notes)
+    for r in range(N):
+        assert f"rank {r}: tensor dim 2 is not sharded, but its local size is {ROWS[r]}" in " ".join(lay.warnings)
+    assert "rank 0!" in lay.text_grid() and "! spec disagrees" in lay.text_grid()
+
+
+def _mesh22_snapshots(rows=(34, 32), cols=(33, 31)) -> list[dict]:
+    """Four ranks on a ddp x domain = 2 x 2 mesh, (1, 3, 66, 64) sharded Shard(2) over ddp, Shard(3) over domain."""
+    out = []
+    for r in range(4):
+        i, j = divmod(r, 2)
+        local = [1, 3, rows[i], cols[j]]
+        out.append({"version": 1, "name": "x22", "rank": r, "status": "ok", "kind": "ShardTensor", "type": "ShardTensor",
+                    "global_shape": [1, 3, 66, 64], "local_shape": local, "dtype": "torch.float32", "device": "cpu",
+                    "requires_grad": False, "element_size": 4, "local_bytes": 4 * math.prod(local),
+                    "mesh": {"dim_names": ["ddp", "domain"], "shape": [2, 2], "ranks": [[0, 1], [2, 3]],
+                             "coordinate": [i, j], "device_type": "cpu"},
+                    "placements": [{"type": "shard", "dim": 2, "text": "Shard(dim=2)"},
+                                   {"type": "shard", "dim": 3, "text": "Shard(dim=3)"}],
+                    "sharding_shapes": None, "spec_local_shape": local, "spec_offsets": None, "problems": []})
+    return out
+
+
+def test_facets_only_where_they_differ():
+    lay = ShardLayout(_mesh22_snapshots())
+    # dims 1 x 2: dim 3 is split but not drawn; both of its slices would show the same two blocks: one diagram
+    blocks = lay.blocks(1, 2)
+    assert [(b["facet"], b["ranks"], b["split_along"]) for b in blocks] == [("", [0, 1], [3]), ("", [2, 3], [3])]
+    assert [b["uneven"] for b in blocks] == [False, False]
+    # rank 3 holds 30 rows instead of 32: the two slices of dim 3 differ, so each is drawn (a facet), and the
+    # ranks holding less than the largest shard along dim 3 (1 and 3: 31 columns) stay hatched inside them
+    snaps = _mesh22_snapshots()
+    snaps[3]["local_shape"][2] = 30
+    lay = ShardLayout(snaps)
+    blocks = lay.blocks(1, 2)
+    assert {b["facet"] for b in blocks} == {"dim 3 in [0, 33)", "dim 3 in [33, 64)"}
+    assert {b["ranks"][0]: b["uneven"] for b in blocks} == {0: False, 1: True, 2: True, 3: True}
+    assert {b["ranks"][0]: b["uneven_dims"] for b in blocks} == {0: [], 1: [3], 2: [2], 3: [2, 3]}
+
+
+def test_coordinates_on_the_cluster_mesh():
+    """A tensor on the domain sub-mesh of a ddp x domain = 2 x 2 cluster: each rank and each group is
+    named by both coordinates."""
+    snaps = []
+    for sn in _mesh22_snapshots():
+        i, j = divmod(sn["rank"], 2)
+        sn.update(global_shape=[1, 3, 66, 64], local_shape=[1, 3, 33, 64],
+                  mesh={"dim_names": ["domain"], "shape": [2], "ranks": [2 * i, 2 * i + 1], "coordinate": [j]},
+                  placements=[{"type": "shard", "dim": 2, "text": "Shard(dim=2)"}])
+        snaps.append(sn)
+    lay = ShardLayout(snaps, world_mesh={"ddp": 2, "domain": 2})
+    assert list(lay.get_ranks()["coordinate"]) == ["ddp=0, domain=0", "ddp=0, domain=1", "ddp=1, domain=0", "ddp=1, domain=1"]
+    assert [g["label"] for g in lay.groups] == ["ddp=0: ranks [0, 1]", "ddp=1: ranks [2, 3]"]
+    assert [b["coordinates"] for b in lay.blocks(2, 3)] == [["ddp=0, domain=0"], ["ddp=0, domain=1"],
+                                                          ["ddp=1, domain=0"], ["ddp=1, domain=1"]]
+    assert "mesh ddp=2 x domain=2 (the tensor's mesh: domain=2)" in lay.text()
+    assert lay.to_json()["world_mesh"] == {"dim_names": ["ddp", "domain"], "shape": [2, 2]}
+    # without the cluster's mesh: the tensor's own coordinates; a cluster dim of size 1 is left out
+    assert ShardLayout(snaps).coordinate_text(2) == "domain=0"
+    assert ShardLayout(_snapshots(), world_mesh={"ddp": 1, "domain": 4}).coordinate_text(3) == "domain=3"
+
+
+# ---- what a view leaves in a notebook ---------------------------------------------------------------
+def test_explorer_output_bundle(trace, tmp_path, monkeypatch):
+    from sharddbg.views import bundle
+
+    w = trace.show()
+    data, _ = w._repr_mimebundle_()
+    assert set(data) == {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain", bundle.VIEW_MIMETYPE}
+    # text/plain says what is in the trace (not "<... object at 0x...>")
+    text = data["text/plain"]
+    ops = trace.get_ops()
+    assert text == str(w) == w.text() and text.startswith(f"Trace explorer: {len(ops)} op calls on {N} ranks, {N} raised")
+    assert f"error: TypeError: {HTML_MSG} (in Tensor.add, ranks [0, 1, 2, 3])" in text
+    assert all(f"fallback: {op} " in text for op in trace.get_fallbacks()["op"])
+    # the static rendering: errors, fallbacks, the calls in the explorer's order; escaped; no script
+    html = data["text/html"]
+    assert 'class="sd-root sd-static sd-explorer"' in html and "<script" not in html.replace("&lt;script", "")
+    assert "&lt;b&gt;bold&lt;/b&gt;" in html and "<b>bold" not in html
+    assert html.count('<tr class="sd-op sd-kind-error">') == N and html.count("✖ raised") == N
+    assert html.count('<tr class="sd-op ') == len(ops)
+    # the payload: versioned, the whole trace (it loads back as the same trace)
+    payload = data[bundle.VIEW_MIMETYPE]
+    assert (payload["format"], payload["version"], payload["view"]) == ("sharddbg.view", 1, "explorer")
+    assert payload["summary"]["op_calls"] == len(ops) and payload["summary"]["errors"] == N
+    (tmp_path / "back.sdtrace.json").write_text(json.dumps(payload["data"]))
+    back = sharddbg.load_trace(tmp_path / "back.sdtrace.json")
+    assert back.get_ops()[["rank", "seq", "op"]].equals(ops[["rank", "seq", "op"]])
+    # above the cap: a summary and a note instead of the trace
+    monkeypatch.setattr(bundle, "PAYLOAD_MAX_BYTES", 1000)
+    big = w._repr_mimebundle_()[0][bundle.VIEW_MIMETYPE]
+    assert big["data"] is None and big["data_bytes"] > 1000 and "t.save(" in big["note"]
+    assert big["summary"] == payload["summary"] and big["version"] == 1
+
+
+def test_inspector_output_bundle():
+    from sharddbg.views import bundle
+    from sharddbg.views.inspector import ShardInspector
+
+    lay = ShardLayout(_snapshots())
+    data, _ = ShardInspector(lay)._repr_mimebundle_()
+    assert set(data) == {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain", bundle.VIEW_MIMETYPE}
+    assert data["text/plain"] == lay.text()
+    html = data["text/html"]
+    assert f'<pre class="sd-grid">{html_escape(lay.text_grid())}</pre>' in html
+    for r in range(N):
+        assert f"<td class=\"sd-col-local_shape\">(1, 3, {ROWS[r]}, 64)</td>" in html
+    payload = data[bundle.VIEW_MIMETYPE]
+    assert payload["view"] == "inspector" and payload["data"]["snapshots"] == lay.snapshots
+    again = ShardLayout(payload["data"]["snapshots"], world_mesh=payload["data"]["world_mesh"])
+    assert again.to_json() == lay.to_json()
+
+
+def html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text, quote=True)
 
 
 # ---- report and escaping --------------------------------------------------------------------------
@@ -490,18 +733,18 @@ def test_timeline_overview_bins(trace):
             assert b.has_error == ("error" in b.counts)
     fig = tl.plot_timeline(trace, overview=True)
     (hm,) = [d for d in fig.data if d.type == "heatmap"]
-    assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(N)]
-    assert "overview" in fig.layout.title.text and not any(d.type == "scattergl" for d in fig.data)
+    assert [t for t in fig.layout.yaxis.ticktext if t.startswith("rank")] == [f"rank {r}" for r in range(N)]
+    assert "overview" in fig.layout.title.text and not any(d.type in ("scattergl", "bar") for d in fig.data)
     coll = tl.collective_spans(trace)
     lo, hi = min(x0, coll["start_ms"].min()), max(x1, coll["end_ms"].max())
-    cells = len(timeline_overview(ops, "ops", tl.OVERVIEW_BINS, lo, hi)) + \
+    cells = sum(len(timeline_overview(ops[ops["lane"] == lane], lane, tl.OVERVIEW_BINS, lo, hi)) for lane in ("autograd", "ops")) + \
         len(timeline_overview(coll, "collectives", tl.OVERVIEW_BINS, lo, hi))
     assert int(np.isfinite(np.array(hm.z, dtype=float)).sum()) == cells > 0
     assert sum(1 for row in hm.text for t in row if t) == cells
     # a window drawn span by span: only the spans that overlap it
     a, b = x0 + (x1 - x0) * 0.25, x0 + (x1 - x0) * 0.5
     win = tl.plot_timeline(trace, time_range=(a, b))
-    drawn = sum(int(np.isnan(d.x).sum()) for d in win.data if d.mode == "lines" and d.legendgroup.startswith("op:"))
+    drawn = sum(len(d.x) for d in win.data if d.type == "bar" and d.legendgroup.startswith("op:"))
     assert drawn == int(((ops["end_ms"] >= a) & (ops["start_ms"] <= b)).sum()) and list(win.layout.xaxis.range) == [a, b]
 
 

@@ -11,15 +11,20 @@ cluster:
   sizes that do not add up to the global size;
 - ``blocks(row_dim, col_dim)``: the rectangles of the block diagram for two tensor dims;
 - ``to_json()``: everything the inspector widget (``sharddbg.views.inspector``) draws; ``text()``: the
-  same as plain text.
+  same as plain text, with ``text_grid()``: the block diagram as a grid of characters.
 
 Offsets come from the real local shapes of all ranks (cumulative along each sharded mesh dim, within the
-same cross-section of a multi-dim mesh), not from the spec, so a wrong spec cannot hide itself.
+same cross-section of a multi-dim mesh), not from the spec, so a wrong spec cannot hide itself. Where
+the spec says a dim is whole (Replicate) but the ranks hold slices of it, the slices are laid one after
+the other in mesh order (``inferred``): the diagram shows what each rank really holds, outlined as a
+mismatch. ``world_mesh`` (the cluster's mesh, e.g. ``{"ddp": 2, "domain": 2}``) names every rank by its
+coordinates on the whole mesh, also for a tensor that lives on a sub-mesh.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import pandas as pd
@@ -36,10 +41,11 @@ RANK_COLUMNS = ["rank", "group", "coordinate", "local_shape", "spec_local_shape"
 class ShardLayout:
     """Every rank's view of one tensor, checked against each other. Build from snapshots in rank order."""
 
-    def __init__(self, snapshots: list[dict]):
+    def __init__(self, snapshots: list[dict], world_mesh: dict[str, int] | None = None):
         if not snapshots:
             raise InspectError("no snapshots: the cluster has no ranks")
         self.snapshots = sorted(snapshots, key=lambda s: s["rank"])
+        self.world_mesh = dict(world_mesh) if world_mesh else None
         self.name = self.snapshots[0].get("name", "")
         self._check_found()
         self.warnings: list[str] = [f"rank {s['rank']}: {p}" for s in self.snapshots for p in s.get("problems") or ()]
@@ -49,11 +55,16 @@ class ShardLayout:
         self.by_rank = {s["rank"]: s for s in self.snapshots}
         self.groups = self._groups()
         self.offsets: dict[int, list[int]] = {}
+        self.inferred: dict[int, list[int]] = {}  # group id -> tensor dims laid out as the ranks hold them
         for g in self.groups:
             self._check_group(g)
             self.offsets.update(self._real_offsets(g))
         self.global_shape = list(self.snapshots[0]["global_shape"])
         self.ndim = len(self.global_shape)
+        # how far each dim reaches in the diagram: the global size, or more where the ranks hold more
+        self.extent = [max([size] + [self.offsets[r][d] + self.by_rank[r]["local_shape"][d] for r in self.ranks
+                                     if d < len(self.by_rank[r]["local_shape"]) and d < len(self.offsets[r])])
+                       for d, size in enumerate(self.global_shape)]
 
     # ---- validation ---------------------------------------------------------------------------------
     def _check_found(self) -> None:
@@ -102,7 +113,12 @@ class ShardLayout:
             return f"rank {g['ranks'][0]} (plain tensor, not distributed)"
         if n_groups == 1:
             return "all ranks" if len(g["ranks"]) == len(self.snapshots) else f"ranks {g['ranks']}"
-        return f"ranks {g['ranks']}"
+        # a tensor on a sub-mesh: name the group by the cluster coordinates its ranks share
+        coords = [self.world_coordinate(r) for r in g["ranks"]]
+        shared = [n for n, size in (self.world_mesh or {}).items() if size > 1 and n not in g["mesh"]["dim_names"]
+                  and coords[0] is not None and all(c is not None and c[n] == coords[0][n] for c in coords)]
+        where = ", ".join(f"{n}={coords[0][n]}" for n in shared)
+        return f"{where}: ranks {g['ranks']}" if where else f"ranks {g['ranks']}"
 
     def _check_group(self, g: dict) -> None:
         snaps = [self.by_rank[r] for r in g["ranks"]]
@@ -202,12 +218,50 @@ class ShardLayout:
                 continue
             d = p["dim"]
             for r, c in coords.items():
-                if c is None:
+                if c is None or d >= len(out[r]):
                     continue
                 out[r][d] += sum(self.by_rank[r2]["local_shape"][d] for r2, c2 in coords.items()
                                  if c2 is not None and c2[m] < c[m]
                                  and all(c2[k] == c[k] for k in range(len(c)) if k != m))
+        inferred = self._held_as_slices(g, coords)
+        for d, lines in inferred.items():
+            for line in lines:
+                pos = 0
+                for r in line:
+                    out[r][d] = pos
+                    pos += self.by_rank[r]["local_shape"][d]
+            sizes = [self.by_rank[r]["local_shape"][d] for r in lines[0]]
+            said = ", ".join(p["text"] for p in g["placements"])
+            self.notes.append(f"drawn as the ranks really hold it: the spec ({said}) says tensor dim {d} is whole on "
+                              f"every rank, but ranks {lines[0]} hold {', '.join(map(str, sizes))} of its "
+                              f"{self.by_rank[lines[0][0]]['global_shape'][d]}; their slices are laid one after "
+                              f"the other in mesh order")
+        if inferred:
+            self.inferred[g["id"]] = sorted(inferred)
         return out
+
+    def _held_as_slices(self, g: dict, coords: dict) -> dict[int, list[list[int]]]:
+        """Tensor dims the spec leaves whole (no Shard, no Partial) while some rank holds less of them:
+        for each, the ranks that hold consecutive slices, in mesh order (one list per cross-section of the
+        mesh dims that shard other tensor dims)."""
+        if any(p["type"] == "partial" for p in g["placements"]):
+            return {}
+        ranks = [r for r in g["ranks"] if coords.get(r) is not None]
+        if len(ranks) < 2:
+            return {}
+        gshape = self.by_rank[ranks[0]]["global_shape"]
+        sharded = {p["dim"] for p in g["placements"] if p["type"] == "shard"}
+        dims = [d for d in range(len(gshape)) if d not in sharded and
+                any(d < len(self.by_rank[r]["local_shape"]) and self.by_rank[r]["local_shape"][d] != gshape[d]
+                    for r in ranks)]
+        if not dims or any(len(self.by_rank[r]["local_shape"]) != len(gshape) for r in ranks):
+            return {}
+        placing = [m for m, p in enumerate(g["placements"]) if p["type"] == "shard"]
+        lines: dict[tuple, list[int]] = {}
+        for r in ranks:
+            lines.setdefault(tuple(coords[r][m] for m in placing), []).append(r)
+        ordered = [sorted(rs, key=lambda r: (tuple(coords[r]), r)) for rs in lines.values()]
+        return {d: ordered for d in dims}
 
     # ---- data for the views --------------------------------------------------------------------------
     @property
@@ -218,11 +272,25 @@ class ShardLayout:
     def sharded_dims(self) -> list[int]:
         return sorted({p["dim"] for g in self.groups for p in g["placements"] if p["type"] == "shard"})
 
+    def world_coordinate(self, rank: int) -> dict[str, int] | None:
+        """``rank``'s coordinates on the cluster's mesh (``world_mesh``, row-major), or None without one."""
+        if not self.world_mesh or rank >= math.prod(self.world_mesh.values()):
+            return None
+        out, rest = {}, rank
+        for name, size in reversed(list(self.world_mesh.items())):
+            out[name] = rest % size
+            rest //= size
+        return {n: out[n] for n in self.world_mesh}
+
     def coordinate_text(self, rank: int) -> str:
+        """Where ``rank`` sits: ``"ddp=1, domain=0"``; the cluster mesh's dims of size 1 are left out, the
+        tensor's own mesh gives the coordinates of the dims it has."""
         m = self.by_rank[rank].get("mesh")
-        if not m or m["coordinate"] is None:
-            return ""
-        return ", ".join(f"{n}={c}" for n, c in zip(m["dim_names"], m["coordinate"]))
+        own = dict(zip(m["dim_names"], m["coordinate"])) if m and m["coordinate"] is not None else {}
+        world = self.world_coordinate(rank) or {}
+        parts = {n: own.get(n, c) for n, c in world.items() if self.world_mesh[n] > 1 or n in own}
+        parts.update({n: c for n, c in own.items() if n not in parts})
+        return ", ".join(f"{n}={c}" for n, c in parts.items())
 
     def rank_ok(self, rank: int) -> bool:
         s = self.by_rank[rank]
@@ -273,17 +341,27 @@ class ShardLayout:
             return (min(d, big), max(d, big))
         return (self.ndim - 2, self.ndim - 1)
 
+    def _sharded_in(self, g: dict) -> set[int]:
+        """Tensor dims split over the group's ranks: sharded by the spec, or held as slices (``inferred``)."""
+        return {p["dim"] for p in g["placements"] if p["type"] == "shard"} | set(self.inferred.get(g["id"], ()))
+
     def blocks(self, row_dim: int | None, col_dim: int | None) -> list[dict]:
         """Rectangles for the block diagram of tensor dims (row_dim, col_dim), per group and facet.
 
         A rectangle per distinct region: ranks holding the same region (Replicate / Partial) share one,
-        listed in ``ranks``. Sharded dims that are not drawn become facets (``facet``: their intervals).
-        ``uneven``: the block is smaller than the largest block along a drawn sharded dim.
+        listed in ``ranks`` (``coordinates``: where each sits on the mesh). Split dims that are not drawn
+        become facets (``facet``: their intervals) where the facets differ; where every facet would show
+        the same rectangles, there is one diagram and a rectangle lists the ranks of every facet
+        (``split_along``: the dims they split). ``uneven``: the ranks hold less than the largest shard
+        along a split dim, drawn or not. ``inferred``: a drawn dim laid out as the ranks hold it although
+        the spec says it is whole.
         """
         out = []
         for g in self.groups:
             partial = any(p["type"] == "partial" for p in g["placements"])
-            shard_d = {p["dim"] for p in g["placements"] if p["type"] == "shard"}
+            shard_d = self._sharded_in(g)
+            inferred = set(self.inferred.get(g["id"], ()))
+            biggest = {d: max(self.by_rank[r]["local_shape"][d] for r in g["ranks"]) for d in shard_d}
             regions: dict[tuple, dict] = {}
             for r in g["ranks"]:
                 s = self.by_rank[r]
@@ -300,22 +378,58 @@ class ShardLayout:
                         "group": g["id"], "facet": " , ".join(f"dim {d} in [{a}, {e})" for d, a, e in facet),
                         "row0": span(row_dim)[0], "row1": span(row_dim)[1],
                         "col0": span(col_dim)[0], "col1": span(col_dim)[1],
-                        "ranks": [], "local_shapes": [], "partial": partial, "ok": True,
+                        "ranks": [], "coordinates": [], "local_shapes": [], "partial": partial, "ok": True,
                         "sharded_rows": row_dim in shard_d, "sharded_cols": col_dim in shard_d,
+                        "inferred": bool({row_dim, col_dim} & inferred), "split_along": [],
+                        "uneven_rows": False, "uneven_cols": False, "uneven_dims": [],
                     }
+                small = [d for d in sorted(shard_d) if loc[d] < biggest[d]]
                 b["ranks"].append(r)
+                b["coordinates"].append(self.coordinate_text(r))
                 b["local_shapes"].append(list(loc))
                 b["ok"] = b["ok"] and self.rank_ok(r)
+                # a region's ranks hold the same block (replicas): it is as uneven as each of them
+                first = len(b["ranks"]) == 1
+                b["uneven_rows"] = (row_dim in small) if first else b["uneven_rows"] and row_dim in small
+                b["uneven_cols"] = (col_dim in small) if first else b["uneven_cols"] and col_dim in small
+                b["uneven_dims"] = small if first else [d for d in b["uneven_dims"] if d in small]
             blocks = list(regions.values())
-            for axis, key0, key1 in (("rows", "row0", "row1"), ("cols", "col0", "col1")):
-                sizes = [b[key1] - b[key0] for b in blocks if b[f"sharded_{axis}"]]
-                biggest = max(sizes) if sizes else None
-                for b in blocks:
-                    b[f"uneven_{axis}"] = bool(b[f"sharded_{axis}"] and len(set(sizes)) > 1 and b[key1] - b[key0] < biggest)
+            blocks = self._merge_facets(blocks) or blocks
             for b in blocks:
-                b["uneven"] = b["uneven_rows"] or b["uneven_cols"]
+                b["uneven"] = bool(b["uneven_dims"])
             out.extend(sorted(blocks, key=lambda b: (b["facet"], b["row0"], b["col0"], b["ranks"])))
         return out
+
+    @staticmethod
+    def _merge_facets(blocks: list[dict]) -> list[dict] | None:
+        """One diagram instead of facets that would all show the same rectangles (the facets then only
+        repeat which rank holds which slice of an undrawn dim, as the rectangles' rank lists say); None
+        where the facets differ (or there is one)."""
+        facets: dict[str, list[dict]] = {}
+        for b in blocks:
+            facets.setdefault(b["facet"], []).append(b)
+        if len(facets) < 2:
+            return None
+        shapes = {tuple(sorted((b["row0"], b["row1"], b["col0"], b["col1"]) for b in bs)) for bs in facets.values()}
+        if len(shapes) > 1:
+            return None
+        split = sorted({int(part.split()[1]) for f in facets for part in f.split(" , ")})
+        merged: dict[tuple, dict] = {}
+        for b in blocks:
+            key = (b["row0"], b["row1"], b["col0"], b["col1"])
+            m = merged.get(key)
+            if m is None:
+                merged[key] = m = dict(b, facet="", ranks=[], coordinates=[], local_shapes=[], split_along=split,
+                                       uneven_dims=[], uneven_rows=False, uneven_cols=False)
+            m["ranks"] += b["ranks"]
+            m["coordinates"] += b["coordinates"]
+            m["local_shapes"] += b["local_shapes"]
+            m["ok"] = m["ok"] and b["ok"]
+        for m in merged.values():
+            order = sorted(range(len(m["ranks"])), key=lambda i: m["ranks"][i])
+            for k in ("ranks", "coordinates", "local_shapes"):
+                m[k] = [m[k][i] for i in order]
+        return list(merged.values())
 
     def to_json(self) -> dict:
         """Everything the inspector widget draws, as plain data."""
@@ -332,7 +446,10 @@ class ShardLayout:
         default = self.dim_pairs().index(self.default_pair())
         return {
             "name": self.name, "kind": self.kind, "dtype": self.dtype, "global_shape": self.global_shape,
+            "extent": self.extent,
             "mesh": None if mesh is None else {"dim_names": mesh["dim_names"], "shape": mesh["shape"]},
+            "world_mesh": None if not self.world_mesh else {"dim_names": list(self.world_mesh),
+                                                            "shape": list(self.world_mesh.values())},
             "placements": [p["text"] for p in s0.get("placements") or []],
             "groups": [{"id": g["id"], "label": g["label"], "ranks": g["ranks"]} for g in self.groups],
             "ranks": rows, "warnings": list(self.warnings), "notes": list(self.notes),
@@ -349,21 +466,136 @@ class ShardLayout:
     def __repr__(self) -> str:
         return self.text()
 
-    def text(self) -> str:
-        """A plain-text rendering (terminals, logs, doctests)."""
+    def mesh_text(self) -> str:
+        """The mesh line of the headers: the cluster's mesh and, when it differs, the tensor's own."""
         s0 = self.snapshots[0]
         mesh = s0.get("mesh")
+        own = " x ".join(f"{n}={k}" for n, k in zip(mesh["dim_names"], mesh["shape"])) if mesh else ""
+        world = " x ".join(f"{n}={k}" for n, k in self.world_mesh.items()) if self.world_mesh else ""
+        if world and own and world != own:
+            return f"mesh {world} (the tensor's mesh: {own})"
+        return f"mesh {world or own}" if world or own else "not distributed"
+
+    def text(self) -> str:
+        """A plain-text rendering (terminals, logs, saved notebooks): header, the block diagram as a grid
+        of characters, one line per rank, notes and warnings."""
+        s0 = self.snapshots[0]
         head = [f"{self.kind} {self.name!r}: global shape {format_shape(self.global_shape)} {self.dtype}"]
-        if mesh:
-            head.append("mesh " + " x ".join(f"{n}={k}" for n, k in zip(mesh["dim_names"], mesh["shape"])) +
-                        ", placements " + ", ".join(p["text"] for p in s0["placements"]))
+        if s0.get("mesh"):
+            head.append(self.mesh_text() + ", placements " + ", ".join(p["text"] for p in s0["placements"]))
         df = self.get_ranks()
-        lines = head + [f"  rank {r.rank} [{r.coordinate}] local {format_shape(r.local_shape)} offsets {format_shape(r.offsets)} "
-                        f"{format_bytes(r.local_bytes)}{'' if r.ok else '  <-- check'}" for r in df.itertuples()]
+        lines = head + [self.text_grid()]
+        lines += [f"  rank {r.rank} [{r.coordinate}] local {format_shape(r.local_shape)} offsets {format_shape(r.offsets)} "
+                  f"{format_bytes(r.local_bytes)}{'' if r.ok else '  <-- check'}" for r in df.itertuples()]
         lines += [f"  note: {n}" for n in self.notes] + [f"  WARNING: {w}" for w in self.warnings]
         return "\n".join(lines)
 
+    def text_grid(self, row_dim: int | None | str = "default", col_dim: int | None | str = "default",
+                  width: int = 56) -> str:
+        """The block diagram of two tensor dims (default: the pair the widget opens on) as box-drawing
+        characters, in the spirit of JAX's ``visualize_array_sharding``: one box per block with its ranks
+        and sizes, split points on the right (rows) and on top (columns); ``*`` marks an uneven shard,
+        ``!`` a rank whose spec disagrees with its tensor."""
+        if row_dim == "default" or col_dim == "default":
+            row_dim, col_dim = self.default_pair()
+        blocks = self.blocks(row_dim, col_dim)
+        rows_n = 1 if row_dim is None else self.extent[row_dim]
+        cols_n = 1 if col_dim is None else self.extent[col_dim]
+        title = " x ".join(f"dim {d} ({self.global_shape[d]})" for d in (row_dim, col_dim) if d is not None)
+        out = [f"  {title}  (rows x cols)" if row_dim is not None else f"  {title}"]
+        for g in self.groups:
+            mine = [b for b in blocks if b["group"] == g["id"]]
+            for facet in dict.fromkeys(b["facet"] for b in mine):
+                part = [b for b in mine if b["facet"] == facet]
+                label = " · ".join(x for x in (g["label"] if len(self.groups) > 1 else "", facet) if x)
+                if label:
+                    out.append(f"  {label}:")
+                out += ["  " + line for line in _grid(part, rows_n, cols_n, row_dim is not None,
+                                                       col_dim is not None, width)]
+        marks = [m for m, on in (("* uneven (less than the largest shard)", any(b["uneven"] for b in blocks)),
+                                 ("! spec disagrees with the local tensor", not all(b["ok"] for b in blocks))) if on]
+        if marks:
+            out.append("  " + "   ".join(marks))
+        return "\n".join(out)
 
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0]`` -> ``rank 0``; ``[0, 1, 2, 3]`` -> ``ranks 0-3``; ``[0, 2]`` -> ``ranks 0,2``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ",".join(map(str, ranks))
+
+
+# box-drawing character by the directions a grid point connects to: (up, down, left, right)
+_BOX = {(False, False, True, True): "─", (True, True, False, False): "│", (False, True, False, True): "┌",
+        (False, True, True, False): "┐", (True, False, False, True): "└", (True, False, True, False): "┘",
+        (True, True, False, True): "├", (True, True, True, False): "┤", (False, True, True, True): "┬",
+        (True, False, True, True): "┴", (True, True, True, True): "┼", (True, False, False, False): "│",
+        (False, True, False, False): "│", (False, False, True, False): "─", (False, False, False, True): "─"}
+
+
+def _grid(blocks: list[dict], rows_n: int, cols_n: int, has_rows: bool, has_cols: bool, width: int) -> list[str]:
+    """Lines of one diagram: boxes on a canvas whose row and column bands follow the blocks' edges, each
+    band sized by its share of the dim (at least enough for the labels of the boxes it holds)."""
+    redges = sorted({0, rows_n} | {e for b in blocks for e in (b["row0"], b["row1"])})
+    cedges = sorted({0, cols_n} | {e for b in blocks for e in (b["col0"], b["col1"])})
+    labels = {}
+    for b in blocks:
+        sizes = [b[f"{a}1"] - b[f"{a}0"] for a, has in (("row", has_rows), ("col", has_cols)) if has]
+        mark = ("*" if b["uneven"] else "") + ("" if b["ok"] else "!")
+        labels[id(b)] = [_ranks_text(b["ranks"]) + mark, "x".join(map(str, sizes))]
+    heights = [max(2, min(6, round(12 * (b - a) / max(rows_n, 1)))) if len(redges) > 2 else 2
+               for a, b in zip(redges, redges[1:])]
+    widths = [max(3, round(width * (b - a) / max(cols_n, 1))) for a, b in zip(cedges, cedges[1:])]
+    for b in blocks:  # room for the labels of a box that spans one band
+        j0, j1 = cedges.index(b["col0"]), cedges.index(b["col1"])
+        need = max(len(t) for t in labels[id(b)]) + 2
+        if j1 - j0 == 1 and widths[j0] < need:
+            widths[j0] = need
+    ypos = [0]
+    for h in heights:
+        ypos.append(ypos[-1] + h + 1)
+    xpos = [0]
+    for w in widths:
+        xpos.append(xpos[-1] + w + 1)
+    horiz, vert = set(), set()
+    for b in blocks:
+        y0, y1 = ypos[redges.index(b["row0"])], ypos[redges.index(b["row1"])]
+        x0, x1 = xpos[cedges.index(b["col0"])], xpos[cedges.index(b["col1"])]
+        horiz |= {(y, x) for y in (y0, y1) for x in range(x0, x1 + 1)}
+        vert |= {(y, x) for x in (x0, x1) for y in range(y0, y1 + 1)}
+    canvas = [[" "] * (xpos[-1] + 1) for _ in range(ypos[-1] + 1)]
+    for y, x in horiz | vert:
+        key = ((y - 1, x) in vert and (y, x) in vert, (y + 1, x) in vert and (y, x) in vert,
+               (y, x - 1) in horiz and (y, x) in horiz, (y, x + 1) in horiz and (y, x) in horiz)
+        canvas[y][x] = _BOX.get(key, "┼")
+    for b in blocks:
+        y0, y1 = ypos[redges.index(b["row0"])], ypos[redges.index(b["row1"])]
+        x0, x1 = xpos[cedges.index(b["col0"])], xpos[cedges.index(b["col1"])]
+        room = x1 - x0 - 1
+        texts = labels[id(b)][: max(1, y1 - y0 - 1)]
+        top = y0 + 1 + max(0, (y1 - y0 - 1 - len(texts)) // 2)
+        for k, t in enumerate(texts):
+            t = t if len(t) <= room else t[: max(room - 1, 0)] + "…"
+            start = x0 + 1 + (room - len(t)) // 2
+            for i, ch in enumerate(t):
+                if top + k < y1:
+                    canvas[top + k][start + i] = ch
+    lines = ["".join(row).rstrip() for row in canvas]
+    if has_rows:  # the row index where each band starts, right of its top edge
+        for edge, y in zip(redges, ypos):
+            lines[y] = lines[y].ljust(xpos[-1] + 1) + f" {edge}"
+    if has_cols:  # the column index of each edge, above it
+        ruler = [" "] * (xpos[-1] + 8)
+        for edge, x in zip(cedges, xpos):
+            text = str(edge)
+            start = min(max(x - len(text) // 2, 0), len(ruler) - len(text))
+            if all(c == " " for c in ruler[max(start - 1, 0): start + len(text) + 1]):
+                ruler[start:start + len(text)] = text
+        lines.insert(0, "".join(ruler).rstrip())
+    return lines
 def _flatten(x) -> list:
     if isinstance(x, list):
         return [y for e in x for y in _flatten(e)]

@@ -25,7 +25,7 @@ def gather_snapshots(cluster, name: str, timeout: float | None = None) -> list[d
 
 def inspect_tensor(cluster, name: str, timeout: float | None = None):
     """The shard inspector widget for the tensor named ``name`` on every rank of ``cluster``."""
-    layout = ShardLayout(gather_snapshots(cluster, name, timeout=timeout))
+    layout = ShardLayout(gather_snapshots(cluster, name, timeout=timeout), world_mesh=cluster.mesh.as_dict())
     from ..views.inspector import ShardInspector  # widgets load only when a widget is asked for
 
     return ShardInspector(layout)

@@ -15,44 +15,13 @@ import pandas as pd
 
 from ..files import write_file_atomically
 from ..views.comm import plot_comm_by_op
-from ..views.common import esc, json_for_script, module_as_script, path_color, static
+from ..views.common import errors_html, esc, fallbacks_html, json_for_script, module_as_script, path_color, static
 from ..views.explorer import DEFAULT_MAX_ROWS, explorer_data
 from ..views.imbalance import plot_imbalance
 from ..views.timeline import plot_timeline
 
 if TYPE_CHECKING:
     from ..trace import Trace
-
-
-def _table(df: pd.DataFrame, cols: list[str], cls: str) -> str:
-    head = "".join(f"<th>{esc(c)}</th>" for c in cols)
-    body = ["<tr>" + "".join(f"<td>{esc(_text(r[c]))}</td>" for c in cols) + "</tr>" for _, r in df.iterrows()]
-    return f'<table class="sd-table {cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
-
-
-def _text(v) -> str:
-    if isinstance(v, float):
-        return "—" if pd.isna(v) else f"{v:.3f}"
-    if isinstance(v, (list, tuple)):
-        return ", ".join(str(x) for x in v)
-    return "—" if v is None else str(v)
-
-
-def _errors_html(trace: Trace) -> str:
-    errs = trace.get_errors()
-    if errs.empty:
-        return '<p class="sd-meta">No exceptions were raised.</p>'
-    parts = []
-    for (exc, msg, op), g in errs.groupby(["exc_type", "message", "op"], sort=False):
-        ranks = sorted(int(r) for r in g["rank"])
-        r0 = g.iloc[0]
-        unmasked = bool(g["unmasked"].any())
-        parts.append(
-            f'<details class="sd-error" open><summary><span class="sd-error-msg">{esc(exc)}: {esc(msg)}</span> '
-            f'<span class="sd-meta">in {esc(op)} on ranks {esc(ranks)} · {esc(r0["user_frame"])}'
-            f'{" · PyTorch would have hidden this behind “unsupported operand type(s)”" if unmasked else ""}</span></summary>'
-            f'<pre class="sd-tb">{esc(r0["traceback"])}</pre></details>')
-    return "\n".join(parts)
 
 
 def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, max_rows: int = DEFAULT_MAX_ROWS) -> str:
@@ -78,8 +47,6 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
         facts.append(f"{trace.dropped} events dropped (buffer full)")
     if trace.incomplete_ranks:
         facts.append(f"incomplete ranks {trace.incomplete_ranks}")
-    fb_html = _table(fb, ["op", "path", "calls", "ranks", "host_ms_total", "bwd_host_ms_total", "user_frames"], "sd-fallbacks") \
-        if len(fb) else '<p class="sd-meta">No op took a DTensor fallback.</p>'
     code = trace.meta.get("code")
     explorer_js = module_as_script(static("explorer.js"), "_sdExplorer")
     doc = f"""<!DOCTYPE html>
@@ -94,9 +61,9 @@ details.sd-error {{ margin: 6px 0; }} pre.sd-code {{ background: #f6f8fa; paddin
 <p>{path_summary}</p>
 {f'<details><summary>recorded code</summary><pre class="sd-code">{esc(code)}</pre></details>' if code else ""}
 <h2>Errors</h2>
-{_errors_html(trace)}
+{errors_html(trace)}
 <h2>DTensor fallbacks</h2>
-{fb_html}
+{fallbacks_html(trace)}
 <h2>Timeline</h2>
 {fig_html["timeline"]}
 <h2>Communication per op</h2>

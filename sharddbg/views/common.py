@@ -22,7 +22,18 @@ PATH_COLORS = {
     "python_method": "#8c6bb1",  # full_tensor, redistribute, backward, from_local (schema 2)
 }
 ERROR_COLOR = "#8b0000"
-COLLECTIVE_COLORS = ["#1f78b4", "#b15928", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#666666", "#7570b3"]
+# Collective kinds: blues, violets, greens and cyans only (hues 110-290 degrees), so that no collective
+# shares a hue with the orange and red DTensor fallbacks; one colour per family, the same in every figure.
+COLLECTIVE_KIND_COLORS = {
+    "all_reduce": "#1f77b4", "all_reduce_coalesced": "#1f77b4",
+    "all_to_all_single": "#0f9b8e", "all_to_all": "#0f9b8e",
+    "all_gather_into_tensor": "#6cae3c", "all_gather": "#6cae3c", "all_gather_coalesced": "#6cae3c",
+    "all_gather_into_tensor_coalesced": "#6cae3c",
+    "reduce_scatter_tensor": "#5b4fcf", "reduce_scatter": "#5b4fcf", "reduce_scatter_tensor_coalesced": "#5b4fcf",
+    "broadcast": "#4f5bd5", "reduce": "#3a7fa8", "gather": "#5c9e6e", "scatter": "#5c9e6e",
+    "send": "#9a6fd6", "recv": "#6f5fb0", "barrier": "#7a8794",
+}
+OTHER_COLLECTIVE_COLORS = ["#46628a", "#5a4e9c", "#3f7f5f", "#2f7f9f"]
 
 
 def path_color(path: str) -> str:
@@ -30,8 +41,16 @@ def path_color(path: str) -> str:
 
 
 def collective_colors(kinds) -> dict[str, str]:
-    """{kind: colour} for the collective kinds a figure draws, in sorted order (same kinds, same colours)."""
-    return {k: COLLECTIVE_COLORS[i % len(COLLECTIVE_COLORS)] for i, k in enumerate(sorted(set(kinds)))}
+    """{kind: colour} for the collective kinds a figure draws, in sorted order (a kind has the same colour
+    in every figure; kinds outside ``COLLECTIVE_KIND_COLORS`` take cool colours in turn)."""
+    out, other = {}, 0
+    for k in sorted(set(kinds)):
+        if k in COLLECTIVE_KIND_COLORS:
+            out[k] = COLLECTIVE_KIND_COLORS[k]
+        else:
+            out[k] = OTHER_COLLECTIVE_COLORS[other % len(OTHER_COLLECTIVE_COLORS)]
+            other += 1
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -66,3 +85,58 @@ def empty_figure(title: str, message: str):
     fig.add_annotation(text=message, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
                        font={"size": 13, "color": "#555"})
     return fig
+
+
+# ---- static HTML (the standalone report and the static rendering a view leaves in a notebook) --------
+def cell_text(v) -> str:
+    """A table cell as text: floats to 3 decimals, lists joined, missing values as a dash."""
+    import pandas as pd
+
+    if isinstance(v, float):
+        return "—" if pd.isna(v) else f"{v:.3f}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(str(x) for x in v)
+    return "—" if v is None else str(v)
+
+
+def html_table(df, cols: list[str], cls: str, headers: dict[str, str] | None = None) -> str:
+    """``df[cols]`` as an escaped HTML table (``headers``: a column's title, where it differs from its name)."""
+    headers = headers or {}
+    head = "".join(f"<th>{esc(headers.get(c, c))}</th>" for c in cols)
+    body = ["<tr>" + "".join(f'<td class="sd-col-{esc(c)}">{esc(cell_text(r[c]))}</td>' for c in cols) + "</tr>"
+            for _, r in df.iterrows()]
+    return f'<table class="sd-table {cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def errors_html(trace) -> str:
+    """The trace's exceptions, one per distinct (type, message, op), with the ranks that raised it and the
+    first traceback."""
+    errs = trace.get_errors()
+    if errs.empty:
+        return '<p class="sd-meta">No exceptions were raised.</p>'
+    parts = []
+    for (exc, msg, op), g in errs.groupby(["exc_type", "message", "op"], sort=False):
+        ranks = sorted(int(r) for r in g["rank"])
+        r0 = g.iloc[0]
+        unmasked = bool(g["unmasked"].any())
+        parts.append(
+            f'<details class="sd-error" open><summary><span class="sd-error-msg">{esc(exc)}: {esc(msg)}</span> '
+            f'<span class="sd-meta">in {esc(op)} on ranks {esc(ranks)} · {esc(r0["user_frame"])}'
+            f'{" · PyTorch would have hidden this behind “unsupported operand type(s)”" if unmasked else ""}</span></summary>'
+            f'<pre class="sd-tb">{esc(r0["traceback"])}</pre></details>')
+    return "\n".join(parts)
+
+
+def fallbacks_html(trace) -> str:
+    """The ops that took a DTensor fallback (``Trace.get_fallbacks()``) as a table."""
+    fb = trace.get_fallbacks()
+    if fb.empty:
+        return '<p class="sd-meta">No op took a DTensor fallback.</p>'
+    cols = [c for c in ("op", "path", "calls", "ranks", "host_ms_total", "bwd_host_ms_total", "locations") if c in fb]
+    return html_table(fb, cols, "sd-fallbacks")
+
+
+def static_view(classes: str, body: str) -> str:
+    """A view's static HTML: its styles and ``body`` in a root element (the class ``sd-static`` says it is
+    the saved rendering, not the live widget)."""
+    return f'<div class="sd-root sd-static {classes}"><style>{static("style.css")}</style>{body}</div>'

@@ -2,7 +2,9 @@
 
 ``ShardInspector(layout)``: an anywidget over :class:`sharddbg.analysis.layout.ShardLayout`. The data it
 draws is ``layout.to_json()`` (tested without a browser); the front end (``_static/inspector.js``)
-only lays it out. ``pair`` (synced) is the index of the two tensor dims drawn.
+only lays it out. ``pair`` (synced) is the index of the two tensor dims drawn. Displayed in a notebook
+it leaves one output bundle (``sharddbg.views.bundle``): the widget, ``inspector_html`` (a static
+rendering), the text grid (``text()``) and the snapshots it was built from.
 """
 
 from __future__ import annotations
@@ -11,8 +13,37 @@ import anywidget
 import pandas as pd
 import traitlets
 
+from ..analysis.formatting import format_bytes, format_shape
 from ..analysis.layout import ShardLayout
-from .common import static
+from .bundle import output_bundle, view_payload
+from .common import esc, html_table, static, static_view
+
+
+def inspector_html(layout: ShardLayout) -> str:
+    """The inspector as static HTML (no script): the header, the block diagram as a character grid, the
+    table of ranks, the warnings and notes."""
+    s0 = layout.snapshots[0]
+    placements = ", ".join(p["text"] for p in s0.get("placements") or []) or "—"
+    head = (f'<div class="sd-title"><span class="sd-kind">{esc(layout.kind)}</span> <code class="sd-name">'
+            f'{esc(layout.name)}</code> <span class="sd-meta">global {esc(format_shape(layout.global_shape))} · '
+            f'{esc(layout.dtype)} · {esc(layout.mesh_text())} · placements {esc(placements)} · '
+            f'{len(layout.ranks)} ranks</span></div>')
+    ranks = layout.get_ranks().assign(ok=lambda d: d["ok"].map({True: "✓", False: "⚠ mismatch"}),
+                                      memory=lambda d: d["local_bytes"].map(format_bytes))
+    for c in ("local_shape", "spec_local_shape", "offsets"):
+        ranks[c] = ranks[c].map(lambda v: format_shape(v) if v is not None else "—")
+    table = html_table(ranks, ["rank", "coordinate", "local_shape", "spec_local_shape", "offsets", "memory",
+                               "device", "ok"], "sd-ranks",
+                       {"coordinate": "mesh coord", "local_shape": "local shape", "spec_local_shape": "spec says",
+                        "offsets": "global offsets", "ok": "check"})
+    body = [head, f'<pre class="sd-grid">{esc(layout.text_grid())}</pre>', table]
+    if layout.warnings:
+        body.append('<div class="sd-warnings">' + "".join(f'<div class="sd-warning">⚠ {esc(w)}</div>'
+                                                          for w in layout.warnings) + "</div>")
+    if layout.notes:
+        body.append('<div class="sd-notes">' + "".join(f'<div class="sd-note">ℹ {esc(n)}</div>'
+                                                       for n in layout.notes) + "</div>")
+    return static_view("sd-inspector", "".join(body))
 
 
 class ShardInspector(anywidget.AnyWidget):
@@ -36,5 +67,20 @@ class ShardInspector(anywidget.AnyWidget):
     def warnings(self) -> list[str]:
         return list(self.shard_layout.warnings)
 
-    def __repr__(self) -> str:  # text/plain: terminals and plain IPython
+    def text(self) -> str:
+        """The inspector as plain text: header, the block diagram as a character grid, one line per rank,
+        notes and warnings (``ShardLayout.text()``)."""
         return self.shard_layout.text()
+
+    def __repr__(self) -> str:  # text/plain: terminals and plain IPython
+        return self.text()
+
+    def _repr_mimebundle_(self, **kwargs):
+        """The live widget, a static rendering, the text and the snapshots (see ``sharddbg.views.bundle``)."""
+        lay = self.shard_layout
+        payload = view_payload("inspector", {"name": lay.name, "snapshots": lay.snapshots, "world_mesh": lay.world_mesh},
+                               {"name": lay.name, "kind": lay.kind, "global_shape": lay.global_shape,
+                                "ranks": lay.ranks, "warnings": len(lay.warnings)},
+                               "cl.inspect(name) on a running cluster")
+        return output_bundle(super()._repr_mimebundle_(**kwargs), html=inspector_html(lay), text=self.text(),
+                             payload=payload)

@@ -1,18 +1,25 @@
-"""The all-rank timeline: one row per rank, op spans by dispatch path, collective spans by kind.
+"""The all-rank timeline: one band per rank, op spans by dispatch path, collective spans by kind.
 
 The spans and the overview's bins are pure data (``sharddbg.analysis.timeline``); this module places
-them in lanes, colours them and writes their hover text: ``timeline_frame`` (op spans) and
-``collective_spans`` are exactly what the figure draws. Every string taken from a trace is
-HTML-escaped before it reaches plotly (hover text and legend names are rendered as HTML by plotly.js).
+them in lanes, colours them and writes their hover text: ``timeline_frame`` (op spans),
+``collective_spans`` and ``collective_links`` (the same collective on every rank) are exactly what the
+figure draws. Every string taken from a trace is HTML-escaped before it reaches plotly (hover text,
+span labels and legend names are rendered as HTML by plotly.js).
+
+A rank's band holds, top to bottom: the ``autograd`` lane (spans of a whole backward pass, such as
+``Tensor.backward``, which would otherwise cover the ops they contain), the op lanes (one per nesting
+depth below that), and the ``collectives`` lane.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pandas as pd
 
 from ..analysis.comm import NO_OP
+from ..analysis.ops import AUTOGRAD_ENTRY_OPS
 from ..analysis.formatting import format_bytes, format_shape
 from ..analysis.timeline import (ERROR_CATEGORY, collective_span_frame, in_window, op_span_frame,
                                  time_origin_ns, timeline_overview)
@@ -21,42 +28,88 @@ from .common import ERROR_COLOR, PATH_COLORS, collective_colors, esc, path_color
 if TYPE_CHECKING:
     from ..trace import Trace
 
-# Lanes inside one rank's band (the y axis is reversed: rank 0 on top).
-OP_LANE0 = -0.16  # depth-0 ops; deeper ops below, LANE_STEP apart
+# Lanes inside one rank's band (the y axis is reversed: rank 0 on top; rank r's band is r - 0.5 .. r + 0.5).
+AUTOGRAD_LANE = -0.37
+OP_LANE0 = -0.24  # ops at depth 0 (below any autograd span); deeper ops below, LANE_STEP apart
 LANE_STEP = 0.12
 MAX_LANES = 3
-COLL_LANE = 0.3
-LANE_HALF = 0.09
-# Above this many op spans, nested ops (depth > 0) are merged into their depth-0 parent's lane.
+COLL_LANE = 0.26
+BAR_HEIGHT = 0.11  # a span's thickness, in rank bands (17 px at BAND_PX: room for a 10 px label)
+LANE_HALF = 0.06  # an overview row's half height
+BAND_PX = 150  # default height of one rank's band
+# Above this many op spans, nested ops are merged into their top-level op's lane.
 AGGREGATE_ABOVE = 60_000
-# Above this many spans (ops + collectives) still to draw, the timeline is a binned overview (one image:
-# its cost no longer grows with the events); plot_timeline(t, time_range=(a, b)) draws a window span by span.
+# Up to this many spans (ops + collectives) each span is a bar: it answers a hover anywhere on it and
+# shows its op's name when wide enough. Above, WebGL lines (one hover label at each span's middle).
+BARS_UP_TO = 10_000
+# Above this many spans still to draw, the timeline is a binned overview (one image: its cost no longer
+# grows with the events); plot_timeline(t, time_range=(a, b)) draws a window span by span.
 OVERVIEW_ABOVE = 30_000
 OVERVIEW_BINS = 1500
+X_PAD = 0.02  # room left and right of the first and last span, as a share of the time drawn
+# The modebar buttons that would send the figure to a cloud service.
+CLOUD_BUTTONS = ["sendDataToCloud", "editInChartStudio"]
 
-TIMELINE_COLUMNS = ["rank", "seq", "op", "path", "phase", "depth", "start_ms", "end_ms", "y", "category", "hover"]
+TIMELINE_COLUMNS = ["rank", "seq", "op", "path", "phase", "depth", "lane", "start_ms", "end_ms", "y", "category",
+                    "label", "hover"]
 COLLECTIVE_SPAN_COLUMNS = ["rank", "seq", "kind", "op", "start_ms", "end_ms", "bytes_sent", "bytes_recv", "category",
-                           "y", "hover"]
+                           "group", "group_seq", "y", "hover"]
+LINK_COLUMNS = ["group", "group_seq", "kind", "ranks", "start_ms", "first_rank", "last_rank", "lag_ms"]
 
 
 def _time_origin(trace: Trace) -> int:
     return time_origin_ns(trace.get_ops(), trace.get_collectives())
 
 
+def is_autograd_wide(op: str) -> bool:
+    """A span that covers a whole backward pass (a call that enters the autograd engine: ``Tensor.backward``,
+    ``torch.autograd.grad``, ...; ``analysis.ops.AUTOGRAD_ENTRY_OPS``). It is drawn in the autograd lane,
+    and the ops inside it count their depth from it (a backward op nested in ``Tensor.backward`` sits in
+    the first op lane, like a forward op)."""
+    return op in AUTOGRAD_ENTRY_OPS
+
+
+def _lane_depths(ops: pd.DataFrame) -> np.ndarray:
+    """Each op's nesting depth counted from its innermost autograd-wide ancestor (or from the top)."""
+    wide = {(r, s) for r, s, o in zip(ops["rank"], ops["seq"], ops["op"]) if is_autograd_wide(o)}
+    parent = {(r, s): p for r, s, p in zip(ops["rank"], ops["seq"], ops["parent_seq"]) if not pd.isna(p)}
+    out = np.zeros(len(ops), dtype=int)
+    for i, (r, s) in enumerate(zip(ops["rank"], ops["seq"])):
+        depth, key = 0, (r, s)
+        while key in parent:
+            key = (r, int(parent[key]))
+            if key in wide:
+                break
+            depth += 1
+        out[i] = depth
+    return out
+
+
+def _label(op: str) -> str:
+    """The name drawn inside a span: the op's last dotted part (``torch.nn.functional.relu`` -> ``relu``)."""
+    return op.rsplit(".", 1)[-1]
+
+
 def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
-    """One row per op span: rank, seq, op, path, phase, depth, start_ms, end_ms (from the trace's first
-    event), y (lane), category (path, or "error"), hover (HTML-escaped). In-flight ops end at the
-    last recorded time. ``aggregate``: drop nested ops (depth > 0) — on by default above
-    ``AGGREGATE_ABOVE`` spans, to keep the browser responsive."""
+    """One row per op span: rank, seq, op, path, phase, depth (its nesting depth in the trace), lane
+    (``autograd`` or ``ops``), start_ms, end_ms (from the trace's first event), y (its lane in the rank's
+    band), category (path, or "error"), label (drawn inside the span), hover (HTML-escaped). In-flight ops
+    end at the last recorded time. ``aggregate``: only the spans of the first op lane and the autograd
+    lane (nested ops merged into their parent's span) — on by default above ``AGGREGATE_ABOVE`` spans."""
     ops = trace.get_ops()
     if ops.empty:
         return pd.DataFrame(columns=TIMELINE_COLUMNS)
+    wide = np.array([is_autograd_wide(o) for o in ops["op"]], dtype=bool)
+    lane_depth = _lane_depths(ops)
     if aggregate is None:
         aggregate = len(ops) > AGGREGATE_ABOVE
     if aggregate:
-        ops = ops[ops["depth"] == 0]
+        keep = wide | (lane_depth == 0)
+        ops, wide, lane_depth = ops[keep], wide[keep], lane_depth[keep]
     df = op_span_frame(ops, _time_origin(trace))
-    df["y"] = df["rank"] + OP_LANE0 + LANE_STEP * df["depth"].clip(upper=MAX_LANES)
+    df["lane"] = np.where(wide, "autograd", "ops")
+    df["y"] = df["rank"] + np.where(wide, AUTOGRAD_LANE, OP_LANE0 + LANE_STEP * np.minimum(lane_depth, MAX_LANES - 1))
+    df["label"] = [esc(_label(o)) for o in df["op"]]
     hover = []
     for o in ops.itertuples(index=False):
         hover.append(
@@ -64,30 +117,94 @@ def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
             f"{esc(o.phase)} · {esc(o.path)}" + (f" · node {esc(o.autograd_node)}" if isinstance(o.autograd_node, str) else "")
             + f"<br>in {esc(', '.join(format_shape(s) for s in (o.in_local_shapes or [])))} → out "
               f"{esc(format_shape(o.out_local_shape))} (local)"
-            f"<br>bytes in {format_bytes(o.in_bytes)} · out {format_bytes(o.out_bytes)} · host {o.host_ms:.3f} ms"
+            f"<br>bytes in {format_bytes(o.in_bytes)} · out {format_bytes(o.out_bytes)} · host "
+            + ("still running" if pd.isna(o.host_ms) else f"{o.host_ms:.3f} ms")
             + (f"<br>module {esc(o.module)}" if isinstance(o.module, str) else "")
             + (f"<br>error: {esc(o.error)}" if isinstance(o.error, str) else ""))
     df["hover"] = hover
     return df[TIMELINE_COLUMNS]
 
 
+def _group_text(ranks, mesh_dim) -> str:
+    where = f"ranks {list(ranks)}" if ranks else "its group"
+    return f"{mesh_dim} {where}" if isinstance(mesh_dim, str) else where
+
+
+def collective_links(trace: Trace) -> pd.DataFrame:
+    """The same collective on every rank of its group (the same ``group_seq`` on the same group): one row
+    per collective issued on more than one rank: group (text), group_seq, kind, ranks, start_ms (each
+    rank's issue, ms since the first event, in the order of ``ranks``), first_rank / last_rank (the first
+    and the last to issue it), lag_ms (how long after the first the last issued it)."""
+    colls = trace.get_collectives()
+    if colls.empty:
+        return pd.DataFrame(columns=LINK_COLUMNS)
+    t0 = _time_origin(trace)
+    rows = []
+    keys = [(tuple(g) if isinstance(g, list) else (n,), s)
+            for g, n, s in zip(colls["group_ranks"], colls["group_name"], colls["group_seq"])]
+    for key, part in colls.groupby(pd.Series(keys, index=colls.index), sort=False):
+        if part["rank"].nunique() < 2:
+            continue
+        part = part.sort_values("rank")
+        starts = ((part["t_issue_ns"].astype("int64") - t0) / 1e6).tolist()
+        ranks = [int(r) for r in part["rank"]]
+        first, last = int(np.argmin(starts)), int(np.argmax(starts))
+        c0 = part.iloc[0]
+        rows.append({"group": _group_text(c0["group_ranks"], c0["mesh_dim"]), "group_seq": int(c0["group_seq"]),
+                     "kind": str(c0["kind"]), "ranks": ranks, "start_ms": starts, "first_rank": ranks[first],
+                     "last_rank": ranks[last], "lag_ms": starts[last] - starts[first]})
+    return pd.DataFrame(rows, columns=LINK_COLUMNS)
+
+
 def collective_spans(trace: Trace) -> pd.DataFrame:
-    """One row per collective: rank, seq, kind, op, start_ms, end_ms, bytes, category (its kind), y
-    (lane), hover (HTML-escaped). Empty, with these columns, when the trace has no collectives."""
-    df = collective_span_frame(trace.get_collectives(), _time_origin(trace))
+    """One row per collective: rank, seq, kind, op, start_ms, end_ms, bytes, category (its kind), group
+    (text), group_seq, y (lane), hover (HTML-escaped; it names the collective across ranks: which rank
+    issued it last, how long after the first). Empty, with these columns, when the trace has none."""
+    colls = trace.get_collectives()
+    df = collective_span_frame(colls, _time_origin(trace))
+    if df.empty:
+        return pd.DataFrame(columns=COLLECTIVE_SPAN_COLUMNS)
+    df["group"] = [_group_text(g if isinstance(g, list) else None, m) for g, m in zip(colls["group_ranks"], colls["mesh_dim"])]
+    df["group_seq"] = colls["group_seq"].astype(int).values
     df["y"] = df["rank"] + COLL_LANE
+    across = {}
+    for link in collective_links(trace).itertuples(index=False):
+        across[(link.group, link.group_seq)] = (
+            f"<br>{esc(link.group)} #{link.group_seq}: rank {link.last_rank} issued it last, "
+            f"{link.lag_ms:.3f} ms after rank {link.first_rank}")
     df["hover"] = [
         f"<b>{esc(c.kind)}</b> · rank {int(c.rank)}<br>from op {esc(c.op if isinstance(c.op, str) else NO_OP)}<br>"
         f"sent {format_bytes(c.bytes_sent)} · received {format_bytes(c.bytes_recv)}<br>{c.end_ms - c.start_ms:.3f} ms"
+        + across.get((c.group, c.group_seq), f"<br>{esc(c.group)} #{c.group_seq}")
         for c in df.itertuples(index=False)]
     return df[COLLECTIVE_SPAN_COLUMNS]
+
+
+def _text_color(color: str) -> str:
+    """Dark text on light span colours, white on dark ones."""
+    r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return "#111111" if 0.299 * r + 0.587 * g + 0.114 * b > 0.6 else "#ffffff"
+
+
+def _bar_trace(df: pd.DataFrame, name: str, color: str, group: str, group_title: str | None, min_width: float,
+               labels: bool):
+    """One bar per span: the whole span answers a hover; its name is drawn inside where it fits."""
+    import plotly.graph_objects as go
+
+    extra = {"legendgrouptitle_text": group_title} if group_title else {}
+    width = np.maximum(df["end_ms"].to_numpy(float) - df["start_ms"].to_numpy(float), min_width)
+    text = {"text": df["label"].tolist(), "textposition": "inside", "insidetextanchor": "middle",
+            "textfont": {"size": 10, "color": _text_color(color)}, "texttemplate": "%{text}"} if labels else \
+        {"textposition": "none"}
+    return go.Bar(base=df["start_ms"].to_numpy(float), x=width, y=df["y"].to_numpy(float), orientation="h",
+                  width=BAR_HEIGHT, name=name, legendgroup=group, marker={"color": color, "line": {"width": 0}},
+                  hovertext=df["hover"].tolist(), hoverinfo="text", hoverlabel={"bgcolor": color},
+                  cliponaxis=True, **text, **extra)
 
 
 def _segments(df: pd.DataFrame):
     """x, y arrays (numpy, NaN between segments: plotly ships them as compact typed arrays) drawing every
     row as a horizontal segment, and the segments' midpoints (where their hover labels live)."""
-    import numpy as np
-
     n = len(df)
     x = np.full(3 * n, np.nan)
     y = np.full(3 * n, np.nan)
@@ -97,9 +214,9 @@ def _segments(df: pd.DataFrame):
     return x, y, mid
 
 
-def _span_traces(fig, df: pd.DataFrame, name: str, color: str, width: int, group: str, group_title: str | None) -> None:
-    """One WebGL line trace for the spans (no hover) + one of invisible midpoint markers carrying the
-    hover text once per span; they share a legend entry."""
+def _line_traces(fig, df: pd.DataFrame, name: str, color: str, width: int, group: str, group_title: str | None) -> None:
+    """Many spans: one WebGL line trace (no hover) + one of invisible midpoint markers carrying the hover
+    text once per span; they share a legend entry."""
     import plotly.graph_objects as go
 
     x, y, mid = _segments(df)
@@ -123,24 +240,33 @@ def _op_color(category: str) -> str:
     return ERROR_COLOR if category == ERROR_CATEGORY else path_color(category)
 
 
+def _lanes(ranks: list[int], ops: pd.DataFrame, coll: pd.DataFrame) -> list[tuple[float, int, str]]:
+    """(y, rank, lane) of every lane drawn, top to bottom."""
+    out = []
+    autograd = len(ops) and (ops["lane"] == "autograd").any()
+    for r in ranks:
+        if autograd:
+            out.append((r + AUTOGRAD_LANE, r, "autograd"))
+        out.append((r + OP_LANE0, r, "ops"))
+        if len(coll):
+            out.append((r + COLL_LANE, r, "collectives"))
+    return sorted(out)
+
+
 def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int], bins: int, x0: float, x1: float):
-    """Draw the binned overview: one heatmap image, lanes as rows (ops above, collectives below)."""
-    import numpy as np
+    """Draw the binned overview: one heatmap image, lanes as rows (autograd, ops, collectives)."""
     import plotly.graph_objects as go
 
-    ov = pd.concat([timeline_overview(ops, "ops", bins, x0, x1), timeline_overview(coll, "collectives", bins, x0, x1)])
+    ov = pd.concat([timeline_overview(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
+                    timeline_overview(ops[ops["lane"] == "ops"], "ops", bins, x0, x1),
+                    timeline_overview(coll, "collectives", bins, x0, x1)])
     op_cats = _op_categories(ops)
     coll_cats = sorted(set(coll["category"]))
     cats = op_cats + coll_cats
     colors = {c: _op_color(c) for c in op_cats}
     colors.update(collective_colors(coll_cats))
-    lanes = []  # (y center, rank, lane)
-    for r in ranks:
-        lanes.append((r + OP_LANE0, r, "ops"))
-        if len(coll):
-            lanes.append((r + COLL_LANE, r, "collectives"))
     edges, zrows, lane_row = [], [], {}
-    for y, r, lane in sorted(lanes):
+    for y, r, lane in _lanes(ranks, ops, coll):
         if edges and edges[-1] < y - LANE_HALF:  # an empty row in the gap between two lanes
             zrows.append(None)
         if not edges or edges[-1] < y - LANE_HALF:
@@ -168,7 +294,7 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
     errs = ov[ov["has_error"].astype(bool)] if len(ov) else ov
     if len(errs):
         fig.add_trace(go.Scatter(x=(errs["bin_start_ms"] + errs["bin_end_ms"]) / 2,
-                                 y=[r + OP_LANE0 - LANE_HALF - 0.07 for r in errs["rank"]], mode="markers",
+                                 y=[r + OP_LANE0 - LANE_HALF - 0.04 for r in errs["rank"]], mode="markers",
                                  name="error raised", marker={"symbol": "triangle-down", "size": 7, "color": ERROR_COLOR},
                                  hovertext=[f"rank {r}: an op raised in {a:.3f}–{b:.3f} ms" for r, a, b in
                                             zip(errs["rank"], errs["bin_start_ms"], errs["bin_end_ms"])],
@@ -182,70 +308,113 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
                                  **({"legendgrouptitle_text": group} if first else {})))
 
 
-def _span_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame) -> None:
-    """Draw every span: per op category and per collective kind, a line trace and its hover markers."""
+def _link_trace(links: pd.DataFrame, coll: pd.DataFrame, gl: bool):
+    """Dotted lines joining the same collective's spans on every rank (at each rank's issue time)."""
     import plotly.graph_objects as go
 
+    drawn = set(zip(coll["group"], coll["group_seq"]))
+    xs, ys = [], []
+    for link in links.itertuples(index=False):
+        if (link.group, link.group_seq) not in drawn:
+            continue
+        xs += list(link.start_ms) + [None]
+        ys += [r + COLL_LANE for r in link.ranks] + [None]
+    cls = go.Scattergl if gl else go.Scatter
+    return cls(x=xs, y=ys, mode="lines", line={"color": "rgba(110, 110, 110, 0.75)", "width": 1, "dash": "dot"},
+               name="same collective on every rank", legendgroup="links", hoverinfo="skip", connectgaps=False)
+
+
+def _span_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, links: pd.DataFrame, bars: bool, x_span: float) -> None:
+    """Draw every span: per op category and per collective kind, bars (or line traces and their hover
+    markers), the error markers and the links between ranks."""
+    import plotly.graph_objects as go
+
+    min_width = max(x_span, 1e-6) / 2000  # a span too short to see still gets a sliver to hover on
     for k, cat in enumerate(_op_categories(ops)):
-        _span_traces(fig, ops[ops["category"] == cat], esc(cat.replace("_", " ")), _op_color(cat), 9, f"op:{cat}",
-                     "ops by dispatch path" if k == 0 else None)
+        part, name, title = ops[ops["category"] == cat], esc(cat.replace("_", " ")), "ops by dispatch path" if k == 0 else None
+        if bars:
+            fig.add_trace(_bar_trace(part, name, _op_color(cat), f"op:{cat}", title, min_width, labels=True))
+        else:
+            _line_traces(fig, part, name, _op_color(cat), 9, f"op:{cat}", title)
     errs = ops[ops["category"] == ERROR_CATEGORY]
     if len(errs):
-        fig.add_trace(go.Scattergl(x=errs["start_ms"], y=errs["y"], mode="markers", name="error raised",
-                                   marker={"symbol": "x", "size": 11, "color": ERROR_COLOR, "line": {"width": 1}},
-                                   hovertext=errs["hover"], hoverinfo="text", legendgroup="ops"))
+        cls = go.Scatter if bars else go.Scattergl
+        fig.add_trace(cls(x=errs["start_ms"], y=errs["y"], mode="markers", name="error raised",
+                          marker={"symbol": "x", "size": 11, "color": ERROR_COLOR, "line": {"width": 1}},
+                          hovertext=errs["hover"], hoverinfo="text", legendgroup="op:error"))
     for k, (kind, color) in enumerate(collective_colors(coll["kind"]).items()):
-        _span_traces(fig, coll[coll["kind"] == kind], esc(kind), color, 7, f"coll:{kind}",
-                     "collectives" if k == 0 else None)
+        part, title = coll[coll["kind"] == kind], "collectives" if k == 0 else None
+        if bars:
+            fig.add_trace(_bar_trace(part.assign(label=""), esc(kind), color, f"coll:{kind}", title, min_width,
+                                     labels=False))
+        else:
+            _line_traces(fig, part, esc(kind), color, 7, f"coll:{kind}", title)
+    if len(links) and len(coll):
+        fig.add_trace(_link_trace(links, coll, gl=not bars))
 
 
 def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tuple[float, float] | None = None,
                   overview: bool | None = None, height: int | None = None):
-    """Plotly Figure: one row per rank (rank 0 on top), op spans coloured by dispatch path (errors in
-    dark red), collective spans below them coloured by kind; hover shows shapes, bytes and time.
+    """Plotly Figure: one band per rank (rank 0 on top): op spans coloured by dispatch path (errors in
+    dark red, names inside the spans wide enough to hold them), spans of a whole backward pass in their
+    own ``autograd`` lane above, collective spans coloured by kind in the ``collectives`` lane below,
+    the same collective joined across ranks by a dotted line; hover anywhere on a span for its shapes,
+    bytes and time.
 
     ``time_range=(a, b)``: only that window (ms since the first event). ``aggregate``: merge nested ops
     into their top-level op (default: above ``AGGREGATE_ABOVE`` spans). ``overview``: bin the spans into
     ``OVERVIEW_BINS`` time bins per rank lane, coloured by the most frequent category in each bin (default:
-    above ``OVERVIEW_ABOVE`` spans to draw); zoom in with ``time_range`` to see single ops."""
+    above ``OVERVIEW_ABOVE`` spans to draw); zoom in with ``time_range`` to see single ops. Up to
+    ``BARS_UP_TO`` spans each is a bar; above, a WebGL line whose hover label sits at its middle."""
     import plotly.graph_objects as go
 
-    ops = in_window(timeline_frame(trace, aggregate=aggregate), time_range)
+    all_ops = trace.get_ops()
+    merged = aggregate if aggregate is not None else len(all_ops) > AGGREGATE_ABOVE
+    frame = timeline_frame(trace, aggregate=merged)
+    ops = in_window(frame, time_range)
     coll = in_window(collective_spans(trace), time_range)
     ranks = list(trace.ranks)
-    all_ops = trace.get_ops()
     fig = go.Figure()
     if overview is None:
         overview = len(ops) + len(coll) > OVERVIEW_ABOVE
     title = f"Timeline · {len(ranks)} ranks · {len(all_ops)} op calls" + (
         f" · {len(coll)} collectives" if len(coll) else " · no collectives recorded")
-    if overview and (len(ops) or len(coll)):
-        drawn = [f for f in (ops, coll) if len(f)]
-        lo, hi = (min(f["start_ms"].min() for f in drawn), max(f["end_ms"].max() for f in drawn)) \
-            if time_range is None else time_range
+    drawn = [f for f in (ops, coll) if len(f)]
+    lo, hi = (min(f["start_ms"].min() for f in drawn), max(f["end_ms"].max() for f in drawn)) if drawn else (0.0, 1.0)
+    lo, hi = float(lo), float(hi)
+    if overview and drawn:
+        if time_range is not None:
+            lo, hi = time_range
         _overview_figure(fig, ops, coll, ranks, OVERVIEW_BINS, float(lo), float(hi))
-        if time_range is None:
-            fig.update_xaxes(range=[float(lo), float(hi)])
         title += (f" · overview: {len(ops) + len(coll)} spans in {OVERVIEW_BINS} time bins, the most frequent "
                   f"path per bin<br><sub>plot_timeline(time_range=(a, b)) draws a window op by op</sub>")
     else:
-        _span_figure(fig, ops, coll)
-        if aggregate is not False and len(ops) and ops["depth"].max() == 0 and all_ops["depth"].max() > 0:
+        bars = len(ops) + len(coll) <= BARS_UP_TO
+        _span_figure(fig, ops, coll, collective_links(trace), bars, hi - lo)
+        if merged and len(frame) < len(all_ops):
             title += f" · nested ops merged ({len(ops)} spans drawn)"
     if time_range is not None:
         title += f" · window {time_range[0]:g}–{time_range[1]:g} ms"
+        x_range = list(time_range)
+    else:
+        pad = max((hi - lo) * X_PAD, 1e-3)
+        x_range = [lo - pad, hi + pad]
+    lanes = _lanes(ranks, ops, coll)
     fig.update_layout(
         title={"text": title, "x": 0.01, "font": {"size": 14}},
-        height=height or max(260, 110 + 80 * len(ranks)), template="plotly_white", hovermode="closest",
-        margin={"l": 70, "r": 20, "t": 50, "b": 45}, legend={"orientation": "v", "groupclick": "toggleitem"},
+        height=height or max(300, 110 + BAND_PX * len(ranks)), template="plotly_white", hovermode="closest",
+        barmode="overlay", bargap=0, uniformtext={"minsize": 8, "mode": "hide"},
+        margin={"l": 90, "r": 20, "t": 60, "b": 45}, legend={"orientation": "v", "groupclick": "toggleitem"},
+        modebar={"remove": CLOUD_BUTTONS},
         xaxis={"title": "time since the first event (ms)", "showgrid": True, "zeroline": False,
-               **({"range": list(time_range)} if time_range is not None else {})},
-        yaxis={"tickmode": "array", "tickvals": ranks, "ticktext": [f"rank {r}" for r in ranks],
-               "autorange": False, "range": [max(ranks, default=0) + 0.55, min(ranks, default=0) - 0.55],
+               "range": x_range, "autorange": False},
+        yaxis={"tickmode": "array", "tickvals": [y for y, _, _ in lanes],
+               "ticktext": [f"rank {r}" if lane == "ops" else lane for _, r, lane in lanes],
+               "autorange": False, "range": [max(ranks, default=0) + 0.5, min(ranks, default=0) - 0.5],
                "showgrid": False, "zeroline": False},
     )
     for r in ranks[1:]:
-        fig.add_hline(y=r - 0.5, line={"color": "#ddd", "width": 1})
+        fig.add_hline(y=r - 0.5, line={"color": "#d5d5d5", "width": 1})
     if r_inc := [r for r in ranks if r in trace.incomplete_ranks]:
         fig.add_annotation(text=f"incomplete ranks (timed out or sent nothing): {r_inc}", xref="paper", yref="paper",
                            x=1, y=1.08, showarrow=False, font={"color": "#b00020"})

@@ -9,7 +9,13 @@ function h(tag, attrs, ...kids) {
   return e;
 }
 const shp = (a) => (a == null ? "—" : "(" + a.join(", ") + (a.length === 1 ? "," : "") + ")");
-const shps = (l) => (l == null ? "—" : l.map(shp).join(", "));
+// a list of shapes: each shape one unbreakable piece, so a narrow column wraps between shapes, never inside one
+const shapeCell = (l) => {
+  const td = h("td");
+  if (l == null || !l.length) { td.textContent = "—"; return td; }
+  l.forEach((a, i) => { if (i) td.append(", "); td.append(h("span", { class: "sd-shape", text: shp(a) })); });
+  return td;
+};
 const ms = (v) => (v == null ? "—" : v.toFixed(3));
 const bytes = (n) => {
   if (n == null) return "—";
@@ -56,17 +62,27 @@ export function renderExplorer(model, el) {
   if (data.left_out) root.insertBefore(h("div", { class: "sd-warning", text: `${data.left_out} ordinary op calls left out (max_rows); errors and fallbacks are all here` }), summary);
 
   const pill = (p) => h("span", { class: "sd-path", style: `background:${data.path_colors[p] || "#777"}`, text: p });
-  let selectedTr = null;
+  // an op call that raised: marked as an error first, its dispatch path after
+  const chips = (r) => r.kind === "error" ? h("span", { class: "sd-chips" }, h("span", { class: "sd-chip-error", text: "✖ raised" }), " ", pill(r.path))
+                                          : pill(r.path);
+  let selected = null;  // [rank, seq] of the op whose detail is open
+
+  function closeDetail() {
+    selected = null;
+    detail.replaceChildren(); detail.style.display = "none";
+    model.set("selected", []); model.save_changes && model.save_changes();
+  }
 
   function showDetail(r, tr) {
-    if (selectedTr) selectedTr.classList.remove("sd-selected");
-    selectedTr = tr; if (tr) tr.classList.add("sd-selected");
+    for (const old of list.querySelectorAll("tr.sd-selected")) old.classList.remove("sd-selected");
+    if (tr) tr.classList.add("sd-selected");
+    selected = [r.rank, r.seq];
     model.set("selected", [r.rank, r.seq]); model.save_changes && model.save_changes();
     const same = rows.filter((x) => x.key === r.key).sort((a, b) => a.rank - b.rank);
     detail.replaceChildren();
     detail.style.display = "";
     detail.setAttribute("data-rank", r.rank); detail.setAttribute("data-seq", r.seq);
-    detail.append(h("h4", {}, h("span", { class: "sd-detail-op", text: r.op }), " ", pill(r.path),
+    detail.append(h("h4", {}, h("span", { class: "sd-detail-op", text: r.op }), " ", chips(r),
                     h("span", { class: "sd-meta", text: ` ${r.phase} · rank ${r.rank} · seq ${r.seq}` })));
     const kv = h("div", { class: "sd-kv" });
     const add = (k, v) => { if (v != null && v !== "") kv.append(h("div", { text: k }), h("div", { text: String(v), class: "sd-kv-" + k.replace(/\W+/g, "-") })); };
@@ -91,11 +107,13 @@ export function renderExplorer(model, el) {
     t.append(h("thead", {}, h("tr", {}, ...cols.map(([, l]) => h("th", { text: l })))));
     const tb = h("tbody");
     for (const x of same) {
-      const tr = h("tr", { "data-rank": x.rank });
+      const tr = h("tr", { "data-rank": x.rank, class: x.kind === "error" ? "sd-kind-error" : "" });
       for (const [k] of cols) {
         let v = x[k];
-        if (k === "in_local_shapes" || k === "in_global_shapes") v = shps(v);
-        else if (k === "out_local_shape" || k === "out_global_shape") v = shp(v);
+        if (k === "in_local_shapes" || k === "in_global_shapes" || k === "out_local_shape" || k === "out_global_shape") {
+          const td = shapeCell(k.startsWith("in_") ? v : v == null ? null : [v]);
+          td.className = "sd-col-" + k; tr.append(td); continue;
+        }
         else if (k === "host_ms") v = ms(v);
         else if (k === "in_bytes" || k === "out_bytes") v = bytes(v);
         else if (v == null) v = "—";
@@ -128,28 +146,37 @@ export function renderExplorer(model, el) {
       (path === "" || (path === "@fallback" ? r.kind === "fallback" : r.path === path)) &&
       (phase === "" || r.phase === phase) && (!op || r.op.toLowerCase().includes(op)) && (!flagged || r.kind !== "op"));
     summary.textContent = `${hit.length} matching` + (hit.length > LIMIT ? ` (first ${LIMIT} shown; refine the filters)` : "") + " · click a row for its detail";
-    const t = h("table", { class: "sd-table" });
-    const cols = [["kind", ""], ["rank", "rank"], ["seq", "seq"], ["op", "op"], ["path", "path"], ["phase", "phase"],
-                  ["module", "module"], ["out_local_shape", "output (local)"], ["host_ms", "host ms"], ["user_frame", "source"]];
+    const t = h("table", { class: "sd-table sd-op-list" });
+    // short columns have fixed widths, the others share the rest of the box equally: the table never grows
+    // wider than its box; a long cell ends in "…" (its full text on hover)
+    const cols = data.list_columns;
+    t.append(h("colgroup", {}, ...cols.map(([, , w]) => h("col", w ? { style: `width:${w}px` } : {}))));
     t.append(h("thead", {}, h("tr", {}, ...cols.map(([, l]) => h("th", { text: l })))));
     const tb = h("tbody");
-    for (const r of hit.slice(0, LIMIT)) {
-      const tr = h("tr", { class: `sd-op sd-kind-${r.kind}`, "data-rank": r.rank, "data-seq": r.seq, "data-kind": r.kind, "data-op": r.op });
+    const shown = hit.slice(0, LIMIT);
+    for (const r of shown) {
+      const isSel = selected && r.rank === selected[0] && r.seq === selected[1];
+      const tr = h("tr", { class: `sd-op sd-kind-${r.kind}` + (isSel ? " sd-selected" : ""), "data-rank": r.rank,
+                           "data-seq": r.seq, "data-kind": r.kind, "data-op": r.op });
       for (const [k] of cols) {
-        if (k === "path") { tr.append(h("td", {}, pill(r.path))); continue; }
-        let v = r[k];
+        if (k === "path") { tr.append(h("td", { class: "sd-col-path", title: r.path }, chips(r))); continue; }
+        let v = r[k], full = null;
         if (k === "kind") v = r.kind === "error" ? "✖ error" : r.kind === "fallback" ? "⚠ fallback" : r.in_flight ? "⏳ running" : "";
         else if (k === "out_local_shape") v = shp(v);
         else if (k === "host_ms") v = ms(v);
-        else if (k === "user_frame" && v) v = v.split("/").pop();
+        else if (k === "user_frame" && v) { full = v; v = v.split("/").pop(); }
         else if (v == null) v = "";
-        tr.append(h("td", { text: String(v), class: "sd-col-" + (k === "kind" ? "flag" : k) }));
+        const td = h("td", { text: String(v), class: "sd-col-" + (k === "kind" ? "flag" : k) });
+        if (String(full ?? v)) td.title = String(full ?? v);
+        tr.append(td);
       }
       tr.addEventListener("click", () => showDetail(r, tr));
       tb.append(tr);
     }
     t.append(tb);
     list.replaceChildren(t);
+    // a detail whose row the filters took away closes with it
+    if (selected && !shown.some((r) => r.rank === selected[0] && r.seq === selected[1])) closeDetail();
   }
   for (const f of [fRank, fPath, fPhase, fFlag]) f.addEventListener("change", draw);
   fOp.addEventListener("input", draw);
