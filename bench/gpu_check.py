@@ -384,6 +384,10 @@ def start_full_preload(sharddbg, n):
         cl.run("for _ in range(100):\n    t = torch.ones(1024, device=DEV)\n    dist.all_reduce(t)\n"
                "torch.cuda.synchronize()\nassert t[0].item() == world_size\n", display=False, timeout=120)
         steps_s = time.perf_counter() - t1
+        t = cl.trace("x = sharddbg.engine.scatter(torch.randn(1, 4, 64, 64, device=DEV), dim=2)\n"
+                     "y = torch.nn.functional.conv2d(x, torch.randn(8, 4, 3, 3, device=DEV), padding=1)\n", display=False)
+        ops = t.get_ops()
+        conv_paths = sorted(set(ops.loc[ops["op"].str.contains("conv2d"), "path"]))
         logs = {f: open(os.path.join(cl.log_dir, f), errors="replace").read() for f in os.listdir(cl.log_dir)
                 if f.endswith(".log")}
         fork_warnings = [line for text in logs.values() for line in text.splitlines() if "fork" in line.lower()]
@@ -391,7 +395,8 @@ def start_full_preload(sharddbg, n):
                 "preload": cl.facts.get("preload"), "cuda_initialized_in_fork_server": cl.facts.get("cuda_initialized"),
                 "cuda_initialized_at_fork": cl.facts.get("cuda_initialized_at_fork"),
                 "fork_server_threads_after_preload": cl.facts.get("threads_after_preload"),
-                "patch_mode": cl.patch_mode, "nccl_100_steps_s": round(steps_s, 2), "fork_warnings": fork_warnings[:10]}
+                "patch_mode": cl.patch_mode, "nccl_100_steps_s": round(steps_s, 2), "conv2d_paths": conv_paths,
+                "fork_warnings": fork_warnings[:10]}
     finally:
         cl.stop()
 
