@@ -124,8 +124,8 @@ def _time_local(n=3):
             best = dt if best is None else min(best, dt)
     return best
 """, timeout=60)
-    t_small = _trace(cl, "with torch.no_grad():\n    for _i in range(4):\n        _b = lin(small)")
-    t_big = _trace(cl, "with torch.no_grad():\n    for _i in range(4):\n        _a = lin(big) if rank == 0 else None")
+    t_small = _trace(cl, "with torch.no_grad():\n    for _i in range(6):\n        _b = lin(small)")
+    t_big = _trace(cl, "with torch.no_grad():\n    for _i in range(6):\n        _a = lin(big) if rank == 0 else None")
     local = cl.eval("_time_local()", targets=[0])[0]  # independent: the same local matmul on a plain tensor
     for t, bound in ((t_small, True), (t_big, False)):
         row = t.get_op_summary().set_index("op").loc["torch._C._nn.linear"]

@@ -281,7 +281,10 @@ def test_op_summary_first_calls_steady_and_comm():
     assert a["steady_ms_median"] == pytest.approx(2.0)  # 1, 3, 2
     assert a["steady_ms_p95"] == pytest.approx(float(pd.Series([1.0, 3.0, 2.0]).quantile(0.95)))
     assert a["host_ms_total"] == pytest.approx(29.0) and a["ranks"] == [0, 1]
-    assert a["local_ms_median"] == 0.5 and a["dispatch_ms_median"] == pytest.approx(1.5) and a["dispatch_bound"]
+    assert a["local_ms_median"] == 0.5 and a["dispatch_ms_median"] == pytest.approx(1.5)
+    # flagged on the least steady dispatch (1 - 0.5 = 0.5 ms), which is not more than the local 0.5 ms: a slow
+    # call or two on a busy host do not make an op dispatch-bound
+    assert not a["dispatch_bound"]
     ft = s.loc[("ShardTensor.full_tensor", "forward")]
     assert (ft["n_collectives"], ft["n_collectives_inclusive"]) == (0, 1)
     assert ft["comm_ms_inclusive"] == pytest.approx(2.0) and ft["bytes_inclusive"] == 300

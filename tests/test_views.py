@@ -556,7 +556,7 @@ def test_coordinates_on_the_cluster_mesh():
     assert [g["label"] for g in lay.groups] == ["ddp=0: ranks [0, 1]", "ddp=1: ranks [2, 3]"]
     assert [b["coordinates"] for b in lay.blocks(2, 3)] == [["ddp=0, domain=0"], ["ddp=0, domain=1"],
                                                           ["ddp=1, domain=0"], ["ddp=1, domain=1"]]
-    assert "mesh ddp=2 x domain=2 (the tensor's mesh: domain=2)" in lay.text()
+    assert "mesh domain=2 (the cluster's: ddp=2 x domain=2)" in lay.text()
     assert lay.to_json()["world_mesh"] == {"dim_names": ["ddp", "domain"], "shape": [2, 2]}
     # without the cluster's mesh: the tensor's own coordinates; a cluster dim of size 1 is left out
     assert ShardLayout(snaps).coordinate_text(2) == "domain=0"

@@ -467,14 +467,14 @@ class ShardLayout:
         return self.text()
 
     def mesh_text(self) -> str:
-        """The mesh line of the headers: the cluster's mesh and, when it differs, the tensor's own."""
+        """The mesh line of the headers: the tensor's own mesh and, when it differs, the cluster's."""
         s0 = self.snapshots[0]
         mesh = s0.get("mesh")
         own = " x ".join(f"{n}={k}" for n, k in zip(mesh["dim_names"], mesh["shape"])) if mesh else ""
         world = " x ".join(f"{n}={k}" for n, k in self.world_mesh.items()) if self.world_mesh else ""
         if world and own and world != own:
-            return f"mesh {world} (the tensor's mesh: {own})"
-        return f"mesh {world or own}" if world or own else "not distributed"
+            return f"mesh {own} (the cluster's: {world})"
+        return f"mesh {own or world}" if world or own else "not distributed"
 
     def text(self) -> str:
         """A plain-text rendering (terminals, logs, saved notebooks): header, the block diagram as a grid

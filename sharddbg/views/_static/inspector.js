@@ -154,8 +154,8 @@ function table(data) {
 
 function meshText(data) {
   const one = (m) => m.dim_names.map((n, i) => `${n}=${m.shape[i]}`).join(" × ");
-  if (data.world_mesh && data.mesh && one(data.world_mesh) !== one(data.mesh)) return `mesh ${one(data.world_mesh)} (the tensor's: ${one(data.mesh)})`;
-  if (data.world_mesh || data.mesh) return `mesh ${one(data.world_mesh || data.mesh)}`;
+  if (data.world_mesh && data.mesh && one(data.world_mesh) !== one(data.mesh)) return `mesh ${one(data.mesh)} (the cluster's: ${one(data.world_mesh)})`;
+  if (data.world_mesh || data.mesh) return `mesh ${one(data.mesh || data.world_mesh)}`;
   return "not distributed";
 }
 
