@@ -4,7 +4,8 @@ the quickstart notebook run for real on a 4-rank CPU cluster (with a few cells m
 Checks what a user sees, with assertions on the page: the inspector's blocks (one per rank, the right local
 shapes; a spec that disagrees drawn as the ranks hold it; both mesh coordinates; no two labels overlapping),
 the timeline (a hover anywhere on a span, names inside spans, labelled lanes, the same collective linked
-across ranks, room after the last span, colours apart, no cloud button), the explorer (shapes on one line,
+across ranks, room after the last span, colours apart, no cloud button), the explorer (opens on the op summary,
+a click expands a row to its calls on each rank with identical ones as one "ranks 0-3"; shapes on one line,
 a list that fits its box, a detail that closes when filtered out, error rows marked), the magics' output
 (status table, stop, diagnose), the dark theme, and the notebook after save: reopened by its owner
 (widgets from the saved widget state, no kernel) and by someone else (the static views). Screenshots go
@@ -374,6 +375,11 @@ def test_timeline(session):
     assert titles and not [t for t in titles if re.search(r"cloud|chart studio", t, re.I)], titles
 
 
+FITS_ITS_BOX = """(l) => { const r = l.getBoundingClientRect();
+    return { scroll: l.scrollWidth, client: l.clientWidth,
+             beyond: [...l.querySelectorAll('td')].filter((td) => td.getBoundingClientRect().right > r.right + 1).length }; }"""
+
+
 def test_explorer(session):
     from playwright.sync_api import expect
 
@@ -381,25 +387,53 @@ def test_explorer(session):
     exp = page.locator(".sd-explorer")
     expect(exp).to_have_count(1)
     listing = exp.locator(".sd-list")
-    # the list fits its box: no horizontal scrolling, no cell beyond its right edge; a cut cell keeps its text
-    fit = listing.evaluate("""(l) => { const r = l.getBoundingClientRect();
-        return { scroll: l.scrollWidth, client: l.clientWidth,
-                 beyond: [...l.querySelectorAll('td')].filter((td) => td.getBoundingClientRect().right > r.right + 1).length }; }""")
-    assert fit["scroll"] <= fit["client"] and fit["beyond"] == 0, fit
-    sources = listing.locator("td.sd-col-user_frame").evaluate_all("tds => tds.map(td => td.title)")
-    assert sources and all(re.search(r"\.py:\d+", s) for s in sources if s), sources[:3]
+    # it opens on the op summary: one row per op / path / phase, the error first, then the fallbacks; no call yet
+    expect(exp.locator("select.sd-f-view")).to_have_value("summary")
+    summary = listing.locator("tr.sd-summary-row")
+    n_rows = int(re.search(r"op summary \((\d+) rows\)", exp.locator("select.sd-f-view option").first.inner_text()).group(1))
+    expect(summary).to_have_count(n_rows)
+    kinds = summary.evaluate_all("rs => rs.map(r => r.dataset.kind)")
+    assert kinds[0] == "error" and kinds == sorted(kinds, key=["error", "fallback", "op"].index) and "fallback" in kinds, kinds
+    expect(summary.first).to_have_attribute("data-op", "Tensor.add")
+    expect(listing.locator("tr.sd-op")).to_have_count(0)
     # an error row is marked as an error, not only by its dispatch path
     err_row = exp.locator("tr.sd-kind-error").first
     expect(err_row.locator(".sd-chip-error")).to_have_text("✖ raised")
     bg = err_row.locator("td").nth(3).evaluate("td => getComputedStyle(td).backgroundColor")
     rgb = [int(v) for v in re.findall(r"\d+", bg)[:3]]
     assert rgb[0] > rgb[1] + 10 and rgb[0] > rgb[2] + 10, bg  # a red tint
-    # click a fallback op -> its detail, the same call on every rank, each shape on one line
-    fb = exp.locator("tr.sd-kind-fallback[data-op='Tensor.abs'][data-rank='0']").first
-    fb.scroll_into_view_if_needed()
+    # a click expands a row to its calls on each rank; identical ones (backward(): the same call on every rank
+    # but for its time) as one row "ranks 0-3" with the range of their times
+    bwd = listing.locator("tr.sd-summary-row[data-op='ShardTensor.backward']")
+    bwd.click()
+    groups = listing.locator("tr.sd-call-group")
+    expect(groups).to_have_count(1)
+    expect(groups.first.locator("td.sd-col-ranks_text")).to_have_text("ranks 0-3")
+    expect(groups.first).to_have_attribute("data-ranks", "0,1,2,3")
+    expect(groups.first.locator("td.sd-col-calls")).to_have_text("4")
+    expect(groups.first.locator("td.sd-col-host_ms")).to_have_text(re.compile(r"^\d+\.\d{3}–\d+\.\d{3}$"))
+    # the convs: 17 rows on ranks 0-1, 16 on ranks 2-3 -> two rows per conv, each with its own local shapes
+    conv = listing.locator("tr.sd-summary-row[data-op='torch.conv2d'][data-phase='forward']")
+    conv.click()
+    conv_groups = listing.locator(f"tr.sd-expansion[data-index='{conv.get_attribute('data-index')}'] tr.sd-call-group")
+    expect(conv_groups).to_have_count(4)
+    assert conv_groups.locator("td.sd-col-ranks_text").all_inner_texts() == ["ranks 0-1", "ranks 2-3"] * 2
+    assert [t.split("), ")[0] + ")" for t in conv_groups.locator("td.sd-col-in_local_shapes").all_inner_texts()] == \
+        [f"(1, {c}, {ROWS[r]}, 64)" for c in (3, 4) for r in (0, 2)]
+    fit = listing.evaluate(FITS_ITS_BOX)  # the summary, expanded, fits its box too
+    assert fit["scroll"] <= fit["client"] and fit["beyond"] == 0, fit
+    exp.screenshot(path=str(ARTIFACTS / "browser_explorer_summary.png"))
+    bwd.click()  # a second click collapses it
+    expect(groups).to_have_count(4)
+    # a collapsed row's click opens the detail of its call: the same call on every rank, each shape on one line
+    fb_row = listing.locator("tr.sd-summary-row[data-op='Tensor.abs'][data-phase='forward']")
+    expect(fb_row).to_have_attribute("data-kind", "fallback")
+    fb_row.click()
+    fb = listing.locator("tr.sd-call-group[data-op='Tensor.abs'][data-ranks='0,1']")
     fb.click()
     detail = exp.locator(".sd-detail")
     expect(detail).to_be_visible()
+    expect(fb).to_have_class(re.compile(r"\bsd-selected\b"))
     expect(detail.locator(".sd-detail-op")).to_have_text("Tensor.abs")
     expect(detail).to_contain_text("ran through the DTensor fallback")
     rows = detail.locator("table.sd-per-rank tbody tr")
@@ -410,23 +444,41 @@ def test_explorer(session):
         r.selectNodeContents(s); return r.getClientRects().length; })""")
     assert lines and set(lines) == {1}, lines
     exp.screenshot(path=str(ARTIFACTS / "browser_explorer_fallback.png"))
-    # filters: rank 2 and the DTensor fallbacks only; the open detail (rank 0) is filtered out: it closes
+    # filters act on the summary too: rank 2 keeps the rows and groups with calls there; the open detail's
+    # row (ranks 0-1) is filtered out: it closes
     exp.locator("select.sd-f-rank").select_option("2")
     expect(detail).to_be_hidden()
+    assert set(listing.locator("tr.sd-call-group").evaluate_all("rs => rs.map(r => r.dataset.ranks)")) == {"2,3"}
     exp.locator("select.sd-f-path").select_option("@fallback")
-    listed = exp.locator(".sd-list tr.sd-op")
+    assert set(summary.evaluate_all("rs => rs.map(r => r.dataset.kind)")) == {"fallback"}
+
+    # the list of every call, with the same filters
+    exp.locator("select.sd-f-view").select_option("calls")
+    listed = listing.locator("tr.sd-op")
     assert listed.count() > 0
     assert set(listed.evaluate_all("rs => rs.map(r => r.dataset.rank + ':' + r.dataset.kind)")) == {"2:fallback"}
     exp.locator("select.sd-f-rank").select_option("")
     exp.locator("select.sd-f-path").select_option("")
+    # the list fits its box: no horizontal scrolling, no cell beyond its right edge; a cut cell keeps its text
+    fit = listing.evaluate(FITS_ITS_BOX)
+    assert fit["scroll"] <= fit["client"] and fit["beyond"] == 0, fit
+    sources = listing.locator("td.sd-col-user_frame").evaluate_all("tds => tds.map(td => td.title)")
+    assert sources and all(re.search(r"\.py:\d+", s) for s in sources if s), sources[:3]
     # an error whose message contains HTML is shown as text, not rendered
-    err_row.click()
+    err_call = listing.locator("tr.sd-op.sd-kind-error").first
+    expect(err_call.locator(".sd-chip-error")).to_have_text("✖ raised")
+    err_call.click()
     msg = detail.locator(".sd-error-msg")
     expect(msg).to_have_text("TypeError: broken_add: expected <ShardTensor> & got <b>None</b>")
     expect(detail.locator("b")).to_have_count(0)
     expect(detail.locator("pre.sd-tb")).to_contain_text("broken_add")
     expect(detail.locator(".sd-chip-error")).to_have_count(1)
     exp.screenshot(path=str(ARTIFACTS / "browser_explorer_error.png"))
+    # back to the summary: the row of the open detail opens with it, its group marked
+    exp.locator("select.sd-f-view").select_option("summary")
+    expect(detail).to_be_visible()
+    expect(listing.locator("tr.sd-call-group.sd-selected")).to_have_count(1)
+    expect(listing.locator("tr.sd-call-group.sd-selected")).to_have_attribute("data-op", "Tensor.add")
 
 
 def test_magics_output(session):
@@ -509,6 +561,9 @@ def test_saved_notebook(session):
     expect(page.locator(".sd-explorer:not(.sd-static)")).to_have_count(1, timeout=60_000)
     expect(page.get_by_text("Error displaying widget")).to_have_count(0)
     exp = page.locator(".sd-explorer")
+    expect(exp.locator("select.sd-f-view")).to_have_value("summary")
+    expect(exp.locator(".sd-list tr.sd-summary-row").first).to_have_attribute("data-op", "Tensor.add")
+    exp.locator("select.sd-f-view").select_option("calls")
     exp.locator("select.sd-f-rank").select_option("3")
     assert set(exp.locator(".sd-list tr.sd-op").evaluate_all("rs => rs.map(r => r.dataset.rank)")) == {"3"}
     expect(_inspector(page, "x").locator(".sd-block")).to_have_count(N)
@@ -528,7 +583,11 @@ def test_saved_notebook(session):
         for r in range(1, N):
             expect(grid).to_contain_text(f"┤ {OFFS[r]}")
         static_exp = page.locator(".sd-static.sd-explorer")
-        expect(static_exp.locator("tr.sd-kind-error")).to_have_count(N)
+        # the op summary first, each row with its calls on each rank (identical ones as one row), then the calls
+        expect(static_exp.locator("tr.sd-summary-row").first).to_contain_text("Tensor.add")
+        expect(static_exp.locator("tr.sd-summary-row.sd-kind-error")).to_have_count(1)
+        expect(static_exp.locator("tr.sd-call-group td", has_text=re.compile(r"^ranks 0-3$")).first).to_be_visible()
+        expect(static_exp.locator("tr.sd-op.sd-kind-error")).to_have_count(N)
         expect(static_exp).to_contain_text("broken_add: expected <ShardTensor> & got <b>None</b>")
         expect(static_exp.locator("b", has_text="None")).to_have_count(0)
         for name, view in (("inspector", page.locator(".sd-static.sd-inspector").first), ("explorer", static_exp)):

@@ -420,12 +420,115 @@ def test_explorer_data_json_and_row_cap(trace, tmp_path):
     assert len(small["rows"]) == 10 and small["left_out"] == data["total"] - 10
     kinds = [r["kind"] for r in ex.decode_rows(small)]
     assert kinds[:N] == ["error"] * N and "op" not in kinds  # errors and fallbacks survive the cap
+    assert small["summary"] == data["summary"]  # the summary counts every call, whatever the cap
     nocoll = ex.explorer_data(_without_collectives(tmp_path))
     assert nocoll["has_collectives"] is False and nocoll["collectives"] == []
     w = trace.show()
     assert w.data["total"] == data["total"] and w.selected == []
     w.selected = [0, 0]
     assert w.detail()["row"]["op"] == "torch.conv2d"
+
+
+def _summary_members(trace) -> dict[tuple, set]:
+    """(op, path, phase) -> the (rank, seq) of the calls a row of get_op_summary() counts, from the payloads:
+    the user's own forward calls (depth 0) and every backward call."""
+    out: dict[tuple, set] = {}
+    for (r, s), e in _raw_ops(trace).items():
+        if e["phase"] == "backward" or e["depth"] == 0:
+            out.setdefault((e["op"], e["path"], e["phase"]), set()).add((r, s))
+    return out
+
+
+def test_explorer_opens_on_the_op_summary(trace):
+    expected = trace.get_op_summary()
+    summary = ex.summary_frame(trace)
+    assert len(summary) == len(expected) == 13
+    # the same rows as get_op_summary(), every column equal; errors first, then fallbacks, each in its order
+    assert list(summary.columns) == list(expected.columns) + ["kind"]
+    key = ["op", "path", "phase"]
+    position = {tuple(k): i for i, k in enumerate(expected[key].itertuples(index=False, name=None))}
+    got_order = [position[tuple(k)] for k in summary[key].itertuples(index=False, name=None)]
+    assert sorted(got_order) == list(range(len(expected)))
+    for row in summary.itertuples(index=False):
+        want = expected.iloc[position[(row.op, row.path, row.phase)]]
+        for c in expected.columns:
+            assert json_value(getattr(row, c)) == json_value(want[c]), c
+    ranked = [(ex.KIND_ORDER[k], i) for k, i in zip(summary["kind"], got_order)]
+    assert ranked == sorted(ranked)
+    # a row's kind is its calls': the add that raised, the ops through a DTensor fallback (forward and backward)
+    assert list(summary["kind"]) == ["error"] + ["fallback"] * 5 + ["op"] * 7
+    assert summary.iloc[0][key].tolist() == ["Tensor.add", "function_handler", "forward"] and summary.iloc[0]["errors"] == N
+    assert set(summary.loc[summary["kind"] == "fallback", "path"]) == {"dtensor_fallback_function"}
+    # each row expands to exactly the calls it counts (no nested forward call: those are in the list only)
+    frame = ex.explorer_frame(trace)
+    members = _summary_members(trace)
+    assert set(members) == set(position)
+    for i, row in enumerate(summary.itertuples(index=False)):
+        mine = frame[frame["summary_row"] == i]
+        assert set(zip(mine["rank"], mine["seq"])) == members[(row.op, row.path, row.phase)]
+        assert len(mine) == row.calls and sorted(set(mine["rank"])) == row.ranks
+    nested = frame[frame["summary_row"].isna()]
+    assert set(nested["op"]) == {"Tensor.ndim.__get__", "ShardTensor.redistribute", "Tensor.backward"}
+    assert (nested["phase"] == "forward").all() and (nested["depth"] > 0).all() and nested["call_group"].isna().all()
+    # what the front end opens on: the same rows, JSON-able, each with the rows it expands to
+    data = ex.explorer_data(trace)
+    assert data["summary"] == ex.op_summary(trace)
+    assert len(data["summary"]) == len(summary)
+    for shipped, row in zip(data["summary"], summary.to_dict("records")):
+        assert {k: shipped[k] for k in row} == {k: json_value(v) for k, v in row.items()}
+        assert shipped["ranks_text"] == "ranks 0-3"
+        assert sum(g["calls"] for g in shipped["groups"]) == row["calls"]
+
+
+def test_identical_calls_collapse_into_one_row(trace, tmp_path):
+    frame = ex.explorer_frame(trace)
+    groups = ex.call_groups(trace)
+    summary = ex.summary_frame(trace)
+    ops = trace.get_ops().set_index(["rank", "seq"])
+    # the expected partition, from the calls themselves: same summary row and equal shapes, placements, path,
+    # dtype, module, location (cell and line: the same on every rank), error; times may differ
+    same = ["in_local_shapes", "in_global_shapes", "out_local_shape", "out_global_shape", "placements", "in_placements",
+            "path", "dtype", "module", "location", "error", "in_flight"]
+    expected: dict[tuple, set] = {}
+    for r in frame[frame["summary_row"].notna()].itertuples(index=False):
+        o = ops.loc[(r.rank, r.seq)]
+        ident = json.dumps([int(r.summary_row), r.kind] + [json_value(o[c]) for c in same])
+        expected.setdefault(ident, set()).add((r.rank, r.seq))
+    got: dict[tuple, set] = {}
+    for r in frame[frame["summary_row"].notna()].itertuples(index=False):
+        got.setdefault((int(r.summary_row), int(r.call_group)), set()).add((r.rank, r.seq))
+    assert sorted(map(sorted, got.values())) == sorted(map(sorted, expected.values()))
+    # one group row per group, with its ranks, calls, the range of its times and its first call
+    assert len(groups) == len(got) and list(groups.columns) == ex.GROUP_FIELDS
+    for g in groups.itertuples(index=False):
+        calls = got[(g.summary_row, g.call_group)]
+        assert g.ranks == sorted({r for r, _ in calls}) and g.calls == len(calls)
+        assert g.ranks_text == ex.ranks_text(g.ranks)
+        host = [ops.loc[c, "host_ms"] for c in calls]
+        assert (g.host_ms_min, g.host_ms_max) == pytest.approx((min(host), max(host)))
+        assert (g.first_rank, g.first_seq) in calls and g.first_rank == min(g.ranks)
+    by_op = {(s.op, s.phase): [g for g in groups.itertuples(index=False) if g.summary_row == i]
+             for i, s in enumerate(summary.itertuples(index=False))}
+    # the backward() call: the same on every rank but for its time -> one row "ranks 0-3"
+    (bwd,) = by_op[("ShardTensor.backward", "forward")]
+    assert bwd.ranks_text == "ranks 0-3" and bwd.calls == N and bwd.host_ms_min < bwd.host_ms_max
+    # the two convs: 17 rows on ranks 0-1, 16 on ranks 2-3 -> two rows per conv, in call order
+    conv = by_op[("torch.conv2d", "forward")]
+    assert [(g.ranks_text, g.in_local_shapes[0]) for g in conv] == [
+        ("ranks 0-1", [1, 3, 17, 64]), ("ranks 2-3", [1, 3, 16, 64]), ("ranks 0-1", [1, 4, 17, 64]), ("ranks 2-3", [1, 4, 16, 64])]
+    add = by_op[("Tensor.add", "forward")]
+    assert [g.ranks_text for g in add] == ["ranks 0-1", "ranks 2-3"] and {g.kind for g in add} == {"error"}
+    assert {g.error for g in add} == {f"TypeError: {HTML_MSG}"}
+    # rank 3 ran backward() on another placement: it is no longer identical to the others
+    d = _raw()
+    next(e for e in d["payloads"][3]["events"] if e.get("op") == "ShardTensor.backward")["placements"] = "(R,)"
+    t = _load(d, tmp_path, "placement3")
+    i = ex.summary_frame(t).index[ex.summary_frame(t)["op"] == "ShardTensor.backward"][0]
+    g = ex.call_groups(t)
+    assert [(x.ranks_text, x.placements) for x in g[g["summary_row"] == i].itertuples()] == \
+        [("ranks 0-2", "(P(sum),)"), ("rank 3", "(R,)")]
+    assert [ex.ranks_text(r) for r in ([0], [0, 1, 2, 3], [0, 1, 3], [0, 2], [])] == \
+        ["rank 0", "ranks 0-3", "ranks 0-1,3", "ranks 0,2", "no rank"]
 
 
 def test_json_value():
@@ -576,11 +679,29 @@ def test_explorer_output_bundle(trace, tmp_path, monkeypatch):
     assert text == str(w) == w.text() and text.startswith(f"Trace explorer: {len(ops)} op calls on {N} ranks, {N} raised")
     assert f"error: TypeError: {HTML_MSG} (in Tensor.add, ranks [0, 1, 2, 3])" in text
     assert all(f"fallback: {op} " in text for op in trace.get_fallbacks()["op"])
+    # and the op summary: a line per row (its flag, op, path, phase, calls), under it a line per call group
+    summary = ex.summary_frame(trace)
+    groups = ex.call_groups(trace)
+    lines = text.splitlines()
+    assert any(line.startswith("  op summary (13 rows") for line in lines)
+    row_line = re.compile(r"^ {4}(✖ error|⚠ fallback|) +(\S+) +(\S+) +(forward|backward) +(\d+) ")
+    rows = [m.groups() for m in map(row_line.match, lines) if m]
+    flags = {"error": "✖ error", "fallback": "⚠ fallback", "op": ""}
+    assert rows == [(flags[r.kind], r.op, r.path, r.phase, str(r.calls)) for r in summary.itertuples()]
+    assert sum(1 for line in lines if re.match(r"^ {15}ranks? \d", line)) == len(groups)
+    assert " " * 15 + "ranks 0-3 · 4 calls · in () -> out — · (P(sum),) · host " in text
     # the static rendering: errors, fallbacks, the calls in the explorer's order; escaped; no script
     html = data["text/html"]
     assert 'class="sd-root sd-static sd-explorer"' in html and "<script" not in html.replace("&lt;script", "")
     assert "&lt;b&gt;bold&lt;/b&gt;" in html and "<b>bold" not in html
-    assert html.count('<tr class="sd-op sd-kind-error">') == N and html.count("✖ raised") == N
+    # first the op summary, each row with its calls on each rank (identical ones as one row), then the calls
+    assert html.index("<h4>Op summary</h4>") < html.index("<h4>Errors</h4>") < html.index("<h4>Op calls</h4>")
+    assert [m.group(1) for m in re.finditer(r'<tr class="sd-summary-row sd-kind-(\w+)">', html)] == list(summary["kind"])
+    assert html.count('<tr class="sd-call-group ') == len(groups)
+    assert html.count('<td class="sd-col-ranks_text">ranks 0-3</td>') == 2  # backward() and its redistribute
+    assert html.count('<tr class="sd-call-group sd-kind-error">') == 2  # the add: ranks 0-1, ranks 2-3
+    assert html.count('<tr class="sd-op sd-kind-error">') == N
+    assert html.count("✖ raised") == N + 1  # each call that raised, and the add's summary row
     assert html.count('<tr class="sd-op ') == len(ops)
     # the payload: versioned, the whole trace (it loads back as the same trace)
     payload = data[bundle.VIEW_MIMETYPE]
@@ -652,6 +773,10 @@ def test_report_standalone_and_escaped(trace, tmp_path):
            f"{len(trace.get_fallbacks())} ops fell back to DTensor" in html
     for fig in ("timeline", "comm", "imbalance"):
         assert f'id="sd-fig-{fig}"' in html
+    # the explorer's front end and its data, the op summary it opens on included
+    embedded = json.loads(re.search(r'<script type="application/json" id="sd-explorer-data">(.*?)</script>', html).group(1))
+    assert embedded["summary"] == ex.op_summary(t) and len(embedded["summary"]) == len(t.get_op_summary())
+    assert "function renderExplorer(" in html
 
 
 def test_plotly_text_escaped(tmp_path):
@@ -686,7 +811,8 @@ def test_views_on_a_trace_without_events(tmp_path):
     assert "no collectives recorded" in t.plot_comm_by_op().layout.annotations[0].text
     assert "no ops recorded" in t.plot_imbalance().layout.annotations[0].text
     w = t.show()
-    assert w.data["total"] == 0 and w.data["rows"] == []
+    assert w.data["total"] == 0 and w.data["rows"] == [] and w.data["summary"] == []
+    assert "op summary: no op calls" in w.text() and "No op calls were recorded." in ex.explorer_html(t)
     html = Path(t.to_html(tmp_path / "empty.html")).read_text()
     assert "No exceptions were raised." in html and "No op took a DTensor fallback." in html
 

@@ -1,7 +1,7 @@
 """``to_html(trace, path)``: one standalone HTML file with every view of a trace, viewable offline.
 
 plotly.js is inlined (no CDN: the file opens without internet), the explorer's front end and its data
-are inlined too. Every string from the trace goes through ``html.escape`` (Python-built HTML) or is set
+are inlined too (it opens on the op summary, as in a notebook). Every string from the trace goes through ``html.escape`` (Python-built HTML) or is set
 as text by the explorer's script; the embedded JSON has every ``<``, ``>`` and ``&`` as \\u escapes.
 """
 

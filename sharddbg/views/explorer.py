@@ -1,25 +1,30 @@
-"""The trace explorer: every op call of every rank, errors and fallbacks first, filters, and a detail
-panel for the clicked op (the same call on every rank: inputs/outputs, placements, time; its
-collectives; module, handler, user source line; traceback for errors).
+"""The trace explorer: it opens on the op summary (``Trace.get_op_summary()``: one row per op, dispatch
+path and phase, errors and fallbacks first); a row expands to its calls on each rank, identical ones (same
+shapes, placements, path, source; times may differ) as one row "ranks 0-3". Beside it, every op call of every
+rank, filters, and a detail panel for the clicked call (the same call on every rank: inputs/outputs,
+placements, time; its collectives; module, handler, user source line; traceback for errors).
 
-``explorer_frame(trace)`` is the list the widget shows, ``op_detail(trace, rank, seq)`` what its detail
-panel shows: both pure and tested on golden traces. ``TraceExplorer`` (anywidget) ships the rows to
-the browser once; filtering and the detail panel then run there without the kernel (so the same front
-end works inside the standalone HTML report). Strings are set as text in the browser, never as HTML.
-Displayed in a notebook, the explorer leaves one output bundle (``sharddbg.views.bundle``): the widget,
-``explorer_html`` (a static rendering), ``explorer_text`` and the trace itself.
+``summary_frame(trace)`` is the summary the widget opens on, ``call_groups(trace)`` the rows a summary row
+expands to, ``explorer_frame(trace)`` the list of calls (each names its summary row and call group),
+``op_detail(trace, rank, seq)`` what the detail panel shows: all pure and tested on golden traces.
+``TraceExplorer`` (anywidget) ships them to the browser once; expanding, filtering and the detail panel
+then run there without the kernel (so the same front end works inside the standalone HTML report).
+Strings are set as text in the browser, never as HTML. Displayed in a notebook, the explorer leaves one
+output bundle (``sharddbg.views.bundle``): the widget, ``explorer_html`` (a static rendering),
+``explorer_text`` and the trace itself.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anywidget
 import pandas as pd
 import traitlets
 
-from ..analysis.formatting import format_shape, json_value
+from ..analysis.formatting import format_shape, is_missing, json_value
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
 from .bundle import output_bundle, view_payload
@@ -31,43 +36,153 @@ if TYPE_CHECKING:
 ROW_FIELDS = ["rank", "seq", "op", "path", "phase", "kind", "key", "depth", "parent_seq", "module", "user_frame",
               "handler", "autograd_node", "fwd_seq", "in_local_shapes", "in_global_shapes", "out_local_shape",
               "out_global_shape", "placements", "in_placements", "dtype", "in_bytes", "out_bytes", "host_ms",
-              "device_ms", "t_start_ms", "exc_type", "error", "traceback", "unmasked", "not_implemented", "in_flight"]
+              "device_ms", "t_start_ms", "exc_type", "error", "traceback", "unmasked", "not_implemented", "in_flight",
+              "summary_row", "call_group"]
 COLL_FIELDS = ["rank", "seq", "kind", "phase", "op_seq", "outer_op_seq", "group_ranks", "mesh_dim", "bytes_sent",
                "bytes_recv", "duration_ms", "param"]
 KIND_ORDER = {"error": 0, "fallback": 1, "op": 2}
+# Two calls of one summary row with equal values here are identical: one row "ranks 0-3" when the summary row
+# expands, whatever their times. ``location`` is where in the user's code ("cell [2], line 4: `...`"), the same
+# on every rank (a cell's ``user_frame`` names each rank's own temporary file).
+CALL_IDENTITY = ("kind", "path", "in_local_shapes", "in_global_shapes", "out_local_shape", "out_global_shape",
+                 "placements", "in_placements", "dtype", "module", "location", "error", "in_flight")
+GROUP_FIELDS = ["summary_row", "call_group", "ranks", "ranks_text", "calls", "first_rank", "first_seq", *CALL_IDENTITY,
+                "host_ms_min", "host_ms_max", "device_ms_min", "device_ms_max"]
 # Repeated strings: shipped once in a string table, rows hold their index (a 100k-row trace shrinks ~3x).
 TABLE_FIELDS = ("op", "path", "phase", "kind", "key", "module", "user_frame", "handler", "autograd_node",
                 "placements", "dtype", "exc_type", "error", "traceback")
 # Lists (shapes, placements per argument): their JSON text goes into the same table.
 JSON_FIELDS = ("in_local_shapes", "in_global_shapes", "out_local_shape", "out_global_shape", "in_placements")
 DEFAULT_MAX_ROWS = 20_000
-STATIC_ROWS = 200  # op calls in the static rendering (errors and fallbacks first)
-# The list's columns: (field, title, width in px or None). Short columns have fixed widths, the others share
-# the rest of the box, so the list never grows wider than its box (a long cell ends in "…").
+STATIC_ROWS = 200  # summary rows, and op calls, in the static rendering (errors and fallbacks first)
+STATIC_GROUPS = 8  # call groups under each summary row in the static renderings
+TEXT_SUMMARY_ROWS = 30  # summary rows in the text
+# The tables' columns: (field, title, width in px or None). Short columns have fixed widths, the others share
+# the rest of the box, so a table never grows wider than its box (a long cell ends in "…").
 LIST_COLUMNS = [("kind", "", 100), ("rank", "rank", 54), ("seq", "seq", 58), ("op", "op", None), ("path", "path", None),
                 ("phase", "phase", 82), ("module", "module", None), ("out_local_shape", "output (local)", None),
                 ("host_ms", "host ms", 78), ("user_frame", "source", None)]
+SUMMARY_LIST_COLUMNS = [("kind", "", 100), ("op", "op", None), ("path", "path", None), ("phase", "phase", 82),
+                        ("calls", "calls", 56), ("ranks", "ranks", 76), ("first_ms_median", "first ms", 80),
+                        ("steady_ms_median", "steady ms", 96), ("host_ms_total", "total ms", 84),
+                        ("comm_ms_inclusive", "comm ms", 90), ("dispatch_bound", "dispatch", 80),
+                        ("locations", "source", None)]
+GROUP_LIST_COLUMNS = [("kind", "", 100), ("ranks_text", "ranks", 110), ("calls", "calls", 56),
+                      ("in_local_shapes", "inputs (local)", None), ("out_local_shape", "output (local)", None),
+                      ("placements", "placements", None), ("host_ms", "host ms", 150), ("location", "source", None)]
 
 
-def explorer_frame(trace: Trace) -> pd.DataFrame:
-    """The explorer's rows: one per op call per rank, ``kind`` = error / fallback / op, errors first,
-    then fallbacks, then everything else in time order. ``key`` names the same call on every rank
-    (phase, op, and its occurrence number on that rank)."""
+@dataclass(frozen=True)
+class _Tables:
+    """The explorer's three tables, computed together (each needs the others' numbering)."""
+    calls: pd.DataFrame  # explorer_frame's rows, with the working columns
+    summary: pd.DataFrame  # summary_frame
+    groups: pd.DataFrame  # call_groups
+
+
+def ranks_text(ranks) -> str:
+    """``[0]`` -> ``rank 0``; ``[0, 1, 2, 3]`` -> ``ranks 0-3``; ``[0, 1, 3]`` -> ``ranks 0-1,3``."""
+    ranks = sorted(int(r) for r in ranks)
+    if not ranks:
+        return "no rank"
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
+
+
+def _min(s: pd.Series) -> float:
+    s = s.dropna()
+    return float(s.min()) if len(s) else float("nan")
+
+
+def _max(s: pd.Series) -> float:
+    s = s.dropna()
+    return float(s.max()) if len(s) else float("nan")
+
+
+def _tables(trace: Trace) -> _Tables:
+    summary = trace.get_op_summary()
     ops = trace.get_ops()
     if ops.empty:
-        return pd.DataFrame(columns=ROW_FIELDS)
+        return _Tables(pd.DataFrame(columns=ROW_FIELDS), summary.assign(kind=pd.Series(dtype=object)),
+                       pd.DataFrame(columns=GROUP_FIELDS))
     ops = ops.sort_values(["rank", "seq"], kind="stable").copy()
-    n = ops.groupby(["rank", "phase", "op"], sort=False).cumcount()
-    ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + n.astype(str)
+    ops["occurrence"] = ops.groupby(["rank", "phase", "op"], sort=False).cumcount()
+    ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + ops["occurrence"].astype(str)
     ops["kind"] = "op"
     ops.loc[is_fallback(ops), "kind"] = "fallback"
     ops.loc[ops["exc_type"].notna(), "kind"] = "error"
     # the timeline's origin: the trace's first event
     ops["t_start_ms"] = (ops["t_start_ns"] - time_origin_ns(ops, trace.get_collectives())).astype(float) / 1e6
     ops["kind_order"] = ops["kind"].map(KIND_ORDER)
+
+    # The summary's calls (get_op_summary: the user's own forward calls, depth 0, and every backward call),
+    # its rows in the explorer's order: errors, then fallbacks (as their calls say), each in the summary's order.
+    member = (ops["phase"] == "backward") | (ops["depth"] == 0)
+    worst = ops[member].groupby(["op", "path", "phase"])["kind_order"].min()
+    order = [int(worst.get((o, p, ph), KIND_ORDER["op"])) for o, p, ph in zip(summary["op"], summary["path"], summary["phase"])]
+    kind_of = {v: k for k, v in KIND_ORDER.items()}
+    summary = summary.assign(kind=[kind_of[o] for o in order], kind_order=order)
+    summary = summary.sort_values("kind_order", kind="stable").drop(columns="kind_order").reset_index(drop=True)
+    row_of = {k: i for i, k in enumerate(zip(summary["op"], summary["path"], summary["phase"]))}
+    ops["summary_row"] = pd.array([row_of.get(k) if m else None for k, m in
+                                   zip(zip(ops["op"].tolist(), ops["path"].tolist(), ops["phase"].tolist()), member.tolist())],
+                                  dtype="Int64")
+
+    # Each summary row's calls, identical ones together; groups numbered in call order (the first call of a
+    # group is its earliest occurrence, on its lowest rank).
+    calls = ops[ops["summary_row"].notna()].sort_values(["summary_row", "occurrence", "rank", "seq"], kind="stable")
+    # (the repr of plain values: lists of ints, strings, bools, None / NaN for missing ones, the same on every rank)
+    identity = pd.Series([repr(r) for r in calls[list(CALL_IDENTITY)].itertuples(index=False, name=None)],
+                         index=calls.index)
+    codes = identity.groupby(calls["summary_row"], sort=False).transform(lambda s: pd.factorize(s)[0])
+    ops["call_group"] = pd.array([None] * len(ops), dtype="Int64")
+    ops.loc[calls.index, "call_group"] = codes.astype("int64")
+    calls = calls.assign(call_group=codes.astype("int64"))
+    groups = []
+    for (srow, grp), g in calls.groupby(["summary_row", "call_group"], sort=True):
+        first = g.iloc[0]
+        ranks = sorted(int(r) for r in g["rank"].unique())
+        groups.append({"summary_row": int(srow), "call_group": int(grp), "ranks": ranks, "ranks_text": ranks_text(ranks),
+                       "calls": len(g), "first_rank": int(first["rank"]), "first_seq": int(first["seq"]),
+                       **{f: first[f] for f in CALL_IDENTITY},
+                       "host_ms_min": _min(g["host_ms"]), "host_ms_max": _max(g["host_ms"]),
+                       "device_ms_min": _min(g["device_ms"]), "device_ms_max": _max(g["device_ms"])})
+
     ops["call_start"] = ops.groupby("key")["t_start_ns"].transform("min")  # one call's rows together, rank order
-    ops = ops.sort_values(["kind_order", "call_start", "key", "rank", "seq"], kind="stable")
-    return ops[ROW_FIELDS].reset_index(drop=True)
+    ops = ops.sort_values(["kind_order", "call_start", "key", "rank", "seq"], kind="stable").reset_index(drop=True)
+    return _Tables(ops, summary, pd.DataFrame(groups, columns=GROUP_FIELDS))
+
+
+def explorer_frame(trace: Trace) -> pd.DataFrame:
+    """The explorer's list of calls: one row per op call per rank, ``kind`` = error / fallback / op, errors
+    first, then fallbacks, then everything else in time order. ``key`` names the same call on every rank
+    (phase, op, and its occurrence number on that rank); ``summary_row`` (a row of ``summary_frame``) and
+    ``call_group`` (its group there, ``call_groups``) are empty for a forward call nested in another
+    recorded op (the summary counts the user's own calls)."""
+    return _tables(trace).calls[ROW_FIELDS]
+
+
+def summary_frame(trace: Trace) -> pd.DataFrame:
+    """The summary the explorer opens on: the rows of ``Trace.get_op_summary()``, errors first, then
+    fallbacks, then the rest, each in the summary's own order (most host time first); ``kind`` error /
+    fallback / op as the row's calls are in ``explorer_frame`` (a row is an error when one of its calls
+    raised)."""
+    return _tables(trace).summary
+
+
+def call_groups(trace: Trace) -> pd.DataFrame:
+    """What a summary row expands to: its calls on each rank, identical ones (equal ``CALL_IDENTITY``:
+    shapes, placements, path, source, error; times may differ) as one row. Columns ``GROUP_FIELDS``:
+    ``summary_row`` / ``call_group`` (the numbering ``explorer_frame`` uses), ``ranks`` and ``ranks_text``
+    ("ranks 0-3"), ``calls``, the first call (``first_rank``, ``first_seq``: its detail), the identical
+    fields, and the range of host and device times."""
+    return _tables(trace).groups
 
 
 def _collectives(trace: Trace) -> pd.DataFrame:
@@ -91,10 +206,15 @@ def op_detail(trace: Trace, rank: int, seq: int) -> dict:
 
 
 def explorer_data(trace: Trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
-    """Everything the explorer front end needs, JSON-able: rows (column-wise fields + row arrays),
-    collectives, the filter choices, and how many rows were left out (``max_rows``: errors and fallbacks
-    are always kept, the rest in time order)."""
-    rows = explorer_frame(trace)
+    """Everything the explorer front end needs, JSON-able: the op summary it opens on (``summary``, see
+    ``op_summary``), rows (column-wise fields + row arrays), collectives, the filter choices, and how many
+    rows were left out (``max_rows``: errors and fallbacks are always kept, the rest in time order; the
+    summary always covers every call)."""
+    return _data(trace, _tables(trace), max_rows)
+
+
+def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
+    rows = tables.calls[ROW_FIELDS]
     total = len(rows)
     shown = rows.iloc[:max_rows]
     coll = _collectives(trace)
@@ -129,9 +249,27 @@ def explorer_data(trace: Trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
         "counts": {k: int((rows["kind"] == k).sum()) for k in ("error", "fallback", "op")},
         "incomplete_ranks": [int(r) for r in trace.incomplete_ranks],
         "dropped": int(trace.dropped),
-        "summary": op_summary(trace),
+        "summary": _summary_rows(tables),
         "list_columns": [list(c) for c in LIST_COLUMNS],
+        "summary_columns": [list(c) for c in SUMMARY_LIST_COLUMNS],
+        "group_columns": [list(c) for c in GROUP_LIST_COLUMNS],
     }
+
+
+def _summary_rows(tables: _Tables) -> list[dict]:
+    by_row: dict[int, list[dict]] = {}
+    for g in tables.groups.to_dict("records"):
+        by_row.setdefault(g["summary_row"], []).append({k: json_value(v) for k, v in g.items() if k != "summary_row"})
+    return [{**{k: json_value(v) for k, v in r.items()}, "ranks_text": ranks_text(r["ranks"]), "groups": by_row.get(i, [])}
+            for i, r in enumerate(tables.summary.to_dict("records"))]
+
+
+def op_summary(trace: Trace) -> list[dict]:
+    """The op summary the explorer opens on, JSON-able (``explorer_data`` passes it to the front end as
+    ``summary``): one dict per row of ``summary_frame`` (every column of ``Trace.get_op_summary()``,
+    ``kind``, ``ranks_text``), each with ``groups``: the rows it expands to (``call_groups``, identical
+    calls on several ranks as one "ranks 0-3"), in order."""
+    return _summary_rows(_tables(trace))
 
 
 def explorer_summary(trace: Trace) -> dict:
@@ -144,8 +282,71 @@ def explorer_summary(trace: Trace) -> dict:
             "dropped": int(trace.dropped)}
 
 
+def _ms(v) -> str:
+    return "—" if is_missing(v) else f"{float(v):.3f}"
+
+
+def _ms_range(lo, hi) -> str:
+    """One time, or the range of a group's times ("9.599–10.157")."""
+    return _ms(lo) if is_missing(lo) or _ms(lo) == _ms(hi) else f"{_ms(lo)}–{_ms(hi)}"
+
+
+def _shapes(shapes) -> str:
+    return "—" if is_missing(shapes) or not shapes else ", ".join(format_shape(s) for s in shapes)
+
+
+def _source(user_frame) -> str:
+    """A user frame's file name and line ("model.py:12 in forward"), without its folders."""
+    return user_frame.split("/")[-1] if isinstance(user_frame, str) else ""
+
+
+def _group_text(g) -> str:
+    """One call group in words: ranks, calls, inputs -> output, placements, host time, error, where."""
+    parts = [g["ranks_text"], f"{g['calls']} call{'s' if g['calls'] != 1 else ''}",
+             f"in {_shapes(g['in_local_shapes'])} -> out {format_shape(g['out_local_shape'])}"]
+    if isinstance(g["placements"], str):
+        parts.append(g["placements"])
+    parts.append(f"host {_ms_range(g['host_ms_min'], g['host_ms_max'])} ms")
+    if g["kind"] == "error" and isinstance(g["error"], str):
+        parts.append(f"raised {g['error'].splitlines()[0]}")
+    if g["in_flight"] is True:
+        parts.append("still running")
+    if isinstance(g["location"], str):
+        parts.append(g["location"])
+    return " · ".join(parts)
+
+
+def _summary_text(tables: _Tables, max_rows: int = TEXT_SUMMARY_ROWS, max_groups: int = STATIC_GROUPS) -> list[str]:
+    summary = tables.summary
+    if summary.empty:
+        return ["  op summary: no op calls"]
+    lines = [f"  op summary ({len(summary)} rows, one per op, path and phase; errors and fallbacks first; "
+             "under each its calls, identical ones on several ranks as one line):",
+             f"    {'':10} {'op':28} {'path':26} {'phase':8} {'calls':>5} {'ranks':8} {'first ms':>9} "
+             f"{'steady ms':>9} {'total ms':>9} {'comm ms':>9}"]
+    groups = {k: g for k, g in tables.groups.groupby("summary_row", sort=False)} if len(tables.groups) else {}
+    for i, r in enumerate(summary.head(max_rows).itertuples(index=False)):
+        lines.append(f"    {_flag(r.kind, None):10} {r.op:28} {r.path:26} {r.phase:8} {r.calls:>5} "
+                     f"{ranks_text(r.ranks).split(' ', 1)[1]:8} {_ms(r.first_ms_median):>9} {_ms(r.steady_ms_median):>9} "
+                     f"{_ms(r.host_ms_total):>9} {_ms(r.comm_ms_inclusive):>9}"
+                     + (f"  {r.errors} raised" if r.errors else "") + ("  dispatch-bound" if r.dispatch_bound else ""))
+        g = groups.get(i)
+        for gr in ([] if g is None else g.head(max_groups).to_dict("records")):
+            lines.append(f"{'':15}{_group_text(gr)}")
+        if g is not None and len(g) > max_groups:
+            lines.append(f"{'':15}… {len(g) - max_groups} more")
+    if len(summary) > max_rows:
+        lines.append(f"    … {len(summary) - max_rows} more rows (t.get_op_summary() has them all)")
+    return lines
+
+
 def explorer_text(trace: Trace) -> str:
-    """The explorer in words: what was recorded, each distinct error, the ops that fell back."""
+    """The explorer in words: what was recorded, each distinct error, the ops that fell back, and the op
+    summary, each row with its calls (identical ones on several ranks as one line)."""
+    return _text(trace, _tables(trace))
+
+
+def _text(trace: Trace, tables: _Tables) -> str:
     f = explorer_summary(trace)
     lines = [f"Trace explorer: {f['op_calls']} op calls on {len(f['ranks'])} ranks, {f['errors']} raised, "
              f"{f['fallback_calls']} through a DTensor fallback, {f['collectives']} collectives"]
@@ -159,6 +360,7 @@ def explorer_text(trace: Trace) -> str:
         lines.append(f"  error: {exc}: {first} (in {op}, ranks {sorted(int(r) for r in g['rank'])})")
     for fb in trace.get_fallbacks().itertuples(index=False):
         lines.append(f"  fallback: {fb.op} ({fb.path}, {fb.calls} calls)")
+    lines += _summary_text(tables)
     lines.append("  (live: filters and each call on every rank, in the widget or t.to_html(path))")
     return "\n".join(lines)
 
@@ -167,41 +369,86 @@ def _flag(kind: str, in_flight) -> str:
     return "✖ error" if kind == "error" else "⚠ fallback" if kind == "fallback" else "⏳ running" if in_flight is True else ""
 
 
+def _chips(kind: str, path: str) -> str:
+    chip = f'<span class="sd-path" style="background-color:{path_color(path)};color:#fff">{esc(path)}</span>'
+    if kind == "error":
+        chip = f'<span class="sd-chip-error" style="background-color:{ERROR_COLOR};color:#fff">✖ raised</span> ' + chip
+    return chip
+
+
+def _colgroup(columns) -> str:
+    return "<colgroup>" + "".join(f'<col style="width:{w}px">' if w else "<col>" for _, _, w in columns) + "</colgroup>"
+
+
+def _head(columns) -> str:
+    return "<thead><tr>" + "".join(f"<th>{esc(t)}</th>" for _, t, _ in columns) + "</tr></thead>"
+
+
+def _summary_html(tables: _Tables, max_rows: int, max_groups: int = STATIC_GROUPS) -> str:
+    summary = tables.summary
+    if summary.empty:
+        return '<p class="sd-meta">No op calls were recorded.</p>'
+    groups = {k: g for k, g in tables.groups.groupby("summary_row", sort=False)} if len(tables.groups) else {}
+    nowrap = ' style="white-space:nowrap"'
+    out = []
+    for i, r in enumerate(summary.head(max_rows).itertuples(index=False)):
+        where = r.locations[0] if r.locations else ""
+        out.append(f'<tr class="sd-summary-row sd-kind-{esc(r.kind)}"><td class="sd-col-flag">{_flag(r.kind, None)}</td>'
+                   f"<td>{esc(r.op)}</td><td{nowrap}>{_chips(r.kind, r.path)}</td><td>{esc(r.phase)}</td>"
+                   f"<td>{int(r.calls)}</td><td>{esc(ranks_text(r.ranks).split(' ', 1)[1])}</td>"
+                   f"<td>{_ms(r.first_ms_median)}</td><td>{_ms(r.steady_ms_median)}</td><td>{_ms(r.host_ms_total)}</td>"
+                   f"<td>{_ms(r.comm_ms_inclusive)}</td><td>{'bound' if r.dispatch_bound else ''}</td>"
+                   f'<td title="{esc(chr(10).join(r.locations))}">{esc(where)}</td></tr>')
+        g = groups.get(i)
+        if g is None:
+            continue
+        cells = []
+        for gr in g.head(max_groups).to_dict("records"):
+            cells.append(f'<tr class="sd-call-group sd-kind-{esc(gr["kind"])}"><td class="sd-col-flag">'
+                         f'{_flag(gr["kind"], gr["in_flight"])}</td><td class="sd-col-ranks_text">{esc(gr["ranks_text"])}</td>'
+                         f'<td>{int(gr["calls"])}</td><td{nowrap}>{esc(_shapes(gr["in_local_shapes"]))}</td>'
+                         f'<td{nowrap}>{esc(format_shape(gr["out_local_shape"]))}</td>'
+                         f'<td>{esc(gr["placements"]) if isinstance(gr["placements"], str) else ""}</td>'
+                         f'<td{nowrap}>{_ms_range(gr["host_ms_min"], gr["host_ms_max"])}</td>'
+                         f'<td title="{esc(gr["location"])}">{esc(gr["location"])}</td></tr>')
+        if len(g) > max_groups:
+            cells.append(f'<tr><td colspan="{len(GROUP_LIST_COLUMNS)}" class="sd-meta">… {len(g) - max_groups} more</td></tr>')
+        out.append(f'<tr class="sd-expansion"><td colspan="{len(SUMMARY_LIST_COLUMNS)}"><table class="sd-table sd-call-groups">'
+                   f'{_colgroup(GROUP_LIST_COLUMNS)}{_head(GROUP_LIST_COLUMNS)}<tbody>{"".join(cells)}</tbody></table></td></tr>')
+    return (f'<table class="sd-table sd-op-list sd-op-summary">{_colgroup(SUMMARY_LIST_COLUMNS)}{_head(SUMMARY_LIST_COLUMNS)}'
+            f'<tbody>{"".join(out)}</tbody></table>')
+
+
 def explorer_html(trace: Trace, max_rows: int = STATIC_ROWS) -> str:
-    """The explorer as static HTML (no script): the header, the errors, the fallbacks, and the first
-    ``max_rows`` op calls in the explorer's order (errors, fallbacks, then time)."""
+    """The explorer as static HTML (no script): the header, the op summary (each row with its calls on each
+    rank, identical ones as one row "ranks 0-3"), the errors, the fallbacks, and the first ``max_rows`` op
+    calls in the explorer's order (errors, fallbacks, then time)."""
+    return _html(trace, _tables(trace), max_rows)
+
+
+def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
     f = explorer_summary(trace)
-    rows = explorer_frame(trace)
+    rows, summary = tables.calls, tables.summary
     head = (f'<div class="sd-title"><span class="sd-kind">Trace explorer</span> <span class="sd-meta">'
             f'{f["op_calls"]} op calls on {len(f["ranks"])} ranks · {f["errors"]} raised · {f["fallback_calls"]} '
             f'DTensor fallback calls · {f["collectives"]} collectives</span></div>')
-    body = [head, "<h4>Errors</h4>", errors_html(trace), "<h4>DTensor fallbacks</h4>", fallbacks_html(trace),
+    body = [head,
+            f"<h4>Op summary{f' (the first {max_rows} of {len(summary)} rows)' if len(summary) > max_rows else ''}</h4>",
+            _summary_html(tables, max_rows),
+            "<h4>Errors</h4>", errors_html(trace), "<h4>DTensor fallbacks</h4>", fallbacks_html(trace),
             f"<h4>Op calls{f' (the first {max_rows} of {len(rows)})' if len(rows) > max_rows else ''}</h4>"]
     cells = []
     for r in rows.iloc[:max_rows].itertuples(index=False):
-        chip = f'<span class="sd-path" style="background-color:{path_color(r.path)};color:#fff">{esc(r.path)}</span>'
-        if r.kind == "error":
-            chip = f'<span class="sd-chip-error" style="background-color:{ERROR_COLOR};color:#fff">✖ raised</span> ' + chip
-        host = "—" if r.host_ms is None or r.host_ms != r.host_ms else f"{r.host_ms:.3f}"
-        source = r.user_frame.split("/")[-1] if isinstance(r.user_frame, str) else ""
         cells.append(f'<tr class="sd-op sd-kind-{esc(r.kind)}"><td class="sd-col-flag">{_flag(r.kind, r.in_flight)}</td>'
-                     f"<td>{int(r.rank)}</td><td>{int(r.seq)}</td><td>{esc(r.op)}</td><td>{chip}</td><td>{esc(r.phase)}</td>"
+                     f"<td>{int(r.rank)}</td><td>{int(r.seq)}</td><td>{esc(r.op)}</td>"
+                     f'<td style="white-space:nowrap">{_chips(r.kind, r.path)}</td><td>{esc(r.phase)}</td>'
                      f"<td>{esc(r.module) if isinstance(r.module, str) else ''}</td>"
                      f'<td class="sd-col-out_local_shape" style="white-space:nowrap">{esc(format_shape(r.out_local_shape))}</td>'
-                     f"<td>{host}</td>"
-                     f"<td>{esc(source)}</td></tr>")
-    cols = "".join(f'<col style="width:{w}px">' if w else "<col>" for _, _, w in LIST_COLUMNS)
-    body.append(f'<table class="sd-table sd-op-list"><colgroup>{cols}</colgroup><thead><tr>' +
-                "".join(f"<th>{t}</th>" for _, t, _ in LIST_COLUMNS) + f'</tr></thead><tbody>{"".join(cells)}</tbody></table>')
+                     f"<td>{_ms(r.host_ms)}</td>"
+                     f"<td>{esc(_source(r.user_frame))}</td></tr>")
+    body.append(f'<table class="sd-table sd-op-list">{_colgroup(LIST_COLUMNS)}{_head(LIST_COLUMNS)}'
+                f'<tbody>{"".join(cells)}</tbody></table>')
     return static_view("sd-explorer", "".join(body))
-
-
-def op_summary(trace: Trace) -> list[dict] | None:
-    """Rows of the op summary for the explorer to open on (one per op / path / phase, each expanding to its
-    per-rank calls, identical per-rank rows as one "ranks 0-3"), from ``Trace.get_op_summary()``;
-    ``explorer_data`` passes them to the front end as ``summary``. None: the explorer opens on the list
-    of calls."""
-    return None
 
 
 def decode_rows(data: dict) -> list[dict]:
@@ -225,8 +472,10 @@ class TraceExplorer(anywidget.AnyWidget):
     selected = traitlets.List([]).tag(sync=True)
 
     def __init__(self, trace: Trace, max_rows: int = DEFAULT_MAX_ROWS, **kwargs):
-        super().__init__(data=explorer_data(trace, max_rows=max_rows), **kwargs)
+        tables = _tables(trace)  # once, for the widget, its text and its static rendering
+        super().__init__(data=_data(trace, tables, max_rows), **kwargs)
         self.trace = trace
+        self._tables = tables
 
     def detail(self) -> dict | None:
         """``op_detail`` of the op selected in the browser (None before a click)."""
@@ -234,7 +483,7 @@ class TraceExplorer(anywidget.AnyWidget):
 
     def text(self) -> str:
         """The explorer in words (``explorer_text``): what ``str(widget)`` and a terminal show."""
-        return explorer_text(self.trace)
+        return _text(self.trace, self._tables)
 
     def __repr__(self) -> str:
         return self.text()
@@ -243,5 +492,5 @@ class TraceExplorer(anywidget.AnyWidget):
         """The live widget, a static rendering, the text and the trace (see ``sharddbg.views.bundle``)."""
         payload = view_payload("explorer", self.trace.to_dict(), explorer_summary(self.trace),
                                "t.save('run.sdtrace.json')")
-        return output_bundle(super()._repr_mimebundle_(**kwargs), html=explorer_html(self.trace),
+        return output_bundle(super()._repr_mimebundle_(**kwargs), html=_html(self.trace, self._tables, STATIC_ROWS),
                              text=self.text(), payload=payload)

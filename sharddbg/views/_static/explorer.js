@@ -1,5 +1,7 @@
-// sharddbg trace explorer: model.get("data") is explorer_data(trace). Filtering and the detail panel run
-// here, without the kernel. Every string from the trace is set with textContent (shown as text, never HTML).
+// sharddbg trace explorer: model.get("data") is explorer_data(trace). It opens on the op summary (one row per
+// op, path and phase; a click expands the row to its calls on each rank, identical ones as one row "ranks
+// 0-3"); "every call" shows the list of calls. Filtering, expanding and the detail panel run here, without
+// the kernel. Every string from the trace is set with textContent (shown as text, never HTML).
 function h(tag, attrs, ...kids) {
   const e = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs || {})) {
@@ -17,6 +19,9 @@ const shapeCell = (l) => {
   return td;
 };
 const ms = (v) => (v == null ? "—" : v.toFixed(3));
+// one time, or the range of a group's times
+const msRange = (lo, hi) => (lo == null || ms(lo) === ms(hi) ? ms(lo) : `${ms(lo)}–${ms(hi)}`);
+const shapes = (l) => (l == null || !l.length ? "—" : l.map(shp).join(", "));
 const bytes = (n) => {
   if (n == null) return "—";
   const u = ["B", "KiB", "MiB", "GiB"]; let i = 0;
@@ -48,24 +53,31 @@ export function renderExplorer(model, el) {
     for (const [v, t] of options) s.append(h("option", { value: v, text: t }));
     return [h("label", { class: "sd-control" }, label + " ", s), s];
   };
+  // the op summary, unless the data has none (a widget saved by an older sharddbg): then the list of calls
+  const summaryRows = Array.isArray(data.summary) ? data.summary : null;
+  const [lView, fView] = summaryRows
+    ? sel("show", "sd-f-view", [["summary", `op summary (${summaryRows.length} rows)`], ["calls", `every call (${data.total})`]])
+    : [null, null];
   const [lRank, fRank] = sel("rank", "sd-f-rank", [["", "all"], ...data.ranks.map((r) => [String(r), String(r)])]);
   const [lPath, fPath] = sel("path", "sd-f-path", [["", "all"], ["@fallback", "any DTensor fallback"], ...data.paths.map((p) => [p, p])]);
   const [lPhase, fPhase] = sel("phase", "sd-f-phase", [["", "all"], ...data.phases.map((p) => [p, p])]);
   const fOp = h("input", { class: "sd-f-op", type: "search", placeholder: "op name contains…", "aria-label": "op" });
   const fFlag = h("input", { class: "sd-f-flagged", type: "checkbox" });
-  root.append(h("div", { class: "sd-filters" }, lRank, h("label", { class: "sd-control" }, "op ", fOp), lPath, lPhase,
+  root.append(h("div", { class: "sd-filters" }, lView, lRank, h("label", { class: "sd-control" }, "op ", fOp), lPath, lPhase,
                 h("label", { class: "sd-control" }, fFlag, " errors & fallbacks only")));
-  const summary = h("div", { class: "sd-summary" });
+  const status = h("div", { class: "sd-status" });
   const list = h("div", { class: "sd-list" });
   const detail = h("div", { class: "sd-detail", style: "display:none" });
-  root.append(summary, list, detail);
-  if (data.left_out) root.insertBefore(h("div", { class: "sd-warning", text: `${data.left_out} ordinary op calls left out (max_rows); errors and fallbacks are all here` }), summary);
+  root.append(status, list, detail);
+  if (data.left_out) root.insertBefore(h("div", { class: "sd-warning", text: `${data.left_out} ordinary op calls left out of the list (max_rows); errors and fallbacks are all here, and the op summary counts every call` }), status);
 
   const pill = (p) => h("span", { class: "sd-path", style: `background:${data.path_colors[p] || "#777"}`, text: p });
   // an op call that raised: marked as an error first, its dispatch path after
   const chips = (r) => r.kind === "error" ? h("span", { class: "sd-chips" }, h("span", { class: "sd-chip-error", text: "✖ raised" }), " ", pill(r.path))
                                           : pill(r.path);
   let selected = null;  // [rank, seq] of the op whose detail is open
+  const byCall = new Map(rows.map((r) => [r.rank + ":" + r.seq, r]));
+  const expanded = new Set();  // indexes of the summary rows shown with their calls
 
   function closeDetail() {
     selected = null;
@@ -73,11 +85,19 @@ export function renderExplorer(model, el) {
     model.set("selected", []); model.save_changes && model.save_changes();
   }
 
-  function showDetail(r, tr) {
+  // the detail of call r (a row of the list); from a row of the summary, ``group`` is that row (r: its first call)
+  function showDetail(r, tr, group) {
     for (const old of list.querySelectorAll("tr.sd-selected")) old.classList.remove("sd-selected");
     if (tr) tr.classList.add("sd-selected");
-    selected = [r.rank, r.seq];
-    model.set("selected", [r.rank, r.seq]); model.save_changes && model.save_changes();
+    selected = r ? [r.rank, r.seq] : [group.first_rank, group.first_seq];
+    model.set("selected", selected); model.save_changes && model.save_changes();
+    if (!r) {  // a call beyond max_rows: the summary covers it, the rows shipped here do not
+      detail.replaceChildren(h("div", { class: "sd-meta", text: `rank ${selected[0]}, seq ${selected[1]}: this call is not among the ` +
+        `${rows.length} calls shipped to this view (max_rows); t.show(max_rows=...) or t.get_ops() has it` }));
+      detail.style.display = "";
+      detail.setAttribute("data-rank", selected[0]); detail.setAttribute("data-seq", selected[1]);
+      return;
+    }
     const same = rows.filter((x) => x.key === r.key).sort((a, b) => a.rank - b.rank);
     detail.replaceChildren();
     detail.style.display = "";
@@ -86,6 +106,7 @@ export function renderExplorer(model, el) {
                     h("span", { class: "sd-meta", text: ` ${r.phase} · rank ${r.rank} · seq ${r.seq}` })));
     const kv = h("div", { class: "sd-kv" });
     const add = (k, v) => { if (v != null && v !== "") kv.append(h("div", { text: k }), h("div", { text: String(v), class: "sd-kv-" + k.replace(/\W+/g, "-") })); };
+    if (group && group.calls > 1) add("summary row", `${group.ranks_text}: ${group.calls} identical calls, host ${msRange(group.host_ms_min, group.host_ms_max)} ms; this one is the first`);
     add("handler", r.handler); add("module", r.module); add("user source line", r.user_frame);
     add("autograd node", r.autograd_node); add("forward seq", r.fwd_seq); add("parent seq", r.parent_seq);
     add("placements", r.placements); add("dtype", r.dtype);
@@ -140,18 +161,39 @@ export function renderExplorer(model, el) {
     }
   }
 
-  function draw() {
+  // the filters, as one test for a call (a row of the list) and one for a summary row
+  function filters() {
     const rank = fRank.value, path = fPath.value, phase = fPhase.value, op = fOp.value.trim().toLowerCase(), flagged = fFlag.checked;
-    const hit = rows.filter((r) => (rank === "" || String(r.rank) === rank) &&
-      (path === "" || (path === "@fallback" ? r.kind === "fallback" : r.path === path)) &&
-      (phase === "" || r.phase === phase) && (!op || r.op.toLowerCase().includes(op)) && (!flagged || r.kind !== "op"));
-    summary.textContent = `${hit.length} matching` + (hit.length > LIMIT ? ` (first ${LIMIT} shown; refine the filters)` : "") + " · click a row for its detail";
-    const t = h("table", { class: "sd-table sd-op-list" });
+    const common = (r) => (path === "" || (path === "@fallback" ? r.kind === "fallback" : r.path === path)) &&
+      (phase === "" || r.phase === phase) && (!op || r.op.toLowerCase().includes(op)) && (!flagged || r.kind !== "op");
+    return {
+      call: (r) => (rank === "" || String(r.rank) === rank) && common(r),
+      summary: (s) => (rank === "" || s.ranks.includes(Number(rank))) && common(s),
+      group: (g) => rank === "" || g.ranks.includes(Number(rank)),
+    };
+  }
+
+  function table(cls, cols) {
+    const t = h("table", { class: "sd-table " + cls });
     // short columns have fixed widths, the others share the rest of the box equally: the table never grows
     // wider than its box; a long cell ends in "…" (its full text on hover)
-    const cols = data.list_columns;
     t.append(h("colgroup", {}, ...cols.map(([, , w]) => h("col", w ? { style: `width:${w}px` } : {}))));
     t.append(h("thead", {}, h("tr", {}, ...cols.map(([, l]) => h("th", { text: l })))));
+    return t;
+  }
+
+  const cell = (k, text, full) => {
+    const td = h("td", { text: String(text), class: "sd-col-" + k });
+    if (String(full ?? text)) td.title = String(full ?? text);
+    return td;
+  };
+  const flagText = (r) => (r.kind === "error" ? "✖ error" : r.kind === "fallback" ? "⚠ fallback" : r.in_flight ? "⏳ running" : "");
+
+  function drawCalls(f) {
+    const hit = rows.filter(f.call);
+    status.textContent = `${hit.length} matching calls` + (hit.length > LIMIT ? ` (first ${LIMIT} shown; refine the filters)` : "") + " · click a row for its detail";
+    const cols = data.list_columns;
+    const t = table("sd-op-list", cols);
     const tb = h("tbody");
     const shown = hit.slice(0, LIMIT);
     for (const r of shown) {
@@ -161,23 +203,105 @@ export function renderExplorer(model, el) {
       for (const [k] of cols) {
         if (k === "path") { tr.append(h("td", { class: "sd-col-path", title: r.path }, chips(r))); continue; }
         let v = r[k], full = null;
-        if (k === "kind") v = r.kind === "error" ? "✖ error" : r.kind === "fallback" ? "⚠ fallback" : r.in_flight ? "⏳ running" : "";
+        if (k === "kind") { tr.append(cell("flag", flagText(r))); continue; }
         else if (k === "out_local_shape") v = shp(v);
         else if (k === "host_ms") v = ms(v);
         else if (k === "user_frame" && v) { full = v; v = v.split("/").pop(); }
         else if (v == null) v = "";
-        const td = h("td", { text: String(v), class: "sd-col-" + (k === "kind" ? "flag" : k) });
-        if (String(full ?? v)) td.title = String(full ?? v);
-        tr.append(td);
+        tr.append(cell(k, v, full));
       }
       tr.addEventListener("click", () => showDetail(r, tr));
       tb.append(tr);
     }
     t.append(tb);
     list.replaceChildren(t);
-    // a detail whose row the filters took away closes with it
-    if (selected && !shown.some((r) => r.rank === selected[0] && r.seq === selected[1])) closeDetail();
+    return shown.some((r) => selected && r.rank === selected[0] && r.seq === selected[1]);
   }
+
+  // the rows a summary row expands to: its calls on each rank, identical ones as one row ("ranks 0-3")
+  function groupTable(s, f, sel) {
+    const cols = data.group_columns;
+    const t = table("sd-call-groups", cols);
+    const tb = h("tbody");
+    let hasSel = false;
+    for (const g of s.groups) {
+      if (!f.group(g)) continue;
+      const r = byCall.get(g.first_rank + ":" + g.first_seq);
+      const isSel = sel != null && sel.call_group === g.call_group;
+      hasSel = hasSel || isSel;
+      const tr = h("tr", { class: `sd-op sd-call-group sd-kind-${g.kind}` + (isSel ? " sd-selected" : ""), "data-rank": g.first_rank,
+                           "data-seq": g.first_seq, "data-kind": g.kind, "data-op": s.op, "data-ranks": g.ranks.join(",") });
+      for (const [k] of cols) {
+        if (k === "kind") tr.append(cell("flag", flagText(g)));
+        else if (k === "in_local_shapes") tr.append(cell(k, shapes(g[k])));
+        else if (k === "out_local_shape") tr.append(cell(k, shp(g[k])));
+        else if (k === "host_ms") tr.append(cell(k, msRange(g.host_ms_min, g.host_ms_max)));
+        else tr.append(cell(k, g[k] ?? ""));
+      }
+      tr.addEventListener("click", (e) => { e.stopPropagation(); showDetail(r, tr, g); });
+      tb.append(tr);
+    }
+    t.append(tb);
+    return [t, hasSel];
+  }
+
+  function drawSummary(f) {
+    const hit = summaryRows.map((s, i) => [s, i]).filter(([s]) => f.summary(s));
+    status.textContent = `${hit.length} of ${summaryRows.length} rows (op · path · phase)` +
+      (hit.length > LIMIT ? ` (first ${LIMIT} shown; refine the filters)` : "") + " · click a row for its calls on each rank";
+    const cols = data.summary_columns;
+    const t = table("sd-op-list sd-op-summary", cols);
+    const tb = h("tbody");
+    const selRow = selected ? byCall.get(selected[0] + ":" + selected[1]) : null;
+    let shownSel = false;
+    for (const [s, i] of hit.slice(0, LIMIT)) {
+      const open = expanded.has(i);
+      const tr = h("tr", { class: `sd-summary-row sd-kind-${s.kind}` + (open ? " sd-expanded" : ""), "data-index": i,
+                           "data-op": s.op, "data-path": s.path, "data-phase": s.phase, "data-kind": s.kind });
+      for (const [k] of cols) {
+        if (k === "kind") {
+          const td = cell("flag", flagText(s));
+          td.title = s.kind === "error" ? `${s.errors} of ${s.calls} calls raised` : s.kind === "fallback" ? "ran through a DTensor fallback" : "";
+          tr.append(td);
+        } else if (k === "op") {
+          tr.append(h("td", { class: "sd-col-op", title: s.op }, h("span", { class: "sd-caret", text: open ? "▾" : "▸" }), s.op));
+        } else if (k === "path") tr.append(h("td", { class: "sd-col-path", title: s.path }, chips(s)));
+        else if (k === "ranks") tr.append(cell(k, s.ranks_text.replace(/^ranks? /, ""), s.ranks_text));
+        else if (k === "dispatch_bound") {
+          const td = cell(k, s.dispatch_bound ? "bound" : "", "");
+          if (s.dispatch_bound) td.title = `host dispatch adds ${ms(s.dispatch_ms_median)} ms per call (median), more than the local computation (${ms(s.local_ms_median)} ms)`;
+          tr.append(td);
+        } else if (k === "locations") tr.append(cell(k, (s.locations || [])[0] || "", (s.locations || []).join("\n")));
+        else if (k.includes("_ms")) tr.append(cell(k, ms(s[k])));
+        else tr.append(cell(k, s[k] ?? ""));
+      }
+      tr.addEventListener("click", () => { if (expanded.has(i)) expanded.delete(i); else expanded.add(i); draw(); });
+      tb.append(tr);
+      if (open) {
+        const [gt, hasSel] = groupTable(s, f, selRow && selRow.summary_row === i ? selRow : null);
+        shownSel = shownSel || hasSel;
+        tb.append(h("tr", { class: "sd-expansion", "data-index": i }, h("td", { colspan: cols.length }, gt)));
+      }
+    }
+    t.append(tb);
+    list.replaceChildren(t);
+    // a call left out of the rows (max_rows) is shown when the group it leads is
+    if (selected && !selRow) shownSel = !!list.querySelector(`tr.sd-call-group[data-rank="${selected[0]}"][data-seq="${selected[1]}"]`);
+    return shownSel;
+  }
+
+  function draw() {
+    const f = filters();
+    const shownSel = fView && fView.value === "summary" ? drawSummary(f) : drawCalls(f);
+    // a detail whose row the filters (or a collapsed summary row) took away closes with it
+    if (selected && !shownSel) closeDetail();
+  }
+  if (fView) fView.addEventListener("change", () => {
+    // the summary row holding the open detail opens with the summary
+    const r = selected && byCall.get(selected[0] + ":" + selected[1]);
+    if (fView.value === "summary" && r && r.summary_row != null) expanded.add(r.summary_row);
+    draw();
+  });
   for (const f of [fRank, fPath, fPhase, fFlag]) f.addEventListener("change", draw);
   fOp.addEventListener("input", draw);
   draw();
