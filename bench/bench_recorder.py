@@ -30,6 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 MODES = ("none", "recorder_ops", "recorder", "commdebug", "profiler")
+CRASHED: dict[str, str] = {}  # mode -> what it raised, over every run_pooled of this process (printed by the mains)
 
 
 def _free_port() -> int:
@@ -125,7 +126,9 @@ def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None, arou
 
     Returns ({mode: [wall s/step of the slowest rank]}, {mode: [CPU s/step summed over ranks]}); CPU
     summed over ranks is the honest cost when ranks share fewer cores than there are ranks. The first
-    dict also holds "_enter_exit_ms": {mode: median ms to start + stop the tool on this rank}.
+    dict also holds "_enter_exit_ms": {mode: median ms to start + stop the tool on this rank} and
+    "_crashed": {mode: what it raised}; a mode that raised on any rank is dropped from then on (its lists
+    empty), the others go on.
     ``on_ctx(mode, ctx)`` sees each mode's context after its timed block (e.g. to count events).
     ``around_round(r, "start" | "end")`` is called before and after each round (turn-taking with another
     group of ranks, bench_comm.py --against).
@@ -142,28 +145,46 @@ def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None, arou
     times = {m: [] for m in modes}
     cpu = {m: [] for m in modes}
     enter_exit = {m: [] for m in modes}
+    crashed: dict[str, str] = {}  # mode -> what it raised: an anchor that crashes is reported, the rest goes on
     for r in range(rounds):
         if around_round is not None:
             around_round(r, "start")
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
+            if mode in crashed:
+                continue
             if _gen_transform_infos is not None:
                 _gen_transform_infos.cache_clear()
             gc.collect()  # garbage left by the previous block (CommDebugMode, the profiler) is not this one's
             # The tool is started before the clock starts and stopped after it stops, as a traced cell
             # does (%%shard_trace starts the recorder in one round trip and stops it in another):
             # the table is the cost per step; starting and stopping are timed apart (enter_exit_ms).
-            cm = mode_ctx(mode)
-            e0 = time.perf_counter()
-            ctx = cm.__enter__()
-            e1 = time.perf_counter()
-            dist.barrier()
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                step()
-            c1 = time.process_time()
-            t1 = time.perf_counter()
-            cm.__exit__(None, None, None)
+            error = None
+            try:
+                cm = mode_ctx(mode)
+                e0 = time.perf_counter()
+                ctx = cm.__enter__()
+                e1 = time.perf_counter()
+                dist.barrier()
+                c0 = time.process_time()
+                t0 = time.perf_counter()
+                try:
+                    for _ in range(iters):
+                        step()
+                except BaseException as e:
+                    cm.__exit__(type(e), e, e.__traceback__)
+                    raise
+                c1 = time.process_time()
+                t1 = time.perf_counter()
+                cm.__exit__(None, None, None)
+            except Exception as e:  # noqa: BLE001 - the tool, not the bench, failed: say so and go on
+                error = f"{type(e).__name__}: {e}"
+            # every rank drops a mode that crashed on any of them (the same crash, as a rule: the tools are
+            # deterministic), so the ranks' collectives stay matched
+            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag):
+                crashed[mode] = error or "crashed on another rank"
+                continue
             enter_exit[mode].append((e1 - e0 + time.perf_counter() - t1) * 1e3)
             for store, value, op in ((times, (t1 - t0) / iters, dist.ReduceOp.MAX),
                                      (cpu, (c1 - c0) / iters, dist.ReduceOp.SUM)):
@@ -174,7 +195,10 @@ def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None, arou
                 on_ctx(mode, ctx)
         if around_round is not None:
             around_round(r, "end")
-    times["_enter_exit_ms"] = {m: statistics.median(v) for m, v in enter_exit.items()}
+    for mode in crashed:  # rounds before the crash are not comparable with the others' full set: none kept
+        times[mode], cpu[mode], enter_exit[mode] = [], [], []
+    times["_enter_exit_ms"] = {m: statistics.median(v) for m, v in enter_exit.items() if v}
+    times["_crashed"] = crashed
     return times, cpu
 
 
@@ -199,6 +223,8 @@ def paired_summary(values: dict, base: str = "none") -> dict:
     (rounds of all runs pooled). ``values``: {mode: [per-round value, ...]} in round order."""
     out = {}
     for m, v in values.items():
+        if not v:  # a tool that crashed
+            continue
         ratios = sorted(x / b for x, b in zip(v, values[base]))
         q = lambda p: ratios[min(len(ratios) - 1, int(p * len(ratios)))]  # noqa: E731
         out[m] = {"median": statistics.median(v), "ratio": statistics.median(ratios), "q1": q(0.25), "q3": q(0.75)}
@@ -212,13 +238,18 @@ def run_pooled(worker, modes, a):
     times = {m: [] for m in modes}
     cpu = {m: [] for m in modes}
     per_run, enter_exit, extra = [], [], None
+    crashed: dict[str, str] = {}
     for _ in range(a.runs):
         t, c, extra = spawn_ranks(worker, a.ranks, a.rounds, a.iters)
         enter_exit.append(t.pop("_enter_exit_ms"))
+        crashed.update(t.pop("_crashed", {}))
         for m in modes:
             times[m] += t[m]
             cpu[m] += c[m]
-        per_run.append({m: statistics.median(x / b for x, b in zip(t[m], t["none"])) for m in modes})
+        per_run.append({m: statistics.median(x / b for x, b in zip(t[m], t["none"])) for m in modes if t[m]})
+    for m in crashed:  # crashed in one run: left out of every run's pool
+        times[m], cpu[m] = [], []
+    CRASHED.update(crashed)
     return times, cpu, per_run, enter_exit, extra
 
 
@@ -238,6 +269,9 @@ def main(argv=None) -> dict:
     print(f"{'mode':<10} {'wall ms/step':>12} {'wall ratio':>11} {'[q1, q3]':>15} {'per-run wall ratios':>22} "
           f"{'cpu ms/step':>12} {'cpu ratio':>10} {'[q1, q3]':>15}")
     for m in MODES:
+        if m not in wall:
+            print(f"{m:<10} crashed: {CRASHED.get(m, 'no measurement')}")
+            continue
         w, c = wall[m], cpus[m]
         runs = " ".join(f"{r[m]:.3f}" for r in per_run)
         wq = f"[{w['q1']:.3f}, {w['q3']:.3f}]"
@@ -246,8 +280,9 @@ def main(argv=None) -> dict:
               f"{c['median'] * 1e3:>12.2f} {c['ratio']:>10.3f} {cq:>15}")
     print("(recorder_ops: ops only; recorder: the default, ops and every collective)")
     print("start + stop of each tool, ms on rank 0 (median per run): "
-          + "; ".join(f"{m} " + " ".join(f"{e[m]:.2f}" for e in enter_exit) for m in MODES if m != "none"))
-    return {"wall": wall, "cpu": cpus, "per_run_wall": per_run, "enter_exit_ms": enter_exit}
+          + "; ".join(f"{m} " + " ".join(f"{e[m]:.2f}" for e in enter_exit if m in e) for m in MODES
+                       if m != "none" and m not in CRASHED))
+    return {"wall": wall, "cpu": cpus, "per_run_wall": per_run, "enter_exit_ms": enter_exit, "crashed": dict(CRASHED)}
 
 
 if __name__ == "__main__":
