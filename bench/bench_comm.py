@@ -3,6 +3,7 @@ workload timed for this checkout against another revision of sharddbg, interleav
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_comm.py [--ranks 4] [--runs 3] [--rounds 11] [--iters 5]
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_comm.py --against HEAD~1   # this tree vs a revision
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_comm.py --verification     # what each check costs
 
 Same workload as bench_recorder.py (3-conv net, input (1, 8, 128, 64) sharded on H, forward + backward,
 patches registered), modes interleaved round by round (rotated), in ONE run:
@@ -11,6 +12,15 @@ patches registered), modes interleaved round by round (rotated), in ONE run:
   recorder        Recorder(): ops + every collective (the default)
 Reports wall ms/step (slowest rank), CPU ms/step (sum over ranks), and the ratios recorder/recorder_ops
 (the cost of collective recording alone) and each mode/none.
+
+``--verification``: the recorder's checks instead, in one run, each paired per round with the default
+recorder (which includes the spec check):
+  recorder          the default: ops + collectives + the spec check (results' specs against local tensors)
+  recorder_nospec   the same, spec_check=False
+  recorder_preflight  + preflight=True: every collective inside an op compared across its group first
+  recorder_replicas   + replicas=True: every Replicate result and promoted weight copied and digested
+The spec check runs when the events are formatted, after the timed steps: the time to format them
+(``export ms``, per step, rank 0) is reported beside the step ratios.
 
 ``--against REV``: the revision is checked out in a git worktree; each run starts two groups of rank
 processes, one importing sharddbg from this tree and one from the worktree, alive side by side. They take
@@ -28,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,6 +49,7 @@ sys.path.insert(0, ROOT)
 from bench_recorder import _free_port, _setup, _teardown, paired_summary, run_pooled, time_modes  # noqa: E402
 
 MODES = ("none", "recorder_ops", "recorder")
+VERIFICATION_MODES = ("none", "recorder", "recorder_nospec", "recorder_preflight", "recorder_replicas")
 
 
 def _mode_ctx(mode: str):
@@ -45,6 +57,12 @@ def _mode_ctx(mode: str):
         return contextlib.nullcontext()
     from sharddbg.engine.recorder import Recorder
 
+    if mode == "recorder_nospec":
+        return Recorder(spec_check=False)
+    if mode == "recorder_preflight":
+        return Recorder(preflight=True)
+    if mode == "recorder_replicas":
+        return Recorder(replicas=True)
     return Recorder(comm=(mode == "recorder"))
 
 
@@ -79,6 +97,47 @@ def _event_counter(iters, counts):
                         sum(e["kind"] == "collective" for e in ev) // iters)
 
     return count
+
+
+def _export_timer(iters, export_ms):
+    """Times the first read of ``ctx.events`` (the formatting, the spec check included), per step."""
+    def count(mode, ctx):
+        t0 = time.perf_counter()
+        ctx.events
+        export_ms.setdefault(mode, []).append((time.perf_counter() - t0) * 1e3 / iters)
+
+    return count
+
+
+def _verification_worker(rank, world, port, rounds, iters, out):
+    step = _workload(rank, world, port)
+    export_ms = {}
+    times, cpu = time_modes(step, VERIFICATION_MODES, _mode_ctx, rounds, iters, _export_timer(iters, export_ms))
+    if rank == 0:
+        out.put((times, cpu, {m: statistics.median(v) for m, v in export_ms.items()}))
+    _teardown()
+
+
+def verification(a) -> dict:
+    times, cpu, _per_run, _enter_exit, export_ms = run_pooled(_verification_worker, VERIFICATION_MODES, a)
+    wall = paired_summary(times)
+    print(f"\nthe recorder's checks; sharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; "
+          f"{a.runs} runs x {a.rounds} rounds x {a.iters} steps; cores: {os.cpu_count()}")
+    print(f"{'mode':<19} {'wall ms/step':>13} {'/ none':>7} {'/ recorder [q1, q3]':>26} {'cpu / recorder':>15} "
+          f"{'export ms/step':>15}")
+    out = {}
+    for m in VERIFICATION_MODES:
+        pair = sorted(x / y for x, y in zip(times[m], times["recorder"]))
+        cpair = statistics.median(x / y for x, y in zip(cpu[m], cpu["recorder"]))
+        q = lambda p: pair[min(len(pair) - 1, int(p * len(pair)))]  # noqa: E731
+        e = export_ms.get(m)
+        print(f"{m:<19} {wall[m]['median'] * 1e3:>13.2f} {wall[m]['ratio']:>7.3f} "
+              f"{statistics.median(pair):>8.3f} [{q(0.25):.3f}, {q(0.75):.3f}] {cpair:>15.3f} "
+              f"{'' if e is None else f'{e:.2f}':>15}")
+        out[m] = {"wall_ms": wall[m]["median"] * 1e3, "over_none": wall[m]["ratio"],
+                  "over_recorder": statistics.median(pair), "q1": q(0.25), "q3": q(0.75), "cpu_over_recorder": cpair,
+                  "export_ms_per_step": e}
+    return out
 
 
 def _worker(rank, world, port, rounds, iters, out):
@@ -188,9 +247,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="fresh rank processes per run (memory layouts differ)")
     ap.add_argument("--against", metavar="REV", help="time this tree against git revision REV (a worktree)")
+    ap.add_argument("--verification", action="store_true", help="time the recorder's checks (see above)")
     a = ap.parse_args(argv)
     if a.against:
         return compare(a)
+    if a.verification:
+        return verification(a)
     times, cpu, _per_run, _enter_exit, counts = run_pooled(_worker, MODES, a)
     wall, cpus = paired_summary(times), paired_summary(cpu)
     print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.runs} runs x {a.rounds} "

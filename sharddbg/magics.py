@@ -3,7 +3,8 @@
 ``%shard_cluster start|status|stop|restart|recover|diagnose``; ``%px`` / ``%%px`` (ipyparallel's options:
 ``--targets``, ``--block`` / ``--noblock``, ``--group-outputs``, ``--stream``, ``--local``, ``--verbose``, ``-o``;
 every wait bounded by ``--timeout`` or the cluster's), ``%pxresult``, ``%pxconfig``, ``%autopx``;
-``%%shard_trace`` (run a cell under the recorder on every rank), ``%shard_inspect``. Every magic is declared
+``%%shard_trace`` (run a cell under the recorder on every rank), ``%shard_inspect``, ``%%shard_check`` (the
+numerical check), ``%shard_doctor`` (the pitfall doctor). Every magic is declared
 with IPython's ``magic_arguments``: ``%px?`` shows its options, bad arguments give a ``UsageError``.
 """
 
@@ -44,6 +45,17 @@ def count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def tolerance(text: str) -> float:
+    """An argparse type: a finite number of at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of at least 0")
     return value
 
 
@@ -524,6 +536,19 @@ class ShardMagics(Magics):
     @magic_arguments.argument("--no-unmask", action="store_true",
                               help="leave the generic 'unsupported operand type(s)' TypeError as PyTorch raises it")
     @magic_arguments.argument("--quiet", action="store_true", help="no summary line after the cell")
+    @magic_arguments.argument("--replicas", action="store_true",
+                              help="digest every tensor that claims Replicate (op results, promoted weights) after "
+                                   "each op and name the first op where the ranks diverge, with the largest "
+                                   "difference (sharddbg.last_trace().get_replica_divergence()); costs a copy and a "
+                                   "hash per tensor")
+    @magic_arguments.argument("--preflight", action="store_true",
+                              help="before each collective inside a recorded op, its group compares shapes, dtypes "
+                                   "and splits through the rendezvous store (2 s at most): a mismatch raises "
+                                   "CollectiveMismatchError on every rank of the group instead of hanging "
+                                   "(sharddbg.last_trace().get_preflight())")
+    @magic_arguments.argument("--no-spec-check", action="store_true",
+                              help="do not compare each ShardTensor result's spec with its local tensor (on by "
+                                   "default: sharddbg.last_trace().get_spec_mismatches())")
     @cell_magic
     def shard_trace(self, line, cell):
         """Run the cell on every rank under the recorder and gather one Trace (``sharddbg.last_trace()``), kept
@@ -534,7 +559,8 @@ class ShardMagics(Magics):
         args = parse_options(self.shard_trace, split_words(line, "%%shard_trace"), "%%shard_trace")
         cl = active_cluster()
         try:
-            cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask)
+            cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask,
+                     spec_check=not args.no_spec_check, replicas=args.replicas, preflight=args.preflight)
         finally:
             # the trace is kept even when the cell failed: summarise it before the error shows
             trace = cl.last_trace(required=False)
@@ -554,6 +580,57 @@ class ShardMagics(Magics):
         if not name.isidentifier():
             raise UsageError(f"%shard_inspect takes the name of a variable on the engines, got {name!r}")
         return sharddbg.inspect(name)
+
+    # ---- verification: the numerical check and the pitfall doctor
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("--inputs", default=None, metavar="NAMES",
+                              help="the names bound to their full_tensor() in the unsharded reference, comma-separated "
+                                   "(default: the tensors the cell reads)")
+    @magic_arguments.argument("--outputs", default=None, metavar="NAMES",
+                              help="the names compared after the cell (default: those it binds)")
+    @magic_arguments.argument("--model", default=None, metavar="NAMES",
+                              help="the modules copied with rank 0's weights whose parameter gradients are compared "
+                                   "(default: the modules the cell reads)")
+    @magic_arguments.argument("--loss", default=None, metavar="EXPR",
+                              help="the loss the check's backward starts from (default: the sum of the mean squares "
+                                   "of the outputs)")
+    @magic_arguments.argument("--rtol", type=tolerance, default=None, metavar="R",
+                              help="relative tolerance (default by dtype: float32 1e-4, float64 1e-7, ...)")
+    @magic_arguments.argument("--atol", type=tolerance, default=None, metavar="A",
+                              help="absolute tolerance (default: rtol x the largest magnitude of each reference tensor)")
+    @magic_arguments.argument("--no-grads", action="store_true", help="compare the outputs only (no backward)")
+    @magic_arguments.argument("--timeout", type=seconds, default=None, metavar="S",
+                              help="seconds to wait for each step (default: the cluster's)")
+    @cell_magic
+    def shard_check(self, line, cell):
+        """Run the cell on every rank (sharded), then unsharded in a separate process, and compare every output,
+        input gradient and parameter gradient per tensor and rank (``Cluster.check``)."""
+        __tracebackhide__ = hide_own_frames()
+        from .cluster import active_cluster
+
+        args = parse_options(self.shard_check, split_words(line, "%%shard_check"), "%%shard_check")
+        return active_cluster().check(cell, inputs=args.inputs, outputs=args.outputs, model=args.model,
+                                      loss=args.loss, rtol=args.rtol, atol=args.atol, grads=not args.no_grads,
+                                      timeout=args.timeout)
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("name", nargs="*", metavar="NAME",
+                              help="variables on the ranks to examine (default: every one)")
+    @magic_arguments.argument("--timeout", type=seconds, default=None, metavar="S",
+                              help="seconds to wait for the ranks (default: the cluster's)")
+    @line_magic
+    def shard_doctor(self, line):
+        """The pitfall doctor: one row per known ShardTensor pitfall, ok / warn / fail / skip, with the fix
+        (``Cluster.doctor``)."""
+        __tracebackhide__ = hide_own_frames()
+        from .cluster import active_cluster
+
+        args = parse_options(self.shard_doctor, split_words(line, "%shard_doctor"), "%shard_doctor")
+        names = [n for word in args.name for n in word.split(",") if n]
+        bad = [n for n in names if not n.isidentifier()]
+        if bad:
+            raise UsageError(f"%shard_doctor takes names of variables on the engines, got {', '.join(map(repr, bad))}")
+        return active_cluster().doctor(*names, timeout=args.timeout)
 
 
 def trace_summary(trace) -> str:
@@ -583,7 +660,36 @@ def trace_summary(trace) -> str:
         parts.append(f"ranks {trace.incomplete_ranks} incomplete")
     if trace.dropped:
         parts.append(f"{trace.dropped} events dropped (raise --max-events)")
+    parts += verification_summary(trace)
     return "; ".join(parts) + ". sharddbg.last_trace().get_op_summary() first; the trace has it all."
+
+
+def verification_summary(trace) -> list[str]:
+    """The summary line's parts on what the trace's verification found: spec mismatches, diverging replicas,
+    collectives the pre-flight stopped or could not check."""
+    from .analysis.consistency import divergence_text
+
+    parts = []
+    found = trace.get_spec_mismatches()
+    if len(found):
+        first = found.iloc[0]
+        ranks = sorted({int(r) for r in found["rank"]})
+        parts.append(f"{len(found)} spec mismatch(es) on rank(s) {ranks}, first at {first['op']} on rank "
+                     f"{first['rank']}: {first['detail']} (get_spec_mismatches())")
+    checks = trace.checks
+    if checks["replicas"]:
+        text = divergence_text(trace.get_replica_divergence())
+        parts.append(f"{text} (get_replica_divergence())" if text else "replicas agree on every rank")
+    if checks["preflight"]:
+        pf = trace.get_preflight()
+        bad = pf[pf["status"] == "mismatch"]
+        late = pf[pf["status"] == "late"]
+        if len(bad):
+            parts.append(f"pre-flight stopped {bad['op'].iloc[0] or 'a collective'}: {bad['detail'].iloc[0]}")
+        elif len(pf):
+            parts.append(f"pre-flight: {int((pf['status'] == 'ok').sum())} collective checks ok"
+                         + (f", {len(late)} late" if len(late) else ""))
+    return parts
 
 
 def load_ipython_extension(ipython) -> None:

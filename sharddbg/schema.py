@@ -27,14 +27,19 @@ kinds so that records of one rank interleave correctly). Times are ns on the ran
 
 Payload (what ``recorder.stop()`` / ``recorder.peek()`` return on one rank)::
 
-    {"format": "sharddbg.payload", "schema_version": 4, "rank": 0, "world_size": 4,
+    {"format": "sharddbg.payload", "schema_version": 5, "rank": 0, "world_size": 4,
      "complete": True,            # False for a snapshot of a recorder still running (e.g. a hung rank)
      "events": [...],             # records above, sorted by seq; a snapshot adds in-flight ops
      "dropped": 0,                # records not kept because the buffer (max_events) was full
      "clock": {"source": ..., "injected_offset_ns": ..., "t_start_ns": ..., "t_stop_ns": ...},
      "meta": {"torch": ..., "physicsnemo": ..., "patch_mode": "registered" | "fallback_only",
               "comm": True,       # collectives were recorded (recorder.start(comm=...)); since version 2
+              "spec_check": True, "replicas": False, "preflight": False,   # what was verified; since version 5
               ...}}
+
+Optional fields (since version 5): a record carries ``spec_mismatches`` / ``replicas`` (op) or ``preflight``
+(collective) only where there is something to say; absent means "nothing found" when the payload's meta says
+that check ran (``spec_check``, ``replicas``, ``preflight``), else "not checked". Readers see None.
 """
 
 from __future__ import annotations
@@ -58,7 +63,13 @@ from .errors import SchemaError  # what the validators below raise (defined with
 #      ``cell``. A collective's ``op`` may be ``DDP_BUCKET_OP``; its ``phase`` is "backward" also for a
 #      parameter's gradient reduced after the backward pass (a deferred Partial gradient, a DDP bucket).
 #      Older payloads read as before (the new fields read as None).
-SCHEMA_VERSION = 4
+#   5  verification: op records may carry ``spec_mismatches`` (a ShardTensor result whose spec disagrees with
+#      its local tensor) and ``replicas`` (digests of the tensors that claim Replicate, with
+#      ``recorder.start(replicas=True)``); collective records may carry ``preflight`` (the group compared
+#      shapes, dtypes and splits before issuing it, ``recorder.start(preflight=True)``). All three are
+#      OPTIONAL_FIELDS, present only where there is something to say; meta says which checks ran.
+#      Older payloads read as before.
+SCHEMA_VERSION = 5
 PAYLOAD_FORMAT = "sharddbg.payload"
 
 KIND_OP = "op"
@@ -224,6 +235,69 @@ CELL_ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "thread": ((int,), "recorder thread id"),
 }
 
+# A ShardTensor result whose spec disagrees with its local tensor (op field ``spec_mismatches``, one per finding)
+SPEC_MISMATCH_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "output": ((int,), "which tensor result of the op (0 = the first)"),
+    "check": ((str,), "what disagrees, one of SPEC_CHECKS"),
+    "mesh_dim": (_INT_OR_NONE, "the mesh dim of the sharding shapes concerned, else None"),
+    "spec_shape": (_LIST_OR_NONE, "what the spec says this rank holds (its sharding shapes entry, or the shape "
+                                  "the global shape implies), where it says one"),
+    "local_shape": ((list,), "the shape of the local tensor this rank holds"),
+    "global_shape": (_LIST_OR_NONE, "the spec's global shape"),
+    "placements": (_STR_OR_NONE, "the spec's placements"),
+    "detail": ((str,), "one line: 'spec says (313, 3), the local tensor is (313, 17, 3)'"),
+}
+SPEC_CHECKS = (
+    "sharding_shapes",  # the spec's sharding shapes give this rank another shape than its local tensor
+    "mesh_size",  # the sharding shapes of a mesh dim list another number of ranks than the mesh dim has
+    "ndim",  # the global shape has another number of dims than the local tensor
+    "global_shape",  # a dim's global size disagrees with the local tensor (whole dim) or the sharding shapes (sum)
+)
+
+# A tensor that claims Replicate, digested on one rank after an op (op field ``replicas``, one per tensor)
+REPLICA_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "key": ((str,), "'<op>#<k>/<what>': names the same tensor on every rank (the k-th call of that op here)"),
+    "what": ((str,), "'output 0', 'parameter conv1.weight' (promoted to Replicate, or a distributed parameter "
+                     "claiming Replicate that a call read), 'argument 1' (promoted, not a known parameter)"),
+    "digest": ((str,), "hash of the local tensor's bytes, shape and dtype"),
+    "shape": ((list,), "the local tensor's shape"),
+    "dtype": ((str,), "its dtype"),
+    "group_ranks": ((list,), "the global ranks that must hold the same tensor (its Replicate mesh dims)"),
+    "kept": ((bool,), "a copy is kept on the rank, so that the client can gather the values (max difference)"),
+}
+
+# What the ranks of a group found when they compared a collective before issuing it (collective field
+# ``preflight``)
+PREFLIGHT_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "status": ((str,), "one of PREFLIGHT_STATUSES"),
+    "ms": ((float, int), "time the check took on this rank (waiting for the others included)"),
+    "detail": (_STR_OR_NONE, "mismatch: what disagrees ('rank 2 sends (1, 4, 16, 64), the others (1, 4, 17, 64)'); "
+                             "late / unchecked: why"),
+    "late_ranks": ((list,), "ranks whose description had not arrived within the time limit"),
+}
+PREFLIGHT_STATUSES = (
+    "ok",  # every rank of the group described the same collective, with matching sizes
+    "mismatch",  # they disagree: the op raised CollectiveMismatchError and the collective was never issued
+    # (its record stays, never completed; Trace.get_collectives() leaves it out)
+    "late",  # some rank had not described it within the time limit: the collective was issued unchecked
+    "unchecked",  # nothing to compare (point-to-point, a group whose ranks are unknown)
+)
+
+# Fields written only where there is something to say (since version 5): absent reads as None.
+OPTIONAL_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
+    KIND_OP: {
+        "spec_mismatches": ((list,), "SPEC_MISMATCH_FIELDS for each result whose spec disagrees with its local "
+                                     "tensor (checked when meta spec_check is True)"),
+        "replicas": ((list,), "REPLICA_FIELDS for each tensor that claims Replicate, digested after the op "
+                              "(forward calls, when meta replicas is True)"),
+    },
+    KIND_COLLECTIVE: {
+        "preflight": ((dict,), "PREFLIGHT_FIELDS: the group compared it before it was issued (calls inside a "
+                               "recorded op, when meta preflight is True)"),
+    },
+    KIND_ERROR: {},
+}
+
 # Fields a record of an older payload may lack (it was written before they existed): name -> the first
 # schema version that writes them. Readers see them as None.
 FIELDS_SINCE: dict[str, dict[str, int]] = {
@@ -280,6 +354,7 @@ def validate_event(ev: Any, where: str = "event", version: int = SCHEMA_VERSION)
             raise SchemaError(f"{where}: unknown phase {ev['phase']!r}")
         if ev["bytes_sent"] < 0 or ev["bytes_recv"] < 0:
             raise SchemaError(f"{where}: negative byte count")
+        _check_optional(ev, KIND_COLLECTIVE, f"{where} (collective seq {ev['seq']})")
         return
     if kind == KIND_ERROR:
         _check_fields(ev, CELL_ERROR_FIELDS, f"{where} (error seq {ev['seq']})", FIELDS_SINCE[KIND_ERROR], version)
@@ -287,6 +362,7 @@ def validate_event(ev: Any, where: str = "event", version: int = SCHEMA_VERSION)
     if kind != KIND_OP:
         return
     _check_fields(ev, OP_FIELDS, f"{where} (op seq {ev['seq']})", FIELDS_SINCE[KIND_OP], version)
+    _check_optional(ev, KIND_OP, f"{where} (op seq {ev['seq']})")
     if ev["path"] not in PATHS:
         raise SchemaError(f"{where}: unknown path {ev['path']!r}")
     if ev["phase"] not in PHASES:
@@ -295,6 +371,30 @@ def validate_event(ev: Any, where: str = "event", version: int = SCHEMA_VERSION)
         _check_fields(ev["error"], ERROR_FIELDS, f"{where} error")
     for p in ev["promotions"]:
         _check_fields(p, PROMOTION_FIELDS, f"{where} promotion")
+
+
+def _check_optional(ev: dict, kind: str, what: str) -> None:
+    """The OPTIONAL_FIELDS of a record that has them: their types, and those of their sub-records."""
+    for name, (types, _doc) in OPTIONAL_FIELDS[kind].items():
+        if name not in ev:
+            continue
+        _check_fields({name: ev[name]}, {name: (types, _doc)}, what)
+        items = ev[name] if isinstance(ev[name], list) else [ev[name]]
+        fields = _OPTIONAL_ITEM_FIELDS[name]
+        for item in items:
+            _check_fields(item, fields, f"{what} {name}")
+    if kind == KIND_OP:
+        for m in ev.get("spec_mismatches") or ():
+            if m["check"] not in SPEC_CHECKS:
+                raise SchemaError(f"{what}: unknown spec check {m['check']!r} (known: {SPEC_CHECKS})")
+    elif kind == KIND_COLLECTIVE and ev.get("preflight") is not None:
+        if ev["preflight"]["status"] not in PREFLIGHT_STATUSES:
+            raise SchemaError(f"{what}: unknown preflight status {ev['preflight']['status']!r} "
+                              f"(known: {PREFLIGHT_STATUSES})")
+
+
+_OPTIONAL_ITEM_FIELDS = {"spec_mismatches": SPEC_MISMATCH_FIELDS, "replicas": REPLICA_FIELDS,
+                         "preflight": PREFLIGHT_FIELDS}
 
 
 def validate_payload(p: Any) -> None:

@@ -8,7 +8,7 @@ views when called.
 
 File format (``save`` / ``load_trace``), JSON::
 
-    {"format": "sharddbg.trace", "version": 1, "schema_version": 4,
+    {"format": "sharddbg.trace", "version": 1, "schema_version": 5,
      "meta": {...}, "clock_offsets_ns": {"0": 0, "1": -1234, ...},
      "incomplete_ranks": [2], "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 
@@ -31,6 +31,7 @@ import pandas as pd
 
 from . import schema
 from .analysis import comm as _comm
+from .analysis import consistency as _consistency
 from .analysis import ops as _ops
 from .analysis import summary as _summary
 from .errors import ShardDbgWarning, TraceFileError
@@ -124,6 +125,15 @@ class Trace:
         always writes it). False: ``get_collectives()`` is empty because nothing was looked for."""
         return any(p["schema_version"] >= 2 and p["meta"].get("comm", True) for p in self.payloads.values() if p)
 
+    @property
+    def checks(self) -> dict[str, bool]:
+        """Which verifications ran while recording (schema version 5, payload meta): ``spec_check`` (each
+        ShardTensor result's spec against its local tensor), ``replicas`` (digests of what claims Replicate),
+        ``preflight`` (collectives compared across their group before being issued). All False for older
+        files: nothing was looked for, so their empty tables mean "not checked"."""
+        metas = [p["meta"] for p in self.payloads.values() if p and p["schema_version"] >= 5]
+        return {name: any(bool(m.get(name)) for m in metas) for name in ("spec_check", "replicas", "preflight")}
+
     def events(self, rank: int) -> list[dict]:
         p = self.payloads.get(rank)
         return list(p["events"]) if p else []
@@ -138,7 +148,9 @@ class Trace:
         """One row per op call (forward and backward) per rank; times on the reference clock. Beside the
         record's fields: ``location`` (where the user's code made the call: "cell [6], line 5: `y = x + x`"),
         ``message`` / ``exc_type`` / ``traceback`` of an error, ``local_ms`` (CPU: the call's own local
-        computation, timed after recording)."""
+        computation, timed after recording), ``spec_mismatches`` (the records of results whose spec disagrees
+        with their local tensor) and ``spec_mismatch`` (the same in one line, None where they agree: the
+        mark for a view)."""
         if self._ops is None:
             self._ops = _ops.ops_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
                                        self.clock_offsets_ns)
@@ -221,6 +233,34 @@ class Trace:
         """Collectives that do not line up across the ranks of their group at the same group_seq: a
         different kind, dtype, size or split, or a rank that never issued it (``missing``)."""
         return _comm.collective_mismatches(self.get_collectives(), traced_ranks=self.ranks)
+
+    # ---- verification -----------------------------------------------------------------------------
+    def get_spec_mismatches(self) -> pd.DataFrame:
+        """ShardTensor results whose spec disagreed with the local tensor, at the op that made them, on each rank
+        where they held: one row per finding (``check``: which part of the spec, ``detail``: "spec says (313,
+        3), the local tensor is (313, 17, 3) ..."), the earliest first (``first``). Empty also when nothing
+        was checked (``checks["spec_check"]``)."""
+        return _consistency.spec_mismatches(self.get_ops())
+
+    def get_replica_divergence(self) -> pd.DataFrame:
+        """Tensors claiming Replicate (op results, plain tensors such as module weights promoted to Replicate)
+        whose ranks held different values after an op, recorded with ``replicas=True``: one row per tensor
+        and replica group, the first op first (``first``), with the ranks that differ, the ranks they are
+        compared with (``reference_ranks``) and, for the first op, the largest difference gathered from the
+        ranks (``max_abs_diff``)."""
+        return _consistency.replica_divergence(self.get_replica_digests(), self.meta.get("replica_differences"))
+
+    def get_replica_digests(self) -> pd.DataFrame:
+        """Every digest taken with ``replicas=True``: one row per tensor claiming Replicate per op call per rank
+        (``key`` names the same tensor on every rank)."""
+        return _consistency.replicas_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+                                           self.clock_offsets_ns)
+
+    def get_preflight(self) -> pd.DataFrame:
+        """Collectives compared across their group before they were issued (``preflight=True``): one row per
+        collective and rank, ``status`` ok / mismatch (with ``detail``) / late / unchecked, ``ms`` its cost."""
+        return _consistency.preflight_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+                                            self.get_ops())
 
     # ---- files ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

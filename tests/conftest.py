@@ -42,5 +42,5 @@ def pytest_collection_modifyitems(config, items):
     cluster running" errors are tested while none runs."""
     own = ("test_browser.py", "test_notebooks.py", "test_lifecycle.py", "test_magics.py", "test_processes.py",
            "test_scatter_input.py", "test_faults.py", "test_bad_input.py", "test_analysis_real.py",
-           "test_setup.py")
+           "test_setup.py", "test_replicas.py", "test_doctor.py", "test_smoke.py")
     items.sort(key=lambda item: 0 if item.path.name in own else 1)

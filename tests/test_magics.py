@@ -20,8 +20,8 @@ from sharddbg.magics import PxDefaults, parse_targets, split_px_line
 
 pytestmark = pytest.mark.cluster
 
-MAGICS = {"line": ["shard_cluster", "px", "pxresult", "pxconfig", "autopx", "shard_inspect"],
-          "cell": ["px", "shard_trace"]}
+MAGICS = {"line": ["shard_cluster", "px", "pxresult", "pxconfig", "autopx", "shard_inspect", "shard_doctor"],
+          "cell": ["px", "shard_trace", "shard_check"]}
 
 
 @pytest.fixture(scope="module")

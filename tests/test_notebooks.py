@@ -172,3 +172,55 @@ def _arr(v):
 
         return np.frombuffer(base64.b64decode(v["bdata"]), dtype=np.dtype(v["dtype"])).tolist()
     return v
+
+
+def test_05_verify():
+    nb = run_notebook("05_verify.ipynb")
+    check_common(nb)
+    bounds = [sum(ROWS[:r]) for r in range(1, N)]  # 17, 34, 50
+    # 1. the numerical check: passes with every gradient; without the conv2d patch, wrong only near the boundaries
+    passed = outputs_text(cell_with(nb, "%%shard_check --inputs x --model net"))
+    assert f"check passed: 8 tensors (outputs and gradients) on {N} ranks agree with the unsharded reference" in passed
+    failed = outputs_text(cell_with(nb, "no_halo = cl.check("))
+    assert failed.startswith("check FAILED: 1 of 1 tensors differ from the unsharded reference: y (output, ranks 0-3")
+    assert f"only in rows near the shard boundaries {', '.join(map(str, bounds))}" in failed and "a missing halo?" in failed
+    rows = cell_with(nb, 'no_halo.plot_rows("y")').outputs[0]["data"]["application/vnd.plotly.v1+json"]
+    assert sorted(s["x0"] for s in rows["layout"]["shapes"] if s.get("line", {}).get("dash") == "dash") == \
+        [b - 0.5 for b in bounds]
+    # 2. the spec alarm: the custom op, on every rank, in the summary line and the table (50 points: 13, 13, 12, 12)
+    alarm = outputs_text(cell_with(nb, "feats = neighbor_features(pts, 17)"))
+    assert f"{N} spec mismatch(es) on rank(s) [0, 1, 2, 3], first at verify_demo.neighbor_features.default" in alarm
+    table = outputs_text(cell_with(nb, "get_spec_mismatches()"))
+    for r, points in enumerate([13, 13, 12, 12]):
+        assert re.search(rf"<td>{r}</td>\s*<td>verify_demo.neighbor_features.default</td>\s*<td>\({points}, 3\)</td>\s*"
+                         rf"<td>\({points}, 17, 3\)</td>", table), table
+    # 3. replicas: the weight changed on rank 3 is named at its first op, in a trace and stand-alone
+    div = outputs_text(cell_with(nb, "%%shard_trace --replicas"))
+    assert "replicas diverge first at torch.conv2d (parameter 2.weight, " in div
+    assert "rank 3 differs from ranks 0, 1, 2 by up to " in div
+    assert re.search(r"<td>torch.conv2d</td>\s*<td>parameter 2.weight</td>\s*<td>\(0, 1, 2, 3\)</td>\s*<td>\[3\]</td>",
+                     outputs_text(cell_with(nb, "get_replica_divergence()")))
+    standalone = outputs_text(cell_with(nb, 'cl.check_replicas("net")'))
+    assert "net: 1 of 6 parameters and buffers differ" in standalone and "2.weight: rank 3 differs from rank 0" in standalone
+    # 4. the doctor: both mistakes fail, with their fix; the sharded input is fine
+    doctor = outputs_text(cell_with(nb, "%shard_doctor"))
+    assert doctor.startswith("doctor: FAILED (") and "2 fail" in doctor
+    assert "head.weight, head.bias" in doctor and "ddp_head is DDP over the whole world ([0, 1, 2, 3])" in doctor
+    assert "DDP(model, process_group=mesh[&#x27;ddp&#x27;].get_group())" in doctor
+    # 5. pre-flight: the uneven all_gather is named before it is issued, and the cell fails with it
+    pre = cell_with(nb, "%%shard_trace --preflight")
+    (error,) = [o for o in pre.outputs if o.get("output_type") == "error"]
+    assert error["ename"] == "RankError"
+    assert error["evalue"].startswith("ranks [0, 1, 2, 3] raised CollectiveMismatchError: all_gather_into_tensor on "
+                                      "process group 'domain'")
+    assert f"ranks 2, 3 send (1, 3, {ROWS[2]}, 16), the others (1, 3, {ROWS[0]}, 16)" in error["evalue"]
+    assert outputs_text(cell_with(nb, "get_preflight()")).count("<td>mismatch</td>") == N
+    # 6. the smoke matrix: every configuration as expected, the batch of 2 refused; the loss error per step
+    smoke = outputs_text(cell_with(nb, "smoke = cl.smoke("))
+    assert smoke.startswith("smoke matrix on 4 ranks: all 5 configurations as expected (4 match the single-device run "
+                            "within rtol 0.001, 1 failed as expected)")
+    assert "✔ failed as expected: ranks [0, 1, 2, 3] raised ScatterError" in smoke
+    assert smoke.count('class="sd-smoke-ok"') == 4
+    losses = cell_with(nb, "smoke.plot_losses()").outputs[0]["data"]["application/vnd.plotly.v1+json"]
+    assert [d["name"] for d in losses["data"]] == ["single-device", "domain=4", "ddp=2 x domain=2, DDP",
+                                                   "ddp=2 x domain=2, FSDP2"]

@@ -444,7 +444,8 @@ def test_explorer_opens_on_the_op_summary(trace):
     summary = ex.summary_frame(trace)
     assert len(summary) == len(expected) == 13
     # the same rows as get_op_summary(), every column equal; errors first, then fallbacks, each in its order
-    assert list(summary.columns) == list(expected.columns) + ["kind"]
+    assert list(summary.columns) == list(expected.columns) + ["kind", "spec_mismatches"]
+    assert (summary["spec_mismatches"] == 0).all()  # the golden trace's specs agree with their data
     key = ["op", "path", "phase"]
     position = {tuple(k): i for i, k in enumerate(expected[key].itertuples(index=False, name=None))}
     got_order = [position[tuple(k)] for k in summary[key].itertuples(index=False, name=None)]

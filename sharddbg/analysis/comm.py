@@ -61,12 +61,14 @@ assert {c for c in COLLECTIVE_COLUMNS[1:] + COLLECTIVE_EXTRA_COLUMNS
 
 def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -> pd.DataFrame:
     """One row per collective record per rank; times on the reference clock (t - offset). A collective that
-    never completed (``in_flight``) has no ``duration_ms``: it is never counted as done."""
+    never completed (``in_flight``) has no ``duration_ms``: it is never counted as done. One that the
+    pre-flight stopped before it was issued (``preflight`` status "mismatch") moved nothing and is left out
+    (``Trace.get_preflight()`` lists it)."""
     rows = []
     for rank in sorted(rows_by_rank):
         off = int(offsets_ns.get(rank, 0))
         for ev in rows_by_rank[rank]:
-            if ev.get("kind") != "collective":
+            if ev.get("kind") != "collective" or (ev.get("preflight") or {}).get("status") == "mismatch":
                 continue
             r = {k: ev.get(k) for k in COLLECTIVE_COLUMNS[1:] + COLLECTIVE_EXTRA_COLUMNS if k in COLLECTIVE_FIELDS}
             r["rank"] = rank

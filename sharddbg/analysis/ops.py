@@ -64,7 +64,7 @@ OPS_COLUMNS = [
 ]
 OPS_EXTRA_COLUMNS = ["fwd_seq", "in_placements", "fallback", "not_implemented", "in_flight", "thread",
                      "exc_type", "traceback", "error_origin_seq", "unmasked", "promotions",
-                     "user_cell", "user_code", "location", "local_ms", "message"]
+                     "user_cell", "user_code", "location", "local_ms", "message", "spec_mismatches", "spec_mismatch"]
 FALLBACK_COLUMNS = ["op", "path", "calls", "ranks", "host_ms_total", "user_frames", "via_handler", "bwd_host_ms_total",
                     "category", "locations"]
 ERROR_COLUMNS = ["rank", "seq", "op", "path", "exc_type", "message", "traceback", "user_frame", "phase", "unmasked",
@@ -100,6 +100,7 @@ def ops_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -
             r["error_origin_seq"] = err["origin_seq"] if err else None
             r["unmasked"] = bool(err["unmasked"]) if err else False
             r["location"] = format_location(ev["user_frame"], ev.get("user_cell"), ev.get("user_code"))
+            r["spec_mismatch"] = spec_mismatch_text(r["spec_mismatches"])
             rows.append(r)
     df = pd.DataFrame(rows, columns=OPS_COLUMNS + OPS_EXTRA_COLUMNS)
     for c in ("host_ms", "device_ms", "local_ms"):
@@ -108,6 +109,15 @@ def ops_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -
     for c in ("t_start_ns", "t_end_ns", "parent_seq", "fwd_seq", "error_origin_seq", "user_cell"):
         df[c] = df[c].astype("Int64")
     return df.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True)
+
+
+def spec_mismatch_text(found: list | None) -> str | None:
+    """One line for an op's ``spec_mismatches`` (the explorer's mark, the ``spec_mismatch`` column of
+    ``get_ops()``): 'output 0: spec says (313, 3), the local tensor is (313, 17, 3) (...)'; None when its
+    results' specs agree with their local tensors (or were not checked)."""
+    if not found:
+        return None
+    return "; ".join(f"output {m['output']}: {m['detail']}" for m in found)
 
 
 def took_fallback_path(ops: pd.DataFrame) -> pd.Series:

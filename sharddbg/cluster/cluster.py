@@ -265,6 +265,24 @@ class Cluster:
         __tracebackhide__ = hide_own_frames()
         self._require_running()
         timeout = arguments.seconds("timeout", timeout, allow_none=True) or self.timeout
+        self._rebuild_group(self.mesh, timeout)
+
+    def remesh(self, mesh, *, timeout: float | None = None) -> None:
+        """Rebuild torch.distributed on the same engines with another ``ddp x domain`` mesh of the same
+        ranks (``{"ddp": 2, "domain": 2}``, ``"ddp=2,domain=2"``, ``(2, 2)``; one axis may be left out).
+
+        A mesh that does not fit the cluster's size is refused (``MeshError``) before anything changes. As
+        with ``recover()``: ranks blocked in a collective are released, every rank tears its process group
+        down and joins a new one with the new mesh (the ``mesh`` of a %px cell is the new one); tensors
+        built on the old mesh must be rebuilt."""
+        __tracebackhide__ = hide_own_frames()
+        self._require_running()
+        spec = resolve_mesh(self.n, mesh)
+        timeout = arguments.seconds("timeout", timeout, allow_none=True) or self.timeout
+        self._rebuild_group(spec, timeout)
+
+    def _rebuild_group(self, spec: MeshSpec, timeout: float) -> None:
+        """Release blocked ranks, tear the process group down on every rank, bring it up with mesh ``spec``."""
         dead = self.dead_ranks()
         if dead:
             raise ClusterError(self._execution.dead_message(dead))
@@ -273,6 +291,7 @@ class Cluster:
             self._execution.release_blocked(busy, timeout)
         self._execution.forget_stuck()
         self._execution.call(api.teardown, timeout=timeout, what="process-group teardown")
+        self.mesh = spec
         self._init_distributed()
         self._execution.group_recovered()
 
@@ -425,11 +444,17 @@ class Cluster:
 
     # ------------------------------------------------------------------ recording
     def trace(self, code: str, *, timeout: float | None = None, max_events: int = 200_000, unmask: bool = True,
-              display: bool = True):
+              display: bool = True, spec_check: bool = True, replicas: bool = False, preflight: bool = False):
         """Run ``code`` on every rank under the recorder and gather one :class:`sharddbg.trace.Trace`.
 
         The trace is kept even when the cell fails or times out (ranks that timed out contribute their
         events up to then, marked incomplete): ``last_trace()`` returns it, and the error is re-raised.
+        Verification while recording: ``spec_check`` flags a ShardTensor result whose spec disagrees with its
+        local tensor (``get_spec_mismatches()``); ``replicas`` digests every tensor that claims Replicate after
+        each op and names the first op where ranks diverge, with the largest difference
+        (``get_replica_divergence()``; it costs a copy and a hash per tensor); ``preflight`` compares each
+        collective inside a recorded op across its group before it is issued, so that a mismatch raises
+        ``CollectiveMismatchError`` on every rank of the group instead of hanging (``get_preflight()``).
         """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
@@ -437,9 +462,79 @@ class Cluster:
         timeout = arguments.seconds("timeout", timeout, allow_none=True)
         self._execution.check_group()
         return self._tracer.trace(self._execution, self._control, code, timeout=timeout, max_events=max_events,
-                                  unmask=unmask, display=display,
+                                  unmask=unmask, display=display, spec_check=spec_check, replicas=replicas,
+                                  preflight=preflight,
                                   meta={"cluster_id": self.cluster_id, "mesh": self.mesh.as_dict(),
                                         "backend": self.backend})
+
+    # ------------------------------------------------------------------ verification
+    def smoke(self, setup, step, configs=None, *, steps: int = 3, seed: int = 0, lr: float = 0.01,
+              rtol: float = 1e-3, timeout: float | None = 300.0):
+        """The smoke matrix: the model of ``setup()`` trained with ``step(model, ctx)`` (which returns the
+        loss) in each configuration of ``configs`` on these ranks, against the same model trained on a
+        single device; a :class:`~sharddbg.cluster.smoke.SmokeResult` (``ok``, ``table``, ``show()``).
+        ``setup`` and ``step`` travel to the ranks by value, with the globals they read.
+
+        ``configs``: None (the whole matrix: single device; ddp=N; domain=N; ddp x domain with DDP and with
+        FSDP2; FSDP2 with ddp=1; each with and without torch.compile; inference only; an invalid mesh and a
+        per-domain batch of 2, which must fail), ``"reduced"``, or a list of ``SmokeConfig`` or names.
+        ``steps`` SGD steps (``lr``) per configuration from ``seed``; losses and first-step gradients must
+        agree within ``rtol`` (relative); ``timeout`` per configuration. The mesh is rebuilt on the same
+        engines for each configuration whose mesh differs (``remesh``) and restored at the end: tensors
+        built on the cluster's mesh before must then be rebuilt. See ``sharddbg.cluster.smoke``."""
+        __tracebackhide__ = hide_own_frames()
+        from .smoke import run_smoke
+
+        self._require_running()
+        self._execution.check_group()
+        return run_smoke(self, self._execution, setup, step, configs, steps=steps, seed=seed, lr=lr, rtol=rtol,
+                         timeout=timeout)
+
+    def check_replicas(self, model: str, *, mesh_dim: str = "domain", timeout: float | None = None):
+        """Are the parameters and buffers of the nn.Module named ``model`` on the ranks (a variable or an
+        expression of their namespace) the same on every rank of each ``mesh_dim`` group? Digests on every rank,
+        then, for those that differ, the largest difference to the group's first rank, gathered on the ranks;
+        a :class:`~sharddbg.cluster.replicas.ReplicaCheck` (``ok``, ``table``, ``show()``, a verdict line).
+        Parameters sharded over ``mesh_dim`` are not replicas there and are listed as such. See
+        ``sharddbg.cluster.replicas``."""
+        __tracebackhide__ = hide_own_frames()
+        from .replicas import check_replicas
+
+        self._require_running()
+        self._execution.check_group()
+        return check_replicas(self, self._execution, model, mesh_dim=mesh_dim, timeout=timeout)
+
+    def check(self, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
+              rtol: float | None = None, atol: float | None = None, grads: bool = True,
+              timeout: float | None = None, display: bool = True):
+        """Run ``stmt`` on the ranks (sharded), then the same statement unsharded in a separate process, and
+        compare every output, input gradient and parameter gradient per tensor and rank: a
+        :class:`~sharddbg.cluster.verify.CheckResult` (``ok``, ``table``, ``rows``, ``show()``, a verdict line).
+
+        ``inputs``: the names bound to their ``full_tensor()`` in the reference (default: the tensors the
+        statement reads); ``outputs``: the names compared after it (default: those it binds); ``model``: the
+        modules copied with rank 0's weights whose parameter gradients are compared (default: the modules it
+        reads); ``loss``: an expression (default: the sum of the mean squares of the outputs); ``rtol`` /
+        ``atol``: tolerances (default by dtype; atol relative to each tensor's scale); ``grads=False``: outputs
+        only. See ``sharddbg.cluster.verify``."""
+        __tracebackhide__ = hide_own_frames()
+        from .verify import run_check
+
+        self._require_running()
+        return run_check(self, stmt, inputs=inputs, outputs=outputs, model=model, loss=loss, rtol=rtol, atol=atol,
+                         grads=grads, timeout=timeout, display=display)
+
+    def doctor(self, *names: str, check=None, timeout: float | None = None):
+        """The pitfall doctor: one row per known ShardTensor pitfall (ok / warn / fail / skip, what was found,
+        the fix), from what the ranks hold (``names``: the variables to examine; default every one) and the last
+        :meth:`check` (or ``check``, a CheckResult: whether gradients were reduced more than once). A
+        :class:`~sharddbg.cluster.doctor.DoctorReport` (``ok``, ``table``, ``show()``, a verdict line). See
+        ``sharddbg.cluster.doctor``."""
+        __tracebackhide__ = hide_own_frames()
+        from .doctor import run_doctor
+
+        self._require_running()
+        return run_doctor(self, list(names), check=check, timeout=timeout)
 
     def last_trace(self, required: bool = True):
         """The Trace of the last ``trace()`` / ``%%shard_trace`` on this cluster; with ``required=False``,

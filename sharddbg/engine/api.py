@@ -20,7 +20,8 @@ from .control import CLOCK_REPLY, CLOCK_REQUEST, DIAGNOSE_REPLY, DIAGNOSE_REQUES
 
 __all__ = ["DIAGNOSE_REQUEST", "DIAGNOSE_REPLY", "CLOCK_REQUEST", "CLOCK_REPLY", "RELEASE_REQUEST", "RELEASE_REPLY", "rank", "init_rank", "teardown",
            "status", "user_value", "user_eval", "tensor_snapshot", "recording_start", "recording_stop",
-           "recording_peek", "is_recording"]
+           "recording_peek", "is_recording", "replica_differences", "replica_release", "parameter_digests",
+           "parameter_differences"]
 
 
 # ---- set-up -------------------------------------------------------------------------------------
@@ -79,11 +80,14 @@ def tensor_snapshot(name: str) -> dict:
 
 
 # ---- recording ----------------------------------------------------------------------------------
-def recording_start(max_events: int = 200_000, unmask: bool = True, comm: bool = True) -> dict:
-    """Start the recorder on this rank: {"rank", "t_start_ns"} (``recorder.start``)."""
+def recording_start(max_events: int = 200_000, unmask: bool = True, comm: bool = True, spec_check: bool = True,
+                    replicas: bool = False, preflight: bool = False, preflight_token: str | None = None) -> dict:
+    """Start the recorder on this rank: {"rank", "t_start_ns"} (``recorder.start``; the verification options
+    are ``Recorder``'s)."""
     from . import recorder
 
-    return recorder.start(max_events=max_events, unmask=unmask, comm=comm)
+    return recorder.start(max_events=max_events, unmask=unmask, comm=comm, spec_check=spec_check,
+                          replicas=replicas, preflight=preflight, preflight_token=preflight_token)
 
 
 def recording_stop() -> dict:
@@ -105,3 +109,107 @@ def is_recording() -> bool:
     from . import recorder
 
     return recorder.is_recording()
+
+
+# ---- replica consistency (recorder/replicas.py) --------------------------------------------------
+def replica_differences(keys: list, src: int, group_ranks: list) -> list:
+    """For each digest key of the last recording, this rank's largest difference to rank ``src``'s kept copy;
+    a collective over the replica group ``group_ranks``, called on all of its ranks (``replicas.differences``)."""
+    from .recorder import replicas
+
+    return replicas.differences(list(keys), int(src), [int(r) for r in group_ranks])
+
+
+def replica_release() -> None:
+    """Drop the copies the last recording kept for ``replica_differences`` (``replicas.release_kept``)."""
+    from .recorder import replicas
+
+    replicas.release_kept()
+
+
+def parameter_digests(expression: str) -> list:
+    """A digest per parameter and buffer of the nn.Module ``expression`` evaluates to in the rank's namespace
+    (``replicas.parameter_digests``); no communication."""
+    from . import bootstrap
+    from .recorder import replicas
+
+    return replicas.parameter_digests(bootstrap.user_eval(expression), _shard_tensor_class())
+
+
+def parameter_differences(expression: str, names: list, mesh_dim: str) -> list:
+    """For each parameter or buffer of ``names``, this rank's largest difference to the first rank of its group
+    along the cluster mesh's ``mesh_dim``; a collective on every rank (``replicas.parameter_differences``)."""
+    import torch.distributed as dist
+
+    from . import bootstrap
+    from .rank_state import STATE
+    from .recorder import replicas
+
+    group = STATE.mesh.get_group(mesh_dim)
+    src = dist.get_process_group_ranks(group)[0]
+    return replicas.parameter_differences(bootstrap.user_eval(expression), list(names), group, src,
+                                          _shard_tensor_class())
+
+
+def _shard_tensor_class() -> type:
+    from physicsnemo.domain_parallel import ShardTensor
+
+    return ShardTensor
+
+
+# ---- smoke matrix -------------------------------------------------------------------------------
+__all__ += ["smoke_run"]
+
+
+def smoke_run(setup, step, plan: dict, reference_grads: dict | None = None) -> dict:
+    """One configuration of the smoke matrix on this rank, on the rank's current mesh: the user's
+    ``setup()`` model trained (or run forward only) with ``step(model, ctx)`` (each the function or
+    cloudpickle's bytes of it); each step's loss and time,
+    the first step's gradient error against ``reference_grads``, one more step's recorder payload
+    (``smoke.run``; ``plan`` is a ``smoke.RunPlan`` as a dict)."""
+    from . import smoke
+
+    return smoke.run(setup, step, plan, reference_grads)
+
+
+# ---- numerical check and pitfall doctor (verify.py) -----------------------------------------------
+__all__ += ["check_prepare", "check_backward", "check_compare", "check_finish", "doctor_facts"]
+
+
+def check_prepare(job_dir: str, stmt: str, loss: str | None, inputs, outputs, models, grads: bool) -> dict:
+    """Before the statement runs: the ranks agree on the names, TF32 goes off, gradients are set aside, the
+    inputs' and distributed parameters' full tensors are gathered and each domain group's first rank writes
+    the reference's bundle under ``job_dir`` (collectives on every rank; ``verify.check_prepare``)."""
+    from . import verify
+
+    return verify.check_prepare(job_dir, stmt, loss, inputs, outputs, models, grads)
+
+
+def check_backward() -> dict:
+    """After the statement: the loss and its backward, every compared tensor placed in its global tensor
+    (collectives on every rank; ``verify.check_backward``)."""
+    from . import verify
+
+    return verify.check_backward()
+
+
+def check_compare(rtol: float | None, atol: float | None) -> list:
+    """This rank's tensors against its group's reference, as records (no communication;
+    ``verify.check_compare``)."""
+    from . import verify
+
+    return verify.check_compare(rtol, atol)
+
+
+def check_finish() -> None:
+    """Put back the gradients and settings the check changed (no communication; ``verify.check_finish``)."""
+    from . import verify
+
+    verify.check_finish()
+
+
+def doctor_facts(names=None) -> dict:
+    """What the pitfall doctor reads on this rank (no communication; ``verify.doctor_facts``)."""
+    from . import verify
+
+    return verify.doctor_facts(names)

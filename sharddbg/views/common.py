@@ -22,6 +22,7 @@ PATH_COLORS = {
     "python_method": "#8c6bb1",  # full_tensor, redistribute, backward, from_local (schema 2)
 }
 ERROR_COLOR = "#8b0000"
+SPEC_COLOR = "#b8860b"  # a result whose spec disagrees with its local tensor: amber, apart from errors and paths
 # Collective kinds: blues, violets, greens and cyans only (hues 110-290 degrees), so that no collective
 # shares a hue with the orange and red DTensor fallbacks; one colour per family, the same in every figure.
 COLLECTIVE_KIND_COLORS = {

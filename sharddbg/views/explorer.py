@@ -28,7 +28,7 @@ from ..analysis.formatting import format_shape, is_missing, json_value
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
 from .bundle import output_bundle, view_payload
-from .common import ERROR_COLOR, PATH_COLORS, errors_html, esc, fallbacks_html, path_color, static, static_view
+from .common import ERROR_COLOR, PATH_COLORS, SPEC_COLOR, errors_html, esc, fallbacks_html, path_color, static, static_view
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -37,7 +37,7 @@ ROW_FIELDS = ["rank", "seq", "op", "path", "phase", "kind", "key", "depth", "par
               "handler", "autograd_node", "fwd_seq", "in_local_shapes", "in_global_shapes", "out_local_shape",
               "out_global_shape", "placements", "in_placements", "dtype", "in_bytes", "out_bytes", "host_ms",
               "device_ms", "t_start_ms", "exc_type", "error", "traceback", "unmasked", "not_implemented", "in_flight",
-              "summary_row", "call_group"]
+              "spec_mismatch", "summary_row", "call_group"]
 COLL_FIELDS = ["rank", "seq", "kind", "phase", "op_seq", "outer_op_seq", "group_ranks", "mesh_dim", "bytes_sent",
                "bytes_recv", "duration_ms", "param"]
 KIND_ORDER = {"error": 0, "fallback": 1, "op": 2}
@@ -45,12 +45,12 @@ KIND_ORDER = {"error": 0, "fallback": 1, "op": 2}
 # expands, whatever their times. ``location`` is where in the user's code ("cell [2], line 4: `...`"), the same
 # on every rank (a cell's ``user_frame`` names each rank's own temporary file).
 CALL_IDENTITY = ("kind", "path", "in_local_shapes", "in_global_shapes", "out_local_shape", "out_global_shape",
-                 "placements", "in_placements", "dtype", "module", "location", "error", "in_flight")
+                 "placements", "in_placements", "dtype", "module", "location", "error", "in_flight", "spec_mismatch")
 GROUP_FIELDS = ["summary_row", "call_group", "ranks", "ranks_text", "calls", "first_rank", "first_seq", *CALL_IDENTITY,
                 "host_ms_min", "host_ms_max", "device_ms_min", "device_ms_max"]
 # Repeated strings: shipped once in a string table, rows hold their index (a 100k-row trace shrinks ~3x).
 TABLE_FIELDS = ("op", "path", "phase", "kind", "key", "module", "user_frame", "handler", "autograd_node",
-                "placements", "dtype", "exc_type", "error", "traceback")
+                "placements", "dtype", "exc_type", "error", "traceback", "spec_mismatch")
 # Lists (shapes, placements per argument): their JSON text goes into the same table.
 JSON_FIELDS = ("in_local_shapes", "in_global_shapes", "out_local_shape", "out_global_shape", "in_placements")
 DEFAULT_MAX_ROWS = 20_000
@@ -109,7 +109,8 @@ def _tables(trace: Trace) -> _Tables:
     summary = trace.get_op_summary()
     ops = trace.get_ops()
     if ops.empty:
-        return _Tables(pd.DataFrame(columns=ROW_FIELDS), summary.assign(kind=pd.Series(dtype=object)),
+        return _Tables(pd.DataFrame(columns=ROW_FIELDS),
+                       summary.assign(kind=pd.Series(dtype=object), spec_mismatches=pd.Series(dtype="int64")),
                        pd.DataFrame(columns=GROUP_FIELDS))
     ops = ops.sort_values(["rank", "seq"], kind="stable").copy()
     ops["occurrence"] = ops.groupby(["rank", "phase", "op"], sort=False).cumcount()
@@ -127,7 +128,11 @@ def _tables(trace: Trace) -> _Tables:
     worst = ops[member].groupby(["op", "path", "phase"])["kind_order"].min()
     order = [int(worst.get((o, p, ph), KIND_ORDER["op"])) for o, p, ph in zip(summary["op"], summary["path"], summary["phase"])]
     kind_of = {v: k for k, v in KIND_ORDER.items()}
-    summary = summary.assign(kind=[kind_of[o] for o in order], kind_order=order)
+    # calls whose result's spec disagrees with its local tensor (the recorder's spec check), per summary row
+    bad_spec = ops[member & ops["spec_mismatch"].notna()].groupby(["op", "path", "phase"]).size()
+    summary = summary.assign(kind=[kind_of[o] for o in order], kind_order=order,
+                             spec_mismatches=[int(bad_spec.get(k, 0)) for k in
+                                              zip(summary["op"], summary["path"], summary["phase"])])
     summary = summary.sort_values("kind_order", kind="stable").drop(columns="kind_order").reset_index(drop=True)
     row_of = {k: i for i, k in enumerate(zip(summary["op"], summary["path"], summary["phase"]))}
     ops["summary_row"] = pd.array([row_of.get(k) if m else None for k, m in
@@ -172,7 +177,8 @@ def summary_frame(trace: Trace) -> pd.DataFrame:
     """The summary the explorer opens on: the rows of ``Trace.get_op_summary()``, errors first, then
     fallbacks, then the rest, each in the summary's own order (most host time first); ``kind`` error /
     fallback / op as the row's calls are in ``explorer_frame`` (a row is an error when one of its calls
-    raised)."""
+    raised); ``spec_mismatches``: how many of its calls made a result whose spec disagrees with its local
+    tensor (``Trace.get_spec_mismatches()``)."""
     return _tables(trace).summary
 
 
@@ -278,6 +284,7 @@ def explorer_summary(trace: Trace) -> dict:
     return {"ranks": [int(r) for r in trace.ranks], "op_calls": len(ops),
             "errors": int(ops["exc_type"].notna().sum()) if len(ops) else 0,
             "fallback_calls": int(is_fallback(ops).sum()) if len(ops) else 0,
+            "spec_mismatches": int(ops["spec_mismatch"].notna().sum()) if len(ops) else 0,
             "collectives": len(trace.get_collectives()), "incomplete_ranks": [int(r) for r in trace.incomplete_ranks],
             "dropped": int(trace.dropped)}
 
@@ -311,6 +318,8 @@ def _group_text(g) -> str:
         parts.append(f"raised {g['error'].splitlines()[0]}")
     if g["in_flight"] is True:
         parts.append("still running")
+    if isinstance(g["spec_mismatch"], str):
+        parts.append(f"spec mismatch: {g['spec_mismatch']}")
     if isinstance(g["location"], str):
         parts.append(g["location"])
     return " · ".join(parts)
@@ -329,7 +338,8 @@ def _summary_text(tables: _Tables, max_rows: int = TEXT_SUMMARY_ROWS, max_groups
         lines.append(f"    {_flag(r.kind, None):10} {r.op:28} {r.path:26} {r.phase:8} {r.calls:>5} "
                      f"{ranks_text(r.ranks).split(' ', 1)[1]:8} {_ms(r.first_ms_median):>9} {_ms(r.steady_ms_median):>9} "
                      f"{_ms(r.host_ms_total):>9} {_ms(r.comm_ms_inclusive):>9}"
-                     + (f"  {r.errors} raised" if r.errors else "") + ("  dispatch-bound" if r.dispatch_bound else ""))
+                     + (f"  {r.errors} raised" if r.errors else "") + ("  dispatch-bound" if r.dispatch_bound else "")
+                     + (f"  {r.spec_mismatches} spec mismatch(es)" if r.spec_mismatches else ""))
         g = groups.get(i)
         for gr in ([] if g is None else g.head(max_groups).to_dict("records")):
             lines.append(f"{'':15}{_group_text(gr)}")
@@ -349,7 +359,8 @@ def explorer_text(trace: Trace) -> str:
 def _text(trace: Trace, tables: _Tables) -> str:
     f = explorer_summary(trace)
     lines = [f"Trace explorer: {f['op_calls']} op calls on {len(f['ranks'])} ranks, {f['errors']} raised, "
-             f"{f['fallback_calls']} through a DTensor fallback, {f['collectives']} collectives"]
+             f"{f['fallback_calls']} through a DTensor fallback, {f['collectives']} collectives"
+             + (f", {f['spec_mismatches']} results whose spec disagrees with their data" if f["spec_mismatches"] else "")]
     if f["incomplete_ranks"]:
         lines.append(f"  incomplete ranks: {f['incomplete_ranks']}")
     if f["dropped"]:
@@ -369,11 +380,22 @@ def _flag(kind: str, in_flight) -> str:
     return "✖ error" if kind == "error" else "⚠ fallback" if kind == "fallback" else "⏳ running" if in_flight is True else ""
 
 
-def _chips(kind: str, path: str) -> str:
+def _chips(kind: str, path: str, spec_mismatch: str | None = None) -> str:
     chip = f'<span class="sd-path" style="background-color:{path_color(path)};color:#fff">{esc(path)}</span>'
     if kind == "error":
         chip = f'<span class="sd-chip-error" style="background-color:{ERROR_COLOR};color:#fff">✖ raised</span> ' + chip
+    if spec_mismatch:
+        chip = (f'<span class="sd-chip-spec" title="{esc(spec_mismatch)}" style="background-color:{SPEC_COLOR};'
+                f'color:#fff">⚠ spec ≠ data</span> ') + chip
     return chip
+
+
+def _spec_count(n) -> str | None:
+    return f"{int(n)} call(s) made a result whose spec disagrees with its local tensor" if n else None
+
+
+def _text_or_none(v) -> str | None:
+    return v if isinstance(v, str) else None
 
 
 def _colgroup(columns) -> str:
@@ -394,8 +416,8 @@ def _summary_html(tables: _Tables, max_rows: int, max_groups: int = STATIC_GROUP
     for i, r in enumerate(summary.head(max_rows).itertuples(index=False)):
         where = r.locations[0] if r.locations else ""
         out.append(f'<tr class="sd-summary-row sd-kind-{esc(r.kind)}"><td class="sd-col-flag">{_flag(r.kind, None)}</td>'
-                   f"<td>{esc(r.op)}</td><td{nowrap}>{_chips(r.kind, r.path)}</td><td>{esc(r.phase)}</td>"
-                   f"<td>{int(r.calls)}</td><td>{esc(ranks_text(r.ranks).split(' ', 1)[1])}</td>"
+                   f"<td>{esc(r.op)}</td><td{nowrap}>{_chips(r.kind, r.path, _spec_count(r.spec_mismatches))}</td>"
+                   f"<td>{esc(r.phase)}</td><td>{int(r.calls)}</td><td>{esc(ranks_text(r.ranks).split(' ', 1)[1])}</td>"
                    f"<td>{_ms(r.first_ms_median)}</td><td>{_ms(r.steady_ms_median)}</td><td>{_ms(r.host_ms_total)}</td>"
                    f"<td>{_ms(r.comm_ms_inclusive)}</td><td>{'bound' if r.dispatch_bound else ''}</td>"
                    f'<td title="{esc(chr(10).join(r.locations))}">{esc(where)}</td></tr>')
@@ -431,7 +453,9 @@ def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
     rows, summary = tables.calls, tables.summary
     head = (f'<div class="sd-title"><span class="sd-kind">Trace explorer</span> <span class="sd-meta">'
             f'{f["op_calls"]} op calls on {len(f["ranks"])} ranks · {f["errors"]} raised · {f["fallback_calls"]} '
-            f'DTensor fallback calls · {f["collectives"]} collectives</span></div>')
+            f'DTensor fallback calls · {f["collectives"]} collectives'
+            + (f' · {f["spec_mismatches"]} results whose spec disagrees with their data' if f["spec_mismatches"] else "")
+            + '</span></div>')
     body = [head,
             f"<h4>Op summary{f' (the first {max_rows} of {len(summary)} rows)' if len(summary) > max_rows else ''}</h4>",
             _summary_html(tables, max_rows),
@@ -441,8 +465,8 @@ def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
     for r in rows.iloc[:max_rows].itertuples(index=False):
         cells.append(f'<tr class="sd-op sd-kind-{esc(r.kind)}"><td class="sd-col-flag">{_flag(r.kind, r.in_flight)}</td>'
                      f"<td>{int(r.rank)}</td><td>{int(r.seq)}</td><td>{esc(r.op)}</td>"
-                     f'<td style="white-space:nowrap">{_chips(r.kind, r.path)}</td><td>{esc(r.phase)}</td>'
-                     f"<td>{esc(r.module) if isinstance(r.module, str) else ''}</td>"
+                     f'<td style="white-space:nowrap">{_chips(r.kind, r.path, _text_or_none(r.spec_mismatch))}</td>'
+                     f"<td>{esc(r.phase)}</td><td>{esc(r.module) if isinstance(r.module, str) else ''}</td>"
                      f'<td class="sd-col-out_local_shape" style="white-space:nowrap">{esc(format_shape(r.out_local_shape))}</td>'
                      f"<td>{_ms(r.host_ms)}</td>"
                      f"<td>{esc(_source(r.user_frame))}</td></tr>")

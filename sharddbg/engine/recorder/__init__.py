@@ -7,9 +7,14 @@ On one rank::
         y = model(x); y.square().mean().backward()
     rec.events        # schema.py records, sorted by seq
 
-From a cluster (one round trip each, through ``engine.api``): ``start(max_events, unmask, comm)`` on every
-rank, run the cell, ``stop()`` -> payload dict; ``peek()`` may be called from another thread while the main
-thread is blocked (e.g. in a collective) and returns what was recorded so far plus the ops still in flight.
+From a cluster (one round trip each, through ``engine.api``): ``start(max_events, unmask, comm, ...)`` on
+every rank, run the cell, ``stop()`` -> payload dict; ``peek()`` may be called from another thread while the
+main thread is blocked (e.g. in a collective) and returns what was recorded so far plus the ops still in
+flight.
+
+Verification while recording: ``spec_check`` (on by default: a ShardTensor result whose spec disagrees with
+its local tensor, ``spec_check.py``), ``replicas`` (digests of what claims Replicate, ``replicas.py``) and
+``preflight`` (each collective compared across its group before it is issued, ``preflight.py``).
 
 The parts, each importing only the ones below it:
 ``recording`` (the Recorder's lifecycle) -> ``ops`` (ShardTensor hooks, module hooks), ``collectives``
@@ -23,19 +28,23 @@ from __future__ import annotations
 
 from ...errors import RecorderError, UnmaskedOpError
 from .ops import PYTHON_METHODS
+from .preflight import CollectiveMismatchError
 from .recording import Recorder
 
-__all__ = ["Recorder", "RecorderError", "UnmaskedOpError", "PYTHON_METHODS", "start", "stop", "peek", "abandon",
-           "is_recording"]
+__all__ = ["Recorder", "RecorderError", "UnmaskedOpError", "CollectiveMismatchError", "PYTHON_METHODS", "start",
+           "stop", "peek", "abandon", "is_recording"]
 
 _session: Recorder | None = None  # the recorder started by start(), if any
 _last_payload: dict | None = None  # payload of the last stop(), for a later peek()
 
 
-def start(max_events: int = 200_000, unmask: bool = True, comm: bool = True) -> dict:
-    """Start recording on this rank; returns {"rank", "t_start_ns"}. Refused if one is running."""
+def start(max_events: int = 200_000, unmask: bool = True, comm: bool = True, *, spec_check: bool = True,
+          replicas: bool = False, preflight: bool = False, preflight_token: str | None = None) -> dict:
+    """Start recording on this rank (the options are ``Recorder``'s); returns {"rank", "t_start_ns"}. Refused
+    if one is running."""
     global _session, _last_payload
-    rec = Recorder(max_events=max_events, unmask=unmask, comm=comm)
+    rec = Recorder(max_events=max_events, unmask=unmask, comm=comm, spec_check=spec_check, replicas=replicas,
+                   preflight=preflight, preflight_token=preflight_token)
     rec.__enter__()
     _session = rec
     _last_payload = None

@@ -60,6 +60,7 @@ from .comm_bytes import BYTE_COUNTS, first_tensor, no_bytes
 from .cuda import CudaSpan
 from .events import CollectiveEvent
 from .params import deferred_gradient_owner, name_of, parameter_of
+from .preflight import CollectiveMismatchError, mismatch_message
 from .state import GroupInfo, RecordingState, ThreadState
 from .tensors import compile_tracing, node_name
 from .undo import UndoLog
@@ -535,6 +536,8 @@ class CollectiveHooks:
         except Exception:  # noqa: BLE001 - a recorder bug must not change the user's result
             rec.internal_errors.append(traceback.format_exc())
             return func(*args, **kwargs)
+        if rec.preflight is not None and (st.op_stack or ev.node_seq_nr is not None) and ev.trigger is None:
+            self._preflight(ev, args, kwargs, st)  # raises CollectiveMismatchError instead of a hang
         ev.t_issue_ns = clock.now_ns()
         st.collective_depth += 1  # what this op dispatches (a funcol kernel's c10d op) is not another collective
         try:
@@ -547,6 +550,22 @@ class CollectiveHooks:
         except Exception:  # noqa: BLE001
             rec.internal_errors.append(traceback.format_exc())
         return res
+
+    def _preflight(self, ev: CollectiveEvent, args: tuple, kwargs: dict, st: ThreadState) -> None:
+        """Compare ``ev`` across its group before it is issued (inside a recorded op, or in backward, not in
+        DDP's hooks); on a mismatch raise CollectiveMismatchError on this rank, as every rank of the group
+        does."""
+        rec = self.rec
+        st.busy = True
+        try:
+            ev.preflight = rec.preflight.check(ev, args, kwargs)
+        except Exception:  # noqa: BLE001 - a recorder bug must not change the user's result
+            rec.internal_errors.append(traceback.format_exc())
+        finally:
+            st.busy = False
+        if ev.preflight is not None and ev.preflight.status == "mismatch":
+            ev.t_issue_ns = clock.now_ns()  # when it would have been issued; it never completes
+            raise CollectiveMismatchError(mismatch_message(ev, ev.preflight.detail))
 
     def wrapped(self, args: tuple, res) -> None:
         """``_wrap_tensor_autograd`` put a pending output into an AsyncCollectiveTensor: its wait closes it."""

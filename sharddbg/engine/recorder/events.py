@@ -40,6 +40,7 @@ class OpEvent:
         "thread",  # recorder thread id
         "inputs",  # [TensorInfo] of the tensor arguments (backward: the incoming gradients)
         "output",  # TensorInfo of the first tensor result (backward: first outgoing gradient) or None
+        "outputs",  # [TensorInfo] of every tensor result when there are several (the spec check reads them)
         "out_bytes",
         "autograd_seq_start",  # the thread's next autograd sequence number when the op began
         "cuda",  # CudaSpan when an argument is on CUDA, else None
@@ -48,6 +49,7 @@ class OpEvent:
         "fallback",  # the DTensor fallback ran (directly or from inside the handler)
         "promotions",  # [Promotion] or None
         "not_implemented",  # the call returned NotImplemented
+        "replicas",  # [replicas.ReplicaDigest] of the tensors claiming Replicate, when replicas are checked
     )
 
     def __init__(self, seq: int, parent: "OpEvent | None", root: "OpEvent | None", depth: int, op: str, path: str,
@@ -70,6 +72,7 @@ class OpEvent:
         self.thread = thread
         self.inputs = inputs
         self.output = None
+        self.outputs = None
         self.out_bytes = 0
         self.autograd_seq_start = autograd_seq_start
         self.cuda = None
@@ -79,6 +82,7 @@ class OpEvent:
         self.fallback = False
         self.promotions = None
         self.not_implemented = False
+        self.replicas = None
 
     @classmethod
     def backward(cls, seq: int, parent: "OpEvent | None", depth: int, forward: "OpEvent", autograd_node: str,
@@ -99,6 +103,7 @@ class OpEvent:
         ev.thread = thread
         ev.inputs = grad_outputs
         ev.output = grad_inputs[0] if grad_inputs else None
+        ev.outputs = grad_inputs if len(grad_inputs) > 1 else None
         ev.out_bytes = sum(i.local_bytes for i in grad_inputs)
         ev.autograd_seq_start = None
         ev.cuda = None
@@ -108,6 +113,7 @@ class OpEvent:
         ev.fallback = False
         ev.promotions = None
         ev.not_implemented = False
+        ev.replicas = None
         return ev
 
     def __repr__(self) -> str:
@@ -144,6 +150,7 @@ class CollectiveEvent:
         "cuda",  # CudaSpan when the first tensor is on CUDA
         "waiting_on",  # the outputs (funcol) or the Work (c10d) whose wait completes it; None once done
         "pending_keys",  # ids under which it is pending (funcol outputs)
+        "preflight",  # preflight.PreflightResult when the group compared it before it was issued
     )
 
     def __init__(self, seq: int, group_seq: int, spec: Any, group: Any, thread: int) -> None:
@@ -178,6 +185,7 @@ class CollectiveEvent:
         self.cuda = None
         self.waiting_on = None
         self.pending_keys = None
+        self.preflight = None
 
     def __repr__(self) -> str:
         return f"CollectiveEvent(seq={self.seq}, group_seq={self.group_seq}, spec={self.spec!r})"

@@ -22,13 +22,48 @@ from .cells import cell_and_code
 from .comm_bytes import TensorMeta
 from .events import CellErrorEvent, CollectiveEvent, OpEvent
 from .params import ddp_bucket_of
+from .spec_check import spec_mismatches
 from .state import RecordingState
 from .tensors import placements_str, shape_list, sharding_shapes_plain
 
 
-def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None) -> dict:
+def spec_findings(ev: OpEvent, meshes: dict) -> list[dict]:
+    """schema.SPEC_MISMATCH_FIELDS for each ShardTensor result of ``ev`` whose spec disagrees with its local
+    tensor (``spec_check.spec_mismatches``). ``meshes``: id(mesh) -> (this rank's coordinate, mesh shape),
+    filled as meshes are met (one export's cache: the events hold the meshes alive)."""
+    infos = ev.outputs if ev.outputs is not None else ([ev.output] if ev.output is not None else [])
+    found = []
+    for index, info in enumerate(infos):
+        if not info.shard_tensor or info.fake:
+            continue
+        mesh = info.mesh
+        where = meshes.get(id(mesh))
+        if where is None:
+            where = meshes[id(mesh)] = (mesh.get_coordinate(), tuple(mesh.mesh.shape))
+        coordinate, mesh_shape = where
+        if coordinate is None:
+            continue
+        for m in spec_mismatches(info.local_shape, info.global_shape, info.placements, info.sharding_shapes,
+                                 coordinate, mesh_shape):
+            found.append({"output": index, "check": m.check, "mesh_dim": m.mesh_dim,
+                          "spec_shape": list(m.spec_shape) if m.spec_shape is not None else None,
+                          "local_shape": list(m.local_shape),
+                          "global_shape": list(m.global_shape) if m.global_shape is not None else None,
+                          "placements": placements_str(info.placements), "detail": m.detail})
+    return found
+
+
+def replica_records(ev: OpEvent, op: str) -> list[dict]:
+    """schema.REPLICA_FIELDS of the tensors ``ev`` digested (those of a call that completed)."""
+    return [{"key": d.key(op), "what": d.what, "digest": d.digest, "shape": [int(x) for x in d.shape],
+             "dtype": str(d.dtype).removeprefix("torch."), "group_ranks": list(d.group_ranks), "kept": d.kept}
+            for d in list(ev.replicas) if d.call is not None]
+
+
+def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshes: dict | None = None) -> dict:
     """The schema record of an op event (``in_flight``: it had not returned when the record was made;
-    ``local_ms``: what local_timing measured for it)."""
+    ``local_ms``: what local_timing measured for it; ``meshes``: check its results' specs, with this cache
+    of mesh coordinates (``spec_findings``); None: not checked)."""
     ins = ev.inputs or []
     out = ev.output
     first = out if out is not None else (ins[0] if ins else None)
@@ -45,7 +80,7 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None) -> di
     src = fwd if fwd is not None else ev
     err = ev.error
     cell, code = cell_and_code(ev.frame)
-    return {
+    record = {
         "kind": "op",
         "seq": ev.seq,
         "parent_seq": parent.seq if parent is not None else None,
@@ -86,6 +121,15 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None) -> di
         "in_flight": in_flight,
         "thread": ev.thread,
     }
+    if meshes is not None:
+        found = spec_findings(ev, meshes)
+        if found:
+            record["spec_mismatches"] = found
+    if ev.replicas:
+        digests = replica_records(ev, src.op)
+        if digests:
+            record["replicas"] = digests
+    return record
 
 
 def forward_op_of(rec: RecordingState, node_seq_nr: int, limit: int | None = None) -> OpEvent | None:
@@ -161,7 +205,7 @@ def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState)
     dtype = ev.dtype
     if dtype is not None and not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
-    return {
+    record = {
         "kind": "collective",
         "seq": ev.seq,
         "group_seq": ev.group_seq,
@@ -203,6 +247,11 @@ def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState)
         # not completed: never waited for, or (CUDA) its kernel has not finished, whatever the host saw
         "in_flight": bool(in_flight or ev.t_done_ns is None or (ev.cuda is not None and not ev.cuda.device_done())),
     }
+    pf = ev.preflight
+    if pf is not None:
+        record["preflight"] = {"status": pf.status, "ms": float(pf.ms), "detail": pf.detail,
+                               "late_ranks": list(pf.late_ranks)}
+    return record
 
 
 def error_record(ev: CellErrorEvent) -> dict:
@@ -225,10 +274,10 @@ def error_record(ev: CellErrorEvent) -> dict:
     }
 
 
-def _record(ev, rec: RecordingState) -> dict:
+def _record(ev, rec: RecordingState, meshes: dict | None) -> dict:
     kind = type(ev)
     if kind is OpEvent:
-        return op_record(ev, False, rec.local_ms.get(ev.seq))
+        return op_record(ev, False, rec.local_ms.get(ev.seq), meshes)
     if kind is CollectiveEvent:
         return collective_record(ev, False, rec)
     return error_record(ev)
@@ -238,11 +287,12 @@ def records(rec: RecordingState, include_in_flight: bool) -> list[dict]:
     """Schema records of the kept events (and, with ``include_in_flight``, of the ops still running on
     every thread), sorted by seq."""
     kept = list(rec.buffer)  # list() of a list is atomic under the GIL: safe from another thread
-    out = [_record(ev, rec) for ev in kept]
+    meshes = {} if rec.spec_check else None
+    out = [_record(ev, rec, meshes) for ev in kept]
     if include_in_flight:
         for st in list(rec.threads.values()):
             for ev in list(st.op_stack):
-                out.append(op_record(copy.copy(ev), True))
+                out.append(op_record(copy.copy(ev), True, None, meshes))
     out.sort(key=lambda e: e["seq"])
     return out
 
@@ -292,6 +342,9 @@ def _meta(rec: RecordingState) -> dict:
         "recording": rec.running,
         "reentries": rec.reentries,
         "comm": rec.comm,
+        "spec_check": rec.spec_check,
+        "replicas": rec.replicas is not None,
+        "preflight": rec.preflight is not None,
         "n_collectives": rec.collectives.count,
         "internal_errors": list(rec.internal_errors[-5:]),
         "installed_at": list(rec.installed_at),

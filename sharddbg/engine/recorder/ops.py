@@ -26,7 +26,7 @@ from .autograd import hook_backward
 from .cells import frame_position, traceback_with_callers
 from .cuda import CudaSpan
 from .events import OpEvent, Promotion
-from .params import name_tree
+from .params import name_of, name_tree
 from .paths import dispatch_path, function_path
 from .state import ModuleFrame, RecordingState, SeenError, ThreadState
 from .tensors import (
@@ -103,8 +103,10 @@ def close(st: ThreadState, ev: OpEvent) -> None:
             break
 
 
-def end(rec: RecordingState, st: ThreadState, ev: OpEvent, res: Any) -> None:
-    """The op returned ``res``: close and keep its event, hook the autograd node behind its output."""
+def end(rec: RecordingState, st: ThreadState, ev: OpEvent, res: Any, args: tuple | None = None,
+        kwargs: dict | None = None) -> None:
+    """The op returned ``res``: close and keep its event, hook the autograd node behind its output.
+    ``args`` / ``kwargs``: those of a call through __torch_function__ (replica digests read them)."""
     close(st, ev)
     if st.tid == 0 and ev.phase == "forward":
         rec.forward_op_ends.append(_autograd_seq_nr())
@@ -121,9 +123,16 @@ def end(rec: RecordingState, st: ThreadState, ev: OpEvent, res: Any) -> None:
         if outs:
             infos = [i for i in (tensor_info(t, rec.shard_tensor_cls) for t in outs) if i is not None]
             ev.output = infos[0] if infos else None
+            if len(infos) > 1:
+                ev.outputs = infos
             ev.out_bytes = sum(i.local_bytes for i in infos)
             hook_backward(rec, ev, outs)
     rec.keep(ev)
+    if rec.replicas is not None and ev.phase == "forward" and not ev.not_implemented:
+        if args is not None and ev.parent is None:  # a call from the user's code: the parameters it read too
+            rec.replicas.after_op(ev, res, rec.shard_tensor_cls, (args, kwargs), lambda t: name_of(rec, t))
+        else:
+            rec.replicas.after_op(ev, res, rec.shard_tensor_cls)
 
 
 def record_error(rec: RecordingState, st: ThreadState, ev: OpEvent, e: BaseException, unmasked: bool) -> dict:
@@ -242,7 +251,7 @@ def torch_function_wrapper(rec: RecordingState, original: Callable, fallback: Ca
             raise
         st.busy = True
         try:
-            end(rec, st, ev, res)
+            end(rec, st, ev, res, args, kwargs)
         except Exception:  # noqa: BLE001
             rec.internal_errors.append(traceback.format_exc())
         finally:
@@ -345,7 +354,16 @@ def promotion_recorder(rec: RecordingState, original: Callable) -> Callable:
                 ev = st.op_stack[-1]
                 if ev.promotions is None:
                     ev.promotions = []
-                ev.promotions.append(Promotion(rec.params.get(id(tensor)), tensor.shape, tensor.dtype))
+                name = rec.params.get(id(tensor))
+                ev.promotions.append(Promotion(name, tensor.shape, tensor.dtype))
+                if rec.replicas is not None and ev.phase == "forward":
+                    st.busy = True
+                    try:
+                        rec.replicas.promoted(ev, tensor, mesh, name, len(ev.promotions) - 1)
+                    except Exception:  # noqa: BLE001 - a recorder bug must not change the user's result
+                        rec.internal_errors.append(traceback.format_exc())
+                    finally:
+                        st.busy = False
         return original(tensor, mesh, *a, **k)
 
     _looks_like(promote, original)

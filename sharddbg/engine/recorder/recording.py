@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 import torch
 
 from ...errors import RecorderError
@@ -9,10 +11,13 @@ from .. import clock
 from ..rank_state import rank_and_world
 from . import cell_errors, export, local_timing, ops
 from .collectives import CollectiveHooks
+from .preflight import Preflight
+from .replicas import ReplicaTracker, remember
 from .state import RecordingState
 from .undo import UndoLog
 
 _active: "Recorder | None" = None  # the one recorder of this process (nested ones are refused)
+_preflights = 0  # recordings with preflight in this process (names their store keys when no token is given)
 
 
 class Recorder(RecordingState):
@@ -24,15 +29,31 @@ class Recorder(RecordingState):
         rec.dropped       # records lost to a full buffer
 
     ``unmask``: re-raise a TypeError that PyTorch would report only as "unsupported operand type(s)" as
-    ``UnmaskedOpError`` chained to the original. One recorder per process at a time; a Recorder is entered
+    ``UnmaskedOpError`` chained to the original. ``spec_check``: flag a ShardTensor result whose spec
+    disagrees with its local tensor (op field ``spec_mismatches``; checked at export, nothing on the hot
+    path but a reference per result). ``replicas``: digest every tensor that claims Replicate after each
+    forward op and keep copies for a later max difference (``replicas.py``; costs a copy and a hash per
+    tensor). ``preflight``: before each collective inside a recorded op, compare it across its group through
+    the rendezvous store (``preflight.py``); ``preflight_token`` names this recording's store keys, the same
+    on every rank (default: counted per process). One recorder per process at a time; a Recorder is entered
     once. Its attributes are the recording's state (``RecordingState``).
     """
 
-    def __init__(self, max_events: int = 200_000, unmask: bool = True, comm: bool = True) -> None:
+    def __init__(self, max_events: int = 200_000, unmask: bool = True, comm: bool = True, *, spec_check: bool = True,
+                 replicas: bool = False, preflight: bool = False, preflight_token: str | None = None) -> None:
+        global _preflights
         if int(max_events) < 0:
             raise ValueError("max_events must be >= 0")
         rank, world_size = rank_and_world()
-        super().__init__(int(max_events), bool(unmask), bool(comm), rank, world_size)
+        tracker = pf = None
+        if replicas:
+            tracker = ReplicaTracker()
+        if preflight:
+            if not comm:
+                raise RecorderError("preflight checks collectives: it needs comm=True")
+            _preflights += 1
+            pf = Preflight(preflight_token or f"local-{_preflights}", rank)
+        super().__init__(int(max_events), bool(unmask), bool(comm), rank, world_size, bool(spec_check), tracker, pf)
         self._undo: UndoLog | None = None
         self._used = False
         self._final_events: list[dict] | None = None
@@ -59,6 +80,7 @@ class Recorder(RecordingState):
             undo.restore()
             raise
         self._undo = undo
+        remember(self.replicas)  # the previous recording's kept copies go
         self.t_start_ns = clock.now_ns()
         self.running = True
         _active = self
@@ -92,6 +114,11 @@ class Recorder(RecordingState):
             torch.cuda.synchronize()  # so device_ms of every event can be read
         self.errors_seen.clear()
         self.roots.clear()
+        if self.preflight is not None:
+            try:
+                self.preflight.release()
+            except Exception:  # noqa: BLE001 - a store already gone (the group torn down) holds no keys
+                self.internal_errors.append(traceback.format_exc())
         # forward_ops / forward_op_ends stay until the events are formatted: backward collectives are
         # attributed to their forward op then
         if errs:

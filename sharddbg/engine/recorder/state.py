@@ -80,13 +80,18 @@ class SeenError:
 class RecordingState:
     """Everything one recording holds. Attributes are public to the recorder's parts; documented here."""
 
-    def __init__(self, max_events: int, unmask: bool, comm: bool, rank: int, world_size: int) -> None:
+    def __init__(self, max_events: int, unmask: bool, comm: bool, rank: int, world_size: int,
+                 spec_check: bool = True, replicas: Any = None, preflight: Any = None) -> None:
         # ---- configuration
         self.max_events = max_events  # events kept at most; further ones are counted in ``dropped``
         self.unmask = unmask  # re-raise a TypeError that PyTorch would hide as UnmaskedOpError
         self.comm = comm  # record collectives too
         self.rank = rank
         self.world_size = world_size
+        # ---- verification
+        self.spec_check = spec_check  # compare each ShardTensor result's spec with its local tensor (at export)
+        self.replicas = replicas  # replicas.ReplicaTracker: digest what claims Replicate after each forward op
+        self.preflight = preflight  # preflight.Preflight: compare each collective across its group first
         # ---- lifecycle
         self.running = False  # hooks installed and recording: every hook checks this first
         self.t_start_ns: int | None = None

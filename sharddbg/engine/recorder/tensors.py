@@ -27,12 +27,14 @@ class TensorInfo:
 
     ``local_shape`` / ``global_shape`` are torch.Size objects (made plain lists at export); ``placements``
     is None for a plain tensor; ``sharding_shapes`` is a ShardTensor's ``_spec._sharding_shapes`` (None
-    for DTensor and plain tensors); ``fake``: a FakeTensor (torch.compile is tracing); ``on_cuda``: a real
-    tensor on a CUDA device (its op is timed with CUDA events).
+    for DTensor and plain tensors); ``mesh``: the DeviceMesh of a ShardTensor or DTensor (None for a plain
+    tensor); ``shard_tensor``: a ShardTensor (its spec is checked against its local tensor at export);
+    ``fake``: a FakeTensor (torch.compile is tracing); ``on_cuda``: a real tensor on a CUDA device (its op
+    is timed with CUDA events).
     """
 
-    __slots__ = ("local_shape", "global_shape", "placements", "local_bytes", "dtype", "sharding_shapes", "fake",
-                 "on_cuda")
+    __slots__ = ("local_shape", "global_shape", "placements", "local_bytes", "dtype", "sharding_shapes", "mesh",
+                 "shard_tensor", "fake", "on_cuda")
 
     def __repr__(self) -> str:
         return "TensorInfo(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
@@ -51,6 +53,8 @@ def tensor_info(t: Any, shard_tensor_cls: type) -> TensorInfo | None:
         i.global_shape = meta.shape if meta is not None else None
         i.placements = spec.placements
         i.sharding_shapes = getattr(spec, "_sharding_shapes", None)
+        i.mesh = spec.mesh
+        i.shard_tensor = True
     elif isinstance(t, DTensor):
         i = _new_info(TensorInfo)
         lt = t._local_tensor
@@ -59,6 +63,8 @@ def tensor_info(t: Any, shard_tensor_cls: type) -> TensorInfo | None:
         i.global_shape = meta.shape if meta is not None else None
         i.placements = spec.placements
         i.sharding_shapes = None
+        i.mesh = spec.mesh
+        i.shard_tensor = False
     elif isinstance(t, torch.Tensor):
         # A plain tensor (or another subclass without ShardTensor's hooks): metadata reads are local.
         i = _new_info(TensorInfo)
@@ -66,6 +72,8 @@ def tensor_info(t: Any, shard_tensor_cls: type) -> TensorInfo | None:
         i.global_shape = t.shape
         i.placements = None
         i.sharding_shapes = None
+        i.mesh = None
+        i.shard_tensor = False
     else:
         return None
     i.local_shape = lt.shape

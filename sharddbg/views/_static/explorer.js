@@ -73,8 +73,20 @@ export function renderExplorer(model, el) {
 
   const pill = (p) => h("span", { class: "sd-path", style: `background:${data.path_colors[p] || "#777"}`, text: p });
   // an op call that raised: marked as an error first, its dispatch path after
-  const chips = (r) => r.kind === "error" ? h("span", { class: "sd-chips" }, h("span", { class: "sd-chip-error", text: "✖ raised" }), " ", pill(r.path))
-                                          : pill(r.path);
+  // a result whose spec disagrees with its local tensor (a call: its text; a summary row: how many calls)
+  const specChip = (r) => {
+    const text = r.spec_mismatch || (r.spec_mismatches ? `${r.spec_mismatches} call(s) made a result whose spec disagrees with its local tensor` : null);
+    return text ? h("span", { class: "sd-chip-spec", title: text, text: "⚠ spec ≠ data" }) : null;
+  };
+  const chips = (r) => {
+    const spec = specChip(r);
+    if (r.kind !== "error" && !spec) return pill(r.path);
+    const out = h("span", { class: "sd-chips" });
+    if (spec) out.append(spec, " ");
+    if (r.kind === "error") out.append(h("span", { class: "sd-chip-error", text: "✖ raised" }), " ");
+    out.append(pill(r.path));
+    return out;
+  };
   let selected = null;  // [rank, seq] of the op whose detail is open
   const byCall = new Map(rows.map((r) => [r.rank + ":" + r.seq, r]));
   const expanded = new Set();  // indexes of the summary rows shown with their calls
@@ -112,6 +124,7 @@ export function renderExplorer(model, el) {
     add("placements", r.placements); add("dtype", r.dtype);
     if (r.kind === "fallback") add("note", "this call ran through the DTensor fallback (no ShardTensor handler took it)");
     if (r.in_flight) add("state", "still running when the trace was taken (the rank timed out or hung here)");
+    if (r.spec_mismatch) add("spec mismatch", r.spec_mismatch);
     if (r.not_implemented) add("returned", "NotImplemented");
     detail.append(kv);
     if (r.exc_type) {
@@ -232,7 +245,7 @@ export function renderExplorer(model, el) {
       const tr = h("tr", { class: `sd-op sd-call-group sd-kind-${g.kind}` + (isSel ? " sd-selected" : ""), "data-rank": g.first_rank,
                            "data-seq": g.first_seq, "data-kind": g.kind, "data-op": s.op, "data-ranks": g.ranks.join(",") });
       for (const [k] of cols) {
-        if (k === "kind") tr.append(cell("flag", flagText(g)));
+        if (k === "kind") tr.append(g.spec_mismatch && g.kind === "op" ? h("td", { class: "sd-col-flag" }, specChip(g)) : cell("flag", flagText(g)));
         else if (k === "in_local_shapes") tr.append(cell(k, shapes(g[k])));
         else if (k === "out_local_shape") tr.append(cell(k, shp(g[k])));
         else if (k === "host_ms") tr.append(cell(k, msRange(g.host_ms_min, g.host_ms_max)));

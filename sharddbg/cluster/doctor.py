@@ -1,0 +1,389 @@
+"""``Cluster.doctor``: the known ShardTensor pitfalls, checked against what the ranks hold.
+
+Every rank answers ``api.doctor_facts`` (what it reads without communicating: digests of the plain
+parameters, the ShardTensors' shapes and autograd flags, unwaited collectives, optimizers' parameter groups,
+FSDP1 and DDP wrappers); this module compares the ranks' answers and turns them into one row per check:
+
+1. weights synced over the domain axis (plain parameters equal on every rank of a domain group);
+2. a batch of 1 per domain group;
+3. ``requires_grad`` of ShardTensor leaves reaching autograd;
+4. async collectives waited;
+5. optimizer parameter groups not mixing distributed and plain parameters in foreach kernels;
+6. no FSDP1;
+7. DDP over the ``ddp`` axis only;
+8. gradients reduced once over the domain axis (from the last ``Cluster.check``, which compares them with
+   an unsharded reference).
+
+Each row: ``ok``, ``warn`` (a risk, or right here but wrong elsewhere), ``fail`` (the mistake is there) or
+``skip`` (nothing to examine), what was found and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+
+from ..engine import api
+from ..errors import ShardDbgError, hide_own_frames
+from . import verify
+
+__all__ = ["DoctorError", "DoctorReport", "Finding", "run_doctor", "TABLE_COLUMNS", "CHECKS", "STATUSES"]
+
+TABLE_COLUMNS = ["check", "status", "found", "fix", "ranks"]
+STATUSES = ("ok", "warn", "fail", "skip")
+WEIGHTS_SYNCED = "weights synced over the domain axis"
+BATCH_OF_ONE = "batch of 1 per domain group"
+REQUIRES_GRAD = "requires_grad of ShardTensor leaves"
+ASYNC_WAITED = "async collectives waited"
+OPTIMIZER_GROUPS = "optimizer groups by tensor type"
+NO_FSDP1 = "no FSDP1"
+DDP_GROUP = "DDP over the ddp axis only"
+REDUCED_ONCE = "gradients reduced once over the domain axis"
+CHECKS = (WEIGHTS_SYNCED, BATCH_OF_ONE, REQUIRES_GRAD, ASYNC_WAITED, OPTIMIZER_GROUPS, NO_FSDP1, DDP_GROUP,
+          REDUCED_ONCE)
+
+FIXES = {
+    WEIGHTS_SYNCED: ("broadcast every plain parameter from the domain group's first rank at start-up (before "
+                     "wrapping): g = mesh['domain'].get_group(); for p in model.parameters(): "
+                     "dist.broadcast(p.data, src=dist.get_process_group_ranks(g)[0], group=g)"),
+    BATCH_OF_ONE: ("keep a batch of 1 per domain group (ops such as linear flatten batch x sequence) and scale the "
+                   "batch over the ddp axis: each ddp rank its own sample"),
+    REQUIRES_GRAD: ("create the leaf with the flag: sharddbg.engine.scatter(t, dim, requires_grad=True) or "
+                    "scatter_tensor(..., requires_grad=True); never set it on the local tensor"),
+    ASYNC_WAITED: "call .wait() (or to_local()) on every AsyncCollectiveTensor before dropping or reusing it",
+    OPTIMIZER_GROUPS: ("split the parameter groups by tensor type and mesh (distributed in one group, plain in "
+                       "another), or pass foreach=False; build the optimizer after wrapping"),
+    NO_FSDP1: ("use DDP with the ddp sub-mesh's group, or FSDP2: fully_shard(model, mesh=mesh['ddp']); "
+               "FullyShardedDataParallel fights ShardTensor's weight promotion"),
+    DDP_GROUP: "DDP(model, process_group=mesh['ddp'].get_group())",
+    REDUCED_ONCE: ("do not reduce gradients over the domain axis yourself (no all_reduce or hook over the domain "
+                   "group): ShardTensor's backward already sums the promoted weights' gradients there"),
+}
+
+
+class DoctorError(ShardDbgError, ValueError):
+    """The doctor could not run as asked (a name the ranks do not have)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One row of the doctor: a check, its status, what was found, the fix, the ranks concerned."""
+
+    check: str
+    status: str
+    found: str
+    fix: str = ""
+    ranks: tuple[int, ...] = ()
+
+
+class DoctorReport:
+    """What ``Cluster.doctor`` found: ``table`` (one row per check, ``TABLE_COLUMNS``), ``ok`` (no check
+    failed), ``failures()``, ``status(check)``, ``verdict`` (one line, also the repr), ``show()``."""
+
+    def __init__(self, findings: list[Finding], names: list[str]):
+        self.findings = findings
+        self.names = names  # the variables examined ([]: every one)
+        self.table = pd.DataFrame([{"check": f.check, "status": f.status, "found": f.found, "fix": f.fix,
+                                    "ranks": list(f.ranks)} for f in findings], columns=TABLE_COLUMNS)
+
+    @property
+    def ok(self) -> bool:
+        """No check failed (warnings and skipped checks do not count)."""
+        return not (self.table["status"] == "fail").any()
+
+    def failures(self) -> pd.DataFrame:
+        return self.table[self.table["status"] == "fail"]
+
+    def status(self, check: str) -> str:
+        """The status of one check (one of ``CHECKS``)."""
+        found = self.table[self.table["check"] == check]
+        if found.empty:
+            raise KeyError(f"no doctor check named {check!r}; the checks: {', '.join(CHECKS)}")
+        return str(found["status"].iloc[0])
+
+    def finding(self, check: str) -> Finding:
+        """The row of one check."""
+        for f in self.findings:
+            if f.check == check:
+                return f
+        raise KeyError(f"no doctor check named {check!r}; the checks: {', '.join(CHECKS)}")
+
+    @property
+    def verdict(self) -> str:
+        counts = {s: int((self.table["status"] == s).sum()) for s in STATUSES}
+        tally = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
+        bad = [f for f in self.findings if f.status == "fail"] or [f for f in self.findings if f.status == "warn"]
+        head = "doctor: " + ("FAILED" if counts["fail"] else "warnings" if counts["warn"] else "no pitfall found")
+        text = f"{head} ({tally})"
+        if bad:
+            text += f"; {bad[0].check}: {bad[0].found}"
+            if len(bad) > 1:
+                text += f"; and {len(bad) - 1} more"
+        return text
+
+    def __repr__(self) -> str:
+        return self.verdict
+
+    def text(self) -> str:
+        from ..views.check import doctor_text
+
+        return doctor_text(self.verdict, self.table)
+
+    def _repr_html_(self) -> str:
+        from ..views.check import doctor_html
+
+        return doctor_html(self.verdict, self.table)
+
+    def show(self):
+        """The view: the verdict, then one row per check tinted by status."""
+        from ..views.check import DoctorView
+
+        return DoctorView(self.verdict, self.table)
+
+
+# ---- the doctor ------------------------------------------------------------------------------------------
+def run_doctor(cluster, names: list[str], *, check=None, timeout: float | None = None) -> DoctorReport:
+    """``Cluster.doctor``: see the module docstring."""
+    __tracebackhide__ = hide_own_frames()
+    bad = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
+    if bad:
+        raise DoctorError(f"doctor() takes names of variables on the ranks, got {', '.join(map(repr, bad))}")
+    if check is not None and not isinstance(check, verify.CheckResult):
+        raise DoctorError(f"check= takes the CheckResult of cl.check(...), got {type(check).__name__}")
+    facts = cluster.apply(api.doctor_facts, list(names) or None, timeout=timeout)
+    missing = sorted({n for f in facts for n in f["missing"]})
+    if missing:
+        where = {n: [f["rank"] for f in facts if n in f["missing"]] for n in missing}
+        raise DoctorError("no variable " + "; ".join(f"{n!r} on {_ranks_text(r)}" for n, r in where.items())
+                          + " (doctor() takes names of variables on the ranks)")
+    check = check if check is not None else verify.last_check(cluster)
+    findings = [weights_synced(facts), batch_of_one(facts), requires_grad(facts), async_waited(facts),
+                optimizer_groups(facts), no_fsdp1(facts), ddp_group(facts), reduced_once(check)]
+    return DoctorReport(findings, list(names))
+
+
+def _ranks_text(ranks) -> str:
+    ranks = sorted(set(int(r) for r in ranks))
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _listed(items: list[str], limit: int = 3) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def weights_synced(facts: list[dict]) -> Finding:
+    """Each plain parameter's digest compared across the ranks of each domain group."""
+    check = WEIGHTS_SYNCED
+    by_group: dict[tuple, dict[str, dict[int, str]]] = {}
+    for f in facts:
+        group = tuple(f["domain_group"]) or (f["rank"],)
+        for p in f["params"]:
+            if "digest" in p:
+                by_group.setdefault(group, {}).setdefault(f"{p['module']}.{p['param']}", {})[f["rank"]] = p["digest"]
+    if not by_group:
+        return Finding(check, "skip", "no module with plain parameters among the examined variables")
+    differing: dict[str, set[int]] = {}  # parameter -> the ranks that differ from their group's first rank
+    total = 0
+    for group, params in by_group.items():
+        if len(group) < 2:
+            continue
+        for name, digests in params.items():
+            total += 1
+            first = digests.get(group[0])
+            odd = [r for r in group if digests.get(r) != first]
+            if odd:
+                differing.setdefault(name, set()).update(odd)
+    if not total:
+        return Finding(check, "skip", "the domain axis has one rank: nothing to sync")
+    n_params = len({n for params in by_group.values() for n in params})
+    if differing:
+        ranks = sorted({r for rs in differing.values() for r in rs})
+        return Finding(check, "fail", f"{len(differing)} of {n_params} plain parameters differ across the ranks of a "
+                                      f"domain group ({_ranks_text(ranks)} from their group's first rank): "
+                                      f"{_listed(list(differing))}; they train \"fine\" and wrong", FIXES[check],
+                       tuple(ranks))
+    return Finding(check, "ok", f"every plain parameter ({n_params} per group) is the same on every rank of its "
+                                f"domain group", FIXES[check])
+
+
+def batch_of_one(facts: list[dict]) -> Finding:
+    """ShardTensors of 3+ dims split along some dim other than 0 whose dim 0 (the batch) is larger than 1."""
+    check = BATCH_OF_ONE
+    seen: dict[str, tuple[dict, set]] = {}
+    any_sharded = False
+    for f in facts:
+        for t in f["shard_tensors"]:
+            if t["sharded_dims"] and len(t["global_shape"]) >= 3:
+                any_sharded = True
+                if 0 not in t["sharded_dims"] and t["global_shape"][0] > 1:
+                    seen.setdefault(t["name"], (t, set()))[1].add(f["rank"])
+    if not any_sharded:
+        return Finding(check, "skip", "no sharded activation (a ShardTensor of 3 or more dims) among the examined "
+                                      "variables")
+    if seen:
+        parts = [f"{name}: global shape {tuple(t['global_shape'])}, split along dim "
+                 f"{', '.join(map(str, t['sharded_dims']))}, a batch of {t['global_shape'][0]} per domain group"
+                 for name, (t, _) in seen.items()]
+        ranks = sorted({r for _, rs in seen.values() for r in rs})
+        return Finding(check, "fail", _listed(parts), FIXES[check], tuple(ranks))
+    return Finding(check, "ok", "every sharded activation has a batch (dim 0) of 1", FIXES[check])
+
+
+def requires_grad(facts: list[dict]) -> Finding:
+    """A ShardTensor leaf whose local tensor requires grad while autograd's own flag on it is False (no gradient
+    will reach it), and whether ``requires_grad_`` works at all in this physicsnemo."""
+    check = REQUIRES_GRAD
+    split: dict[str, set] = {}
+    without: dict[str, set] = {}
+    works = [f["requires_grad_works"] for f in facts if f["requires_grad_works"] is not None]
+    leaves = 0
+    for f in facts:
+        for t in f["shard_tensors"]:
+            if not t["is_leaf"]:
+                continue
+            leaves += 1
+            if t["local_requires_grad"] and not t["wrapper_requires_grad"]:
+                split.setdefault(t["name"], set()).add(f["rank"])
+            elif not t["wrapper_requires_grad"]:
+                without.setdefault(t["name"], set()).add(f["rank"])
+    if split:
+        ranks = sorted({r for rs in split.values() for r in rs})
+        return Finding(check, "fail", f"{_listed(sorted(split))}: .requires_grad says True (its local tensor has the "
+                                      f"flag) but autograd's flag on the ShardTensor is False, so no gradient reaches "
+                                      f"it", FIXES[check], tuple(ranks))
+    if works and not all(works):
+        names = sorted(without)
+        found = ("requires_grad_(True) on a ShardTensor does nothing in this physicsnemo (it takes the DTensor "
+                 "fallback and sets the flag on a temporary)")
+        if names:  # whether they should require grad, only their author knows
+            found += f"; ShardTensor leaves that do not require grad: {_listed(names)} (set on purpose?)"
+        ranks = sorted({r for rs in without.values() for r in rs})
+        return Finding(check, "warn", found, FIXES[check], tuple(ranks))
+    if not leaves:
+        return Finding(check, "skip", "no ShardTensor leaf among the examined variables")
+    return Finding(check, "ok", f"requires_grad_ works on ShardTensor here, and the flags of the ShardTensor "
+                                f"leaves ({leaves // len(facts) or leaves} per rank) agree with autograd's", FIXES[check])
+
+
+def async_waited(facts: list[dict]) -> Finding:
+    """Variables that hold an AsyncCollectiveTensor, and functional collectives never waited (torch's registry)."""
+    check = ASYNC_WAITED
+    held: dict[str, set] = {}
+    for f in facts:
+        for name in f["async_tensors"]:
+            held.setdefault(name, set()).add(f["rank"])
+    pending = {f["rank"]: f["unwaited"] for f in facts if f["unwaited"]}
+    if held:
+        ranks = sorted({r for rs in held.values() for r in rs})
+        found = f"{_listed(sorted(held))} hold{'s' if len(held) == 1 else ''} an AsyncCollectiveTensor never waited"
+        if pending:
+            found += f"; {max(pending.values())} functional collective(s) issued and never waited"
+        return Finding(check, "fail", found + " (warnings at exit, and its data may not be there yet)", FIXES[check],
+                       tuple(ranks))
+    if pending:
+        return Finding(check, "warn", f"{max(pending.values())} functional collective(s) issued and never waited "
+                                      f"on {_ranks_text(pending)} (results dropped in a warm-up or a benchmark?)",
+                       FIXES[check], tuple(sorted(pending)))
+    return Finding(check, "ok", "no AsyncCollectiveTensor left unwaited", FIXES[check])
+
+
+def optimizer_groups(facts: list[dict]) -> Finding:
+    """Parameter groups that mix distributed and plain parameters, judged by whether foreach kernels run them."""
+    check = OPTIMIZER_GROUPS
+    failing, warning, total = [], [], 0
+    ranks: set[int] = set()
+    for f in facts:
+        for opt in f["optimizers"]:
+            for g in opt["groups"]:
+                total += 1
+                if not (g["distributed"] and g["plain"]):
+                    continue
+                text = (f"{opt['name']} group {g['index']}: {g['distributed']} distributed and {g['plain']} plain "
+                        f"parameters")
+                if g["foreach"] or g["fused"] or (g["foreach"] is None and g["cuda"]):
+                    failing.append(text + (" with foreach=True" if g["foreach"] else " with fused kernels" if g["fused"]
+                                           else " on CUDA, where foreach is the default"))
+                    ranks.add(f["rank"])
+                elif g["foreach"] is None:
+                    warning.append(text)
+                    ranks.add(f["rank"])
+    if not total:
+        return Finding(check, "skip", "no optimizer among the examined variables")
+    failing, warning = list(dict.fromkeys(failing)), list(dict.fromkeys(warning))
+    if failing:
+        return Finding(check, "fail", f"{_listed(failing)}: foreach kernels cannot mix DTensor/ShardTensor and plain "
+                                      f"parameters", FIXES[check], tuple(sorted(ranks)))
+    if warning:
+        return Finding(check, "warn", f"{_listed(warning)}: fine on CPU, where foreach is off by default; on GPU "
+                                      f"the default foreach kernels fail", FIXES[check], tuple(sorted(ranks)))
+    return Finding(check, "ok", "no optimizer group mixes distributed and plain parameters in foreach kernels",
+                   FIXES[check])
+
+
+def no_fsdp1(facts: list[dict]) -> Finding:
+    check = NO_FSDP1
+    found: dict[str, set] = {}
+    for f in facts:
+        for name in f["fsdp1"]:
+            found.setdefault(name, set()).add(f["rank"])
+    if found:
+        ranks = sorted({r for rs in found.values() for r in rs})
+        return Finding(check, "fail", f"FullyShardedDataParallel (FSDP1) wraps {_listed(sorted(found))}",
+                       FIXES[check], tuple(ranks))
+    if not any(f["params"] for f in facts):
+        return Finding(check, "skip", "no module among the examined variables")
+    return Finding(check, "ok", "no FullyShardedDataParallel in the examined modules", FIXES[check])
+
+
+def ddp_group(facts: list[dict]) -> Finding:
+    """Each DDP wrapper's process group against the rank's group along the mesh's ddp axis."""
+    check = DDP_GROUP
+    wrong: dict[str, tuple[list, int, list, set]] = {}
+    seen = 0
+    for f in facts:
+        for w in f["ddp_wrappers"]:
+            seen += 1
+            if sorted(w["group"]) != sorted(f["ddp_group"]):
+                entry = wrong.setdefault(w["name"], (w["group"], f["rank"], f["ddp_group"], set()))
+                entry[3].add(f["rank"])
+    if not seen:
+        return Finding(check, "skip", "no DistributedDataParallel among the examined variables")
+    if wrong:
+        parts = []
+        for name, (group, rank, axis, _) in wrong.items():
+            whole = f"the whole world ({group})" if len(group) == len(facts) else f"ranks {group}"
+            parts.append(f"{name} is DDP over {whole}, not over the ddp axis (rank {rank}: {axis}): it averages "
+                         f"the gradients over the domain axis too")
+        ranks = sorted({r for *_, rs in wrong.values() for r in rs})
+        return Finding(check, "fail", _listed(parts), FIXES[check], tuple(ranks))
+    return Finding(check, "ok", "every DDP wrapper reduces over its rank's ddp axis", FIXES[check])
+
+
+def reduced_once(check) -> Finding:
+    """Parameter gradients that the last numerical check found a whole multiple of the reference's."""
+    name = REDUCED_ONCE
+    if check is None:
+        return Finding(name, "skip", "no numerical check yet: run cl.check(...) on a forward and backward (it compares "
+                                     "every parameter gradient with an unsharded reference)", FIXES[name])
+    grads = check.table[check.table["kind"] == "parameter grad"]
+    if grads.empty:
+        return Finding(name, "skip", f"the last cl.check compared no parameter gradient ({check.backward_note or 'no model'})",
+                       FIXES[name])
+    multiples = []
+    ranks: set[int] = set()
+    for tensor in dict.fromkeys(grads["tensor"]):
+        rows = grads[grads["tensor"] == tensor]
+        k = verify.whole_multiple(rows["ratio"])
+        if k and not rows["ok"].all():
+            multiples.append((tensor, k))
+            ranks.update(int(r) for r in rows["rank"])
+    if multiples:
+        parts = [f"{t} is {k}x the unsharded reference's" for t, k in multiples]
+        return Finding(name, "fail", f"{_listed(parts)} (last cl.check): reduced over the domain axis once more than "
+                                     f"it should be", FIXES[name], tuple(sorted(ranks)))
+    n = grads["tensor"].nunique()
+    return Finding(name, "ok", f"the last cl.check found none of {n} parameter gradients a multiple of the "
+                               f"reference's", FIXES[name])

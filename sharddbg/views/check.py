@@ -1,0 +1,263 @@
+"""The views of verification: the numerical check (``Cluster.check``) and the pitfall doctor (``Cluster.doctor``).
+
+- ``check_html`` / ``check_text``: the verdict, then one row per tensor and rank (failures first, tinted),
+  then, for each tensor that fails row by row, which rows fail and where the shard boundaries are;
+- ``plot_row_errors``: the largest error per row along the sharded dim, one line per rank, the shard
+  boundaries dashed, the failing rows in red: "wrong only near the boundaries" (a missing halo) shows as
+  spikes at the dashed lines;
+- ``doctor_html`` / ``doctor_text``: one row per check, ok / warn / fail / skip, what was found, the fix.
+
+They read the tables the results carry (``sharddbg.cluster.verify.TABLE_COLUMNS`` and ``ROW_COLUMNS``,
+``sharddbg.cluster.doctor.TABLE_COLUMNS``). The HTML is static (no script), in JupyterLab's theme colours with
+light fallbacks; every string is escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+from .common import empty_figure
+
+FAIL_TINT = "rgba(220, 40, 40, 0.18)"
+WARN_TINT = "rgba(230, 160, 20, 0.20)"
+SKIP_TINT = "rgba(128, 128, 128, 0.10)"
+RANK_COLORS = ["#4e79a7", "#59a14f", "#b07aa1", "#76b7b2", "#9c755f", "#edc948", "#bab0ac", "#86bcb6"]
+CHECK_HEADERS = ["tensor", "kind", "rank", "ok", "max |diff|", "rel. to scale", "ratio", "tolerance", "bad",
+                 "shape", "dtype", "compared", "note"]
+STATUS_MARKS = {"ok": "✔", "warn": "⚠", "fail": "✖", "skip": "·"}
+STATUS_TINTS = {"ok": "transparent", "warn": WARN_TINT, "fail": FAIL_TINT, "skip": SKIP_TINT}
+
+_CELL = ("padding: 2px 8px; text-align: left; white-space: nowrap; vertical-align: top; "
+         "border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);")
+_WRAP = ("padding: 2px 8px; text-align: left; vertical-align: top; max-width: 40em; "
+         "border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);")
+_BOX = ('<div style="font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; '
+        'color: var(--jp-ui-font-color1, #222);">')
+
+
+def _number(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value:.3g}"
+
+
+def _shape(shape) -> str:
+    return "" if shape is None else "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+def _check_cells(row) -> list[str]:
+    tolerance = "" if math.isnan(row["rtol"]) else f"rtol {row['rtol']:.0e}, atol {row['atol']:.2g}"
+    return [str(row["tensor"]), str(row["kind"]), str(row["rank"]), "✔" if row["ok"] else "✖", _number(row["max_abs"]),
+            _number(row["max_rel"]), _number(row["ratio"]), tolerance, f"{int(row['bad'])} of {int(row['numel'])}",
+            _shape(row["shape"]), str(row["dtype"] or "").replace("torch.", ""), str(row["compared"]),
+            str(row["note"] or "")]
+
+
+def _pattern_lines(patterns) -> list[str]:
+    lines = []
+    several_groups = len({p.group for p in patterns}) > 1
+    for p in patterns:
+        rows = _row_ranges(p.failing_rows)
+        where = (f"all within {p.max_distance} rows of a shard boundary: a missing halo?" if p.near_boundaries
+                 else "not only near the shard boundaries")
+        cuts = ", ".join(map(str, p.boundaries)) or "none"
+        group = f" in domain group {p.group}" if several_groups else ""
+        lines.append(f"{p.tensor}{group}: failing rows {rows} (shard boundaries at rows {cuts}); {where}")
+    return lines
+
+
+def _row_ranges(rows) -> str:
+    """[14, 15, 16, 17, 18, 33] -> "14-18, 33" """
+    out, start, prev = [], None, None
+    for r in rows:
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            out.append(f"{start}-{prev}" if prev > start else str(start))
+            start = prev = r
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev > start else str(start))
+    return ", ".join(out)
+
+
+def _ordered(table):
+    """Failures first, then the rest, each in the table's order."""
+    return table.iloc[sorted(range(len(table)), key=lambda i: (bool(table["ok"].iloc[i]), i))]
+
+
+def check_text(verdict: str, table, patterns) -> str:
+    """The check as text: the verdict, the failing rows' patterns, then one aligned line per tensor and rank."""
+    lines = [_check_cells(row) for _, row in _ordered(table).iterrows()]
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(CHECK_HEADERS)]
+    out = [verdict] + _pattern_lines(patterns)
+    out.append("  ".join(h.ljust(w) for h, w in zip(CHECK_HEADERS, widths)).rstrip())
+    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines]
+    return "\n".join(out)
+
+
+def check_html(verdict: str, ok: bool, table, patterns) -> str:
+    """The check as static HTML."""
+    esc = html.escape
+    head = "".join(f'<th style="{_CELL}">{esc(h)}</th>' for h in CHECK_HEADERS)
+    body = []
+    for _, row in _ordered(table).iterrows():
+        cells = _check_cells(row)
+        tds = "".join(f'<td style="{_WRAP if i == len(cells) - 1 else _CELL}">{esc(v)}</td>' for i, v in enumerate(cells))
+        tint = "transparent" if row["ok"] else FAIL_TINT
+        body.append(f'<tr class="sd-check-{"ok" if row["ok"] else "fail"}" style="background: {tint};">{tds}</tr>')
+    color = "var(--jp-success-color1, #2e7d32)" if ok else "var(--jp-error-color1, #b00020)"
+    found = "".join(f'<li>{esc(line)}</li>' for line in _pattern_lines(patterns))
+    return (f'{_BOX}<div class="sd-check-verdict" style="font-weight: bold; color: {color}; margin: 4px 0;">'
+            f'{"✔" if ok else "✖"} {esc(verdict)}</div>'
+            + (f'<ul style="margin: 2px 0 6px 16px; padding: 0;">{found}</ul>' if found else "")
+            + f'<table style="border-collapse: collapse;"><thead><tr>{head}</tr></thead>'
+              f'<tbody>{"".join(body)}</tbody></table></div>')
+
+
+def plot_row_errors(rows, boundaries: dict, tolerances: dict, *, tensor: str | None = None, failing=()):
+    """Plotly Figure: for one tensor at a time (a menu picks it), the largest |sharded - reference| of each row
+    along its sharded dim, one line per rank, failing rows marked red, shard boundaries dashed, the absolute
+    tolerance dotted. ``rows``: ``ROW_COLUMNS`` of one domain group; ``boundaries``: tensor -> first row of
+    each shard after the first; ``tolerances``: tensor -> atol; ``tensor``: the one shown first (default:
+    the first of ``failing``, else the first with rows)."""
+    import plotly.graph_objects as go
+
+    tensors = [t for t in dict.fromkeys(rows["tensor"])]
+    if not tensors:
+        return empty_figure("Error per row", "no tensor was compared row by row (none is sharded)")
+    shown = tensor if tensor in tensors else next((t for t in failing if t in tensors), tensors[0])
+    fig = go.Figure()
+    traces_of: dict[str, list[int]] = {}
+    for t in tensors:
+        part = rows[rows["tensor"] == t]
+        positive = part.loc[part["max_abs"] > 0, "max_abs"]
+        floor = float(positive.min()) / 10 if len(positive) else 1e-12
+        traces_of[t] = []
+        for i, (rank, ranked) in enumerate(part.groupby("rank")):
+            ranked = ranked.sort_values("row")
+            y = [max(v, floor) if not math.isinf(v) else None for v in ranked["max_abs"]]
+            traces_of[t].append(len(fig.data))
+            fig.add_trace(go.Scatter(
+                x=list(ranked["row"]), y=y, mode="lines+markers", name=f"rank {rank}", visible=t == shown,
+                line={"color": RANK_COLORS[i % len(RANK_COLORS)], "width": 1},
+                marker={"size": [7 if not ok else 3 for ok in ranked["ok"]],
+                        "color": ["#d62728" if not ok else RANK_COLORS[i % len(RANK_COLORS)] for ok in ranked["ok"]]},
+                hovertemplate=f"{html.escape(t)}<br>row %{{x}} (rank {rank})<br>max |diff| %{{y:.3g}}<extra></extra>"))
+    n = len(fig.data)
+
+    def layout_for(t: str) -> dict:
+        shapes = [{"type": "line", "x0": b - 0.5, "x1": b - 0.5, "yref": "paper", "y0": 0, "y1": 1,
+                   "line": {"dash": "dash", "color": "#555", "width": 1}} for b in boundaries.get(t, [])]
+        atol = tolerances.get(t)
+        if atol and atol > 0:
+            shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": atol, "y1": atol,
+                           "line": {"dash": "dot", "color": "#d62728", "width": 1}})
+        cuts = ", ".join(map(str, boundaries.get(t, []))) or "none"
+        return {"shapes": shapes, "title.text": f"Error per row · {html.escape(t)} · shard boundaries at {cuts} "
+                                                f"(dashed), atol dotted"}
+
+    buttons = []
+    for t in tensors:
+        visible = [False] * n
+        for k in traces_of[t]:
+            visible[k] = True
+        buttons.append({"label": html.escape(t) + (" ✖" if t in failing else ""), "method": "update",
+                        "args": [{"visible": visible}, layout_for(t)]})
+    first = layout_for(shown)
+    fig.update_layout(template="plotly_white", height=360, shapes=first["shapes"],
+                      title={"text": first["title.text"], "x": 0.01, "font": {"size": 13}},
+                      xaxis={"title": {"text": "row along the sharded dim"}},
+                      yaxis={"title": {"text": "max |sharded - reference|"}, "type": "log"},
+                      updatemenus=[{"buttons": buttons, "active": tensors.index(shown), "x": 1.0, "xanchor": "right",
+                                    "y": 1.25, "yanchor": "top"}],
+                      margin={"l": 70, "r": 20, "t": 90, "b": 50})
+    return fig
+
+
+class CheckView:
+    """The check's view: the verdict and table (static HTML), then the error per row (plotly)."""
+
+    def __init__(self, verdict: str, ok: bool, table, patterns, figure):
+        self.verdict = verdict
+        self.ok = ok
+        self.table = table
+        self.patterns = patterns
+        self.figure = figure
+
+    def html(self) -> str:
+        return check_html(self.verdict, self.ok, self.table, self.patterns)
+
+    def text(self) -> str:
+        return check_text(self.verdict, self.table, self.patterns)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import HTML, display
+
+        display(HTML(self.html()))
+        if self.figure is not None:
+            display(self.figure)
+
+
+# ---- the doctor ------------------------------------------------------------------------------------------
+DOCTOR_HEADERS = ["check", "status", "found", "fix"]
+
+
+def _doctor_cells(row) -> list[str]:
+    return [str(row["check"]), f"{STATUS_MARKS.get(row['status'], '')} {row['status']}", str(row["found"]),
+            str(row["fix"] or "")]
+
+
+def doctor_text(verdict: str, table) -> str:
+    """The doctor as text: the verdict, then one block per check."""
+    out = [verdict]
+    for _, row in table.iterrows():
+        check, status, found, fix = _doctor_cells(row)
+        out.append(f"{status:<7} {check}: {found}" + (f"\n        fix: {fix}" if fix and row["status"] != "ok" else ""))
+    return "\n".join(out)
+
+
+def doctor_html(verdict: str, table) -> str:
+    """The doctor as static HTML: one row per check, tinted by status."""
+    esc = html.escape
+    bad = (table["status"] == "fail").any()
+    warn = (table["status"] == "warn").any()
+    color = ("var(--jp-error-color1, #b00020)" if bad else "var(--jp-warn-color1, #b26a00)" if warn
+             else "var(--jp-success-color1, #2e7d32)")
+    head = "".join(f'<th style="{_CELL}">{esc(h)}</th>' for h in DOCTOR_HEADERS)
+    body = []
+    for _, row in table.iterrows():
+        cells = _doctor_cells(row)
+        if row["status"] == "ok":
+            cells[3] = ""
+        tds = "".join(f'<td style="{_CELL if i < 2 else _WRAP}">{esc(v)}</td>' for i, v in enumerate(cells))
+        body.append(f'<tr class="sd-doctor-{esc(str(row["status"]))}" '
+                    f'style="background: {STATUS_TINTS.get(row["status"], "transparent")};">{tds}</tr>')
+    return (f'{_BOX}<div class="sd-doctor-verdict" style="font-weight: bold; color: {color}; margin: 4px 0;">'
+            f'{esc(verdict)}</div><table style="border-collapse: collapse;"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(body)}</tbody></table></div>')
+
+
+class DoctorView:
+    """The doctor's view: the verdict, then one row per check tinted by status (static HTML)."""
+
+    def __init__(self, verdict: str, table):
+        self.verdict = verdict
+        self.table = table
+
+    def html(self) -> str:
+        return doctor_html(self.verdict, self.table)
+
+    def text(self) -> str:
+        return doctor_text(self.verdict, self.table)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        return self.html()

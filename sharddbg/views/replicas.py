@@ -1,0 +1,89 @@
+"""The replica check's view: the verdict, then one row per parameter and group of ranks, those that differ
+first (which ranks, by how much), then the ones that are the same. Reads the check's table only
+(``sharddbg.cluster.replicas.TABLE_COLUMNS``: name, kind, group_ranks, state, ranks_differing, reference_rank,
+max_abs_diff, shape, dtype, placements, detail).
+
+The HTML is static (no script): it reads the same in a saved notebook, nbconvert or GitHub; its colours are
+JupyterLab's theme variables, with light fallbacks. Every string is escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+MARKS = {"same": "✔", "sharded": "·", "differs": "✖", "mismatch": "✖"}
+TINTS = {"same": "transparent", "sharded": "rgba(128, 128, 128, 0.10)", "differs": "rgba(220, 40, 40, 0.18)",
+         "mismatch": "rgba(220, 40, 40, 0.18)"}
+HEADERS = ["parameter", "ranks", "state", "differing ranks", "max |diff|", "shape", "dtype", "detail"]
+
+
+def _ranks(ranks) -> str:
+    return ", ".join(str(r) for r in ranks) if len(ranks) else ""
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _row_cells(row) -> list[str]:
+    diff = row["max_abs_diff"]
+    return [str(row["name"]), _ranks(row["group_ranks"]), f"{MARKS.get(row['state'], '')} {row['state']}",
+            _ranks(row["ranks_differing"]),
+            "" if diff is None or (isinstance(diff, float) and math.isnan(diff)) else f"{diff:.3g}",
+            _shape(row["shape"]), str(row["dtype"]), str(row["detail"] or "")]
+
+
+def replica_check_text(table, verdict: str) -> str:
+    """The view as text: the verdict, then one aligned line per parameter and group."""
+    lines = [_row_cells(row) for _, row in table.iterrows()]
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(HEADERS)]
+    out = [verdict, "  ".join(h.ljust(w) for h, w in zip(HEADERS, widths)).rstrip()]
+    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines]
+    return "\n".join(out)
+
+
+def replica_check_html(table, verdict: str, mesh_dim: str) -> str:
+    """The view as static HTML."""
+    esc = html.escape
+    bad = not table["state"].isin(("same", "sharded")).all()
+    cell = ("padding: 2px 8px; text-align: left; white-space: nowrap; "
+            "border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);")
+    head = "".join(f'<th style="{cell}">{esc(h)}</th>' for h in HEADERS)
+    body = []
+    for _, row in table.iterrows():
+        state = str(row["state"])
+        cells = "".join(f'<td style="{cell}">{esc(v)}</td>' for v in _row_cells(row))
+        body.append(f'<tr class="sd-replicas-{esc(state)}" style="background: {TINTS.get(state, "transparent")};">'
+                    f"{cells}</tr>")
+    color = "var(--jp-error-color1, #b00020)" if bad else "var(--jp-success-color1, #2e7d32)"
+    return (
+        '<div class="sd-replicas" style="font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; '
+        'color: var(--jp-ui-font-color1, #222);">'
+        f'<div style="font-weight: bold; color: {color}; margin: 4px 0;">{"✖" if bad else "✔"} {esc(verdict)}</div>'
+        f'<table style="border-collapse: collapse;"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody>'
+        f'</table><div style="color: var(--jp-ui-font-color2, #666); margin-top: 4px;">Each parameter and buffer is '
+        f'compared byte for byte across the ranks of each {esc(mesh_dim)} group; max |diff| is the largest '
+        f'difference of a differing rank from the group\'s first rank, gathered on the ranks. A parameter sharded '
+        f'over {esc(mesh_dim)} holds a different part on each rank and is not compared.</div></div>')
+
+
+class ReplicaCheckView:
+    """The replica check as a view: HTML in a notebook, text in a terminal (``str(view)``)."""
+
+    def __init__(self, table, verdict: str, mesh_dim: str):
+        self.table = table
+        self.verdict = verdict
+        self.mesh_dim = mesh_dim
+
+    def text(self) -> str:
+        return replica_check_text(self.table, self.verdict)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        return replica_check_html(self.table, self.verdict, self.mesh_dim)

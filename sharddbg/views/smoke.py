@@ -1,0 +1,148 @@
+"""The smoke matrix's view: one row per configuration, its verdict first (matches the single-device run,
+failed as expected, or what is wrong), then how far its losses and gradients are from the single-device
+run's, its time per step, its fallbacks and collectives per step. Reads the result's table only (a
+DataFrame indexed by configuration, ``sharddbg.cluster.smoke.TABLE_COLUMNS``).
+
+The HTML is static (no script), so it reads the same in a saved notebook, nbconvert or GitHub; its colours
+are JupyterLab's theme variables, with light fallbacks.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+# (column, header, how a value is written)
+SHOWN = [
+    ("mesh", "mesh", str),
+    ("wrapper", "wrapper", lambda v: "" if v == "none" else {"ddp": "DDP", "fsdp2": "FSDP2"}.get(v, str(v))),
+    ("compiled", "compiled", lambda v: "yes" if v else ""),
+    ("loss_error", "loss error", lambda v: _sci(v)),
+    ("grad_error", "grad error", lambda v: _sci(v)),
+    ("step_ms", "ms / step", lambda v: _fixed(v)),
+    ("first_step_ms", "first step ms", lambda v: _fixed(v)),
+    ("fallbacks", "fallbacks / step", lambda v: _fixed(v, 0)),
+    ("collectives_per_step", "collectives / step", lambda v: _fixed(v, 0)),
+]
+
+
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _sci(v) -> str:
+    return "—" if _missing(v) else f"{v:.1e}"
+
+
+def _fixed(v, digits: int = 1) -> str:
+    return "—" if _missing(v) else f"{v:.{digits}f}"
+
+
+def row_state(row) -> str:
+    """"ok" (matches, or is the reference), "expected" (failed as it must), "wrong"."""
+    if not row["ok"]:
+        return "wrong"
+    return "expected" if row["expected_error"] else "ok"
+
+
+MARKS = {"ok": "✔", "expected": "✔", "wrong": "✖"}
+TINTS = {"ok": "rgba(40, 160, 60, 0.13)", "expected": "rgba(128, 128, 128, 0.13)", "wrong": "rgba(220, 40, 40, 0.18)"}
+
+
+def smoke_text(table, verdict: str) -> str:
+    """The view as text: the verdict, then one line per configuration."""
+    headers = ["configuration"] + [h for _, h, _ in SHOWN] + ["verdict"]
+    lines = []
+    for name, row in table.iterrows():
+        state = row_state(row)
+        lines.append([str(name)] + [fmt(row[col]) for col, _, fmt in SHOWN] + [f"{MARKS[state]} {row['outcome']}"])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(headers)]
+    widths[-1] = len(headers[-1])  # the verdict is last and free to run on
+    out = [verdict, "  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines]
+    return "\n".join(out)
+
+
+def smoke_html(table, verdict: str, rtol: float) -> str:
+    """The view as static HTML (every string escaped)."""
+    esc = html.escape
+    bad = not bool(table["ok"].all())
+    cell = "padding: 2px 8px; text-align: right; white-space: nowrap; border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);"
+    head = "".join(f'<th style="{cell}">{esc(h)}</th>' for _, h, _ in SHOWN)
+    body = []
+    for name, row in table.iterrows():
+        state = row_state(row)
+        values = "".join(f'<td style="{cell}">{esc(fmt(row[col]))}</td>' for col, _, fmt in SHOWN)
+        title = esc(str(row["about"] or ""))
+        body.append(
+            f'<tr class="sd-smoke-{state}" style="background: {TINTS[state]};">'
+            f'<td style="{cell} text-align: left;" title="{title}">{esc(str(name))}</td>{values}'
+            f'<td style="{cell} text-align: left; white-space: normal;">{MARKS[state]} {esc(str(row["outcome"]))}</td></tr>')
+    color = "var(--jp-error-color1, #b00020)" if bad else "var(--jp-success-color1, #2e7d32)"
+    return (
+        '<div class="sd-smoke" style="font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; '
+        'color: var(--jp-ui-font-color1, #222);">'
+        f'<div style="font-weight: bold; color: {color}; margin: 4px 0;">{MARKS["wrong" if bad else "ok"]} '
+        f'{esc(verdict)}</div>'
+        f'<table style="border-collapse: collapse;"><thead><tr><th style="{cell} text-align: left;">configuration</th>'
+        f'{head}<th style="{cell} text-align: left;">verdict</th></tr></thead><tbody>{"".join(body)}</tbody></table>'
+        f'<div style="color: var(--jp-ui-font-color2, #666); margin-top: 4px;">loss error: the largest relative '
+        f'difference of a step\'s loss from the single-device run\'s; grad error: the largest difference of a '
+        f'first-step gradient, relative to its largest value; both must stay within rtol {rtol:g}. Fallbacks and '
+        f'collectives are counted per rank on one more step, run under the recorder; not for a compiled '
+        f'configuration (—): its graph runs below the recorder.</div></div>')
+
+
+class SmokeView:
+    """The smoke matrix's table as a view: HTML in a notebook, text in a terminal (``str(view)``), and the
+    loss error per step as a plotly figure (``plot_losses()``)."""
+
+    def __init__(self, table, verdict: str, rtol: float):
+        self.table = table
+        self.verdict = verdict
+        self.rtol = rtol
+
+    def text(self) -> str:
+        return smoke_text(self.table, self.verdict)
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def html(self) -> str:
+        return smoke_html(self.table, self.verdict, self.rtol)
+
+    def _repr_html_(self) -> str:
+        return self.html()
+
+    def plot_losses(self):
+        return plot_smoke_losses(self.table, self.rtol)
+
+
+def plot_smoke_losses(table, rtol: float):
+    """Each configuration's loss error against the single-device run, per step, on a log scale, with the
+    tolerance as a dashed line: a configuration that is right stays far below it."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    floor = 1e-12  # an exact match (error 0) is drawn here: a log axis has no 0
+    shown = 0
+    for name, row in table.iterrows():
+        losses, reference = row["losses"], row["reference_losses"]
+        if not losses or not reference:
+            continue
+        errors = [max(abs(a - b) / max(abs(b), 1e-30), floor) for a, b in zip(losses, reference)]
+        fig.add_trace(go.Scatter(x=list(range(len(errors))), y=errors, mode="lines+markers", name=str(name),
+                                 hovertemplate=f"{html.escape(str(name))}<br>step %{{x}}: %{{y:.2e}}<extra></extra>"))
+        shown += 1
+    fig.add_hline(y=rtol, line_dash="dash", line_color="#b00020", annotation_text=f"rtol {rtol:g}",
+                  annotation_position="top left")
+    fig.update_layout(title="loss error against the single-device run, per step", xaxis_title="step",
+                      yaxis_title="relative error", yaxis_type="log", height=360, margin={"l": 60, "r": 20, "t": 50, "b": 40},
+                      xaxis={"dtick": 1}, template="plotly_white")
+    if not shown:
+        fig.add_annotation(text="no configuration ran to compare", showarrow=False, xref="paper", yref="paper",
+                           x=0.5, y=0.5)
+    return fig
