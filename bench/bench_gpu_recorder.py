@@ -4,7 +4,8 @@
                                        [--pkg DIR] [--profile]
 
 3-conv net (16/32 -> 32 -> 32 -> 4 channels) on a ShardTensor of each shape, forward + backward, modes
-interleaved round by round: none / recorder ops only / recorder ops + collectives. Per step: wall time
+interleaved round by round: none / recorder ops only / recorder ops + collectives (the default) / the same
+with the CUDA allocator's memory deltas (memory=True). Per step: wall time
 (a device synchronize ends each block) and host time (until the Python loop returns, before that
 synchronize); ratios are medians of the per-round ratios to `none` of the same round. The first shape is
 host-bound (every host microsecond is wall time), the second GPU-sized (the device is the bottleneck).
@@ -44,15 +45,15 @@ def _time_shape(a, shape, mesh, R) -> dict:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-    modes = ("none", "ops", "rec")
+    modes = ("none", "ops", "rec", "rec_mem")  # rec: the default; rec_mem: with the allocator's memory deltas
     wall = {m: [] for m in modes}
     host = {m: [] for m in modes}
     counts = {}
     internal: list[str] = []
     for r in range(a.rounds):
-        order = modes[r % 3:] + modes[: r % 3]
+        order = modes[r % len(modes):] + modes[: r % len(modes)]
         for m in order:
-            ctx = contextlib.nullcontext() if m == "none" else R.Recorder(comm=(m == "rec"))
+            ctx = contextlib.nullcontext() if m == "none" else R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem"))
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with ctx:

@@ -546,6 +546,9 @@ class ShardMagics(Magics):
                                    "and splits through the rendezvous store (2 s at most): a mismatch raises "
                                    "CollectiveMismatchError on every rank of the group instead of hanging "
                                    "(sharddbg.last_trace().get_preflight())")
+    @magic_arguments.argument("--memory", action="store_true",
+                              help="on GPU ranks, the CUDA allocator's delta over each op (the mem_delta_bytes "
+                                   "column of get_ops()); two counter reads per op")
     @magic_arguments.argument("--no-spec-check", action="store_true",
                               help="do not compare each ShardTensor result's spec with its local tensor (on by "
                                    "default: sharddbg.last_trace().get_spec_mismatches())")
@@ -560,7 +563,8 @@ class ShardMagics(Magics):
         cl = active_cluster()
         try:
             cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask,
-                     spec_check=not args.no_spec_check, replicas=args.replicas, preflight=args.preflight)
+                     spec_check=not args.no_spec_check, replicas=args.replicas, preflight=args.preflight,
+                     memory=args.memory)
         finally:
             # the trace is kept even when the cell failed: summarise it before the error shows
             trace = cl.last_trace(required=False)

@@ -35,6 +35,7 @@ Payload (what ``recorder.stop()`` / ``recorder.peek()`` return on one rank)::
      "meta": {"torch": ..., "physicsnemo": ..., "patch_mode": "registered" | "fallback_only",
               "comm": True,       # collectives were recorded (recorder.start(comm=...)); since version 2
               "spec_check": True, "replicas": False, "preflight": False,   # what was verified; since version 5
+              "memory": False,    # CUDA allocator deltas recorded (mem_delta_bytes); since version 5
               ...}}
 
 Optional fields (since version 5): a record carries ``spec_mismatches`` / ``replicas`` (op) or ``preflight``
@@ -131,7 +132,7 @@ OP_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "t_end_ns": ((int, type(None)), "end, rank clock (None: still running at snapshot time)"),
     "host_ms": ((float, int, type(None)), "wall time on the host, (t_end_ns - t_start_ns) / 1e6"),
     "device_ms": ((float, int, type(None)), "CUDA event time; None on CPU or not finished"),
-    "mem_delta_bytes": ((int, type(None)), "CUDA allocator delta over the call; None on CPU"),
+    "mem_delta_bytes": ((int, type(None)), "CUDA allocator delta over the call (recorded with memory=True); None on CPU or without it"),
     "local_ms": ((float, int, type(None)), "CPU, forward calls of a top-level op: host time of the same function "
                                            "on plain tensors of this call's local shapes (other arguments left at "
                                            "their defaults), the least of a few runs after recording; None where "

@@ -71,6 +71,8 @@ BAD_INPUT = [
     Case("magic_unbalanced_quote", "`%shard_cluster start --mesh 'ddp=1`", "%shard_cluster: cannot read the options",
          "UsageError"),
     Case("trace_max_events", "`cl.trace(code, max_events=0)`", "max_events must be a positive integer", "ClusterError"),
+    Case("trace_option_not_bool", "`cl.trace(code, memory='yes')`", "memory must be True or False, got 'yes'",
+         "ClusterError"),
     Case("scatter_dim_str", "`scatter(x, dim='2')`",
          "ranks [0, 1, 2, 3] raised ScatterError: sharddbg.engine.scatter: dim='2' is not an int or None (on every rank)",
          "RankError"),

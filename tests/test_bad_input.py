@@ -49,6 +49,7 @@ ACTIONS = {
     "px_timeout_nan": lambda cl, ip: ip.run_line_magic("px", "--timeout nan " + MARK),
     "magic_unbalanced_quote": lambda cl, ip: ip.run_line_magic("shard_cluster", "start --mesh 'ddp=1"),
     "trace_max_events": lambda cl, ip: cl.trace(MARK, max_events=0),
+    "trace_option_not_bool": lambda cl, ip: cl.trace(MARK, memory="yes"),
     "scatter_dim_str": lambda cl, ip: cl.run("x = sharddbg.engine.scatter(torch.randn(1, 3, 8, 8), dim='2')"),
     "scatter_dim_float": lambda cl, ip: cl.run("x = sharddbg.engine.scatter(torch.randn(1, 3, 8, 8), dim=2.0)"),
     "scatter_batch_dim_str": lambda cl, ip: cl.run("x = sharddbg.engine.scatter(torch.randn(1, 3, 8, 8), 2, batch_dim='0')"),

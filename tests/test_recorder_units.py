@@ -532,3 +532,43 @@ def test_collective_record_export_bytes_worked_out_later():
     ev.node_seq_nr, ev.forward_ops_ended, ev.phase = 4, 1, "backward"
     r = export.collective_record(ev, in_flight=False, rec=rec)
     assert (r["op"], r["op_seq"], r["outer_op_seq"], r["phase"]) == ("torch.conv2d", 0, 0, "backward")
+
+
+def test_memory_deltas_are_opt_in():
+    """The CUDA allocator's counter is read around each device-timed op only with ``memory=True`` (two reads
+    per op cost as much as the rest of its recording on a host-bound GPU); the payload says which it was."""
+    from sharddbg.engine.recorder import Recorder
+
+    with Recorder() as default:
+        pass
+    with Recorder(memory=True) as with_memory:
+        pass
+    assert default.memory is False and default.payload(complete=True)["meta"]["memory"] is False
+    assert with_memory.memory is True and with_memory.payload(complete=True)["meta"]["memory"] is True
+
+
+class _FinishedDeviceSpan:
+    """What a closed CudaSpan holds once the device passed its end event (CUDA does not run on this machine:
+    the export's formatting is what is tested here, the span's CUDA events are not)."""
+
+    __slots__ = ("closed", "mem_delta")
+
+    def __init__(self, mem_delta):
+        self.closed = True
+        self.mem_delta = mem_delta
+
+    def device_ms(self) -> float:
+        return 0.25
+
+
+@pytest.mark.parametrize("mem_delta", [None, 4096])
+def test_device_timed_op_exports_with_and_without_memory(mem_delta):
+    """A device-timed op recorded without ``memory=True`` has no allocator delta: exported as None, not an
+    error; with it, the delta."""
+    rec = _rec()
+    ev = _op(rec, 0)
+    ev.t_end_ns = 2_000_000
+    ev.cuda = _FinishedDeviceSpan(mem_delta)
+    r = export.op_record(ev, in_flight=False)
+    schema.validate_event(r)
+    assert r["device_ms"] == 0.25 and r["mem_delta_bytes"] == mem_delta

@@ -444,7 +444,8 @@ class Cluster:
 
     # ------------------------------------------------------------------ recording
     def trace(self, code: str, *, timeout: float | None = None, max_events: int = 200_000, unmask: bool = True,
-              display: bool = True, spec_check: bool = True, replicas: bool = False, preflight: bool = False):
+              display: bool = True, spec_check: bool = True, replicas: bool = False, preflight: bool = False,
+              memory: bool = False):
         """Run ``code`` on every rank under the recorder and gather one :class:`sharddbg.trace.Trace`.
 
         The trace is kept even when the cell fails or times out (ranks that timed out contribute their
@@ -455,6 +456,8 @@ class Cluster:
         (``get_replica_divergence()``; it costs a copy and a hash per tensor); ``preflight`` compares each
         collective inside a recorded op across its group before it is issued, so that a mismatch raises
         ``CollectiveMismatchError`` on every rank of the group instead of hanging (``get_preflight()``).
+        ``memory``: on GPU ranks, the CUDA allocator's delta over each op (``mem_delta_bytes`` of
+        ``get_ops()``); off by default, as it costs two counter reads per op on a host-bound GPU.
         """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
@@ -463,7 +466,7 @@ class Cluster:
         self._execution.check_group()
         return self._tracer.trace(self._execution, self._control, code, timeout=timeout, max_events=max_events,
                                   unmask=unmask, display=display, spec_check=spec_check, replicas=replicas,
-                                  preflight=preflight,
+                                  preflight=preflight, memory=memory,
                                   meta={"cluster_id": self.cluster_id, "mesh": self.mesh.as_dict(),
                                         "backend": self.backend})
 

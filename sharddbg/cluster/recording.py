@@ -33,7 +33,7 @@ class CellTracer:
 
     def trace(self, execution: RankExecution, control: ControlChannel, code: str, *, timeout: float | None,
               max_events: int, unmask: bool, display: bool, meta: dict, spec_check: bool = True,
-              replicas: bool = False, preflight: bool = False):
+              replicas: bool = False, preflight: bool = False, memory: bool = False):
         """Run ``code`` on every rank under the recorder; the Trace. ``meta``: what the trace records about
         the cluster (id, mesh, backend)."""
         __tracebackhide__ = hide_own_frames()
@@ -41,14 +41,15 @@ class CellTracer:
 
         if not isinstance(max_events, int) or max_events < 1:
             raise ClusterError(f"max_events must be a positive integer, got {max_events!r}")
-        for name, value in (("spec_check", spec_check), ("replicas", replicas), ("preflight", preflight)):
+        for name, value in (("spec_check", spec_check), ("replicas", replicas), ("preflight", preflight),
+                            ("memory", memory)):
             if not isinstance(value, bool):
                 raise ClusterError(f"{name} must be True or False, got {value!r}")
         every_rank = list(range(execution.n))
         execution.check_not_stuck(every_rank)
         token = uuid.uuid4().hex[:12] if preflight else None
         execution.call(api.recording_start, max_events, unmask, True, spec_check, replicas, preflight, token,
-                       what="recorder start")
+                       memory, what="recorder start")
         t0 = time.perf_counter()
         failure = None
         payloads: dict[int, dict | None] = {}

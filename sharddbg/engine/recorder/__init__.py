@@ -39,12 +39,13 @@ _last_payload: dict | None = None  # payload of the last stop(), for a later pee
 
 
 def start(max_events: int = 200_000, unmask: bool = True, comm: bool = True, *, spec_check: bool = True,
-          replicas: bool = False, preflight: bool = False, preflight_token: str | None = None) -> dict:
+          replicas: bool = False, preflight: bool = False, preflight_token: str | None = None,
+          memory: bool = False) -> dict:
     """Start recording on this rank (the options are ``Recorder``'s); returns {"rank", "t_start_ns"}. Refused
     if one is running."""
     global _session, _last_payload
     rec = Recorder(max_events=max_events, unmask=unmask, comm=comm, spec_check=spec_check, replicas=replicas,
-                   preflight=preflight, preflight_token=preflight_token)
+                   preflight=preflight, preflight_token=preflight_token, memory=memory)
     rec.__enter__()
     _session = rec
     _last_payload = None

@@ -72,7 +72,7 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshe
     t0, t1 = ev.t_start_ns, ev.t_end_ns
     span = ev.cuda
     if span is not None and span.closed:
-        dev_ms, mem = span.device_ms(), int(span.mem_delta)
+        dev_ms, mem = span.device_ms(), None if span.mem_delta is None else int(span.mem_delta)
     else:
         dev_ms = mem = None
     parent = ev.parent
@@ -345,6 +345,7 @@ def _meta(rec: RecordingState) -> dict:
         "spec_check": rec.spec_check,
         "replicas": rec.replicas is not None,
         "preflight": rec.preflight is not None,
+        "memory": rec.memory,
         "n_collectives": rec.collectives.count,
         "internal_errors": list(rec.internal_errors[-5:]),
         "installed_at": list(rec.installed_at),

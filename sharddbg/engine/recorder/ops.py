@@ -77,7 +77,7 @@ def begin(rec: RecordingState, st: ThreadState, name: str, path: str, handler: s
                  frame, sys._getframe(1), st.tid, infos, _autograd_seq_nr())
     for i in infos:
         if i.on_cuda:
-            ev.cuda = CudaSpan(track_memory=True)
+            ev.cuda = CudaSpan(track_memory=rec.memory)
             break
     ev.t_start_ns = clock.now_ns()
     node = _current_autograd_node()

@@ -33,14 +33,17 @@ class Recorder(RecordingState):
     disagrees with its local tensor (op field ``spec_mismatches``; checked at export, nothing on the hot
     path but a reference per result). ``replicas``: digest every tensor that claims Replicate after each
     forward op and keep copies for a later max difference (``replicas.py``; costs a copy and a hash per
-    tensor). ``preflight``: before each collective inside a recorded op, compare it across its group through
+    tensor). ``memory``: on CUDA, also read the allocator's counter before and after each device-timed op
+    (``mem_delta_bytes``; off by default: two reads cost about as much as the rest of an op's recording on a
+    host-bound GPU). ``preflight``: before each collective inside a recorded op, compare it across its group through
     the rendezvous store (``preflight.py``); ``preflight_token`` names this recording's store keys, the same
     on every rank (default: counted per process). One recorder per process at a time; a Recorder is entered
     once. Its attributes are the recording's state (``RecordingState``).
     """
 
     def __init__(self, max_events: int = 200_000, unmask: bool = True, comm: bool = True, *, spec_check: bool = True,
-                 replicas: bool = False, preflight: bool = False, preflight_token: str | None = None) -> None:
+                 replicas: bool = False, preflight: bool = False, preflight_token: str | None = None,
+                 memory: bool = False) -> None:
         global _preflights
         if int(max_events) < 0:
             raise ValueError("max_events must be >= 0")
@@ -53,7 +56,8 @@ class Recorder(RecordingState):
                 raise RecorderError("preflight checks collectives: it needs comm=True")
             _preflights += 1
             pf = Preflight(preflight_token or f"local-{_preflights}", rank)
-        super().__init__(int(max_events), bool(unmask), bool(comm), rank, world_size, bool(spec_check), tracker, pf)
+        super().__init__(int(max_events), bool(unmask), bool(comm), rank, world_size, bool(spec_check), tracker, pf,
+                         bool(memory))
         self._undo: UndoLog | None = None
         self._used = False
         self._final_events: list[dict] | None = None

@@ -81,11 +81,12 @@ class RecordingState:
     """Everything one recording holds. Attributes are public to the recorder's parts; documented here."""
 
     def __init__(self, max_events: int, unmask: bool, comm: bool, rank: int, world_size: int,
-                 spec_check: bool = True, replicas: Any = None, preflight: Any = None) -> None:
+                 spec_check: bool = True, replicas: Any = None, preflight: Any = None, memory: bool = False) -> None:
         # ---- configuration
         self.max_events = max_events  # events kept at most; further ones are counted in ``dropped``
         self.unmask = unmask  # re-raise a TypeError that PyTorch would hide as UnmaskedOpError
         self.comm = comm  # record collectives too
+        self.memory = memory  # CUDA: the allocator's delta over each device-timed op (two counter reads per op)
         self.rank = rank
         self.world_size = world_size
         # ---- verification
