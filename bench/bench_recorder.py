@@ -25,11 +25,17 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-MODES = ("none", "recorder_ops", "recorder", "commdebug", "profiler")
+def _modes() -> tuple:
+    left_out = set(os.environ.get("SHARDDBG_BENCH_LEAVE_OUT", "").split(","))
+    return tuple(m for m in ("none", "recorder_ops", "recorder", "commdebug", "profiler") if m not in left_out)
+
+
+MODES = _modes()
 CRASHED: dict[str, str] = {}  # mode -> what it raised, over every run_pooled of this process (printed by the mains)
 
 
@@ -121,6 +127,27 @@ def _worker(rank, world, port, rounds, iters, out):
     _teardown()
 
 
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                      "_global_backward_pre_hooks", "_global_forward_hooks_with_kwargs",
+                      "_global_forward_hooks_always_called")
+
+
+def _global_module_hooks() -> dict:
+    """Copies of torch.nn's global module hook tables (what register_module_forward_hook & co. fill)."""
+    from torch.nn.modules import module as nn_module
+
+    return {name: dict(getattr(nn_module, name)) for name in _GLOBAL_HOOK_DICTS if hasattr(nn_module, name)}
+
+
+def _restore_global_module_hooks(saved: dict) -> None:
+    from torch.nn.modules import module as nn_module
+
+    for name, entries in saved.items():
+        table = getattr(nn_module, name)
+        table.clear()
+        table.update(entries)
+
+
 def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None, around_round=None):
     """Interleaved timing of ``step`` under each mode (rotated so no mode always goes first).
 
@@ -159,6 +186,7 @@ def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None, arou
             # does (%%shard_trace starts the recorder in one round trip and stops it in another):
             # the table is the cost per step; starting and stopping are timed apart (enter_exit_ms).
             error = None
+            hooks_before = _global_module_hooks()
             try:
                 cm = mode_ctx(mode)
                 e0 = time.perf_counter()
@@ -178,6 +206,11 @@ def time_modes(step, modes, mode_ctx, rounds: int, iters: int, on_ctx=None, arou
                 cm.__exit__(None, None, None)
             except Exception as e:  # noqa: BLE001 - the tool, not the bench, failed: say so and go on
                 error = f"{type(e).__name__}: {e}"
+                if dist.get_rank() == 0:
+                    print(f"{mode} raised, round {r}:\n{traceback.format_exc()[-2500:]}", file=sys.stderr, flush=True)
+                # a tool that raised inside its own module hook may leave that global hook installed (CommDebugMode
+                # on torch 2.11): every later step would raise in it. Put the global hooks back as they were.
+                _restore_global_module_hooks(hooks_before)
             # every rank drops a mode that crashed on any of them (the same crash, as a rule: the tools are
             # deterministic), so the ranks' collectives stay matched
             flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
@@ -259,7 +292,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="fresh rank processes per run (memory layouts differ)")
+    ap.add_argument("--leave-out", default="", help="modes left out, comma-separated (a tool that crashes on this "
+                                                     "torch can leave the process broken for the others)")
     a = ap.parse_args(argv)
+    global MODES
+    os.environ["SHARDDBG_BENCH_LEAVE_OUT"] = a.leave_out  # the rank processes (spawned) read it at import
+    MODES = _modes()
     times, cpu, per_run, enter_exit, n_events = run_pooled(_worker, MODES, a)
     wall, cpus = paired_summary(times), paired_summary(cpu)
     print(f"\nsharded 3-conv net fwd+bwd, input (1,8,128,64) over {a.ranks} gloo ranks; {a.runs} runs x "
