@@ -122,6 +122,40 @@ def test_a_gradient_reduced_once_more_over_the_domain_group_is_caught(cl):
     assert r.table[r.table["tensor"] != "ck_net.0.weight.grad"]["ok"].all()
 
 
+def test_a_backward_that_raises_on_every_rank_is_a_finding_and_the_outputs_are_still_compared(cl):
+    """A backward raising alike on every rank (as physicsnemo's fallback conv does on torch 2.11 GPUs) is named
+    in the verdict, with its place; the outputs are compared; no gradient is; nothing waits or breaks."""
+    cl.run("def _ck_boom(g):\n    raise RuntimeError('boom in backward')\n"
+           "_ck_hook = ck_net[4].bias.register_hook(_ck_boom)", timeout=30)
+    try:
+        r = cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net")
+    finally:
+        cl.run("_ck_hook.remove()", timeout=30)
+    assert not r.ok and r.backward == "failed"
+    assert r.tensors() == ["ck_y"] and r.table["ok"].all()  # the output agrees; no gradient was compared
+    assert r.verdict.startswith("check FAILED: the backward raised on every rank: RuntimeError: boom in backward "
+                                "(at cell [")
+    assert r.backward_note.endswith(", line 2: `raise RuntimeError('boom in backward')`); gradients not compared")
+    assert "; every tensor compared (1) agrees with the unsharded reference; " in r.verdict
+    assert cl.broken is None and cl.busy_ranks() == []
+    assert cl.eval("ck_net[4].bias.grad is None") == [True] * N  # put back as it was
+
+
+def test_a_backward_that_raises_on_one_rank_only_is_raised_as_that_ranks_error(cl):
+    """Only rank 2's backward raises: the others may be waiting in a backward collective, so the check does not
+    go on: the error names rank 2 and its exception, the ranks are released, and the next check runs."""
+    cl.run("def _ck_boom(g):\n    raise RuntimeError('boom on rank 2')\n"
+           "_ck_hook = ck_net[0].weight.register_hook(_ck_boom) if rank == 2 else None", timeout=30)
+    try:
+        with pytest.raises(RankError, match="rank 2 raised RuntimeError: boom on rank 2"):
+            cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net")
+    finally:
+        if cl.broken:
+            cl.recover()
+        cl.run("_ck_hook.remove() if _ck_hook is not None else None", timeout=30)
+    assert cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net").ok
+
+
 def test_weights_that_differ_across_the_domain_group_are_named(cl):
     cl.run("_ck_saved = ck_net[2].weight.detach().clone()\n"
            "with torch.no_grad():\n    if rank == 3:\n        ck_net[2].weight.mul_(1.5)", timeout=30)

@@ -95,7 +95,7 @@ class CheckResult:
         self.inputs = inputs
         self.outputs = outputs
         self.models = models
-        self.backward = backward  # how the gradients came about: check, statement, none, skipped
+        self.backward = backward  # how the gradients came about: check, statement, none, skipped, failed
         self.backward_note = backward_note
         self.loss = loss  # the sharded loss (rank 0), None without a backward by the check
         self.reference_loss = reference_loss
@@ -108,7 +108,7 @@ class CheckResult:
     @property
     def ok(self) -> bool:
         """Every compared tensor within tolerance on every rank, and the gradients were compared when asked."""
-        return bool(len(self.table)) and bool(self.table["ok"].all()) and self.backward != "skipped"
+        return bool(len(self.table)) and bool(self.table["ok"].all()) and self.backward not in ("skipped", "failed")
 
     @property
     def tf32_was_on(self) -> bool:
@@ -162,14 +162,17 @@ class CheckResult:
         parts = [self._failure_text(tensor, failing[failing["tensor"] == tensor]) for tensor in
                  dict.fromkeys(failing["tensor"])]
         shown = parts[:3] + ([f"{len(parts) - 3} more"] if len(parts) > 3 else [])
-        head = (f"check FAILED: {len(parts)} of {n} tensors differ from the unsharded reference: " if parts else
-                "check FAILED: ")
-        tail = f"; {self.backward_note}" if self.backward == "skipped" else ""
+        pieces = [f"{len(parts)} of {n} tensors differ from the unsharded reference: " + "; ".join(shown)] if parts else \
+            [f"every tensor compared ({n}) agrees with the unsharded reference"]
+        if self.backward in ("skipped", "failed"):
+            pieces.append(self.backward_note)
         if self.unsynced:
             names = ", ".join(self.unsynced[:3]) + (f" and {len(self.unsynced) - 3} more" if len(self.unsynced) > 3 else "")
-            tail += (f"; the ranks of a domain group hold different values of {names} (the reference has the group's "
-                     f"first rank's): weights not broadcast at start-up? (cl.doctor())")
-        return head + "; ".join(shown) + tail + f"; {settings}"
+            pieces.append(f"the ranks of a domain group hold different values of {names} (the reference has the "
+                          f"group's first rank's): weights not broadcast at start-up? (cl.doctor())")
+        # the reason it failed first when every compared tensor agrees
+        order = pieces if parts else pieces[1:] + pieces[:1]
+        return "check FAILED: " + "; ".join(order) + f"; {settings}"
 
     def _failure_text(self, tensor: str, rows: pd.DataFrame) -> str:
         first = rows.iloc[0]

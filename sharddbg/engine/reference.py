@@ -34,6 +34,7 @@ BACKWARD_BY_CHECK = "check"  # the check calls backward() on the loss
 BACKWARD_BY_STATEMENT = "statement"  # the statement ran its own backward (gradients were there after it)
 BACKWARD_NONE = "none"  # no gradients compared (grads=False, or nothing requires grad)
 BACKWARD_SKIPPED = "skipped"  # not run: an output's spec disagrees with its data (its backward can crash ranks)
+BACKWARD_FAILED = "failed"  # backward() raised on every rank: outputs compared, gradients not
 
 
 def group_dir(job_dir: str, group: int) -> str:

@@ -24,6 +24,7 @@ import builtins
 import hashlib
 import os
 import sys
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -378,6 +379,7 @@ class CheckState:
     compared: list[Compared] = field(default_factory=list)
     backward: str = reference.BACKWARD_NONE
     backward_note: str = ""
+    store_key: str | None = None  # this rank's key in the rendezvous store when its backward raised
 
 
 CURRENT: CheckState | None = None
@@ -718,8 +720,15 @@ def check_backward() -> dict:
             with torch.no_grad():
                 whole = loss.full_tensor() if reference.is_distributed(loss) else loss
                 loss_value = float(whole.detach().double().sum())
-            loss.backward()
-            state.backward = reference.BACKWARD_BY_CHECK
+            try:
+                loss.backward()
+                state.backward = reference.BACKWARD_BY_CHECK
+            except Exception as exc:  # noqa: BLE001 - raised alike on every rank: a finding; else re-raised
+                failure = _backward_failure(exc)
+                if not _every_rank_failed(state, failure):
+                    raise
+                state.backward = reference.BACKWARD_FAILED
+                state.backward_note = f"the backward raised on every rank: {failure}; gradients not compared"
     grads: list[Compared] = []
     if state.backward in (reference.BACKWARD_BY_CHECK, reference.BACKWARD_BY_STATEMENT):
         with torch.no_grad():
@@ -814,12 +823,56 @@ def _wide(tensor):
     return tensor.to(torch.complex128) if tensor.is_complex() else tensor.to(torch.float64)
 
 
+BACKWARD_AGREE_S = 10.0  # how long a rank whose backward raised waits to hear that every other rank's did too
+
+
+def _backward_failure(exc: BaseException) -> str:
+    """"RuntimeError: boom (at cell [4], line 2: `raise ...`)": what the backward raised, and where (the
+    innermost frame: a cell's line, or a file's)."""
+    import traceback
+
+    from .recorder.cells import position
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {position(frames[-1].filename, frames[-1].lineno, frames[-1].name)})" if frames else ""
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first_line}{where}"
+
+
+def _every_rank_failed(state: CheckState, failure: str) -> bool:
+    """This rank's backward raised: did every rank's? Told through the rendezvous store, within
+    ``BACKWARD_AGREE_S`` (a rank whose backward went on may be waiting in one of its collectives: then this
+    rank re-raises and the cluster releases that one, as for any cell). Every rank answers alike: they all
+    see the same keys."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    prefix = f"sharddbg/check/{os.path.basename(state.job_dir)}/backward-failed/"
+    state.store_key = prefix + str(current_rank())
+    store.set(state.store_key, failure)
+    keys = [prefix + str(r) for r in range(dist.get_world_size())]
+    deadline = time.monotonic() + BACKWARD_AGREE_S
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def check_finish() -> None:
     """Put back what the check changed on this rank (gradients, TF32 and determinism); no communication."""
     global CURRENT
     state, CURRENT = CURRENT, None
     if state is None:
         return
+    if state.store_key is not None:  # every rank has read it: they all went on past the backward
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            _get_default_store().delete_key(state.store_key)
+        except Exception:  # noqa: BLE001 - a store gone with its group: nothing left to clean
+            pass
     for tensor, grad in state.saved_grads:
         tensor.grad = grad
     state.settings.restore()
