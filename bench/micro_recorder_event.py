@@ -53,7 +53,7 @@ ORIGINAL = {name: getattr(ops, name) for name in ("end", "collect_tensors", "use
                                                     "compile_tracing")}
 
 
-def min_end(rec, st, ev, res):
+def min_end(rec, st, ev, res, args=None, kwargs=None):
     ops.close(st, ev)
     rec.keep(ev)
 
