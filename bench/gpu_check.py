@@ -359,21 +359,14 @@ ck_net = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 
 
 def numerical_check(cl):
     cl.run(CHECK_NET, display=False, timeout=300)
-    out = {}
-    try:
-        cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net", display=False)
-    except Exception as exc:  # noqa: BLE001 - what the ranks raised in the backward, kept; outputs compared below
-        out["with_gradients_error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
-        cl.recover() if cl.broken else None
-    grads = "with_gradients_error" not in out
-    good = cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net", display=False,
-                    grads=grads)
+    good = cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net", display=False)
     bad = cl.check("with sharddbg.engine.without_patches(F.conv2d):\n    ck_y = ck_net(ck_x)", inputs=["ck_x"],
-                   outputs=["ck_y"], model="ck_net", display=False, grads=grads)
+                   outputs=["ck_y"], model="ck_net", display=False)
     pattern = bad.boundary_pattern("ck_y")
-    return {**out, "gradients_compared": grads, "passes": good.ok, "verdict": good.verdict, "tf32_was_on": good.tf32_was_on,
+    return {"passes": good.ok, "verdict": good.verdict, "tf32_was_on": good.tf32_was_on,
             "max_abs_err": float(good.table["max_abs"].max()), "tensors": good.tensors(),
             "without_patch_fails": not bad.ok, "without_patch_verdict": bad.verdict,
+            "without_patch_backward": bad.backward,  # "failed": it raised on every rank (torch 2.11 H200s)
             "failing_rows_near_boundaries": pattern.near_boundaries, "max_distance_to_a_boundary": pattern.max_distance,
             "boundary_pattern": str(pattern)}
 
