@@ -457,7 +457,7 @@ class Cluster:
         collective inside a recorded op across its group before it is issued, so that a mismatch raises
         ``CollectiveMismatchError`` on every rank of the group instead of hanging (``get_preflight()``).
         ``memory``: on GPU ranks, the CUDA allocator's delta over each op (``mem_delta_bytes`` of
-        ``get_ops()``); off by default, as it costs two counter reads per op on a host-bound GPU.
+        ``get_ops()``); off by default (two reads of the allocator's counter per op).
         """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
