@@ -88,14 +88,28 @@ def _ordered(table):
     return table.iloc[sorted(range(len(table)), key=lambda i: (bool(table["ok"].iloc[i]), i))]
 
 
+def _numbered_notes(lines: list[list[str]]) -> list[str]:
+    """Each distinct note once: the rows' note cells become "[1]", "[2]" (a note is often the same on every
+    rank and would otherwise stretch every row); the notes themselves, in that order."""
+    notes: list[str] = []
+    for line in lines:
+        if line[-1]:
+            if line[-1] not in notes:
+                notes.append(line[-1])
+            line[-1] = f"[{notes.index(line[-1]) + 1}]"
+    return [f"[{i + 1}] {note}" for i, note in enumerate(notes)]
+
+
 def check_text(verdict: str, table, patterns) -> str:
-    """The check as text: the verdict, the failing rows' patterns, then one aligned line per tensor and rank."""
+    """The check as text: the verdict, the failing rows' patterns, then one aligned line per tensor and rank,
+    then the notes they refer to."""
     lines = [_check_cells(row) for _, row in _ordered(table).iterrows()]
+    notes = _numbered_notes(lines)
     widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(CHECK_HEADERS)]
     out = [verdict] + _pattern_lines(patterns)
     out.append("  ".join(h.ljust(w) for h, w in zip(CHECK_HEADERS, widths)).rstrip())
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines]
-    return "\n".join(out)
+    return "\n".join(out + notes)
 
 
 def check_html(verdict: str, ok: bool, table, patterns) -> str:
@@ -103,9 +117,11 @@ def check_html(verdict: str, ok: bool, table, patterns) -> str:
     esc = html.escape
     head = "".join(f'<th style="{_CELL}">{esc(h)}</th>' for h in CHECK_HEADERS)
     body = []
-    for _, row in _ordered(table).iterrows():
-        cells = _check_cells(row)
-        tds = "".join(f'<td style="{_WRAP if i == len(cells) - 1 else _CELL}">{esc(v)}</td>' for i, v in enumerate(cells))
+    ordered = _ordered(table)
+    lines = [_check_cells(row) for _, row in ordered.iterrows()]
+    notes = _numbered_notes(lines)
+    for (_, row), cells in zip(ordered.iterrows(), lines):
+        tds = "".join(f'<td style="{_CELL}">{esc(v)}</td>' for v in cells)
         tint = "transparent" if row["ok"] else FAIL_TINT
         body.append(f'<tr class="sd-check-{"ok" if row["ok"] else "fail"}" style="background: {tint};">{tds}</tr>')
     color = "var(--jp-success-color1, #2e7d32)" if ok else "var(--jp-error-color1, #b00020)"
@@ -114,7 +130,8 @@ def check_html(verdict: str, ok: bool, table, patterns) -> str:
             f'{"✔" if ok else "✖"} {esc(verdict)}</div>'
             + (f'<ul style="margin: 2px 0 6px 16px; padding: 0;">{found}</ul>' if found else "")
             + f'<table style="border-collapse: collapse;"><thead><tr>{head}</tr></thead>'
-              f'<tbody>{"".join(body)}</tbody></table></div>')
+              f'<tbody>{"".join(body)}</tbody></table>'
+            + "".join(f'<div class="sd-check-note" style="{_WRAP}">{esc(note)}</div>' for note in notes) + '</div>')
 
 
 def plot_row_errors(rows, boundaries: dict, tolerances: dict, *, tensor: str | None = None, failing=()):
