@@ -235,7 +235,7 @@ def doctor_text(verdict: str, table) -> str:
     out = [verdict]
     for _, row in table.iterrows():
         check, status, found, fix = _doctor_cells(row)
-        out.append(f"{status:<7} {check}: {found}" + (f"\n        fix: {fix}" if fix and row["status"] != "ok" else ""))
+        out.append(f"{status:<7} {check}: {found}" + (f"\n        fix: {fix}" if fix and row["status"] in ("fail", "warn") else ""))
     return "\n".join(out)
 
 
@@ -250,7 +250,7 @@ def doctor_html(verdict: str, table) -> str:
     body = []
     for _, row in table.iterrows():
         cells = _doctor_cells(row)
-        if row["status"] == "ok":
+        if row["status"] not in ("fail", "warn"):  # a fix for what passed or was not examined is noise
             cells[3] = ""
         tds = "".join(f'<td style="{_CELL if i < 2 else _WRAP}">{esc(v)}</td>' for i, v in enumerate(cells))
         body.append(f'<tr class="sd-doctor-{esc(str(row["status"]))}" '
