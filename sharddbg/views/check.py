@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 import math
 
-from .common import empty_figure
+from .common import StaticView, empty_figure
 
 FAIL_TINT = "rgba(220, 40, 40, 0.18)"
 WARN_TINT = "rgba(230, 160, 20, 0.20)"
@@ -194,7 +194,7 @@ def plot_row_errors(rows, boundaries: dict, tolerances: dict, *, tensor: str | N
     return fig
 
 
-class CheckView:
+class CheckView(StaticView):
     """The check's view: the verdict and table (static HTML), then the error per row (plotly)."""
 
     def __init__(self, verdict: str, ok: bool, table, patterns, figure):
@@ -209,9 +209,6 @@ class CheckView:
 
     def text(self) -> str:
         return check_text(self.verdict, self.table, self.patterns)
-
-    def __repr__(self) -> str:
-        return self.text()
 
     def _ipython_display_(self) -> None:
         from IPython.display import HTML, display
@@ -260,7 +257,7 @@ def doctor_html(verdict: str, table) -> str:
             f'<tbody>{"".join(body)}</tbody></table></div>')
 
 
-class DoctorView:
+class DoctorView(StaticView):
     """The doctor's view: the verdict, then one row per check tinted by status (static HTML)."""
 
     def __init__(self, verdict: str, table):
@@ -272,9 +269,3 @@ class DoctorView:
 
     def text(self) -> str:
         return doctor_text(self.verdict, self.table)
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_html_(self) -> str:
-        return self.html()

@@ -141,3 +141,23 @@ def static_view(classes: str, body: str) -> str:
     """A view's static HTML: its styles and ``body`` in a root element (the class ``sd-static`` says it is
     the saved rendering, not the live widget)."""
     return f'<div class="sd-root sd-static {classes}"><style>{static("style.css")}</style>{body}</div>'
+
+
+class StaticView:
+    """A view that is static HTML and its text twin (the verification results): ``html()`` in a notebook
+    (saved with it, no widget), ``text()`` for ``str`` / ``repr`` (terminals, logs). Subclasses define both."""
+
+    def html(self) -> str:
+        raise NotImplementedError
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        return self.html()

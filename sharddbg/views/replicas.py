@@ -12,6 +12,8 @@ from __future__ import annotations
 import html
 import math
 
+from .common import StaticView
+
 MARKS = {"same": "✔", "sharded": "·", "differs": "✖", "mismatch": "✖"}
 TINTS = {"same": "transparent", "sharded": "rgba(128, 128, 128, 0.10)", "differs": "rgba(220, 40, 40, 0.18)",
          "mismatch": "rgba(220, 40, 40, 0.18)"}
@@ -68,7 +70,7 @@ def replica_check_html(table, verdict: str, mesh_dim: str) -> str:
         f'over {esc(mesh_dim)} holds a different part on each rank and is not compared.</div></div>')
 
 
-class ReplicaCheckView:
+class ReplicaCheckView(StaticView):
     """The replica check as a view: HTML in a notebook, text in a terminal (``str(view)``)."""
 
     def __init__(self, table, verdict: str, mesh_dim: str):
@@ -79,11 +81,5 @@ class ReplicaCheckView:
     def text(self) -> str:
         return replica_check_text(self.table, self.verdict)
 
-    def __str__(self) -> str:
-        return self.text()
-
-    def __repr__(self) -> str:
-        return self.text()
-
-    def _repr_html_(self) -> str:
+    def html(self) -> str:
         return replica_check_html(self.table, self.verdict, self.mesh_dim)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import html
 import math
 
+from .common import StaticView
+
 # (column, header, how a value is written)
 SHOWN = [
     ("mesh", "mesh", str),
@@ -93,7 +95,7 @@ def smoke_html(table, verdict: str, rtol: float) -> str:
         f'configuration (—): its graph runs below the recorder.</div></div>')
 
 
-class SmokeView:
+class SmokeView(StaticView):
     """The smoke matrix's table as a view: HTML in a notebook, text in a terminal (``str(view)``), and the
     loss error per step as a plotly figure (``plot_losses()``)."""
 
@@ -105,17 +107,8 @@ class SmokeView:
     def text(self) -> str:
         return smoke_text(self.table, self.verdict)
 
-    def __str__(self) -> str:
-        return self.text()
-
-    def __repr__(self) -> str:
-        return self.text()
-
     def html(self) -> str:
         return smoke_html(self.table, self.verdict, self.rtol)
-
-    def _repr_html_(self) -> str:
-        return self.html()
 
     def plot_losses(self):
         return plot_smoke_losses(self.table, self.rtol)
