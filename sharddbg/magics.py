@@ -25,38 +25,33 @@ from . import errors
 from .cluster.execution import GROUPINGS
 
 
-def seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds above 0 (NaN, inf, 0 and words are refused here, before
-    anything is sent to a rank)."""
+def _bounded(text: str, convert, not_a_number: str, allowed, out_of_range: str):
+    """``convert(text)`` if it is finite and ``allowed``; else argparse's type error (IPython shows it as a
+    usage error, before anything is sent to a rank) reading "'<text>' <not_a_number>" for a word and
+    "'<text>' <out_of_range>" for a value out of range."""
     try:
-        value = float(text)
+        value = convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if math.isnan(value) or math.isinf(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds above 0")
+        raise argparse.ArgumentTypeError(f"{text!r} {not_a_number}") from None
+    if math.isnan(value) or math.isinf(value) or not allowed(value):
+        raise argparse.ArgumentTypeError(f"{text!r} {out_of_range}")
     return value
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0 (NaN, inf, 0 and words are refused)."""
+    return _bounded(text, float, "is not a number of seconds", lambda v: v > 0,
+                    "is not a finite number of seconds above 0")
 
 
 def count(text: str) -> int:
     """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
+    return _bounded(text, int, "is not a whole number", lambda v: v >= 1, "must be at least 1")
 
 
 def tolerance(text: str) -> float:
     """An argparse type: a finite number of at least 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if math.isnan(value) or math.isinf(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of at least 0")
-    return value
+    return _bounded(text, float, "is not a number", lambda v: v >= 0, "is not a finite number of at least 0")
 
 
 def split_words(line: str, prog: str) -> list[str]:
