@@ -36,6 +36,15 @@ def patient_cluster4():
         cl.stop()
 
 
+@pytest.fixture(scope="module")
+def cluster22():
+    """A 4-rank cluster of the module's own on a ddp=2 x domain=2 mesh (what the module sets up stays there)."""
+    cl = _start(n=4, mesh={"ddp": 2, "domain": 2}, timeout=120)
+    yield cl
+    if cl.running:
+        cl.stop()
+
+
 def pytest_collection_modifyitems(config, items):
     """Run the tests that start their own clusters (notebooks, browser, lifecycle, magics) first, before
     the shared cluster4 exists: never two clusters at once on a small machine, and the magics' "no

@@ -12,7 +12,6 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-import sharddbg
 from sharddbg.cluster import doctor as dr
 from sharddbg.cluster.doctor import DoctorError, DoctorReport
 
@@ -31,12 +30,9 @@ SOUND = ["dk_x", "dk_net", "dk_ddp", "dk_opt"]
 
 
 @pytest.fixture(scope="module")
-def cl():
-    cluster = sharddbg.Cluster(n=4, mesh={"ddp": 2, "domain": 2}, timeout=120)
-    cluster.start()
-    cluster.run(SETUP, timeout=60)
-    yield cluster
-    cluster.stop()
+def cl(cluster22):
+    cluster22.run(SETUP, timeout=60)
+    return cluster22
 
 
 def _statuses(report: DoctorReport) -> dict[str, str]:

@@ -13,7 +13,6 @@ import math
 
 import pytest
 
-import sharddbg
 from sharddbg.errors import ClusterError, RankError
 from sharddbg.magics import trace_summary
 
@@ -26,12 +25,9 @@ CELL = "y = net(x)\ny.square().mean().backward()"
 
 
 @pytest.fixture(scope="module")
-def cl():
-    cluster = sharddbg.Cluster(n=4, mesh={"ddp": 2, "domain": 2}, timeout=120)
-    cluster.start()
-    cluster.run(SETUP, timeout=60)
-    yield cluster
-    cluster.stop()
+def cl(cluster22):
+    cluster22.run(SETUP, timeout=60)
+    return cluster22
 
 
 def _values(cl, expression: str) -> list[list[float]]:
