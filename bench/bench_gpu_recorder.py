@@ -1,7 +1,7 @@
 """Recorder wall overhead on one GPU (run through the device tool), one process, world size 1, NCCL.
 
     python bench/bench_gpu_recorder.py [--rounds 7] [--iters 10] [--shapes 1x16x1024x1024 1x32x4096x4096]
-                                       [--pkg DIR] [--profile]
+                                       [--pkg DIR] [--profile] [--device cpu]
 
 3-conv net (16/32 -> 32 -> 32 -> 4 channels) on a ShardTensor of each shape, forward + backward, modes
 interleaved round by round: none / recorder ops only / recorder ops + collectives (the default) / the same
@@ -11,6 +11,9 @@ synchronize); ratios are medians of the per-round ratios to `none` of the same r
 host-bound (every host microsecond is wall time), the second GPU-sized (the device is the bottleneck).
 --pkg DIR puts DIR first on sys.path (to time another copy of sharddbg in the same run); --profile
 prints where the recorder's host time goes in one traced block. Also times the per-event CUDA pieces.
+--device cpu runs the same net on the CPU with gloo (no memory mode, no CUDA pieces): with a small shape
+(1x16x32x32) the development box's stand-in for the host-bound GPU row, where the recorder's host time is
+most of what it adds.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ def _time_shape(a, shape, mesh, R) -> dict:
     from torch.distributed.tensor import Shard
 
     torch.manual_seed(0)
-    full = torch.randn(*shape, device="cuda")
+    dev = a.device
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    full = torch.randn(*shape, device=dev)
     x = ShardTensor.from_local(full.clone().requires_grad_(True), mesh, (Shard(2),),
                                sharding_shapes={0: [tuple(full.shape)]})
     cin = shape[1]
     net = nn.Sequential(nn.Conv2d(cin, 32, 3, padding=1), nn.GELU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-                        nn.Conv2d(32, 4, 3, padding=1)).cuda()
+                        nn.Conv2d(32, 4, 3, padding=1)).to(dev)
 
     def step():
         net.zero_grad(set_to_none=True)
@@ -44,8 +49,10 @@ def _time_shape(a, shape, mesh, R) -> dict:
 
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
+    sync()
     modes = ("none", "ops", "rec", "rec_mem")  # rec: the default; rec_mem: with the allocator's memory deltas
+    if dev != "cuda":
+        modes = modes[:3]
     wall = {m: [] for m in modes}
     host = {m: [] for m in modes}
     counts = {}
@@ -54,13 +61,13 @@ def _time_shape(a, shape, mesh, R) -> dict:
         order = modes[r % len(modes):] + modes[: r % len(modes)]
         for m in order:
             ctx = contextlib.nullcontext() if m == "none" else R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem"))
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             with ctx:
                 for _ in range(a.iters):
                     step()
                 t1 = time.perf_counter()
-                torch.cuda.synchronize()
+                sync()
             wall[m].append((time.perf_counter() - t0) / a.iters * 1e3)
             host[m].append((t1 - t0) / a.iters * 1e3)
             if m != "none":
@@ -80,7 +87,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
             for _ in range(a.iters):
                 step()
             pr.disable()
-        torch.cuda.synchronize()
+        sync()
         print(f"--- profile {shape}, {a.iters} steps")
         st = pstats.Stats(pr)
         st.sort_stats("tottime").print_stats(15)
@@ -107,6 +114,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--shapes", nargs="+", default=["1x16x1024x1024", "1x32x4096x4096"])
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--pkg", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     a = ap.parse_args()
     sys.path.insert(0, a.pkg)
@@ -121,12 +129,15 @@ def main() -> None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    gm = init_device_mesh("cuda", (1, 1), mesh_dim_names=("ddp", "domain"))
+    cuda = a.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    gm = init_device_mesh(a.device, (1, 1), mesh_dim_names=("ddp", "domain"))
     DistributedManager._shared_state.update(
         _is_initialized=True, _distributed=True, _rank=0, _world_size=1, _local_rank=0,
-        _device=torch.device("cuda:0"), _cuda=True, _global_mesh=gm, _mesh_dims={"ddp": 1, "domain": 1})
+        _device=torch.device("cuda:0" if cuda else "cpu"), _cuda=cuda, _global_mesh=gm,
+        _mesh_dims={"ddp": 1, "domain": 1})
     if not ShardTensor._function_registry:
         dp.register_custom_ops()
     mesh = gm["domain"]
@@ -134,7 +145,12 @@ def main() -> None:
     for shape_s in a.shapes:
         shape = tuple(int(d) for d in shape_s.split("x"))
         results[shape_s] = _time_shape(a, shape, mesh, R)
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
+    if not cuda:
+        print(json.dumps({"pkg": a.pkg, "torch": torch.__version__, "device": "cpu", "shapes": results}, indent=1))
+        dist.destroy_process_group()
+        return
 
     # the per-event CUDA pieces
     def us(f, n=2000):
