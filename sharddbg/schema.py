@@ -36,6 +36,7 @@ Payload (what ``recorder.stop()`` / ``recorder.peek()`` return on one rank)::
               "comm": True,       # collectives were recorded (recorder.start(comm=...)); since version 2
               "spec_check": True, "replicas": False, "preflight": False,   # what was verified; since version 5
               "memory": False,    # CUDA allocator deltas recorded (mem_delta_bytes); since version 5
+              "plan_cache": {...} | None,  # DTensor's redistribution plan cache: PLAN_CACHE_FIELDS; since version 6
               ...}}
 
 Optional fields (since version 5): a record carries ``spec_mismatches`` / ``replicas`` (op) or ``preflight``
@@ -70,7 +71,11 @@ from .errors import SchemaError  # what the validators below raise (defined with
 #      shapes, dtypes and splits before issuing it, ``recorder.start(preflight=True)``). All three are
 #      OPTIONAL_FIELDS, present only where there is something to say; meta says which checks ran.
 #      Older payloads read as before.
-SCHEMA_VERSION = 5
+#   6  meta gains ``plan_cache`` (PLAN_CACHE_FIELDS): DTensor's redistribution plan cache while recording, its
+#      size at start and stop and the calls that missed it, grouped, with the spec fields that changed after
+#      the call (a stale key: the next equal call misses again). None where this torch has no such cache.
+#      Older payloads read as before (no plan_cache: not watched).
+SCHEMA_VERSION = 6
 PAYLOAD_FORMAT = "sharddbg.payload"
 
 KIND_OP = "op"
@@ -307,6 +312,29 @@ FIELDS_SINCE: dict[str, dict[str, int]] = {
     KIND_ERROR: {"cell": 4},
 }
 
+# meta["plan_cache"] (since version 6)
+PLAN_CACHE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "entries_start": ((int, type(None)), "entries in the cache when recording started"),
+    "entries_end": ((int, type(None)), "entries when it stopped"),
+    "misses": ((int,), "calls that missed the cache while recording (each added an entry)"),
+    "stale_misses": ((int,), "misses whose spec changed after the call: that entry can never be hit again"),
+    "clears": ((int,), "times the cache was seen emptied (cache_clear) while recording"),
+    "groups": ((list,), "PLAN_CACHE_GROUP_FIELDS: the misses grouped, first seen first"),
+}
+PLAN_CACHE_GROUP_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "op": ((str, type(None)), "the innermost recorded op the calls were made in (None: outside every op)"),
+    "outer_op": ((str, type(None)), "the outermost one (the user's call)"),
+    "source": ((str,), "the source spec's placements"),
+    "target": ((str,), "the target spec's placements"),
+    "shape": ((list, type(None)), "the global shape the target spec held at the call"),
+    "spec_type": ((str,), "the target spec's class (ShardTensorSpec, DTensorSpec)"),
+    "changed": ((list,), "the compared spec fields that changed after the call ('target._sharding_shapes'); "
+                         "empty: a first call, not stale"),
+    "first_op_seq": ((int, type(None)), "seq of the op of the first such call"),
+    "count": ((int,), "calls in this group"),
+    "kept": ((int,), "of them, the calls whose entry was still in the cache when recording stopped"),
+}
+
 PAYLOAD_FIELDS: dict[str, tuple[type, ...]] = {
     "format": (str,),
     "schema_version": (int,),
@@ -406,6 +434,12 @@ def validate_payload(p: Any) -> None:
     if not isinstance(v, int) or v > SCHEMA_VERSION or v < 1:
         raise SchemaError(f"payload schema_version {v!r} is not supported (this sharddbg reads 1..{SCHEMA_VERSION})")
     _check_fields(p, {k: (t, "") for k, t in PAYLOAD_FIELDS.items()}, f"payload of rank {p.get('rank')}")
+    pc = p["meta"].get("plan_cache")
+    if pc is not None:
+        where = f"rank {p['rank']} meta plan_cache"
+        _check_fields(pc, PLAN_CACHE_FIELDS, where)
+        for i, g in enumerate(pc["groups"]):
+            _check_fields(g, PLAN_CACHE_GROUP_FIELDS, f"{where} group #{i}")
     for i, ev in enumerate(p["events"]):
         validate_event(ev, f"rank {p['rank']} event #{i}", v)
 

@@ -347,6 +347,7 @@ def _meta(rec: RecordingState) -> dict:
         "preflight": rec.preflight is not None,
         "memory": rec.memory,
         "n_collectives": rec.collectives.count,
+        "plan_cache": rec.plan_cache.record() if rec.plan_cache is not None else None,
         "internal_errors": list(rec.internal_errors[-5:]),
         "installed_at": list(rec.installed_at),
     }

@@ -9,7 +9,7 @@ import torch
 from ...errors import RecorderError
 from .. import clock
 from ..rank_state import rank_and_world
-from . import cell_errors, export, local_timing, ops
+from . import cell_errors, export, local_timing, ops, plan_cache
 from .collectives import CollectiveHooks
 from .preflight import Preflight
 from .replicas import ReplicaTracker, remember
@@ -58,6 +58,7 @@ class Recorder(RecordingState):
             pf = Preflight(preflight_token or f"local-{_preflights}", rank)
         super().__init__(int(max_events), bool(unmask), bool(comm), rank, world_size, bool(spec_check), tracker, pf,
                          bool(memory))
+        self.plan_cache = plan_cache.PlanCacheWatch()
         self._undo: UndoLog | None = None
         self._used = False
         self._final_events: list[dict] | None = None
@@ -80,6 +81,7 @@ class Recorder(RecordingState):
             if self.comm:
                 CollectiveHooks(self).install(undo)
             cell_errors.install(self, undo)
+            plan_cache.install(self, undo)
         except BaseException:
             undo.restore()
             raise
@@ -104,6 +106,7 @@ class Recorder(RecordingState):
         if _active is self:
             _active = None
         self.t_stop_ns = clock.now_ns()
+        self.plan_cache.stop()
         errs = self._undo.restore() if self._undo else []
         for h in self.backward_handles:  # hooks left on graph nodes that outlive the recording
             try:
@@ -137,6 +140,7 @@ class Recorder(RecordingState):
         if self._final_events is None:
             local_timing.measure(self)
             self._final_events = export.records(self, include_in_flight=False)
+            self.plan_cache.release()  # its record is made: the specs it held go
             self.forward_ops = []
             self.forward_op_ends = []
             self.ddp_modules = []

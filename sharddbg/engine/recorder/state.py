@@ -139,6 +139,8 @@ class RecordingState:
         self.forward_op_ends: list[int] = []
         # ---- collectives
         self.collectives = CollectiveState()
+        # ---- DTensor's redistribution plan cache: its misses (plan_cache.PlanCacheWatch, set by the Recorder)
+        self.plan_cache: Any = None
         # ---- after recording: seq of a forward op -> local_ms (local_timing.py)
         self.local_ms: dict[int, float] = {}
 
