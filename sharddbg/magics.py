@@ -660,6 +660,11 @@ def trace_summary(trace) -> str:
     if trace.dropped:
         parts.append(f"{trace.dropped} events dropped (raise --max-events)")
     parts += verification_summary(trace)
+    stale = trace.get_plan_cache()
+    stale = stale[stale["stale"] & (stale["kept"] > 0)] if len(stale) else stale
+    if len(stale):
+        parts.append(f"DTensor's redistribution plan cache kept {int(stale['kept'].sum())} entries it can never hit "
+                     f"({stale['op'].iloc[0]}): each step gets slower (trace.plan_cache_finding says why)")
     return "; ".join(parts) + ". sharddbg.last_trace().get_op_summary() first; the trace has it all."
 
 

@@ -8,7 +8,7 @@ views when called.
 
 File format (``save`` / ``load_trace``), JSON::
 
-    {"format": "sharddbg.trace", "version": 1, "schema_version": 5,
+    {"format": "sharddbg.trace", "version": 1, "schema_version": 6,
      "meta": {...}, "clock_offsets_ns": {"0": 0, "1": -1234, ...},
      "incomplete_ranks": [2], "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 
@@ -33,6 +33,7 @@ from . import schema
 from .analysis import comm as _comm
 from .analysis import consistency as _consistency
 from .analysis import ops as _ops
+from .analysis import plan_cache as _plan_cache
 from .analysis import summary as _summary
 from .errors import ShardDbgWarning, TraceFileError
 from .files import write_file_atomically
@@ -261,6 +262,24 @@ class Trace:
         collective and rank, ``status`` ok / mismatch (with ``detail``) / late / unchecked, ``ms`` its cost."""
         return _consistency.preflight_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
                                             self.get_ops())
+
+    # ---- performance pitfalls ------------------------------------------------------------------------
+    def get_plan_cache(self) -> pd.DataFrame:
+        """DTensor's redistribution plan cache while recording: one row per group of calls that missed it per
+        rank (op, source and target placements, ``changed``: the spec fields that changed after the call,
+        ``stale`` when some did, ``count``), with the cache's size at start and stop on that rank. A stale
+        miss is an entry never hit again: the cache grows each step and its lookups slow down
+        (``plan_cache_finding``). Empty for payloads written before it was watched."""
+        return _plan_cache.plan_cache_frame(self.payloads)
+
+    def get_plan_cache_growth(self) -> pd.DataFrame:
+        """Per rank: the plan cache's size at start and stop, the misses while recording, how many stale."""
+        return _plan_cache.plan_cache_growth(self.payloads)
+
+    @property
+    def plan_cache_finding(self) -> str | None:
+        """One sentence when calls missed the plan cache on a spec changed after it was cached, else None."""
+        return _plan_cache.plan_cache_finding(self.get_plan_cache(), self.get_plan_cache_growth())
 
     # ---- files ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -71,3 +71,18 @@ def format_location(user_frame, user_cell=None, user_code=None) -> str | None:
     else:
         text = user_frame
     return f"{text}: `{code}`" if code else text
+
+
+def ranks_text(ranks) -> str:
+    """``[0]`` -> ``rank 0``; ``[0, 1, 2, 3]`` -> ``ranks 0-3``; ``[0, 1, 3]`` -> ``ranks 0-1,3``."""
+    ranks = sorted(int(r) for r in ranks)
+    if not ranks:
+        return "no rank"
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"

@@ -24,7 +24,7 @@ import anywidget
 import pandas as pd
 import traitlets
 
-from ..analysis.formatting import format_shape, is_missing, json_value
+from ..analysis.formatting import format_shape, is_missing, json_value, ranks_text
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
 from .bundle import output_bundle, view_payload
@@ -78,21 +78,6 @@ class _Tables:
     calls: pd.DataFrame  # explorer_frame's rows, with the working columns
     summary: pd.DataFrame  # summary_frame
     groups: pd.DataFrame  # call_groups
-
-
-def ranks_text(ranks) -> str:
-    """``[0]`` -> ``rank 0``; ``[0, 1, 2, 3]`` -> ``ranks 0-3``; ``[0, 1, 3]`` -> ``ranks 0-1,3``."""
-    ranks = sorted(int(r) for r in ranks)
-    if not ranks:
-        return "no rank"
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    text = ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
-    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
 
 
 def _min(s: pd.Series) -> float:
@@ -255,6 +240,7 @@ def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
         "counts": {k: int((rows["kind"] == k).sum()) for k in ("error", "fallback", "op")},
         "incomplete_ranks": [int(r) for r in trace.incomplete_ranks],
         "dropped": int(trace.dropped),
+        "findings": trace_findings(trace),
         "summary": _summary_rows(tables),
         "list_columns": [list(c) for c in LIST_COLUMNS],
         "summary_columns": [list(c) for c in SUMMARY_LIST_COLUMNS],
@@ -286,7 +272,14 @@ def explorer_summary(trace: Trace) -> dict:
             "fallback_calls": int(is_fallback(ops).sum()) if len(ops) else 0,
             "spec_mismatches": int(ops["spec_mismatch"].notna().sum()) if len(ops) else 0,
             "collectives": len(trace.get_collectives()), "incomplete_ranks": [int(r) for r in trace.incomplete_ranks],
-            "dropped": int(trace.dropped)}
+            "dropped": int(trace.dropped), "findings": trace_findings(trace)}
+
+
+def trace_findings(trace: Trace) -> list[str]:
+    """What is wrong with the recording as a whole, one sentence each, cause first (the explorer shows them
+    under its title): today the plan cache's stale misses (``Trace.plan_cache_finding``)."""
+    finding = trace.plan_cache_finding
+    return [finding] if finding else []
 
 
 def _ms(v) -> str:
@@ -361,6 +354,7 @@ def _text(trace: Trace, tables: _Tables) -> str:
     lines = [f"Trace explorer: {f['op_calls']} op calls on {len(f['ranks'])} ranks, {f['errors']} raised, "
              f"{f['fallback_calls']} through a DTensor fallback, {f['collectives']} collectives"
              + (f", {f['spec_mismatches']} results whose spec disagrees with their data" if f["spec_mismatches"] else "")]
+    lines.extend(f"  ⚠ {w}" for w in f["findings"])
     if f["incomplete_ranks"]:
         lines.append(f"  incomplete ranks: {f['incomplete_ranks']}")
     if f["dropped"]:
@@ -456,6 +450,9 @@ def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
             f'DTensor fallback calls · {f["collectives"]} collectives'
             + (f' · {f["spec_mismatches"]} results whose spec disagrees with their data' if f["spec_mismatches"] else "")
             + '</span></div>')
+    if f["findings"]:
+        head += ('<div class="sd-warnings">' + "".join(f'<div class="sd-warning">⚠ {esc(w)}</div>' for w in f["findings"])
+                 + "</div>")
     body = [head,
             f"<h4>Op summary{f' (the first {max_rows} of {len(summary)} rows)' if len(summary) > max_rows else ''}</h4>",
             _summary_html(tables, max_rows),

@@ -48,6 +48,11 @@ export function renderExplorer(model, el) {
   if (data.incomplete_ranks.length) facts.push(`incomplete ranks ${data.incomplete_ranks.join(", ")}`);
   root.append(h("div", { class: "sd-title" }, h("span", { class: "sd-kind", text: "Trace explorer" }), " ",
                 h("span", { class: "sd-meta", text: facts.join(" · ") })));
+  if (data.findings && data.findings.length) {  // absent in a widget saved by an older sharddbg
+    const w = h("div", { class: "sd-warnings" });
+    for (const f of data.findings) w.append(h("div", { class: "sd-warning", text: `⚠ ${f}` }));
+    root.append(w);
+  }
   const sel = (label, cls, options) => {
     const s = h("select", { class: cls, "aria-label": label });
     for (const [v, t] of options) s.append(h("option", { value: v, text: t }));

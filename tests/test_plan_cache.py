@@ -1,0 +1,138 @@
+"""DTensor's redistribution plan cache, watched while recording (real 4-rank CPU cluster, physicsnemo's
+ShardTensor).
+
+The real case: every training step of a sharded net whose loss is a Partial scalar calls ``loss.backward()``,
+which redistributes the loss to Replicate through ``ShardTensor.redistribute``; physicsnemo fills in the
+target spec's ``_sharding_shapes`` after DTensor cached the plan under that spec, so the next step misses
+and adds an entry. The independent source for every count is the cache itself, read by the cell on each rank
+(``cache_info().currsize``) and the number of steps the cell ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sharddbg import schema
+from sharddbg.analysis.plan_cache import CLEAR_CALL, plan_cache_finding, plan_cache_frame, plan_cache_growth
+from sharddbg.magics import trace_summary
+from sharddbg.trace import Trace, load_trace
+from sharddbg.views import explorer
+
+N = 4
+STEPS = 3
+
+SETUP = """
+from torch.distributed.tensor._redistribute import _gen_transform_infos as _plan_cache
+_net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 2, 3, padding=1))
+torch.manual_seed(0)
+_x = sharddbg.engine.scatter(torch.randn(1, 4, 32, 16), dim=2, requires_grad=True)
+def _step():
+    _net.zero_grad(set_to_none=True)
+    _net(_x).square().mean().backward()
+_step()  # first-call plans are in the cache before any recording
+"""
+
+
+def _trace(cl, code):
+    t = cl.trace(code, timeout=120, display=False)
+    for p in t.payloads.values():
+        schema.validate_payload(p)
+        assert p["meta"]["internal_errors"] == []
+    return t
+
+
+@pytest.fixture(scope="module")
+def cl(cluster4):
+    cluster4.run(SETUP, timeout=120)
+    return cluster4
+
+
+def test_stale_entries_are_named_at_the_op_that_made_them(cl, tmp_path):
+    t = _trace(cl, f"_before = _plan_cache.cache_info().currsize\nfor _i in range({STEPS}):\n    _step()\n"
+                   "_after = _plan_cache.cache_info().currsize")
+    before, after = cl.eval("_before"), cl.eval("_after")
+    growth = t.get_plan_cache_growth().set_index("rank")
+    frame = t.get_plan_cache()
+    for r in range(N):
+        g = growth.loc[r]
+        # the cache's own count, read by the cell: it grew by one entry per step, every one a miss we saw
+        assert after[r] - before[r] == STEPS
+        assert g["entries_end"] - g["entries_start"] == STEPS == g["misses"] == g["stale_misses"]
+        assert g["clears"] == 0
+        rows = frame[frame["rank"] == r]
+        assert len(rows) == 1, rows
+        row = rows.iloc[0]
+        assert (row["op"], row["outer_op"]) == ("ShardTensor.redistribute", "ShardTensor.backward")
+        assert (row["source"], row["target"], row["shape"]) == ("Partial(sum)", "Replicate()", [])
+        assert row["changed"] == "target._sharding_shapes" and row["stale"]
+        assert row["count"] == row["kept"] == STEPS and row["spec_type"] == "ShardTensorSpec"
+        # the op it names is in the trace, on that rank
+        ops = t.get_ops()
+        assert ops[(ops["rank"] == r) & (ops["seq"] == row["first_op_seq"])]["op"].tolist() == ["ShardTensor.redistribute"]
+    finding = t.plan_cache_finding
+    assert finding.startswith("Ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward), Partial(sum) -> "
+                              "Replicate(), changed its target spec's _sharding_shapes")
+    assert f"{N * STEPS} times" in finding and CLEAR_CALL in finding
+    assert f"({max(after):,} entries now)" in finding
+    # where users read it: the explorer (text, static HTML, the widget's data), the summary line, the report
+    assert f"⚠ {finding}" in explorer.explorer_text(t)
+    assert explorer.explorer_summary(t)["findings"] == [finding]
+    assert explorer.explorer_data(t)["findings"] == [finding]
+    assert 'class="sd-warnings"' in explorer.explorer_html(t)
+    assert f"kept {N * STEPS} entries it can never hit (ShardTensor.redistribute)" in trace_summary(t)
+    report = t.to_html(tmp_path / "r.html")
+    assert "never hit again" in open(report, encoding="utf-8").read()
+    # a saved trace keeps it
+    again = load_trace(t.save(tmp_path / "t.sdtrace.json"))
+    assert again.plan_cache_finding == finding
+
+
+def test_clearing_the_cache_in_the_loop_leaves_no_finding(cl):
+    t = _trace(cl, f"for _i in range({STEPS}):\n    _step()\n    _plan_cache.cache_clear()")
+    growth = t.get_plan_cache_growth()
+    assert (growth["clears"] == STEPS).all() and (growth["stale_misses"] == STEPS).all()
+    assert (t.get_plan_cache()["kept"] == 0).all()
+    assert t.plan_cache_finding is None
+    assert explorer.explorer_summary(t)["findings"] == []
+    assert "plan cache" not in trace_summary(t)
+
+
+def test_a_repeated_redistribution_that_hits_is_not_a_finding(cl):
+    cl.run("""
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+_d = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh["domain"], [Shard(0)])
+_d.redistribute(placements=[Replicate()])
+""", timeout=60)
+    t = _trace(cl, "_n0 = _plan_cache.cache_info().currsize\nfor _i in range(4):\n    _r = _d.redistribute(placements=[Replicate()])\n"
+                   "_n1 = _plan_cache.cache_info().currsize")
+    assert cl.eval("_n1 - _n0") == [0] * N
+    growth = t.get_plan_cache_growth()
+    assert (growth["misses"] == 0).all() and len(t.get_plan_cache()) == 0
+    assert t.plan_cache_finding is None
+
+
+def test_older_payloads_have_no_plan_cache():
+    """A payload written before the cache was watched (no meta plan_cache) reads as nothing found."""
+    p = {"format": schema.PAYLOAD_FORMAT, "schema_version": 5, "rank": 0, "world_size": 1, "complete": True,
+         "events": [], "dropped": 0, "clock": {}, "meta": {}}
+    schema.validate_payload(p)
+    t = Trace.from_payloads([p])
+    assert len(t.get_plan_cache()) == 0 and len(t.get_plan_cache_growth()) == 0
+    assert t.plan_cache_finding is None
+
+
+def test_a_malformed_plan_cache_record_is_refused():
+    base = {"entries_start": 1, "entries_end": 2, "misses": 1, "stale_misses": 1, "clears": 0,
+            "groups": [{"op": None, "outer_op": None, "source": "Partial(sum)", "target": "Replicate()", "shape": [],
+                        "spec_type": "ShardTensorSpec", "changed": ["target._sharding_shapes"], "first_op_seq": None,
+                        "count": 1, "kept": 1}]}
+    p = {"format": schema.PAYLOAD_FORMAT, "schema_version": schema.SCHEMA_VERSION, "rank": 0, "world_size": 1,
+         "complete": True, "events": [], "dropped": 0, "clock": {}, "meta": {"plan_cache": base}}
+    schema.validate_payload(p)
+    frame, growth = plan_cache_frame({0: p}), plan_cache_growth({0: p})
+    assert plan_cache_finding(frame, growth).startswith("Rank 0: outside every recorded op, Partial(sum) -> Replicate()")
+    bad = dict(base, groups=[dict(base["groups"][0], count="1")])
+    with pytest.raises(schema.SchemaError, match=r"rank 0 meta plan_cache group #0: field 'count'"):
+        schema.validate_payload(dict(p, meta={"plan_cache": bad}))
+    with pytest.raises(schema.SchemaError, match=r"rank 0 meta plan_cache: missing field\(s\) \['clears'\]"):
+        schema.validate_payload(dict(p, meta={"plan_cache": {k: v for k, v in base.items() if k != "clears"}}))
