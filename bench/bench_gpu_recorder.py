@@ -1,7 +1,7 @@
 """Recorder wall overhead on one GPU (run through the device tool), one process, world size 1, NCCL.
 
     python bench/bench_gpu_recorder.py [--rounds 7] [--iters 10] [--shapes 1x16x1024x1024 1x32x4096x4096]
-                                       [--pkg DIR] [--profile] [--device cpu]
+                                       [--pkg DIR] [--profile] [--device cpu] [--parts]
 
 3-conv net (16/32 -> 32 -> 32 -> 4 channels) on a ShardTensor of each shape, forward + backward, modes
 interleaved round by round: none / recorder ops only / recorder ops + collectives (the default) / the same
@@ -13,7 +13,11 @@ host-bound (every host microsecond is wall time), the second GPU-sized (the devi
 prints where the recorder's host time goes in one traced block. Also times the per-event CUDA pieces.
 --device cpu runs the same net on the CPU with gloo (no memory mode, no CUDA pieces): with a small shape
 (1x16x32x32) the development box's stand-in for the host-bound GPU row, where the recorder's host time is
-most of what it adds.
+most of what it adds. --parts adds the mode "rec_no_backward": the default recorder without the hooks on
+autograd nodes (no backward events), so that the table splits what remains into forward op events
+(ops - none), backward events (rec - rec_no_backward) and collectives (rec_no_backward - ops).
+Every block starts with DTensor's redistribution plan cache emptied: this workload leaves a stale entry in
+it each step (see README), so a long run would otherwise compare the modes at different points of that drift.
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ def _time_shape(a, shape, mesh, R) -> dict:
     modes = ("none", "ops", "rec", "rec_mem")  # rec: the default; rec_mem: with the allocator's memory deltas
     if dev != "cuda":
         modes = modes[:3]
+    if a.parts:
+        modes += ("rec_no_backward",)
+    from sharddbg.engine.recorder import ops as recorder_ops
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    hook_backward = recorder_ops.hook_backward
     wall = {m: [] for m in modes}
     host = {m: [] for m in modes}
     counts = {}
@@ -61,6 +70,9 @@ def _time_shape(a, shape, mesh, R) -> dict:
         order = modes[r % len(modes):] + modes[: r % len(modes)]
         for m in order:
             ctx = contextlib.nullcontext() if m == "none" else R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem"))
+            recorder_ops.hook_backward = (lambda rec, ev, outs: None) if m == "rec_no_backward" else hook_backward
+            _gen_transform_infos.cache_clear()
+            step()  # its plans back in the cache, as in every other block
             sync()
             t0 = time.perf_counter()
             with ctx:
@@ -68,6 +80,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
                     step()
                 t1 = time.perf_counter()
                 sync()
+            recorder_ops.hook_backward = hook_backward
             wall[m].append((time.perf_counter() - t0) / a.iters * 1e3)
             host[m].append((t1 - t0) / a.iters * 1e3)
             if m != "none":
@@ -115,6 +128,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=["1x16x1024x1024", "1x32x4096x4096"])
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--parts", action="store_true")
     ap.add_argument("--pkg", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     a = ap.parse_args()
     sys.path.insert(0, a.pkg)
