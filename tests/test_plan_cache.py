@@ -23,6 +23,8 @@ STEPS = 3
 
 SETUP = """
 from torch.distributed.tensor._redistribute import _gen_transform_infos as _plan_cache
+import torch.distributed.tensor._redistribute as _redistribute_module
+_planner = _redistribute_module._gen_transform_infos_non_cached
 _net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 2, 3, padding=1))
 torch.manual_seed(0)
 _x = sharddbg.engine.scatter(torch.randn(1, 4, 32, 16), dim=2, requires_grad=True)
@@ -51,6 +53,8 @@ def test_stale_entries_are_named_at_the_op_that_made_them(cl, tmp_path):
     t = _trace(cl, f"_before = _plan_cache.cache_info().currsize\nfor _i in range({STEPS}):\n    _step()\n"
                    "_after = _plan_cache.cache_info().currsize")
     before, after = cl.eval("_before"), cl.eval("_after")
+    # the planner the recorder watched through is torch's own again
+    assert cl.eval("_redistribute_module._gen_transform_infos_non_cached is _planner") == [True] * N
     growth = t.get_plan_cache_growth().set_index("rank")
     frame = t.get_plan_cache()
     for r in range(N):
