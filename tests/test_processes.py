@@ -307,3 +307,22 @@ def test_private_state_pruned_logs_untouched_cuda_and_a_restart_after_the_contro
         cl.stop()
     assert_all_gone(seen, cl.cluster_id)
     assert not (fresh_home / "clusters" / f"{cl.cluster_id}.json").exists()
+
+
+def test_the_gpu_count_probe_runs_beside_the_imports_and_never_blocks_past_its_time():
+    """On a GPU host the fork server asks a fresh process for the GPU count while it imports torch itself:
+    the answer is read after the imports; a probe that fails answers 0, one that hangs is killed at its limit."""
+    from sharddbg.cluster._zygote import GpuCountProbe
+
+    slow = GpuCountProbe("import time; time.sleep(1.0); print(2)")
+    also = GpuCountProbe("import time; time.sleep(1.0); print(3)")
+    # started, not waited for: both still run while this process goes on with its own imports
+    assert slow.proc.poll() is None and also.proc.poll() is None
+    assert (slow.result(), also.result()) == (2, 3)
+    assert slow.seconds >= 1.0
+    assert GpuCountProbe("raise SystemExit(1)").result() == 0
+    assert GpuCountProbe("print('no number')").result() == 0
+    hung = GpuCountProbe("import time; time.sleep(60)", timeout=0.5)
+    t1 = time.perf_counter()
+    assert hung.result() == 0 and time.perf_counter() - t1 < 5
+    assert hung.proc.poll() is not None  # killed and reaped

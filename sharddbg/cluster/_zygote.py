@@ -54,13 +54,39 @@ def _nvidia_device_present() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
-def _count_gpus_in_subprocess() -> int:
-    probe = "import torch; print(torch.cuda.device_count())"
-    try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
-        return int(out.stdout.strip().splitlines()[-1])
-    except Exception:
-        return 0
+GPU_COUNT_PROBE = "import torch; print(torch.cuda.device_count())"
+
+
+class GpuCountProbe:
+    """The GPU count, asked of a fresh Python process (CUDA initialised there, never here): started before
+    the heavy imports and read after them, so that its own torch import and CUDA start overlap with ours
+    (before, it ran first: a torch import and a CUDA start of its own, seconds on a GPU host). It is started
+    before this process loads torch or any CUDA library, and it execs at once."""
+
+    def __init__(self, code: str = GPU_COUNT_PROBE, timeout: float = 120.0) -> None:
+        self.t0 = time.perf_counter()
+        self.timeout = timeout
+        self.seconds: float | None = None  # how long the probe took, start to answer
+        try:
+            self.proc: subprocess.Popen | None = subprocess.Popen(
+                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+
+    def result(self) -> int:
+        """The count it printed (0 when it failed or timed out); waits for it."""
+        if self.proc is None:
+            return 0
+        try:
+            out, _ = self.proc.communicate(timeout=max(0.0, self.timeout - (time.perf_counter() - self.t0)))
+            self.seconds = time.perf_counter() - self.t0
+            return int(out.strip().splitlines()[-1])
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            return 0
+        except (ValueError, IndexError):
+            return 0
 
 
 @contextlib.contextmanager
@@ -115,14 +141,12 @@ def _preload(config: dict) -> dict:
     facts: dict = {"pid": os.getpid(), "python": sys.version.split()[0]}
     t0 = time.perf_counter()
     gpu_host = _nvidia_device_present()
+    probe = GpuCountProbe() if gpu_host else None
     if gpu_host and os.environ.get("SHARDDBG_GPU_PRELOAD") == "light":
         # SHARDDBG_GPU_PRELOAD=light: each engine imports the heavy stack itself after the fork (the way
         # before the preload below was measured safe on GPU hosts: bench/RESULTS.md).
-        facts["cuda_count"] = _count_gpus_in_subprocess()
         facts["preload"] = "light"
     else:
-        if gpu_host:
-            facts["cuda_count"] = _count_gpus_in_subprocess()
         import torch
 
         with _keep_cuda_uninitialised(gpu_host=gpu_host):
@@ -143,6 +167,11 @@ def _preload(config: dict) -> dict:
     import ipyparallel.engine.app  # noqa: F401
 
     facts["t_ipyparallel_s"] = time.perf_counter() - t2
+    if probe is not None:
+        t3 = time.perf_counter()
+        facts["cuda_count"] = probe.result()
+        facts["t_gpu_count_s"] = probe.seconds  # the probe's own time, overlapped with the imports above
+        facts["t_gpu_count_wait_s"] = time.perf_counter() - t3  # what the preload still waited for it
     facts["t_preload_s"] = time.perf_counter() - t0
     facts["cuda_initialized"] = _cuda_initialized()
     return facts
