@@ -447,7 +447,11 @@ def main() -> None:
     cl.start()
     RESULTS["cluster"] = {"ready_s": round(time.perf_counter() - t0, 2), "backend": cl.backend,
                           "timings": {k: round(v, 2) for k, v in cl.timings.items()}, "patch_mode": cl.patch_mode,
-                          "preload": cl.facts.get("preload")}
+                          "preload": cl.facts.get("preload"),
+                          # the preload's parts: torch, physicsnemo (with register_custom_ops), ipyparallel, and
+                          # the GPU count probe that runs beside them (its own time, and what was left to wait)
+                          "preload_parts_s": {k: round(v, 2) for k, v in cl.facts.items()
+                                              if k.startswith("t_") and isinstance(v, (int, float))}}
     print(json.dumps(RESULTS["cluster"]), flush=True)
     cuda = cl.backend == "nccl"
     def ready():
