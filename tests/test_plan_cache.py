@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 
 from sharddbg import schema
+from sharddbg.cluster import doctor as dr
+from sharddbg.cluster.doctor import DoctorError
 from sharddbg.analysis.plan_cache import CLEAR_CALL, plan_cache_finding, plan_cache_frame, plan_cache_growth
 from sharddbg.magics import trace_summary
 from sharddbg.trace import Trace, load_trace
@@ -140,3 +142,25 @@ def test_a_malformed_plan_cache_record_is_refused():
         schema.validate_payload(dict(p, meta={"plan_cache": bad}))
     with pytest.raises(schema.SchemaError, match=r"rank 0 meta plan_cache: missing field\(s\) \['clears'\]"):
         schema.validate_payload(dict(p, meta={"plan_cache": {k: v for k, v in base.items() if k != "clears"}}))
+
+
+def test_the_doctor_reads_the_last_trace_and_the_ranks_cache(cl):
+    t = _trace(cl, f"for _i in range({STEPS}):\n    _step()")
+    entries = cl.eval("_plan_cache.cache_info().currsize")
+    f = cl.doctor("_net").finding(dr.PLAN_CACHE)  # the cluster's last trace
+    assert f.status == "warn" and f.ranks == tuple(range(N))
+    assert f.found == (f"the last trace left {N * STEPS} entries the cache can never hit on ranks 0-3: "
+                       "ShardTensor.redistribute (in ShardTensor.backward), Partial(sum) -> Replicate() changed "
+                       f"target._sharding_shapes after the call; each step gets slower; the cache holds "
+                       f"{max(entries):,} entries now on rank {entries.index(max(entries))}")
+    assert CLEAR_CALL in f.fix
+    # a trace of the same loop clearing the cache after each step: nothing stale left
+    cleared = _trace(cl, f"for _i in range({STEPS}):\n    _step()\n    _plan_cache.cache_clear()")
+    ok = cl.doctor("_net", trace=cleared).finding(dr.PLAN_CACHE)
+    misses = int(cleared.get_plan_cache_growth()["misses"].sum())  # every plan of each step, once cleared
+    assert misses >= N * STEPS
+    assert ok.status == "ok" and ok.found == (f"the last trace left no stale entry ({misses} misses while recording); "
+                                              "the cache holds 0 entries now on rank 0")
+    assert cl.doctor("_net", trace=t).status(dr.PLAN_CACHE) == "warn"  # the trace given, not the last one
+    with pytest.raises(DoctorError, match="trace= takes a Trace"):
+        cl.doctor("_net", trace="last")

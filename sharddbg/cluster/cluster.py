@@ -527,17 +527,18 @@ class Cluster:
         return run_check(self, stmt, inputs=inputs, outputs=outputs, model=model, loss=loss, rtol=rtol, atol=atol,
                          grads=grads, timeout=timeout, display=display)
 
-    def doctor(self, *names: str, check=None, timeout: float | None = None):
+    def doctor(self, *names: str, check=None, trace=None, timeout: float | None = None):
         """The pitfall doctor: one row per known ShardTensor pitfall (ok / warn / fail / skip, what was found,
-        the fix), from what the ranks hold (``names``: the variables to examine; default every one) and the last
-        :meth:`check` (or ``check``, a CheckResult: whether gradients were reduced more than once). A
+        the fix), from what the ranks hold (``names``: the variables to examine; default every one), the last
+        :meth:`check` (or ``check``, a CheckResult: whether gradients were reduced more than once) and the last
+        trace (or ``trace``, a Trace: stale entries in DTensor's redistribution plan cache). A
         :class:`~sharddbg.cluster.doctor.DoctorReport` (``ok``, ``table``, ``show()``, a verdict line). See
         ``sharddbg.cluster.doctor``."""
         __tracebackhide__ = hide_own_frames()
         from .doctor import run_doctor
 
         self._require_running()
-        return run_doctor(self, list(names), check=check, timeout=timeout)
+        return run_doctor(self, list(names), check=check, trace=trace, timeout=timeout)
 
     def last_trace(self, required: bool = True):
         """The Trace of the last ``trace()`` / ``%%shard_trace`` on this cluster; with ``required=False``,

@@ -12,7 +12,9 @@ FSDP1 and DDP wrappers); this module compares the ranks' answers and turns them 
 6. no FSDP1;
 7. DDP over the ``ddp`` axis only;
 8. gradients reduced once over the domain axis (from the last ``Cluster.check``, which compares them with
-   an unsharded reference).
+   an unsharded reference);
+9. DTensor's redistribution plan cache free of stale entries (from the last trace, which watches it: see
+   ``sharddbg.analysis.plan_cache``), with the number of entries each rank holds now.
 
 Each row: ``ok``, ``warn`` (a risk, or right here but wrong elsewhere), ``fail`` (the mistake is there) or
 ``skip`` (nothing to examine), what was found and the fix.
@@ -24,8 +26,10 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from ..analysis.plan_cache import CLEAR_CALL
 from ..engine import api
 from ..errors import ShardDbgError, hide_own_frames
+from ..trace import Trace
 from . import verify
 
 __all__ = ["DoctorError", "DoctorReport", "Finding", "run_doctor", "TABLE_COLUMNS", "CHECKS", "STATUSES"]
@@ -40,8 +44,9 @@ OPTIMIZER_GROUPS = "optimizer groups by tensor type"
 NO_FSDP1 = "no FSDP1"
 DDP_GROUP = "DDP over the ddp axis only"
 REDUCED_ONCE = "gradients reduced once over the domain axis"
+PLAN_CACHE = "redistribution plan cache without stale entries"
 CHECKS = (WEIGHTS_SYNCED, BATCH_OF_ONE, REQUIRES_GRAD, ASYNC_WAITED, OPTIMIZER_GROUPS, NO_FSDP1, DDP_GROUP,
-          REDUCED_ONCE)
+          REDUCED_ONCE, PLAN_CACHE)
 
 FIXES = {
     WEIGHTS_SYNCED: ("broadcast every plain parameter from the domain group's first rank at start-up (before "
@@ -59,6 +64,7 @@ FIXES = {
     DDP_GROUP: "DDP(model, process_group=mesh['ddp'].get_group())",
     REDUCED_ONCE: ("do not reduce gradients over the domain axis yourself (no all_reduce or hook over the domain "
                    "group): ShardTensor's backward already sums the promoted weights' gradients there"),
+    PLAN_CACHE: f"clear the cache now and then in the training loop (every 100 steps, say): {CLEAR_CALL}",
 }
 
 
@@ -143,7 +149,7 @@ class DoctorReport:
 
 
 # ---- the doctor ------------------------------------------------------------------------------------------
-def run_doctor(cluster, names: list[str], *, check=None, timeout: float | None = None) -> DoctorReport:
+def run_doctor(cluster, names: list[str], *, check=None, trace=None, timeout: float | None = None) -> DoctorReport:
     """``Cluster.doctor``: see the module docstring."""
     __tracebackhide__ = hide_own_frames()
     bad = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
@@ -151,6 +157,8 @@ def run_doctor(cluster, names: list[str], *, check=None, timeout: float | None =
         raise DoctorError(f"doctor() takes names of variables on the ranks, got {', '.join(map(repr, bad))}")
     if check is not None and not isinstance(check, verify.CheckResult):
         raise DoctorError(f"check= takes the CheckResult of cl.check(...), got {type(check).__name__}")
+    if trace is not None and not isinstance(trace, Trace):
+        raise DoctorError(f"trace= takes a Trace (cl.trace(...), sharddbg.last_trace()), got {type(trace).__name__}")
     facts = cluster.apply(api.doctor_facts, list(names) or None, timeout=timeout)
     missing = sorted({n for f in facts for n in f["missing"]})
     if missing:
@@ -158,8 +166,10 @@ def run_doctor(cluster, names: list[str], *, check=None, timeout: float | None =
         raise DoctorError("no variable " + "; ".join(f"{n!r} on {_ranks_text(r)}" for n, r in where.items())
                           + " (doctor() takes names of variables on the ranks)")
     check = check if check is not None else verify.last_check(cluster)
+    trace = trace if trace is not None else cluster.last_trace(required=False)
     findings = [weights_synced(facts), batch_of_one(facts), requires_grad(facts), async_waited(facts),
-                optimizer_groups(facts), no_fsdp1(facts), ddp_group(facts), reduced_once(check)]
+                optimizer_groups(facts), no_fsdp1(facts), ddp_group(facts), reduced_once(check),
+                plan_cache(trace, facts)]
     return DoctorReport(findings, list(names))
 
 
@@ -387,3 +397,35 @@ def reduced_once(check) -> Finding:
     n = grads["tensor"].nunique()
     return Finding(name, "ok", f"the last cl.check found none of {n} parameter gradients a multiple of the "
                                f"reference's", FIXES[name])
+
+
+def plan_cache(trace, facts: list[dict]) -> Finding:
+    """Stale entries the last trace saw left in DTensor's redistribution plan cache (a performance pitfall:
+    each step gets slower), and how many entries each rank holds now."""
+    name = PLAN_CACHE
+    sizes = {f["rank"]: f.get("plan_cache_entries") for f in facts}
+    known = {r: n for r, n in sizes.items() if n is not None}
+    now = ""
+    if known:
+        most = max(known, key=lambda r: known[r])
+        now = f"; the cache holds {known[most]:,} entries now on rank {most}"
+    growth = trace.get_plan_cache_growth() if trace is not None else None
+    if growth is None or growth.empty:
+        what = "no trace yet" if trace is None else "the last trace did not watch the cache (an older sharddbg)"
+        return Finding(name, "skip", f"{what}: record a few training steps with %%shard_trace (or cl.trace) and "
+                                     f"run the doctor again{now}", FIXES[name])
+    frame = trace.get_plan_cache()
+    stale = frame[frame["stale"] & (frame["kept"] > 0)] if len(frame) else frame
+    if len(stale):
+        first = stale.sort_values("kept", ascending=False, kind="stable").iloc[0]
+        where = first["op"] if isinstance(first["op"], str) else "outside every recorded op"
+        if isinstance(first["outer_op"], str) and first["outer_op"] != first["op"]:
+            where += f" (in {first['outer_op']})"
+        ranks = tuple(sorted(int(r) for r in stale["rank"].unique()))
+        return Finding(name, "warn", f"the last trace left {int(stale['kept'].sum())} entries the cache can never hit "
+                                     f"on {_ranks_text(ranks)}: {where}, {first['source']} -> {first['target']} "
+                                     f"changed {first['changed']} after the call; each step gets slower{now}",
+                       FIXES[name], ranks)
+    misses = int(growth["misses"].sum())
+    return Finding(name, "ok", f"the last trace left no stale entry ({misses} miss{'es' if misses != 1 else ''} while "
+                               f"recording){now}", FIXES[name])
