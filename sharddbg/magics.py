@@ -634,6 +634,8 @@ class ShardMagics(Magics):
 
 def trace_summary(trace) -> str:
     """One line after a %%shard_trace cell: what was recorded and where to look next."""
+    from .analysis.plan_cache import main_stale_site, stale_left
+
     ops = trace.get_ops()
     fallbacks = trace.get_fallbacks()
     metadata = trace.get_fallbacks(include_metadata=True)
@@ -660,11 +662,10 @@ def trace_summary(trace) -> str:
     if trace.dropped:
         parts.append(f"{trace.dropped} events dropped (raise --max-events)")
     parts += verification_summary(trace)
-    stale = trace.get_plan_cache()
-    stale = stale[stale["stale"] & (stale["kept"] > 0)] if len(stale) else stale
+    stale = stale_left(trace.get_plan_cache())
     if len(stale):
         parts.append(f"DTensor's redistribution plan cache kept {int(stale['kept'].sum())} entries it can never hit "
-                     f"({stale['op'].iloc[0]}): each step gets slower (trace.plan_cache_finding says why)")
+                     f"({main_stale_site(stale).where}): each step gets slower (trace.plan_cache_finding says why)")
     return "; ".join(parts) + ". sharddbg.last_trace().get_op_summary() first; the trace has it all."
 
 

@@ -10,6 +10,8 @@ has none).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pandas as pd
 
 from .formatting import ranks_text
@@ -54,24 +56,45 @@ def plan_cache_growth(payloads: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["rank", "entries_start", "entries_end", "misses", "stale_misses", "clears"])
 
 
-def plan_cache_finding(frame: pd.DataFrame, growth: pd.DataFrame) -> str | None:
-    """One sentence when stale entries were left in the cache (None otherwise): where, which spec field, how
-    many on which ranks, what it costs and what clears it."""
-    stale = frame[frame["stale"] & (frame["kept"] > 0)] if len(frame) else frame
-    if not len(stale):
-        return None
+def stale_left(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``plan_cache_frame`` whose stale entries were still in the cache at the end."""
+    return frame[frame["stale"] & (frame["kept"] > 0)] if len(frame) else frame
+
+
+class StaleSite(NamedTuple):
+    """Where most stale entries came from: the call site, the placements, the changed fields, how many."""
+
+    where: str  # "ShardTensor.redistribute (in ShardTensor.backward)"
+    source: str
+    target: str
+    changed: str
+    kept: int
+    ranks: list[int]
+
+
+def main_stale_site(stale: pd.DataFrame) -> StaleSite:
+    """The group of ``stale_left`` rows (over the ranks) that left the most entries."""
     by_group = stale.groupby(["op", "outer_op", "source", "target", "changed"], dropna=False, sort=False)
     (op, outer, src, dst, changed), g = max(by_group, key=lambda kv: kv[1]["kept"].sum())
     where = op if isinstance(op, str) else "outside every recorded op"
     if isinstance(outer, str) and outer != op:
         where += f" (in {outer})"
-    ranks = sorted(int(r) for r in stale["rank"].unique())
-    total = int(stale["kept"].sum())
-    fields = " and ".join(f"its {c.split('.')[0]} spec's {c.split('.', 1)[1]}" for c in str(changed).split(", "))
+    return StaleSite(where, src, dst, changed, int(g["kept"].sum()), sorted(int(r) for r in g["rank"].unique()))
+
+
+def plan_cache_finding(frame: pd.DataFrame, growth: pd.DataFrame) -> str | None:
+    """One sentence when stale entries were left in the cache (None otherwise): where, which spec field, how
+    many on which ranks, what it costs and what clears it."""
+    stale = stale_left(frame)
+    if not len(stale):
+        return None
+    site = main_stale_site(stale)
+    others = int(stale["kept"].sum()) - site.kept
+    fields = " and ".join(f"its {c.split('.')[0]} spec's {c.split('.', 1)[1]}" for c in site.changed.split(", "))
     entries = growth.dropna(subset=["entries_end"])
     now = f" ({int(entries['entries_end'].max()):,} entries now)" if len(entries) else ""
-    return (f"{ranks_text(ranks).capitalize()}: {where}, {src} -> {dst}, changed {fields} after DTensor's "
-            f"redistribution plan cache had stored it, {total} time{'s' if total != 1 else ''}: those entries are "
-            f"never hit again, each call adds one and every lookup compares against all of them (they share one "
-            f"hash), so each step gets slower{now}. Clear the cache now and then: {CLEAR_CALL}")
-
+    return (f"{ranks_text(site.ranks).capitalize()}: {site.where}, {site.source} -> {site.target}, changed {fields} "
+            f"after DTensor's redistribution plan cache had stored it, {site.kept} time{'s' if site.kept != 1 else ''}"
+            + (f" ({others} more stale entries from other calls)" if others else "")
+            + ": those entries are never hit again, each call adds one and every lookup compares against all of "
+            f"them (they share one hash), so each step gets slower{now}. Clear the cache now and then: {CLEAR_CALL}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from ..analysis.plan_cache import CLEAR_CALL
+from ..analysis.plan_cache import CLEAR_CALL, main_stale_site, stale_left
 from ..engine import api
 from ..errors import ShardDbgError, hide_own_frames
 from ..trace import Trace
@@ -414,18 +414,13 @@ def plan_cache(trace, facts: list[dict]) -> Finding:
         what = "no trace yet" if trace is None else "the last trace did not watch the cache (an older sharddbg)"
         return Finding(name, "skip", f"{what}: record a few training steps with %%shard_trace (or cl.trace) and "
                                      f"run the doctor again{now}", FIXES[name])
-    frame = trace.get_plan_cache()
-    stale = frame[frame["stale"] & (frame["kept"] > 0)] if len(frame) else frame
+    stale = stale_left(trace.get_plan_cache())
     if len(stale):
-        first = stale.sort_values("kept", ascending=False, kind="stable").iloc[0]
-        where = first["op"] if isinstance(first["op"], str) else "outside every recorded op"
-        if isinstance(first["outer_op"], str) and first["outer_op"] != first["op"]:
-            where += f" (in {first['outer_op']})"
+        site = main_stale_site(stale)
         ranks = tuple(sorted(int(r) for r in stale["rank"].unique()))
         return Finding(name, "warn", f"the last trace left {int(stale['kept'].sum())} entries the cache can never hit "
-                                     f"on {_ranks_text(ranks)}: {where}, {first['source']} -> {first['target']} "
-                                     f"changed {first['changed']} after the call; each step gets slower{now}",
-                       FIXES[name], ranks)
+                                     f"on {_ranks_text(ranks)}: {site.where}, {site.source} -> {site.target} changed "
+                                     f"{site.changed} after the call; each step gets slower{now}", FIXES[name], ranks)
     misses = int(growth["misses"].sum())
     return Finding(name, "ok", f"the last trace left no stale entry ({misses} miss{'es' if misses != 1 else ''} while "
                                f"recording){now}", FIXES[name])
