@@ -5,7 +5,8 @@
 
 3-conv net (16/32 -> 32 -> 32 -> 4 channels) on a ShardTensor of each shape, forward + backward, modes
 interleaved round by round: none / recorder ops only / recorder ops + collectives (the default) / the same
-with the CUDA allocator's memory deltas (memory=True). Per step: wall time
+with the CUDA allocator's memory deltas (memory=True) / torch.profiler (CPU activities, record_shapes: the
+anchor). Per step: wall time
 (a device synchronize ends each block) and host time (until the Python loop returns, before that
 synchronize); ratios are medians of the per-round ratios to `none` of the same round. The first shape is
 host-bound (every host microsecond is wall time), the second GPU-sized (the device is the bottleneck).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -57,6 +59,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
     modes = ("none", "ops", "rec", "rec_mem")  # rec: the default; rec_mem: with the allocator's memory deltas
     if dev != "cuda":
         modes = modes[:3]
+    modes += ("profiler",)  # the anchor: torch.profiler, CPU activities, record_shapes
     if a.parts:
         modes += ("rec_no_backward",)
     from sharddbg.engine.recorder import ops as recorder_ops
@@ -69,10 +72,16 @@ def _time_shape(a, shape, mesh, R) -> dict:
     for r in range(a.rounds):
         order = modes[r % len(modes):] + modes[: r % len(modes)]
         for m in order:
-            ctx = contextlib.nullcontext() if m == "none" else R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem"))
+            if m == "none":
+                ctx = contextlib.nullcontext()
+            elif m == "profiler":
+                ctx = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+            else:
+                ctx = R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem"))
             recorder_ops.hook_backward = (lambda rec, ev, outs: None) if m == "rec_no_backward" else hook_backward
             _gen_transform_infos.cache_clear()
             step()  # its plans back in the cache, as in every other block
+            gc.collect()  # garbage left by the previous block (the profiler's events) is not this one's
             sync()
             t0 = time.perf_counter()
             with ctx:
@@ -83,7 +92,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
             recorder_ops.hook_backward = hook_backward
             wall[m].append((time.perf_counter() - t0) / a.iters * 1e3)
             host[m].append((t1 - t0) / a.iters * 1e3)
-            if m != "none":
+            if m not in ("none", "profiler"):
                 ev = ctx.events
                 counts[m] = (sum(e["kind"] == "op" for e in ev) // a.iters,
                              sum(e["kind"] == "collective" for e in ev) // a.iters,
