@@ -14,9 +14,11 @@ host-bound (every host microsecond is wall time), the second GPU-sized (the devi
 prints where the recorder's host time goes in one traced block. Also times the per-event CUDA pieces.
 --device cpu runs the same net on the CPU with gloo (no memory mode, no CUDA pieces): with a small shape
 (1x16x32x32) the development box's stand-in for the host-bound GPU row, where the recorder's host time is
-most of what it adds. --parts adds the mode "rec_no_backward": the default recorder without the hooks on
-autograd nodes (no backward events), so that the table splits what remains into forward op events
-(ops - none), backward events (rec - rec_no_backward) and collectives (rec_no_backward - ops).
+most of what it adds. --parts adds two modes: "rec_no_backward", the default recorder without the hooks on
+autograd nodes (no backward events), and "rec_idle_hooks", the default with those hooks registered but doing
+nothing: the table then splits what remains into backward events (rec - rec_no_backward; of which torch's
+calls of the two Python hooks per node: rec_idle_hooks - rec_no_backward), collectives (rec - ops) and forward
+op events (the rest).
 Every block starts with DTensor's redistribution plan cache emptied: this workload leaves a stale entry in
 it each step (see README), so a long run would otherwise compare the modes at different points of that drift.
 """
@@ -61,10 +63,13 @@ def _time_shape(a, shape, mesh, R) -> dict:
         modes = modes[:3]
     modes += ("profiler",)  # the anchor: torch.profiler, CPU activities, record_shapes
     if a.parts:
-        modes += ("rec_no_backward",)
+        modes += ("rec_no_backward", "rec_idle_hooks")
+    from sharddbg.engine.recorder import autograd as recorder_autograd
     from sharddbg.engine.recorder import ops as recorder_ops
     from torch.distributed.tensor._redistribute import _gen_transform_infos
     hook_backward = recorder_ops.hook_backward
+    box = recorder_autograd.BackwardBox
+    box_hooks = (box.pre_hook, box.post_hook)
     wall = {m: [] for m in modes}
     host = {m: [] for m in modes}
     counts = {}
@@ -79,6 +84,8 @@ def _time_shape(a, shape, mesh, R) -> dict:
             else:
                 ctx = R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem"))
             recorder_ops.hook_backward = (lambda rec, ev, outs: None) if m == "rec_no_backward" else hook_backward
+            if m == "rec_idle_hooks":
+                box.pre_hook, box.post_hook = (lambda self, grad_outputs: None), (lambda self, gi, go: None)
             _gen_transform_infos.cache_clear()
             step()  # its plans back in the cache, as in every other block
             gc.collect()  # garbage left by the previous block (the profiler's events) is not this one's
@@ -90,6 +97,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
                 t1 = time.perf_counter()
                 sync()
             recorder_ops.hook_backward = hook_backward
+            box.pre_hook, box.post_hook = box_hooks
             wall[m].append((time.perf_counter() - t0) / a.iters * 1e3)
             host[m].append((t1 - t0) / a.iters * 1e3)
             if m not in ("none", "profiler"):
