@@ -165,3 +165,40 @@ def test_the_doctor_reads_the_last_trace_and_the_ranks_cache(cl):
     assert cl.doctor("_net", trace=t).status(dr.PLAN_CACHE) == "warn"  # the trace given, not the last one
     with pytest.raises(DoctorError, match="trace= takes a Trace"):
         cl.doctor("_net", trace="last")
+
+
+def test_which_stale_entries_are_still_cached_follows_the_cache_sizes():
+    """The rule behind ``kept``, on the recorder's own records: the cache only grows, so a size below the
+    previous miss's plus its entry means it was cleared in between; entries before the last clear are gone."""
+    from types import SimpleNamespace
+
+    from sharddbg.engine.recorder.plan_cache import PlanCacheMiss, PlanCacheWatch, export
+
+    def spec():
+        return SimpleNamespace(placements=("R",), tensor_meta=None, shard_order=(), _sharding_shapes=None)
+
+    def watch(sizes_at_misses, end):
+        w = PlanCacheWatch()
+        w.entries_start = sizes_at_misses[0]
+        targets = []
+        for n in sizes_at_misses:
+            t = spec()
+            w.misses.append(PlanCacheMiss(spec(), t, None, None, n))
+            targets.append(t)
+        for t in targets:
+            t._sharding_shapes = {}  # changed after its call, as ShardTensor.redistribute does
+        w.entries_end = end
+        return w
+
+    grown = export(watch([10, 11, 12], 13))  # no clear: all three still there
+    assert (grown["stale_misses"], grown["clears"], grown["groups"][0]["kept"]) == (3, 0, 3)
+    middle = export(watch([10, 11, 0, 1], 2))  # cleared after the second: the last two are left
+    assert (middle["clears"], middle["groups"][0]["count"], middle["groups"][0]["kept"]) == (1, 4, 2)
+    at_end = export(watch([10, 11], 0))  # cleared after the last one: nothing left
+    assert (at_end["clears"], at_end["groups"][0]["kept"]) == (1, 0)
+    assert at_end["groups"][0]["changed"] == ["target._sharding_shapes"]
+    unchanged = PlanCacheWatch()
+    unchanged.misses.append(PlanCacheMiss(spec(), spec(), None, None, 5))
+    unchanged.entries_end = 6
+    first_plan = export(unchanged)  # a first call whose specs never changed: a miss, not stale
+    assert (first_plan["misses"], first_plan["stale_misses"], first_plan["groups"][0]["changed"]) == (1, 0, [])
