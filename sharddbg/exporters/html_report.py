@@ -15,7 +15,8 @@ import pandas as pd
 
 from ..files import write_file_atomically
 from ..views.comm import plot_comm_by_op
-from ..views.common import errors_html, esc, fallbacks_html, json_for_script, module_as_script, path_color, static
+from ..views.common import (errors_html, esc, fallbacks_html, json_for_script, module_as_script, path_color, static,
+                            warnings_html)
 from ..views.explorer import DEFAULT_MAX_ROWS, explorer_data, trace_findings
 from ..views.imbalance import plot_imbalance
 from ..views.timeline import plot_timeline
@@ -47,7 +48,7 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
         facts.append(f"{trace.dropped} events dropped (buffer full)")
     if trace.incomplete_ranks:
         facts.append(f"incomplete ranks {trace.incomplete_ranks}")
-    findings = "".join(f'<div class="sd-warning">⚠ {esc(w)}</div>' for w in trace_findings(trace))
+    findings = warnings_html(trace_findings(trace))
     code = trace.meta.get("code")
     explorer_js = module_as_script(static("explorer.js"), "_sdExplorer")
     doc = f"""<!DOCTYPE html>
@@ -59,7 +60,7 @@ details.sd-error {{ margin: 6px 0; }} pre.sd-code {{ background: #f6f8fa; paddin
 <body class="sd-root">
 <h1>{esc(title)}</h1>
 <p class="sd-meta">{esc(" · ".join(facts))} · generated {esc(_dt.datetime.now().isoformat(timespec="seconds"))} by sharddbg</p>
-{f'<div class="sd-warnings">{findings}</div>' if findings else ""}
+{findings}
 <p>{path_summary}</p>
 {f'<details><summary>recorded code</summary><pre class="sd-code">{esc(code)}</pre></details>' if code else ""}
 <h2>Errors</h2>

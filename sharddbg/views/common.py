@@ -137,6 +137,14 @@ def fallbacks_html(trace) -> str:
     return html_table(fb, cols, "sd-fallbacks")
 
 
+def warnings_html(lines) -> str:
+    """Warnings as the views show them (a tinted box, one "⚠" line each); "" when there is none."""
+    lines = list(lines)
+    if not lines:
+        return ""
+    return '<div class="sd-warnings">' + "".join(f'<div class="sd-warning">⚠ {esc(w)}</div>' for w in lines) + "</div>"
+
+
 def static_view(classes: str, body: str) -> str:
     """A view's static HTML: its styles and ``body`` in a root element (the class ``sd-static`` says it is
     the saved rendering, not the live widget)."""

@@ -28,7 +28,8 @@ from ..analysis.formatting import format_shape, is_missing, json_value, ranks_te
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
 from .bundle import output_bundle, view_payload
-from .common import ERROR_COLOR, PATH_COLORS, SPEC_COLOR, errors_html, esc, fallbacks_html, path_color, static, static_view
+from .common import (ERROR_COLOR, PATH_COLORS, SPEC_COLOR, errors_html, esc, fallbacks_html, path_color, static, static_view,
+                     warnings_html)
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -450,9 +451,7 @@ def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
             f'DTensor fallback calls · {f["collectives"]} collectives'
             + (f' · {f["spec_mismatches"]} results whose spec disagrees with their data' if f["spec_mismatches"] else "")
             + '</span></div>')
-    if f["findings"]:
-        head += ('<div class="sd-warnings">' + "".join(f'<div class="sd-warning">⚠ {esc(w)}</div>' for w in f["findings"])
-                 + "</div>")
+    head += warnings_html(f["findings"])
     body = [head,
             f"<h4>Op summary{f' (the first {max_rows} of {len(summary)} rows)' if len(summary) > max_rows else ''}</h4>",
             _summary_html(tables, max_rows),

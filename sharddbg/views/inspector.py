@@ -16,7 +16,7 @@ import traitlets
 from ..analysis.formatting import format_bytes, format_shape
 from ..analysis.layout import ShardLayout
 from .bundle import output_bundle, view_payload
-from .common import esc, html_table, static, static_view
+from .common import esc, html_table, static, static_view, warnings_html
 
 
 def inspector_html(layout: ShardLayout) -> str:
@@ -37,9 +37,7 @@ def inspector_html(layout: ShardLayout) -> str:
                        {"coordinate": "mesh coord", "local_shape": "local shape", "spec_local_shape": "spec says",
                         "offsets": "global offsets", "ok": "check"})
     body = [head, f'<pre class="sd-grid">{esc(layout.text_grid())}</pre>', table]
-    if layout.warnings:
-        body.append('<div class="sd-warnings">' + "".join(f'<div class="sd-warning">⚠ {esc(w)}</div>'
-                                                          for w in layout.warnings) + "</div>")
+    body.append(warnings_html(layout.warnings))
     if layout.notes:
         body.append('<div class="sd-notes">' + "".join(f'<div class="sd-note">ℹ {esc(n)}</div>'
                                                        for n in layout.notes) + "</div>")
