@@ -173,6 +173,20 @@ def run_doctor(cluster, names: list[str], *, check=None, trace=None, timeout: fl
     return DoctorReport(findings, list(names))
 
 
+def _ranks_by_name(facts: list[dict], key: str) -> dict[str, set]:
+    """Each name listed under ``key`` in the ranks' facts -> the ranks that list it."""
+    out: dict[str, set] = {}
+    for f in facts:
+        for name in f[key]:
+            out.setdefault(name, set()).add(f["rank"])
+    return out
+
+
+def _ranks_of(by_name: dict[str, set]) -> list[int]:
+    """Every rank of a name -> ranks mapping, sorted."""
+    return sorted({r for rs in by_name.values() for r in rs})
+
+
 def _ranks_text(ranks) -> str:
     ranks = sorted(set(int(r) for r in ranks))
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
@@ -210,7 +224,7 @@ def weights_synced(facts: list[dict]) -> Finding:
         return Finding(check, "skip", "the domain axis has one rank: nothing to sync")
     n_params = len({n for params in by_group.values() for n in params})
     if differing:
-        ranks = sorted({r for rs in differing.values() for r in rs})
+        ranks = _ranks_of(differing)
         return Finding(check, "fail", f"{len(differing)} of {n_params} plain parameters differ across the ranks of a "
                                       f"domain group ({_ranks_text(ranks)} from their group's first rank): "
                                       f"{_listed(list(differing))}; they train \"fine\" and wrong", FIXES[check],
@@ -260,7 +274,7 @@ def requires_grad(facts: list[dict]) -> Finding:
             elif not t["wrapper_requires_grad"]:
                 without.setdefault(t["name"], set()).add(f["rank"])
     if split:
-        ranks = sorted({r for rs in split.values() for r in rs})
+        ranks = _ranks_of(split)
         return Finding(check, "fail", f"{_listed(sorted(split))}: .requires_grad says True (its local tensor has the "
                                       f"flag) but autograd's flag on the ShardTensor is False, so no gradient reaches "
                                       f"it", FIXES[check], tuple(ranks))
@@ -270,7 +284,7 @@ def requires_grad(facts: list[dict]) -> Finding:
                  "fallback and sets the flag on a temporary)")
         if names:  # whether they should require grad, only their author knows
             found += f"; ShardTensor leaves that do not require grad: {_listed(names)} (set on purpose?)"
-        ranks = sorted({r for rs in without.values() for r in rs})
+        ranks = _ranks_of(without)
         return Finding(check, "warn", found, FIXES[check], tuple(ranks))
     if not leaves:
         return Finding(check, "skip", "no ShardTensor leaf among the examined variables")
@@ -281,13 +295,10 @@ def requires_grad(facts: list[dict]) -> Finding:
 def async_waited(facts: list[dict]) -> Finding:
     """Variables that hold an AsyncCollectiveTensor, and functional collectives never waited (torch's registry)."""
     check = ASYNC_WAITED
-    held: dict[str, set] = {}
-    for f in facts:
-        for name in f["async_tensors"]:
-            held.setdefault(name, set()).add(f["rank"])
+    held = _ranks_by_name(facts, "async_tensors")
     pending = {f["rank"]: f["unwaited"] for f in facts if f["unwaited"]}
     if held:
-        ranks = sorted({r for rs in held.values() for r in rs})
+        ranks = _ranks_of(held)
         found = f"{_listed(sorted(held))} hold{'s' if len(held) == 1 else ''} an AsyncCollectiveTensor never waited"
         if pending:
             found += f"; {max(pending.values())} functional collective(s) issued and never waited"
@@ -335,12 +346,9 @@ def optimizer_groups(facts: list[dict]) -> Finding:
 
 def no_fsdp1(facts: list[dict]) -> Finding:
     check = NO_FSDP1
-    found: dict[str, set] = {}
-    for f in facts:
-        for name in f["fsdp1"]:
-            found.setdefault(name, set()).add(f["rank"])
+    found = _ranks_by_name(facts, "fsdp1")
     if found:
-        ranks = sorted({r for rs in found.values() for r in rs})
+        ranks = _ranks_of(found)
         return Finding(check, "fail", f"FullyShardedDataParallel (FSDP1) wraps {_listed(sorted(found))}",
                        FIXES[check], tuple(ranks))
     if not any(f["params"] for f in facts):
@@ -403,8 +411,7 @@ def plan_cache(trace, facts: list[dict]) -> Finding:
     """Stale entries the last trace saw left in DTensor's redistribution plan cache (a performance pitfall:
     each step gets slower), and how many entries each rank holds now."""
     name = PLAN_CACHE
-    sizes = {f["rank"]: f.get("plan_cache_entries") for f in facts}
-    known = {r: n for r, n in sizes.items() if n is not None}
+    known = {f["rank"]: f["plan_cache_entries"] for f in facts if f.get("plan_cache_entries") is not None}
     now = ""
     if known:
         most = max(known, key=lambda r: known[r])
