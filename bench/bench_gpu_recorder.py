@@ -64,9 +64,10 @@ def _time_shape(a, shape, mesh, R) -> dict:
     modes += ("profiler",)  # the anchor: torch.profiler, CPU activities, record_shapes
     if a.parts:
         modes += ("rec_no_backward", "rec_idle_hooks")
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
     from sharddbg.engine.recorder import autograd as recorder_autograd
     from sharddbg.engine.recorder import ops as recorder_ops
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
     hook_backward = recorder_ops.hook_backward
     box = recorder_autograd.BackwardBox
     box_hooks = (box.pre_hook, box.post_hook)
@@ -149,13 +150,13 @@ def main() -> None:
     ap.add_argument("--pkg", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     a = ap.parse_args()
     sys.path.insert(0, a.pkg)
+    import physicsnemo.domain_parallel as dp
     import torch
     import torch.distributed as dist
     from physicsnemo.distributed import DistributedManager
+    from physicsnemo.domain_parallel import ShardTensor
     from torch.distributed.device_mesh import init_device_mesh
 
-    import physicsnemo.domain_parallel as dp
-    from physicsnemo.domain_parallel import ShardTensor
     import sharddbg.engine.recorder as R
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -28,10 +28,9 @@ def main() -> None:
     ap.add_argument("--clear-every", type=int, default=100)
     a = ap.parse_args()
     sys.path.insert(0, HERE)
-    from bench_recorder import _free_port, _setup
-
     import torch
     import torch.nn as nn
+    from bench_recorder import _free_port, _setup
 
     mesh = _setup(0, 1, _free_port())
     from physicsnemo.domain_parallel import ShardTensor

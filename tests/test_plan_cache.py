@@ -10,12 +10,19 @@ and adds an entry. The independent source for every count is the cache itself, r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sharddbg import schema
+from sharddbg.analysis.plan_cache import (
+    CLEAR_CALL,
+    plan_cache_finding,
+    plan_cache_frame,
+    plan_cache_growth,
+)
 from sharddbg.cluster import doctor as dr
 from sharddbg.cluster.doctor import DoctorError
-from sharddbg.analysis.plan_cache import CLEAR_CALL, plan_cache_finding, plan_cache_frame, plan_cache_growth
 from sharddbg.magics import trace_summary
 from sharddbg.trace import Trace, load_trace
 from sharddbg.views import explorer
@@ -88,7 +95,7 @@ def test_stale_entries_are_named_at_the_op_that_made_them(cl, tmp_path):
     assert (f"kept {N * STEPS} entries it can never hit (ShardTensor.redistribute (in ShardTensor.backward))"
             in trace_summary(t))
     report = t.to_html(tmp_path / "r.html")
-    assert "never hit again" in open(report, encoding="utf-8").read()
+    assert "never hit again" in Path(report).read_text(encoding="utf-8")
     # a saved trace keeps it
     again = load_trace(t.save(tmp_path / "t.sdtrace.json"))
     assert again.plan_cache_finding == finding
@@ -172,7 +179,11 @@ def test_which_stale_entries_are_still_cached_follows_the_cache_sizes():
     previous miss's plus its entry means it was cleared in between; entries before the last clear are gone."""
     from types import SimpleNamespace
 
-    from sharddbg.engine.recorder.plan_cache import PlanCacheMiss, PlanCacheWatch, export
+    from sharddbg.engine.recorder.plan_cache import (
+        PlanCacheMiss,
+        PlanCacheWatch,
+        export,
+    )
 
     def spec():
         return SimpleNamespace(placements=("R",), tensor_meta=None, shard_order=(), _sharding_shapes=None)
