@@ -15,6 +15,8 @@ from sharddbg.cluster.verify import CheckError, CheckResult
 from sharddbg.engine.verify import TensorLayout, locate, statement_names
 from sharddbg.errors import RankError
 
+from ranks_changed import changed_on_ranks
+
 pytestmark = pytest.mark.cluster
 
 N = 4
@@ -111,12 +113,10 @@ def test_conv_without_its_patch_is_wrong_only_near_shard_boundaries(cl):
 
 def test_a_gradient_reduced_once_more_over_the_domain_group_is_caught(cl):
     # a hand-written gradient sync over the domain group, on top of the reduction ShardTensor already made
-    cl.run("_ck_hook = ck_net[0].weight.register_post_accumulate_grad_hook(\n"
-           "    lambda p: torch.distributed.all_reduce(p.grad, group=mesh['domain'].get_group()))", timeout=30)
-    try:
+    with changed_on_ranks(cl, "_ck_hook = ck_net[0].weight.register_post_accumulate_grad_hook(\n"
+                              "    lambda p: torch.distributed.all_reduce(p.grad, group=mesh['domain'].get_group()))",
+                          "_ck_hook.remove()"):
         r = cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net")
-    finally:
-        cl.run("_ck_hook.remove()", timeout=30)
     assert not r.ok
     failing = r.failures()
     assert set(failing["tensor"]) == {"ck_net.0.weight.grad"} and sorted(failing["rank"]) == list(range(N))
@@ -129,12 +129,9 @@ def test_a_gradient_reduced_once_more_over_the_domain_group_is_caught(cl):
 def test_a_backward_that_raises_on_every_rank_is_a_finding_and_the_outputs_are_still_compared(cl):
     """A backward raising alike on every rank (as physicsnemo's fallback conv does on torch 2.11 GPUs) is named
     in the verdict, with its place; the outputs are compared; no gradient is; nothing waits or breaks."""
-    cl.run("def _ck_boom(g):\n    raise RuntimeError('boom in backward')\n"
-           "_ck_hook = ck_net[4].bias.register_hook(_ck_boom)", timeout=30)
-    try:
+    with changed_on_ranks(cl, "def _ck_boom(g):\n    raise RuntimeError('boom in backward')\n"
+                              "_ck_hook = ck_net[4].bias.register_hook(_ck_boom)", "_ck_hook.remove()"):
         r = cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net")
-    finally:
-        cl.run("_ck_hook.remove()", timeout=30)
     assert not r.ok and r.backward == "failed"
     assert r.tensors() == ["ck_y"] and r.table["ok"].all()  # the output agrees; no gradient was compared
     assert r.verdict.startswith("check FAILED: the backward raised on every rank: RuntimeError: boom in backward "
@@ -148,25 +145,19 @@ def test_a_backward_that_raises_on_every_rank_is_a_finding_and_the_outputs_are_s
 def test_a_backward_that_raises_on_one_rank_only_is_raised_as_that_ranks_error(cl):
     """Only rank 2's backward raises: the others may be waiting in a backward collective, so the check does not
     go on: the error names rank 2 and its exception, the ranks are released, and the next check runs."""
-    cl.run("def _ck_boom(g):\n    raise RuntimeError('boom on rank 2')\n"
-           "_ck_hook = ck_net[0].weight.register_hook(_ck_boom) if rank == 2 else None", timeout=30)
-    try:
+    with changed_on_ranks(cl, "def _ck_boom(g):\n    raise RuntimeError('boom on rank 2')\n"
+                              "_ck_hook = ck_net[0].weight.register_hook(_ck_boom) if rank == 2 else None",
+                          "_ck_hook.remove() if _ck_hook is not None else None"):
         with pytest.raises(RankError, match="rank 2 raised RuntimeError: boom on rank 2"):
             cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net")
-    finally:
-        if cl.broken:
-            cl.recover()
-        cl.run("_ck_hook.remove() if _ck_hook is not None else None", timeout=30)
     assert cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net").ok
 
 
 def test_weights_that_differ_across_the_domain_group_are_named(cl):
-    cl.run("_ck_saved = ck_net[2].weight.detach().clone()\n"
-           "with torch.no_grad():\n    if rank == 3:\n        ck_net[2].weight.mul_(1.5)", timeout=30)
-    try:
+    with changed_on_ranks(cl, "_ck_saved = ck_net[2].weight.detach().clone()\n"
+                              "with torch.no_grad():\n    if rank == 3:\n        ck_net[2].weight.mul_(1.5)",
+                          "with torch.no_grad():\n    ck_net[2].weight.copy_(_ck_saved)"):
         r = cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net")
-    finally:
-        cl.run("with torch.no_grad():\n    ck_net[2].weight.copy_(_ck_saved)", timeout=30)
     assert not r.ok and r.unsynced == ["ck_net.2.weight"]
     assert ("the ranks of a domain group hold different values of ck_net.2.weight (the reference has the group's "
             "first rank's): weights not broadcast at start-up? (cl.doctor())") in r.verdict

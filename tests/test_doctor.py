@@ -15,6 +15,8 @@ from IPython.core.interactiveshell import InteractiveShell
 from sharddbg.cluster import doctor as dr
 from sharddbg.cluster.doctor import DoctorError, DoctorReport
 
+from ranks_changed import changed_on_ranks
+
 pytestmark = pytest.mark.cluster
 
 SETUP = """
@@ -87,13 +89,11 @@ def test_a_requires_grad_flag_that_autograd_never_sees(cl):
     assert cl.doctor("dk_x").status(dr.REQUIRES_GRAD) == "ok"
     # a physicsnemo whose ShardTensor has no requires_grad_ of its own (older releases): the call takes the
     # DTensor fallback, which sets the flag on a temporary
-    cl.run("dk_xn = sharddbg.engine.scatter(torch.randn(1, 3, 16, 8), dim=2)\n"
-           "_dk_own = ShardTensor.requires_grad_\ndel ShardTensor.requires_grad_", timeout=30)
-    try:
+    with changed_on_ranks(cl, "dk_xn = sharddbg.engine.scatter(torch.randn(1, 3, 16, 8), dim=2)\n"
+                              "_dk_own = ShardTensor.requires_grad_\ndel ShardTensor.requires_grad_",
+                          "ShardTensor.requires_grad_ = _dk_own"):
         assert cl.eval("(dk_xn.requires_grad_(True), dk_xn.requires_grad)[1]") == [False] * 4  # silently nothing
         f = cl.doctor("dk_xn").finding(dr.REQUIRES_GRAD)
-    finally:
-        cl.run("ShardTensor.requires_grad_ = _dk_own", timeout=30)
     assert f.status == "warn" and f.ranks == (0, 1, 2, 3)
     assert f.found == ("requires_grad_(True) on a ShardTensor does nothing in this physicsnemo (it takes the DTensor "
                        "fallback and sets the flag on a temporary); ShardTensor leaves that do not require grad: dk_xn "
@@ -153,12 +153,10 @@ def test_ddp_over_the_whole_world(cl):
 
 
 def test_a_gradient_reduced_twice_over_the_domain_axis(cl):
-    cl.run("_dk_hook = dk_net[2].weight.register_post_accumulate_grad_hook(\n"
-           "    lambda p: torch.distributed.all_reduce(p.grad, group=mesh['domain'].get_group()))", timeout=30)
-    try:
+    with changed_on_ranks(cl, "_dk_hook = dk_net[2].weight.register_post_accumulate_grad_hook(\n"
+                              "    lambda p: torch.distributed.all_reduce(p.grad, group=mesh['domain'].get_group()))",
+                          "_dk_hook.remove()"):
         check = cl.check("dk_y = dk_net(dk_x)", inputs=["dk_x"], outputs=["dk_y"], model="dk_net")
-    finally:
-        cl.run("_dk_hook.remove()", timeout=30)
     # two domain groups, each against its own reference
     assert check.groups == [0, 1] and set(check.failures()["tensor"]) == {"dk_net.2.weight.grad"}
     f = cl.doctor("dk_net").finding(dr.REDUCED_ONCE)  # the last check of the cluster
