@@ -38,16 +38,23 @@ def main() -> None:
     import sharddbg
 
     phases: dict[str, list[float]] = {}
+    parts: dict[str, list[float]] = {}
     for _ in range(args.runs):
         cl = sharddbg.Cluster(n=args.n)
         cl.start()
         assert cl.eval("dist.get_world_size()") == [args.n] * args.n
+        backend = cl.backend
         cl.stop()
         for key, value in cl.timings.items():
             phases.setdefault(key, []).append(value)
+        # the fork server's preload, part by part (imports, patches, the GPU count probe beside them)
+        for key, value in cl.facts.items():
+            if key.startswith("t_") and isinstance(value, (int, float)):
+                parts.setdefault(key, []).append(value)
     naive = [naive_parallel_import(args.n) for _ in range(max(2, args.runs // 2))]
     med = {k: statistics.median(v) for k, v in phases.items()}
-    print(f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, n={args.n} ranks, {args.runs} runs")
+    print(f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, n={args.n} ranks ({backend}), "
+          f"{args.runs} runs")
     print(f"{'phase':<44} {'median s':>9} {'min s':>7} {'max s':>7}")
     rows = [("fork server preload (torch+physicsnemo+patches)", "preload_s"),
             ("controller start (overlaps the preload)", "controller_s"),
@@ -60,6 +67,8 @@ def main() -> None:
         print(f"{label:<44} {med[key]:>9.2f} {min(values):>7.2f} {max(values):>7.2f}")
     print(f"{'naive: %d processes import + register at once' % args.n:<44} {statistics.median(naive):>9.2f} "
           f"{min(naive):>7.2f} {max(naive):>7.2f}")
+    for key, values in parts.items():
+        print(f"{'  preload part ' + key:<44} {statistics.median(values):>9.2f} {min(values):>7.2f} {max(values):>7.2f}")
     print()
     print(f"ratio start / 15 s target:            {med['start_s'] / 15:.2f}")
     print(f"ratio stop / 3 s target:              {med['stop_s'] / 3:.2f}")

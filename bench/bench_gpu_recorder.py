@@ -10,15 +10,16 @@ anchor). Per step: wall time
 (a device synchronize ends each block) and host time (until the Python loop returns, before that
 synchronize); ratios are medians of the per-round ratios to `none` of the same round. The first shape is
 host-bound (every host microsecond is wall time), the second GPU-sized (the device is the bottleneck).
---pkg DIR puts DIR first on sys.path (to time another copy of sharddbg in the same run); --profile
-prints where the recorder's host time goes in one traced block. Also times the per-event CUDA pieces.
+--pkg DIR puts DIR first on sys.path (to time another copy of sharddbg in the same run); --profile [MODE ...]
+prints where the host time goes in one block of each mode named (the default recorder when none is named). Also times the per-event CUDA pieces.
 --device cpu runs the same net on the CPU with gloo (no memory mode, no CUDA pieces): with a small shape
 (1x16x32x32) the development box's stand-in for the host-bound GPU row, where the recorder's host time is
 most of what it adds. --parts adds two modes: "rec_no_backward", the default recorder without the hooks on
 autograd nodes (no backward events), and "rec_idle_hooks", the default with those hooks registered but doing
 nothing: the table then splits what remains into backward events (rec - rec_no_backward; of which torch's
-calls of the two Python hooks per node: rec_idle_hooks - rec_no_backward), collectives (rec - ops) and forward
-op events (the rest).
+calls of the two Python hooks per node: rec_idle_hooks - rec_no_backward), collectives (rec - ops; of which the
+layers that catch them, their handler calling straight through: "rec_pass_colls" - ops) and forward op events (the
+rest); on CUDA also "rec_no_cuda_events", the default without the pair of CUDA timing events per event.
 Every block starts with DTensor's redistribution plan cache emptied: this workload leaves a stale entry in
 it each step (see README), so a long run would otherwise compare the modes at different points of that drift.
 """
@@ -33,6 +34,34 @@ import os
 import statistics
 import sys
 import time
+
+
+def _mode_context(m, R, recorder_ops, recorder_collectives, box, torch):
+    """The context manager that times mode ``m``, and a function that undoes what the mode changed."""
+    hook_backward = recorder_ops.hook_backward
+    box_hooks = (box.pre_hook, box.post_hook)
+    handle = recorder_collectives.CollectiveHooks.handle
+    cuda_span = recorder_ops.CudaSpan
+
+    def restore():
+        recorder_ops.hook_backward = hook_backward
+        box.pre_hook, box.post_hook = box_hooks
+        recorder_collectives.CollectiveHooks.handle = handle
+        recorder_ops.CudaSpan = recorder_collectives.CudaSpan = cuda_span
+
+    if m == "none":
+        return contextlib.nullcontext(), restore
+    if m == "profiler":
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True), restore
+    if m == "rec_no_backward":
+        recorder_ops.hook_backward = lambda rec, ev, outs: None
+    if m == "rec_idle_hooks":
+        box.pre_hook, box.post_hook = (lambda self, grad_outputs: None), (lambda self, gi, go: None)
+    if m == "rec_pass_colls":  # the collective layers in place, their handler only calls through
+        recorder_collectives.CollectiveHooks.handle = lambda self, func, s, args, kwargs: func(*args, **kwargs)
+    if m == "rec_no_cuda_events":  # no device timing: no CUDA event pair per op and collective
+        recorder_ops.CudaSpan = recorder_collectives.CudaSpan = lambda track_memory: None
+    return R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem")), restore
 
 
 def _time_shape(a, shape, mesh, R) -> dict:
@@ -63,14 +92,15 @@ def _time_shape(a, shape, mesh, R) -> dict:
         modes = modes[:3]
     modes += ("profiler",)  # the anchor: torch.profiler, CPU activities, record_shapes
     if a.parts:
-        modes += ("rec_no_backward", "rec_idle_hooks")
+        modes += ("rec_no_backward", "rec_idle_hooks", "rec_pass_colls")
+        if dev == "cuda":
+            modes += ("rec_no_cuda_events",)
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
     from sharddbg.engine.recorder import autograd as recorder_autograd
+    from sharddbg.engine.recorder import collectives as recorder_collectives
     from sharddbg.engine.recorder import ops as recorder_ops
-    hook_backward = recorder_ops.hook_backward
     box = recorder_autograd.BackwardBox
-    box_hooks = (box.pre_hook, box.post_hook)
     wall = {m: [] for m in modes}
     host = {m: [] for m in modes}
     counts = {}
@@ -78,15 +108,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
     for r in range(a.rounds):
         order = modes[r % len(modes):] + modes[: r % len(modes)]
         for m in order:
-            if m == "none":
-                ctx = contextlib.nullcontext()
-            elif m == "profiler":
-                ctx = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
-            else:
-                ctx = R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem"))
-            recorder_ops.hook_backward = (lambda rec, ev, outs: None) if m == "rec_no_backward" else hook_backward
-            if m == "rec_idle_hooks":
-                box.pre_hook, box.post_hook = (lambda self, grad_outputs: None), (lambda self, gi, go: None)
+            ctx, restore = _mode_context(m, R, recorder_ops, recorder_collectives, box, torch)
             _gen_transform_infos.cache_clear()
             step()  # its plans back in the cache, as in every other block
             gc.collect()  # garbage left by the previous block (the profiler's events) is not this one's
@@ -97,8 +119,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
                     step()
                 t1 = time.perf_counter()
                 sync()
-            recorder_ops.hook_backward = hook_backward
-            box.pre_hook, box.post_hook = box_hooks
+            restore()
             wall[m].append((time.perf_counter() - t0) / a.iters * 1e3)
             host[m].append((t1 - t0) / a.iters * 1e3)
             if m not in ("none", "profiler"):
@@ -108,22 +129,29 @@ def _time_shape(a, shape, mesh, R) -> dict:
                              sum(e.get("device_ms") is not None for e in ev if e["kind"] == "op") // a.iters)
                 if ctx.internal_errors:  # a recorder bug would make these numbers meaningless
                     internal.append(ctx.internal_errors[-1])
-    if a.profile:
+    for m in a.profile or ():
         import cProfile
         import pstats
 
-        pr = cProfile.Profile()
-        with R.Recorder():
-            pr.enable()
-            for _ in range(a.iters):
-                step()
-            pr.disable()
+        ctx, restore = _mode_context(m, R, recorder_ops, recorder_collectives, box, torch)
+        _gen_transform_infos.cache_clear()
+        step()
         sync()
-        print(f"--- profile {shape}, {a.iters} steps")
+        pr = cProfile.Profile()
+        try:
+            with ctx:
+                pr.enable()
+                for _ in range(a.iters):
+                    step()
+                sync()
+                pr.disable()
+        finally:
+            restore()
+        print(f"--- profile of mode {m}, {shape}, {a.iters} steps (device synchronized at the end)")
         st = pstats.Stats(pr)
-        st.sort_stats("tottime").print_stats(15)
-        st.sort_stats("cumtime").print_stats("sharddbg", 25)
-        st.print_callers("compile")
+        st.sort_stats("tottime").print_stats(25)
+        if m not in ("none", "profiler"):
+            st.sort_stats("cumtime").print_stats("sharddbg", 25)
 
     def paired(d, m):
         return statistics.median(v / n for v, n in zip(d[m], d["none"]))
@@ -144,11 +172,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--shapes", nargs="+", default=["1x16x1024x1024", "1x32x4096x4096"])
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", nargs="*", metavar="MODE",
+                    help="cProfile one block of each mode named (rec when none is named), after the timed rounds")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--parts", action="store_true")
     ap.add_argument("--pkg", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     a = ap.parse_args()
+    if a.profile == []:
+        a.profile = ["rec"]
     sys.path.insert(0, a.pkg)
     import physicsnemo.domain_parallel as dp
     import torch
