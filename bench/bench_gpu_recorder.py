@@ -1,7 +1,8 @@
 """Recorder wall overhead on one GPU (run through the device tool), one process, world size 1, NCCL.
 
     python bench/bench_gpu_recorder.py [--rounds 7] [--iters 10] [--shapes 1x16x1024x1024 1x32x4096x4096]
-                                       [--pkg DIR] [--profile] [--device cpu] [--parts]
+                                       [--pkg DIR] [--profile [MODE ...]] [--device cpu] [--parts]
+                                       [--modes none,ops,rec,...] [--runs N] [--opcodes]
 
 3-conv net (16/32 -> 32 -> 32 -> 4 channels) on a ShardTensor of each shape, forward + backward, modes
 interleaved round by round: none / recorder ops only / recorder ops + collectives (the default) / the same
@@ -20,6 +21,10 @@ nothing: the table then splits what remains into backward events (rec - rec_no_b
 calls of the two Python hooks per node: rec_idle_hooks - rec_no_backward), collectives (rec - ops; of which the
 layers that catch them, their handler calling straight through: "rec_pass_colls" - ops) and forward op events (the
 rest); on CUDA also "rec_no_cuda_events", the default without the pair of CUDA timing events per event.
+--opcodes counts the Python bytecode instructions of one step in none / ops / rec, per function (sharddbg's own,
+and torch's that run only because of the recorder): a profile of what remains that no timer noise blurs.
+--runs N: N fresh processes one after another, their per-round ratios pooled (median and quartiles, and
+each run's median); --modes times only the modes named.
 Every block starts with DTensor's redistribution plan cache emptied: this workload leaves a stale entry in
 it each step (see README), so a long run would otherwise compare the modes at different points of that drift.
 """
@@ -64,10 +69,64 @@ def _mode_context(m, R, recorder_ops, recorder_collectives, box, torch):
     return R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem")), restore
 
 
+def _opcode_profile(step, sync, R, mode_context_args, modes=("none", "ops", "rec")) -> dict:
+    """Python bytecode instructions executed in one step of each mode, counted with ``sys.settrace`` (the same
+    on any host: a profile of what the recorder adds that no timer noise blurs). Per mode: the total, and the
+    instructions per function, sharddbg's own and torch's / physicsnemo's that run only because of it."""
+    import collections
+
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    per_mode = {}
+    for m in modes:
+        counts: collections.Counter = collections.Counter()
+
+        def tracer(frame, event, arg, counts=counts):
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                code = frame.f_code
+                counts[(code.co_filename, code.co_firstlineno, code.co_name)] += 1
+            return tracer
+
+        ctx, restore = _mode_context(m, R, *mode_context_args)
+        _gen_transform_infos.cache_clear()
+        step()
+        sync()
+        try:
+            with ctx:
+                step()  # the recorder's first sight of each module and group is not a step's cost
+                sync()
+                sys.settrace(tracer)
+                try:
+                    step()
+                finally:
+                    sys.settrace(None)
+                sync()
+        finally:
+            restore()
+        per_mode[m] = counts
+    base = per_mode["none"]
+    out = {"total": {m: sum(c.values()) for m, c in per_mode.items()}}
+    for m in modes:
+        if m == "none":
+            continue
+        ours, added = collections.Counter(), collections.Counter()
+        for key in set(per_mode[m]) | set(base):
+            d = per_mode[m][key] - base[key]
+            name = f"{key[0].split('site-packages/')[-1].split('sharddbg/')[-1]}:{key[1]}({key[2]})"
+            if os.sep + "sharddbg" + os.sep in key[0]:
+                ours[name] = d
+            elif d:
+                added[name] = d
+        out[m] = {"sharddbg": sum(ours.values()), "elsewhere": sum(added.values()),
+                  "top_sharddbg": ours.most_common(25), "top_elsewhere": added.most_common(10)}
+    return out
+
+
 def _time_shape(a, shape, mesh, R) -> dict:
     import torch
-    import torch.nn as nn
     from physicsnemo.domain_parallel import ShardTensor
+    from torch import nn
     from torch.distributed.tensor import Shard
 
     torch.manual_seed(0)
@@ -95,6 +154,8 @@ def _time_shape(a, shape, mesh, R) -> dict:
         modes += ("rec_no_backward", "rec_idle_hooks", "rec_pass_colls")
         if dev == "cuda":
             modes += ("rec_no_cuda_events",)
+    if a.modes:
+        modes = tuple(m for m in a.modes.split(",") if m)
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
     from sharddbg.engine.recorder import autograd as recorder_autograd
@@ -102,6 +163,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
     from sharddbg.engine.recorder import ops as recorder_ops
     box = recorder_autograd.BackwardBox
     wall = {m: [] for m in modes}
+    full_collections = {m: 0 for m in modes}  # the garbage collector's full collections inside timed blocks
     host = {m: [] for m in modes}
     counts = {}
     internal: list[str] = []
@@ -113,6 +175,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
             step()  # its plans back in the cache, as in every other block
             gc.collect()  # garbage left by the previous block (the profiler's events) is not this one's
             sync()
+            full_before = gc.get_stats()[2]["collections"]
             t0 = time.perf_counter()
             with ctx:
                 for _ in range(a.iters):
@@ -122,6 +185,7 @@ def _time_shape(a, shape, mesh, R) -> dict:
             restore()
             wall[m].append((time.perf_counter() - t0) / a.iters * 1e3)
             host[m].append((t1 - t0) / a.iters * 1e3)
+            full_collections[m] += gc.get_stats()[2]["collections"] - full_before
             if m not in ("none", "profiler"):
                 ev = ctx.events
                 counts[m] = (sum(e["kind"] == "op" for e in ev) // a.iters,
@@ -129,6 +193,15 @@ def _time_shape(a, shape, mesh, R) -> dict:
                              sum(e.get("device_ms") is not None for e in ev if e["kind"] == "op") // a.iters)
                 if ctx.internal_errors:  # a recorder bug would make these numbers meaningless
                     internal.append(ctx.internal_errors[-1])
+    if a.opcodes:
+        ops_out = _opcode_profile(step, sync, R, (recorder_ops, recorder_collectives, box, torch))
+        print(f"--- Python instructions per step, {shape}: {ops_out['total']}")
+        for m in ("ops", "rec"):
+            print(f"  {m}: sharddbg {ops_out[m]['sharddbg']}, elsewhere {ops_out[m]['elsewhere']}")
+            for name, n in ops_out[m]["top_sharddbg"]:
+                print(f"    {n:7d}  {name}")
+            for name, n in ops_out[m]["top_elsewhere"]:
+                print(f"    {n:7d}  {name}  (not sharddbg)")
     for m in a.profile or ():
         import cProfile
         import pstats
@@ -156,14 +229,16 @@ def _time_shape(a, shape, mesh, R) -> dict:
     def paired(d, m):
         return statistics.median(v / n for v, n in zip(d[m], d["none"]))
 
-    del x, net, full
     return {"ms_per_step": {m: statistics.median(v) for m, v in wall.items()},
             "host_ms_per_step": {m: statistics.median(v) for m, v in host.items()},
             "wall_ratio": {m: paired(wall, m) for m in modes},
             "wall_ratio_range": {m: [min(v / n for v, n in zip(wall[m], wall["none"])),
                                      max(v / n for v, n in zip(wall[m], wall["none"]))] for m in modes},
             "host_ratio": {m: paired(host, m) for m in modes},
+            "wall_ratio_per_round": {m: [v / n for v, n in zip(wall[m], wall["none"])] for m in modes},
             "per_step_ops_colls_devtimed": counts,
+            "gc_full_collections_in_blocks": full_collections,
+            "python_instructions_per_step": ops_out if a.opcodes else None,
             "recorder_internal_errors": len(internal), "first_internal_error": internal[0] if internal else None}
 
 
@@ -176,10 +251,20 @@ def main() -> None:
                     help="cProfile one block of each mode named (rec when none is named), after the timed rounds")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--parts", action="store_true")
+    ap.add_argument("--opcodes", action="store_true",
+                    help="count the Python instructions of one step per mode and function (sys.settrace)")
+    ap.add_argument("--modes", default="", help="comma-separated modes to time instead (none must be one)")
+    ap.add_argument("--runs", type=int, default=1, help="fresh processes, one after another; rounds pooled")
+    ap.add_argument("--result-file", default="", help=argparse.SUPPRESS)  # a child run's JSON, for --runs
     ap.add_argument("--pkg", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     a = ap.parse_args()
     if a.profile == []:
         a.profile = ["rec"]
+    if a.modes and "none" not in a.modes.split(","):
+        ap.error("--modes must include none (every ratio is to it)")
+    if a.runs > 1:
+        _pooled_runs(a)
+        return
     sys.path.insert(0, a.pkg)
     import physicsnemo.domain_parallel as dp
     import torch
@@ -211,7 +296,11 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     if not cuda:
-        print(json.dumps({"pkg": a.pkg, "torch": torch.__version__, "device": "cpu", "shapes": results}, indent=1))
+        out = {"pkg": a.pkg, "torch": torch.__version__, "device": "cpu", "shapes": results}
+        print(json.dumps(out, indent=1))
+        if a.result_file:
+            with open(a.result_file, "w") as f:
+                json.dump(out, f)
         dist.destroy_process_group()
         return
 
@@ -239,10 +328,60 @@ def main() -> None:
     out = {"pkg": a.pkg, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
            "shapes": results, "piece_us": pieces}
     print(json.dumps(out, indent=1))
+    if a.result_file:
+        with open(a.result_file, "w") as f:
+            json.dump(out, f)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"gpu_{abs(hash(a.pkg)) % 1000}.json"), "w") as f:
             json.dump(out, f)
     dist.destroy_process_group()
+
+
+def _quantile(ordered: list, p: float) -> float:
+    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+
+def _pooled_runs(a) -> None:
+    """``--runs N``: N fresh processes one after another (memory layouts and clocks differ between them), each
+    the same command with one run; per-round ratios to untraced pooled over every run."""
+    import subprocess
+    import tempfile
+
+    argv = [x for x in sys.argv[1:]]
+    i = argv.index("--runs")
+    del argv[i:i + 2]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.runs):
+            path = os.path.join(tmp, f"run{r}.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--result-file", path], check=True,
+                           stdout=subprocess.DEVNULL)
+            with open(path) as f:
+                runs.append(json.load(f))
+    first = runs[0]
+    print(f"{a.runs} runs x {a.rounds} rounds x {a.iters} steps; torch {first['torch']}, "
+          f"{first.get('gpu') or 'cpu'}, {os.cpu_count()} cores")
+    pooled_out = {"runs": runs, "pooled": {}}
+    for shape in first["shapes"]:
+        modes = list(first["shapes"][shape]["wall_ratio"])
+        print(f"\nshape {shape}: median of per-round wall ratios to none, pooled [q1, q3]; each run's median; "
+              f"ms/step (median of runs)")
+        pooled_out["pooled"][shape] = {}
+        for m in modes:
+            per_round = sorted(x for run in runs for x in run["shapes"][shape]["wall_ratio_per_round"][m])
+            per_run = [run["shapes"][shape]["wall_ratio"][m] for run in runs]
+            ms = statistics.median(run["shapes"][shape]["ms_per_step"][m] for run in runs)
+            errors = sum(run["shapes"][shape]["recorder_internal_errors"] for run in runs)
+            full_gcs = sum(run["shapes"][shape]["gc_full_collections_in_blocks"][m] for run in runs)
+            print(f"  {m:<20} {statistics.median(per_round):6.3f} [{_quantile(per_round, 0.25):.3f}, {_quantile(per_round, 0.75):.3f}]   "
+                  + " ".join(f"{v:.3f}" for v in per_run) + f"   {ms:8.2f} ms  {full_gcs} full GCs" + (f"  {errors} internal errors!" if errors else ""))
+            pooled_out["pooled"][shape][m] = {"ratio": statistics.median(per_round),
+                                              "q1": _quantile(per_round, 0.25), "q3": _quantile(per_round, 0.75),
+                                              "per_run": per_run, "ms_per_step": ms,
+                                              "gc_full_collections_in_blocks": full_gcs}
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gpu_recorder_runs.json"), "w") as f:
+            json.dump(pooled_out, f)
 
 
 if __name__ == "__main__":
