@@ -320,6 +320,10 @@ def test_the_gpu_count_probe_runs_beside_the_imports_and_never_blocks_past_its_t
     assert slow.proc.poll() is None and also.proc.poll() is None
     assert (slow.result(), also.result()) == (2, 3)
     assert slow.seconds >= 1.0
+    # its own time, not the time it was read: one that answered at once and was read a second later
+    quick = GpuCountProbe("print(1)")
+    time.sleep(1.5)
+    assert quick.result() == 1 and quick.seconds < 1.0
     assert GpuCountProbe("raise SystemExit(1)").result() == 0
     assert GpuCountProbe("print('no number')").result() == 0
     hung = GpuCountProbe("import time; time.sleep(60)", timeout=0.5)

@@ -63,13 +63,18 @@ class GpuCountProbe:
     (before, it ran first: a torch import and a CUDA start of its own, seconds on a GPU host). It is started
     before this process loads torch or any CUDA library, and it execs at once."""
 
+    # printed by the probe after its answer: when it finished, on the machine's monotonic clock (the same in
+    # every process), so that its own time is known even when it is read long after it ended
+    DONE_MARK = "sharddbg-probe-done"
+
     def __init__(self, code: str = GPU_COUNT_PROBE, timeout: float = 120.0) -> None:
-        self.t0 = time.perf_counter()
+        self.t0 = time.monotonic()
         self.timeout = timeout
         self.seconds: float | None = None  # how long the probe took, start to answer
         try:
             self.proc: subprocess.Popen | None = subprocess.Popen(
-                [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                [sys.executable, "-c", f"{code}\nimport time\nprint({self.DONE_MARK!r}, time.monotonic())"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             self.proc = None
 
@@ -78,13 +83,16 @@ class GpuCountProbe:
         if self.proc is None:
             return 0
         try:
-            out, _ = self.proc.communicate(timeout=max(0.0, self.timeout - (time.perf_counter() - self.t0)))
-            self.seconds = time.perf_counter() - self.t0
-            return int(out.strip().splitlines()[-1])
+            out, _ = self.proc.communicate(timeout=max(0.0, self.timeout - (time.monotonic() - self.t0)))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.communicate()
             return 0
+        lines = out.strip().splitlines()
+        done = [line.split()[-1] for line in lines if line.startswith(self.DONE_MARK)]
+        try:
+            self.seconds = (float(done[-1]) if done else time.monotonic()) - self.t0
+            return int([line for line in lines if not line.startswith(self.DONE_MARK)][-1])
         except (ValueError, IndexError):
             return 0
 
