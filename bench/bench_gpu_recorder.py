@@ -21,8 +21,9 @@ nothing: the table then splits what remains into backward events (rec - rec_no_b
 calls of the two Python hooks per node: rec_idle_hooks - rec_no_backward), collectives (rec - ops; of which the
 layers that catch them, their handler calling straight through: "rec_pass_colls" - ops) and forward op events (the
 rest); on CUDA also "rec_no_cuda_events", the default without the pair of CUDA timing events per event.
---opcodes counts the Python bytecode instructions of one step in none / ops / rec, per function (sharddbg's own,
-and torch's that run only because of the recorder): a profile of what remains that no timer noise blurs.
+--opcodes counts the Python bytecode instructions of one step in none / ops / rec and charges what the recorder
+adds to its components (forward op events, backward events, collectives, the module stack, ...): a profile of
+what remains that no timer noise blurs (count with --device cpu: on CUDA backward runs on another thread).
 --runs N: N fresh processes one after another, their per-round ratios pooled (median and quartiles, and
 each run's median); --modes times only the modes named.
 Every block starts with DTensor's redistribution plan cache emptied: this workload leaves a stale entry in
@@ -69,13 +70,38 @@ def _mode_context(m, R, recorder_ops, recorder_collectives, box, torch):
     return R.Recorder(comm=(m != "ops"), memory=(m == "rec_mem")), restore
 
 
+# What each sharddbg entry point records (the outermost sharddbg frame of a call from torch or the user's code)
+_ENTRY_COMPONENTS = {
+    "__torch_function__": "forward op events", "__torch_dispatch__": "forward op events",
+    "method": "forward op events", "end": "forward op events",
+    "pre_hook": "backward events", "post_hook": "backward events",
+    "__call__": "collectives", "kernel": "collectives", "wait": "collectives", "wrapper": "collectives",
+    "pre": "module stack", "post": "module stack",
+    "promote": "promotions and fallback marks", "marked": "promotions and fallback marks",
+    "plan": "plan cache watch",
+}
+# torch / physicsnemo functions that run only because the recorder is installed
+_ADDED_ELSEWHERE = {
+    "inner": "module stack", "_call_impl": "module stack",  # nn.Module's slow path while global hooks exist
+    "__init__": "backward events", "_register_hook": "backward events",  # a RemovableHandle per node hook
+    "grad_fn": "backward events",  # ShardTensor's grad_fn property, read to find the node to hook
+    "is_compiling": "compile checks", "is_scripting": "compile checks",
+    "_conversion_active": "forward op events",
+}
+
+
 def _opcode_profile(step, sync, R, mode_context_args, modes=("none", "ops", "rec")) -> dict:
-    """Python bytecode instructions executed in one step of each mode, counted with ``sys.settrace`` (the same
-    on any host: a profile of what the recorder adds that no timer noise blurs). Per mode: the total, and the
-    instructions per function, sharddbg's own and torch's / physicsnemo's that run only because of it."""
+    """Python bytecode instructions executed in one step of each mode, counted with ``sys.settrace``: a profile
+    of what the recorder adds that no timer noise blurs. Each sharddbg instruction is charged to the component
+    whose entry point called it (``_ENTRY_COMPONENTS``); torch's and physicsnemo's extra instructions to the
+    component that causes them (``_ADDED_ELSEWHERE``). Only this thread is traced: on CUDA the autograd engine
+    runs backward on its own thread, so count on the CPU (``--device cpu``), where backward runs here."""
     import collections
 
     from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    def ours(code) -> bool:
+        return f"{os.sep}sharddbg{os.sep}" in code.co_filename
 
     per_mode = {}
     for m in modes:
@@ -85,7 +111,13 @@ def _opcode_profile(step, sync, R, mode_context_args, modes=("none", "ops", "rec
             frame.f_trace_opcodes = True
             if event == "opcode":
                 code = frame.f_code
-                counts[(code.co_filename, code.co_firstlineno, code.co_name)] += 1
+                if ours(code):
+                    f = frame
+                    while f.f_back is not None and ours(f.f_back.f_code):
+                        f = f.f_back
+                    counts[_ENTRY_COMPONENTS.get(f.f_code.co_name, "other sharddbg: " + f.f_code.co_name)] += 1
+                else:
+                    counts[(code.co_filename, code.co_firstlineno, code.co_name)] += 1
             return tracer
 
         ctx, restore = _mode_context(m, R, *mode_context_args)
@@ -110,18 +142,16 @@ def _opcode_profile(step, sync, R, mode_context_args, modes=("none", "ops", "rec
     for m in modes:
         if m == "none":
             continue
-        ours, added = collections.Counter(), collections.Counter()
+        added: collections.Counter = collections.Counter()
         for key in set(per_mode[m]) | set(base):
             d = per_mode[m][key] - base[key]
-            name = f"{key[0].split('site-packages/')[-1].split('sharddbg/')[-1]}:{key[1]}({key[2]})"
-            if os.sep + "sharddbg" + os.sep in key[0]:
-                ours[name] = d
-            elif d:
-                added[name] = d
-        out[m] = {"sharddbg": sum(ours.values()), "elsewhere": sum(added.values()),
-                  "top_sharddbg": ours.most_common(25), "top_elsewhere": added.most_common(10)}
+            if isinstance(key, tuple):
+                if d:
+                    added[_ADDED_ELSEWHERE.get(key[2], "torch / physicsnemo, other")] += d
+            else:
+                added[key] += d
+        out[m] = dict(added.most_common())
     return out
-
 
 def _time_shape(a, shape, mesh, R) -> dict:
     import torch
@@ -195,13 +225,11 @@ def _time_shape(a, shape, mesh, R) -> dict:
                     internal.append(ctx.internal_errors[-1])
     if a.opcodes:
         ops_out = _opcode_profile(step, sync, R, (recorder_ops, recorder_collectives, box, torch))
-        print(f"--- Python instructions per step, {shape}: {ops_out['total']}")
+        print(f"--- Python instructions of one step, {shape}, this thread: {ops_out['total']}")
         for m in ("ops", "rec"):
-            print(f"  {m}: sharddbg {ops_out[m]['sharddbg']}, elsewhere {ops_out[m]['elsewhere']}")
-            for name, n in ops_out[m]["top_sharddbg"]:
+            print(f"  added by {m}: {sum(ops_out[m].values())}")
+            for name, n in ops_out[m].items():
                 print(f"    {n:7d}  {name}")
-            for name, n in ops_out[m]["top_elsewhere"]:
-                print(f"    {n:7d}  {name}  (not sharddbg)")
     for m in a.profile or ():
         import cProfile
         import pstats
