@@ -449,9 +449,12 @@ def test_every_slot_is_set_by_each_constructor():
     fwd = _op(rec, 0)
     bw = OpEvent.backward(1, None, 0, fwd, "MulBackward0", None, 1, [], [], 5, 9)
     for ev in (fwd, bw):
-        assert all(hasattr(ev, s) for s in OpEvent.__slots__)
+        assert all(hasattr(ev, s) for s in OpEvent.FIELDS)
     c = CollectiveEvent(2, 0, None, None, 0)
-    assert all(hasattr(c, s) for s in CollectiveEvent.__slots__)
+    assert all(hasattr(c, s) for s in CollectiveEvent.FIELDS)
+    # a default is the class's until an instance sets its own
+    c.waited = True
+    assert CollectiveEvent(3, 0, None, None, 0).waited is False
 
 
 def test_keep_counts_what_a_full_buffer_drops():

@@ -24,9 +24,12 @@ class OpEvent:
 
     A backward event (the autograd node behind a forward op's output ran) has ``forward`` set: its op,
     path, handler, module and fallback are the forward event's, read at export.
+
+    No ``__slots__``, like ``CollectiveEvent``: a constructor sets what its call knows, and every other field
+    reads its default from the class. ``FIELDS`` names them all.
     """
 
-    __slots__ = (
+    FIELDS = (
         "seq",  # shared numbering with collectives, in start order
         "parent",  # the enclosing recorded op on this thread (OpEvent) or None
         "root",  # the outermost recorded op on this thread when this one is nested, else None
@@ -52,6 +55,27 @@ class OpEvent:
         "replicas",  # [replicas.ReplicaDigest] of the tensors claiming Replicate, when replicas are checked
     )
 
+    # the defaults (immutable values only: they are shared by every instance until it sets its own)
+    root = None
+    phase = "forward"
+    op = path = handler = module = None
+    autograd_node = None
+    forward = None
+    frame = None
+    wrapper_frame = None
+    output = None
+    outputs = None
+    out_bytes = 0
+    autograd_seq_start = None
+    cuda = None
+    t_start_ns = 0
+    t_end_ns = None
+    error = None
+    fallback = False
+    promotions = None
+    not_implemented = False
+    replicas = None
+
     def __init__(self, seq: int, parent: "OpEvent | None", root: "OpEvent | None", depth: int, op: str, path: str,
                  handler: str | None, module: str | None, frame: Any, wrapper_frame: Any, thread: int,
                  inputs: list, autograd_seq_start: int) -> None:
@@ -60,29 +84,15 @@ class OpEvent:
         self.parent = parent
         self.root = root
         self.depth = depth
-        self.phase = "forward"
         self.op = op
         self.path = path
         self.handler = handler
         self.module = module
-        self.autograd_node = None
-        self.forward = None
         self.frame = frame
         self.wrapper_frame = wrapper_frame
         self.thread = thread
         self.inputs = inputs
-        self.output = None
-        self.outputs = None
-        self.out_bytes = 0
         self.autograd_seq_start = autograd_seq_start
-        self.cuda = None
-        self.t_start_ns = 0
-        self.t_end_ns = None
-        self.error = None
-        self.fallback = False
-        self.promotions = None
-        self.not_implemented = False
-        self.replicas = None
 
     @classmethod
     def backward(cls, seq: int, parent: "OpEvent | None", depth: int, forward: "OpEvent", autograd_node: str,
@@ -92,28 +102,20 @@ class OpEvent:
         ev = cls.__new__(cls)
         ev.seq = seq
         ev.parent = parent
-        ev.root = None
         ev.depth = depth
         ev.phase = "backward"
-        ev.op = ev.path = ev.handler = ev.module = None
         ev.autograd_node = autograd_node
         ev.forward = forward
         ev.frame = frame
-        ev.wrapper_frame = None
         ev.thread = thread
         ev.inputs = grad_outputs
-        ev.output = grad_inputs[0] if grad_inputs else None
-        ev.outputs = grad_inputs if len(grad_inputs) > 1 else None
-        ev.out_bytes = sum(i.local_bytes for i in grad_inputs)
-        ev.autograd_seq_start = None
-        ev.cuda = None
+        if grad_inputs:
+            ev.output = grad_inputs[0]
+            if len(grad_inputs) > 1:
+                ev.outputs = grad_inputs
+            ev.out_bytes = sum(i.local_bytes for i in grad_inputs)
         ev.t_start_ns = t_start_ns
         ev.t_end_ns = t_end_ns
-        ev.error = None
-        ev.fallback = False
-        ev.promotions = None
-        ev.not_implemented = False
-        ev.replicas = None
         return ev
 
     def __repr__(self) -> str:
@@ -121,9 +123,14 @@ class OpEvent:
 
 
 class CollectiveEvent:
-    """One recorded collective call on one rank (schema.COLLECTIVE_FIELDS at export)."""
+    """One recorded collective call on one rank (schema.COLLECTIVE_FIELDS at export).
 
-    __slots__ = (
+    No ``__slots__``: a collective sets a handful of its fields while it is recorded, and every other field
+    reads its default from the class (a collective is recorded in the user's hot path; writing some thirty
+    defaults per call was a third of its bookkeeping). ``FIELDS`` names them all.
+    """
+
+    FIELDS = (
         "seq", "group_seq",
         "spec",  # collectives.CollectiveSpec: kind, api, aten op, byte count, argument names
         "group",  # state.GroupInfo
@@ -153,39 +160,41 @@ class CollectiveEvent:
         "preflight",  # preflight.PreflightResult when the group compared it before it was issued
     )
 
+    # the defaults (immutable values only: they are shared by every instance until it sets its own)
+    group_size = None
+    peer = root = None
+    bytes_sent = bytes_recv = None
+    splits_sent = splits_recv = None
+    input_element_size = None
+    deferred_args = None
+    dtype = shape = None
+    is_async = True
+    t_issue_ns = 0
+    t_return_ns = None
+    t_done_ns = None
+    wait_op_seq = None
+    waited = False
+    op = outer = None
+    phase = "forward"
+    autograd_node = None
+    param = None
+    frame = None
+    trigger = None
+    deferred_gradient = False
+    node_seq_nr = None
+    forward_ops_ended = 0
+    node_box = None
+    cuda = None
+    waiting_on = None
+    pending_keys = None
+    preflight = None
+
     def __init__(self, seq: int, group_seq: int, spec: Any, group: Any, thread: int) -> None:
         self.seq = seq
         self.group_seq = group_seq
         self.spec = spec
         self.group = group
-        self.group_size = None
-        self.peer = self.root = None
-        self.bytes_sent = self.bytes_recv = None
-        self.splits_sent = self.splits_recv = None
-        self.input_element_size = None
-        self.deferred_args = None
-        self.dtype = self.shape = None
-        self.is_async = True
-        self.t_issue_ns = 0
-        self.t_return_ns = None
-        self.t_done_ns = None
-        self.wait_op_seq = None
-        self.waited = False
-        self.op = self.outer = None
-        self.phase = "forward"
-        self.autograd_node = None
-        self.param = None
-        self.frame = None
-        self.trigger = None
-        self.deferred_gradient = False
-        self.node_seq_nr = None
-        self.forward_ops_ended = 0
-        self.node_box = None
         self.thread = thread
-        self.cuda = None
-        self.waiting_on = None
-        self.pending_keys = None
-        self.preflight = None
 
     def __repr__(self) -> str:
         return f"CollectiveEvent(seq={self.seq}, group_seq={self.group_seq}, spec={self.spec!r})"
