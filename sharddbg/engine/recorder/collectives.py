@@ -313,11 +313,17 @@ class PacketWrapper:
         rec = hooks.rec
         if rec.running:
             s = self._spec
+            if s is WAIT:  # what handle() does for a wait, without its layers: a wait is half of every call
+                with torch._C._ExcludeDispatchKeyGuard(_ADIOV_SET):
+                    res = self._packet(*args, **kwargs)
+                if rec.collectives.pending_tensors:
+                    hooks._close_tensor(args[0] if args else kwargs.get("tensor"))
+                return res
             if s is WRAP:  # makes an AsyncCollectiveTensor: nothing below to hide from the kernels
                 res = self._packet(*args, **kwargs)
                 hooks.wrapped(args, res)
                 return res
-            if s is WAIT or not rec.thread().collective_depth:
+            if not rec.thread().collective_depth:
                 return hooks.handle(self._call, s, args, kwargs)
         return self._packet(*args, **kwargs)
 
@@ -662,11 +668,11 @@ class CollectiveHooks:
                         ev.param = name
                         ev.deferred_gradient = True
                         ev.forward_ops_ended = len(rec.forward_ops)
+        # is_async is True unless set here: functional collectives and point-to-point calls always complete at a
+        # later wait
         if s.synchronous:
             ev.is_async = False
-        elif s.point_to_point or s.api == "functional":
-            ev.is_async = True  # functional collectives always complete at a later wait_tensor
-        else:
+        elif not (s.point_to_point or s.api == "functional"):
             ev.is_async = bool(v.get("async_op", True))  # c10d: what the caller asked for
         if t0 is not None:
             ev.dtype = t0.dtype  # made plain at export
