@@ -329,7 +329,7 @@ def main() -> None:
         if a.result_file:
             with open(a.result_file, "w") as f:
                 json.dump(out, f)
-        dist.destroy_process_group()
+        DistributedManager.cleanup()  # destroys the group, and leaves physicsnemo nothing to do at exit
         return
 
     # the per-event CUDA pieces
@@ -362,7 +362,7 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"gpu_{abs(hash(a.pkg)) % 1000}.json"), "w") as f:
             json.dump(out, f)
-    dist.destroy_process_group()
+    DistributedManager.cleanup()  # destroys the group, and leaves physicsnemo nothing to do at exit
 
 
 def _quantile(ordered: list, p: float) -> float:
