@@ -24,9 +24,9 @@ CLEAR_CALL = "torch.distributed.tensor._redistribute._gen_transform_infos.cache_
 
 def plan_cache_frame(payloads: dict) -> pd.DataFrame:
     """One row per group of misses per rank (``changed``: the fields joined by ", ", "" for a first call;
-    ``stale``: changed is not empty; ``kept``: how many of the group's entries were still cached at stop); ``entries_start`` / ``entries_end``: the cache's size
-    when that rank's recording started and stopped. Ranks whose payload has no ``plan_cache`` (an older
-    payload, a torch without the cache) have no rows."""
+    ``stale``: changed is not empty; ``kept``: how many of the group's entries were still cached at stop;
+    ``entries_start`` / ``entries_end``: the cache's size when that rank's recording started and stopped).
+    Ranks whose payload has no ``plan_cache`` (an older payload, a torch without the cache) have no rows."""
     rows = []
     for rank in sorted(payloads):
         p = payloads[rank]

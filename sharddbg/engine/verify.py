@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from ..errors import ShardDbgError
 from . import reference
 from .rank_state import STATE, current_rank
+from .recorder import plan_cache
 
 __all__ = ["CheckSetupError", "check_prepare", "check_backward", "check_compare", "check_finish", "doctor_facts",
            "statement_names", "default_tolerance", "DEFAULT_RTOL"]
@@ -917,7 +918,7 @@ def doctor_facts(names=None) -> dict:
              "params": [], "shard_tensors": [], "async_tensors": [], "optimizers": [], "fsdp1": [], "ddp_wrappers": [],
              "physicsnemo": (STATE.patches.physicsnemo if STATE.patches else None),
              "requires_grad_works": None, "unwaited": _unwaited_collectives(),
-             "plan_cache_entries": _plan_cache_entries(),
+             "plan_cache_entries": plan_cache.cache_entries(),
              "ddp_group": _mesh_group_ranks("ddp"), "domain_group": _mesh_group_ranks("domain")}
     seen_modules: set[int] = set()
     seen_params: set[int] = set()  # a parameter reached through two variables (a model and its DDP) counts once
@@ -971,16 +972,6 @@ def _requires_grad_works(value) -> bool:
         probe = value.detach()
     probe.requires_grad_(True)
     return _autograd_flag(probe)
-
-
-def _plan_cache_entries() -> int | None:
-    """Entries in DTensor's redistribution plan cache now (None where this torch has no such cache)."""
-    try:
-        from torch.distributed.tensor._redistribute import _gen_transform_infos
-
-        return int(_gen_transform_infos.cache_info().currsize)
-    except (ImportError, AttributeError):
-        return None
 
 
 def _unwaited_collectives() -> int | None:

@@ -316,8 +316,7 @@ class PacketWrapper:
             if s is WAIT:  # what handle() does for a wait, without its layers: a wait is half of every call
                 with torch._C._ExcludeDispatchKeyGuard(_ADIOV_SET):
                     res = self._packet(*args, **kwargs)
-                if rec.collectives.pending_tensors:
-                    hooks._close_tensor(args[0] if args else kwargs.get("tensor"))
+                hooks.wait_returned(args, kwargs)
                 return res
             if s is WRAP:  # makes an AsyncCollectiveTensor: nothing below to hide from the kernels
                 res = self._packet(*args, **kwargs)
@@ -525,8 +524,7 @@ class CollectiveHooks:
             return func(*args, **kwargs)
         if s is WAIT:  # dispatches nothing else: no depth to keep
             res = func(*args, **kwargs)
-            if rec.collectives.pending_tensors:
-                self._close_tensor(args[0] if args else kwargs.get("tensor"))
+            self.wait_returned(args, kwargs)
             return res
         if s is WRAP:
             res = func(*args, **kwargs)
@@ -719,6 +717,11 @@ class CollectiveHooks:
                 self._on_completion(ev, w)
                 return
         self.done(ev)  # returned nothing to wait on (monitored_barrier): complete on return
+
+    def wait_returned(self, args: tuple, kwargs: dict) -> None:
+        """A ``wait_tensor`` returned: the collective it waited for is done."""
+        if self.rec.collectives.pending_tensors:
+            self._close_tensor(args[0] if args else kwargs.get("tensor"))
 
     def _close_tensor(self, t: Any) -> None:
         pending = self.rec.collectives.pending_tensors

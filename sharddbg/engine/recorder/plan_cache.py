@@ -55,10 +55,7 @@ class PlanCacheWatch:
         self._record: dict | None = None
 
     def entries(self) -> int | None:
-        try:
-            return int(self.cache.cache_info().currsize) if self.cache is not None else None
-        except Exception:  # noqa: BLE001 - another torch's cache object
-            return None
+        return cache_entries(self.cache) if self.cache is not None else None
 
     def stop(self) -> None:
         self.entries_end = self.entries()
@@ -71,6 +68,16 @@ class PlanCacheWatch:
         """Make the record and let go of the specs (called once the recording's events are formatted)."""
         self._record = export(self)
         self.misses = []
+
+
+def cache_entries(cache: Any = None) -> int | None:
+    """Entries in DTensor's plan cache (``cache``, else the one torch has) now; None where this torch has none."""
+    try:
+        if cache is None:
+            from torch.distributed.tensor._redistribute import _gen_transform_infos as cache
+        return int(cache.cache_info().currsize)
+    except Exception:  # noqa: BLE001 - another torch layout or cache object
+        return None
 
 
 def fields_of(spec: Any) -> tuple:
