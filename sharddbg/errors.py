@@ -62,6 +62,11 @@ class ClusterError(ShardDbgError, RuntimeError):
     """Starting, using or stopping a cluster failed."""
 
 
+class RecordingOptionsError(ClusterError, ValueError):
+    """A recording option is of the wrong type or out of range (``RecordingOptions``); refused before anything
+    is recorded."""
+
+
 class NoActiveClusterError(ClusterError):
     """A module-level call needs the active cluster, and none is running."""
 

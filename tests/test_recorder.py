@@ -90,7 +90,7 @@ def _pull(cl, name):
 def _trace(cl, code, max_events=200_000, unmask=True, timeout=120) -> Trace:
     from sharddbg.engine import api
 
-    cl.apply(api.recording_start, max_events, unmask, timeout=30)
+    cl.apply(api.recording_start, {"max_events": max_events, "unmask": unmask}, timeout=30)
     try:
         cl.run(code, timeout=timeout)
     finally:

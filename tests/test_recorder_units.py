@@ -15,6 +15,7 @@ import torch.distributed._functional_collectives  # noqa: F401 - registers the _
 import torch.nn.functional as F
 
 from sharddbg import schema
+from sharddbg.options import RecordingOptions
 from sharddbg.engine.recorder import collectives, comm_bytes, export, paths
 from sharddbg.engine.recorder.events import CollectiveEvent, OpEvent, Promotion
 from sharddbg.engine.recorder.state import GroupInfo, RecordingState
@@ -433,7 +434,7 @@ def test_undo_log_rebinds_a_function_wherever_a_package_holds_it():
 # ---- events and their export ------------------------------------------------------------------------------
 
 def _rec() -> RecordingState:
-    return RecordingState(max_events=3, unmask=True, comm=True, rank=11, world_size=4)
+    return RecordingState(RecordingOptions(max_events=3), rank=11, world_size=4)
 
 
 def _op(rec, seq, depth=0, start=0, parent=None, op="torch.conv2d"):

@@ -80,15 +80,13 @@ def tensor_snapshot(name: str) -> dict:
 
 
 # ---- recording ----------------------------------------------------------------------------------
-def recording_start(max_events: int = 200_000, unmask: bool = True, comm: bool = True, spec_check: bool = True,
-                    replicas: bool = False, preflight: bool = False, preflight_token: str | None = None,
-                    memory: bool = False) -> dict:
-    """Start the recorder on this rank: {"rank", "t_start_ns"} (``recorder.start``; the verification and
-    memory options are ``Recorder``'s)."""
+def recording_start(options: dict | None = None, preflight_token: str | None = None) -> dict:
+    """Start the recorder on this rank with ``options`` (``RecordingOptions.as_dict()``; None: the defaults):
+    {"rank", "t_start_ns"} (``recorder.start``). ``preflight_token`` names the recording's store keys, the
+    same on every rank."""
     from . import recorder
 
-    return recorder.start(max_events=max_events, unmask=unmask, comm=comm, spec_check=spec_check,
-                          replicas=replicas, preflight=preflight, preflight_token=preflight_token, memory=memory)
+    return recorder.start(options or {}, preflight_token=preflight_token)
 
 
 def recording_stop() -> dict:

@@ -7,7 +7,7 @@ On one rank::
         y = model(x); y.square().mean().backward()
     rec.events        # schema.py records, sorted by seq
 
-From a cluster (one round trip each, through ``engine.api``): ``start(max_events, unmask, comm, ...)`` on
+From a cluster (one round trip each, through ``engine.api``): ``start(options)`` on
 every rank, run the cell, ``stop()`` -> payload dict; ``peek()`` may be called from another thread while the
 main thread is blocked (e.g. in a collective) and returns what was recorded so far plus the ops still in
 flight.
@@ -27,6 +27,7 @@ installed is put back on exit, also after an exception; nothing is recorded whil
 from __future__ import annotations
 
 from ...errors import RecorderError, UnmaskedOpError
+from ...options import RecordingOptions
 from .ops import PYTHON_METHODS
 from .preflight import CollectiveMismatchError
 from .recording import Recorder
@@ -38,14 +39,13 @@ _session: Recorder | None = None  # the recorder started by start(), if any
 _last_payload: dict | None = None  # payload of the last stop(), for a later peek()
 
 
-def start(max_events: int = 200_000, unmask: bool = True, comm: bool = True, *, spec_check: bool = True,
-          replicas: bool = False, preflight: bool = False, preflight_token: str | None = None,
-          memory: bool = False) -> dict:
-    """Start recording on this rank (the options are ``Recorder``'s); returns {"rank", "t_start_ns"}. Refused
-    if one is running."""
+def start(options: RecordingOptions | dict | None = None, *, preflight_token: str | None = None) -> dict:
+    """Start recording on this rank with ``options`` (a ``RecordingOptions``, or its ``as_dict()`` as the
+    client sends it); returns {"rank", "t_start_ns"}. Refused if one is running."""
     global _session, _last_payload
-    rec = Recorder(max_events=max_events, unmask=unmask, comm=comm, spec_check=spec_check, replicas=replicas,
-                   preflight=preflight, preflight_token=preflight_token, memory=memory)
+    if isinstance(options, dict):
+        options = RecordingOptions.from_dict(options)
+    rec = Recorder(options, preflight_token=preflight_token)
     rec.__enter__()
     _session = rec
     _last_payload = None

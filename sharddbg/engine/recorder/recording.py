@@ -7,6 +7,7 @@ import traceback
 import torch
 
 from ...errors import RecorderError
+from ...options import RecordingOptions
 from .. import clock
 from ..rank_state import rank_and_world
 from . import cell_errors, export, local_timing, ops, plan_cache
@@ -28,36 +29,31 @@ class Recorder(RecordingState):
         rec.events        # schema.py records, sorted by seq
         rec.dropped       # records lost to a full buffer
 
-    ``unmask``: re-raise a TypeError that PyTorch would report only as "unsupported operand type(s)" as
-    ``UnmaskedOpError`` chained to the original. ``spec_check``: flag a ShardTensor result whose spec
-    disagrees with its local tensor (op field ``spec_mismatches``; checked at export, nothing on the hot
-    path but a reference per result). ``replicas``: digest every tensor that claims Replicate after each
-    forward op and keep copies for a later max difference (``replicas.py``; costs a copy and a hash per
-    tensor). ``memory``: on CUDA, also read the allocator's counter before and after each device-timed op
-    (``mem_delta_bytes``; off by default: about 20 us per read on an H200 host, for a number most traces do
-    not need). ``preflight``: before each collective inside a recorded op, compare it across its group through
-    the rendezvous store (``preflight.py``); ``preflight_token`` names this recording's store keys, the same
-    on every rank (default: counted per process). One recorder per process at a time; a Recorder is entered
+    ``options`` (a ``RecordingOptions``) and ``settings`` (its field names, overriding it) say what is kept
+    and checked: ``max_events``, ``unmask`` (re-raise a TypeError that PyTorch would report only as
+    "unsupported operand type(s)" as ``UnmaskedOpError`` chained to the original), ``comm``, ``spec_check``
+    (flag a ShardTensor result whose spec disagrees with its local tensor; checked at export, nothing on the
+    hot path but a reference per result), ``replicas`` (digest every tensor that claims Replicate after each
+    forward op and keep copies for a later max difference, ``replicas.py``), ``preflight`` (before each
+    collective inside a recorded op, compare it across its group through the rendezvous store,
+    ``preflight.py``) and ``memory`` (on CUDA, the allocator's counter before and after each device-timed op;
+    about 20 us per read on an H200 host). ``preflight_token`` names this recording's store keys, the same on
+    every rank (default: counted per process). One recorder per process at a time; a Recorder is entered
     once. Its attributes are the recording's state (``RecordingState``).
     """
 
-    def __init__(self, max_events: int = 200_000, unmask: bool = True, comm: bool = True, *, spec_check: bool = True,
-                 replicas: bool = False, preflight: bool = False, preflight_token: str | None = None,
-                 memory: bool = False) -> None:
+    def __init__(self, options: RecordingOptions | None = None, *, preflight_token: str | None = None,
+                 **settings) -> None:
         global _preflights
-        if int(max_events) < 0:
-            raise ValueError("max_events must be >= 0")
+        options = RecordingOptions.build(options, **settings)
         rank, world_size = rank_and_world()
         tracker = pf = None
-        if replicas:
+        if options.replicas:
             tracker = ReplicaTracker()
-        if preflight:
-            if not comm:
-                raise RecorderError("preflight checks collectives: it needs comm=True")
+        if options.preflight:
             _preflights += 1
             pf = Preflight(preflight_token or f"local-{_preflights}", rank)
-        super().__init__(int(max_events), bool(unmask), bool(comm), rank, world_size, bool(spec_check), tracker, pf,
-                         bool(memory))
+        super().__init__(options, rank, world_size, replicas=tracker, preflight=pf)
         self.plan_cache = plan_cache.PlanCacheWatch()
         self._undo: UndoLog | None = None
         self._used = False

@@ -9,6 +9,7 @@ import itertools
 import threading
 from typing import Any
 
+from ...options import RecordingOptions
 from .events import CollectiveEvent, OpEvent
 
 
@@ -80,19 +81,20 @@ class SeenError:
 class RecordingState:
     """Everything one recording holds. Attributes are public to the recorder's parts; documented here."""
 
-    def __init__(self, max_events: int, unmask: bool, comm: bool, rank: int, world_size: int,
-                 spec_check: bool = True, replicas: Any = None, preflight: Any = None, memory: bool = False) -> None:
-        # ---- configuration
-        self.max_events = max_events  # events kept at most; further ones are counted in ``dropped``
-        self.unmask = unmask  # re-raise a TypeError that PyTorch would hide as UnmaskedOpError
-        self.comm = comm  # record collectives too
-        self.memory = memory  # CUDA: the allocator's delta over each device-timed op (two counter reads per op)
+    def __init__(self, options: RecordingOptions, rank: int, world_size: int, *, replicas: Any = None,
+                 preflight: Any = None) -> None:
+        # ---- configuration: the options, and each one the hot path reads as an attribute of its own
+        self.options = options
+        self.max_events = options.max_events  # events kept at most; further ones are counted in ``dropped``
+        self.unmask = options.unmask  # re-raise a TypeError that PyTorch would hide as UnmaskedOpError
+        self.comm = options.comm  # record collectives too
+        self.memory = options.memory  # CUDA: the allocator's delta over each device-timed op
         self.rank = rank
         self.world_size = world_size
         # ---- verification
-        self.spec_check = spec_check  # compare each ShardTensor result's spec with its local tensor (at export)
-        self.replicas = replicas  # replicas.ReplicaTracker: digest what claims Replicate after each forward op
-        self.preflight = preflight  # preflight.Preflight: compare each collective across its group first
+        self.spec_check = options.spec_check  # compare each ShardTensor result's spec with its local tensor (at export)
+        self.replicas = replicas  # replicas.ReplicaTracker (options.replicas): digest what claims Replicate
+        self.preflight = preflight  # preflight.Preflight (options.preflight): compare each collective first
         # ---- lifecycle
         self.running = False  # hooks installed and recording: every hook checks this first
         self.t_start_ns: int | None = None
