@@ -75,7 +75,12 @@ from .errors import SchemaError  # what the validators below raise (defined with
 #      size at start and stop and the calls that missed it, grouped, with the spec fields that changed after
 #      the call (a stale key: the next equal call misses again). None where this torch has no such cache.
 #      Older payloads read as before (no plan_cache: not watched).
-SCHEMA_VERSION = 6
+#   7  the meta a reader uses is named and typed: the payload's (PAYLOAD_META_FIELDS: the recording options,
+#      written by the recorder from ``RecordingOptions``, the versions, the plan cache) and the trace file's
+#      (TRACE_META_FIELDS: the code, the cluster, the clock, why ranks are incomplete, the replica differences
+#      gathered). Both are validated; keys not named there are kept and read by nothing. Older payloads and
+#      files read as before.
+SCHEMA_VERSION = 7
 PAYLOAD_FORMAT = "sharddbg.payload"
 
 KIND_OP = "op"
@@ -335,6 +340,53 @@ PLAN_CACHE_GROUP_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "kept": ((int,), "of them, the calls whose entry was still in the cache when recording stopped"),
 }
 
+# The payload meta's keys a reader uses (named here since version 7). The recorder writes every one; a key
+# absent (an older payload, one made by hand) reads as its default: nothing was checked, collectives were
+# recorded. Other keys (host, handler counts, internal errors, ...) are written for people reading a
+# payload and read by nothing.
+PAYLOAD_META_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "torch": ((str,), "torch.__version__ on the rank"),
+    "physicsnemo": ((str, type(None)), "physicsnemo's version on the rank (None: not importable)"),
+    "max_events": ((int,), "RecordingOptions.max_events: events kept at most"),
+    "unmask": ((bool,), "RecordingOptions.unmask"),
+    "comm": ((bool,), "RecordingOptions.comm: collectives were recorded (written since version 2)"),
+    "spec_check": ((bool,), "RecordingOptions.spec_check: results' specs were compared with their local tensors "
+                            "(since version 5)"),
+    "replicas": ((bool,), "RecordingOptions.replicas: what claims Replicate was digested (since version 5)"),
+    "preflight": ((bool,), "RecordingOptions.preflight: collectives were compared across their group first "
+                           "(since version 5)"),
+    "memory": ((bool,), "RecordingOptions.memory: CUDA allocator deltas were recorded (since version 5)"),
+    "plan_cache": ((dict, type(None)), "PLAN_CACHE_FIELDS, or None where this torch has no such cache (since "
+                                       "version 6)"),
+}
+
+# The trace file's meta (``Trace.meta``; since version 7 named here). Every key is optional (a trace built by
+# hand has none); a key not named here is kept and read by nothing.
+TRACE_META_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "code": ((str, type(None)), "the code the ranks ran under the recorder"),
+    "wall_s": ((float, int, type(None)), "seconds from sending the code to the last rank finishing it"),
+    "cluster_id": ((str, type(None)), "the cluster that recorded it"),
+    "mesh": ((dict, type(None)), "its mesh: {'ddp': int, 'domain': int}"),
+    "backend": ((str, type(None)), "its torch.distributed backend: 'gloo' or 'nccl'"),
+    "clock_uncertainty_ns": ((dict, type(None)), "rank (as a string) -> half the round trip of its clock offset's "
+                                                 "best sample, ns"),
+    "failed": ((str, type(None)), "the first line of the error that ended the cell ('RankError: ...'), None when "
+                                  "it did not fail"),
+    "incomplete_reasons": ((dict, type(None)), "rank (as a string) -> why its recording is incomplete"),
+    "replica_differences": ((list, type(None)), "REPLICA_DIFFERENCE_FIELDS for each tensor of the first op call "
+                                                "whose replicas differ, gathered on the ranks (recorded with "
+                                                "replicas=True)"),
+    "smoke_config": ((str, type(None)), "the smoke matrix configuration whose step this is"),
+}
+REPLICA_DIFFERENCE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "key": ((str,), "the digest key (REPLICA_FIELDS key) of the tensor"),
+    "group_ranks": ((list,), "the replica group's global ranks"),
+    "reference_rank": ((int,), "the rank of the majority the others were compared with"),
+    "by_rank": ((dict,), "rank (as a string) -> its largest absolute difference to the reference rank (None: "
+                         "not comparable)"),
+    "note": ((str, type(None)), "why values were not gathered, or what was odd about them"),
+}
+
 PAYLOAD_FIELDS: dict[str, tuple[type, ...]] = {
     "format": (str,),
     "schema_version": (int,),
@@ -364,6 +416,11 @@ def _check_fields(rec: Any, fields: dict, what: str, optional: dict[str, int] | 
         # bool is an int in Python; an int field holding True is still a bug worth catching.
         if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
             raise SchemaError(f"{what}: field {k!r} = {v!r} has type {type(v).__name__}, expected {[t.__name__ for t in types]}")
+
+
+def _check_present(rec: dict, fields: dict, what: str) -> None:
+    """The keys of ``rec`` that ``fields`` names hold their types (absent ones are not looked for)."""
+    _check_fields(rec, {k: fields[k] for k in fields if k in rec}, what)
 
 
 def validate_event(ev: Any, where: str = "event", version: int = SCHEMA_VERSION) -> None:
@@ -434,6 +491,7 @@ def validate_payload(p: Any) -> None:
     if not isinstance(v, int) or v > SCHEMA_VERSION or v < 1:
         raise SchemaError(f"payload schema_version {v!r} is not supported (this sharddbg reads 1..{SCHEMA_VERSION})")
     _check_fields(p, {k: (t, "") for k, t in PAYLOAD_FIELDS.items()}, f"payload of rank {p.get('rank')}")
+    _check_present(p["meta"], PAYLOAD_META_FIELDS, f"payload of rank {p['rank']} meta")
     pc = p["meta"].get("plan_cache")
     if pc is not None:
         where = f"rank {p['rank']} meta plan_cache"
@@ -443,3 +501,25 @@ def validate_payload(p: Any) -> None:
     for i, ev in enumerate(p["events"]):
         validate_event(ev, f"rank {p['rank']} event #{i}", v)
 
+
+
+def validate_trace_meta(meta: Any) -> None:
+    """Raise SchemaError unless the keys of ``meta`` that TRACE_META_FIELDS names hold what it says (other keys
+    are free)."""
+    if not isinstance(meta, dict):
+        raise SchemaError(f"trace meta: expected a dict, got {type(meta).__name__}")
+    named = {k: meta[k] for k in TRACE_META_FIELDS if k in meta}
+    _check_present(named, TRACE_META_FIELDS, "trace meta")
+    for key in ("clock_uncertainty_ns", "incomplete_reasons"):
+        value = named.get(key) or {}
+        want = int if key == "clock_uncertainty_ns" else str
+        for rank, v in value.items():
+            if not (isinstance(rank, str) and rank.isdigit()) or type(v) is not want:
+                raise SchemaError(f"trace meta {key}: {rank!r}: {v!r} is not a rank (as a string) -> "
+                                  f"{want.__name__}")
+    mesh = named.get("mesh")
+    if mesh is not None and (set(mesh) != {"ddp", "domain"} or not all(type(v) is int and v >= 1
+                                                                       for v in mesh.values())):
+        raise SchemaError(f"trace meta mesh: {mesh!r} is not {{'ddp': int, 'domain': int}}")
+    for i, entry in enumerate(named.get("replica_differences") or ()):
+        _check_fields(entry, REPLICA_DIFFERENCE_FIELDS, f"trace meta replica_differences #{i}")

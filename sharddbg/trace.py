@@ -2,13 +2,13 @@
 
 Built on the client from the per-rank payloads of ``sharddbg.engine.recorder`` (schema.py) and the clock
 offsets measured at gather time. Holistic-Trace-Analysis style: every ``get_*()`` returns a DataFrame
-and is a one-line delegation to ``sharddbg.analysis``; the files it writes come from
-``sharddbg.exporters``. No torch, no plotting here: ``show()`` / ``plot_*()`` / ``to_html()`` import the
-views when called.
+and is a one-line delegation to ``sharddbg.analysis``. No torch, no plotting here: ``show()`` / ``plot_*()`` /
+``to_html()`` / ``to_perfetto()`` go through ``sharddbg.rendering``, which imports the views and exporters when
+called.
 
 File format (``save`` / ``load_trace``), JSON::
 
-    {"format": "sharddbg.trace", "version": 1, "schema_version": 6,
+    {"format": "sharddbg.trace", "version": 1, "schema_version": 7,
      "meta": {...}, "clock_offsets_ns": {"0": 0, "1": -1234, ...},
      "incomplete_ranks": [2], "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 
@@ -25,11 +25,13 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
 
 import pandas as pd
 
-from . import schema
+from . import rendering, schema
 from .analysis import comm as _comm
 from .analysis import consistency as _consistency
 from .analysis import ops as _ops
@@ -37,7 +39,6 @@ from .analysis import plan_cache as _plan_cache
 from .analysis import summary as _summary
 from .errors import ShardDbgWarning, TraceFileError
 from .files import write_file_atomically
-from .exporters.perfetto import perfetto_dict, write_perfetto  # noqa: F401 - perfetto_dict: also sharddbg.trace.perfetto_dict
 
 TRACE_FORMAT = "sharddbg.trace"
 TRACE_VERSION = 1
@@ -62,7 +63,10 @@ class Trace:
         self.clock_offsets_ns = {int(r): int(clock_offsets_ns.get(r, 0)) for r in self.payloads}
         unfinished = {r for r, p in self.payloads.items() if p is None or not p["complete"]}
         self.incomplete_ranks = sorted({int(r) for r in incomplete_ranks} | unfinished)
-        self.meta = dict(meta or {})
+        meta = dict(meta or {})
+        schema.validate_trace_meta(meta)
+        # read-only: what a trace says about itself is set when it is built (schema.TRACE_META_FIELDS)
+        self.meta: Mapping[str, Any] = MappingProxyType(meta)
         self._ops: pd.DataFrame | None = None
         self._collectives: pd.DataFrame | None = None
         if self.dropped:
@@ -287,7 +291,7 @@ class Trace:
             "format": TRACE_FORMAT,
             "version": TRACE_VERSION,
             "schema_version": schema.SCHEMA_VERSION,
-            "meta": self.meta,
+            "meta": dict(self.meta),
             "clock_offsets_ns": {str(r): o for r, o in self.clock_offsets_ns.items()},
             "incomplete_ranks": self.incomplete_ranks,
             "ranks": self.ranks,
@@ -304,39 +308,29 @@ class Trace:
         """Chrome trace-event JSON (open in ui.perfetto.dev or chrome://tracing): one process per
         rank, one complete ("X") slice per op and per collective; see ``sharddbg.exporters.perfetto``.
         Written like ``save``: whole or not at all."""
-        return write_perfetto(self, path)
+        return rendering.perfetto(self, path)
 
-    # ---- views and the HTML report (imported lazily: the data layer never needs plotly or widgets) ----
+    # ---- views and the HTML report (through sharddbg.rendering: the data layer never needs plotly or widgets)
     def show(self, **kwargs):
         """The trace explorer widget: errors and fallbacks first, filters, per-rank detail of an op."""
-        from .views.explorer import TraceExplorer
-
-        return TraceExplorer(self, **kwargs)
+        return rendering.explorer(self, **kwargs)
 
     def plot_timeline(self, **kwargs):
         """plotly Figure: one row per rank, op spans by dispatch path, collective spans by kind."""
-        from .views.timeline import plot_timeline
-
-        return plot_timeline(self, **kwargs)
+        return rendering.timeline(self, **kwargs)
 
     def plot_comm_by_op(self, **kwargs):
         """plotly Figure: bytes and time per op, split by collective kind."""
-        from .views.comm import plot_comm_by_op
-
-        return plot_comm_by_op(self, **kwargs)
+        return rendering.comm_by_op(self, **kwargs)
 
     def plot_imbalance(self, **kwargs):
         """plotly Figure: per-rank shard volume beside per-rank time, per op."""
-        from .views.imbalance import plot_imbalance
-
-        return plot_imbalance(self, **kwargs)
+        return rendering.imbalance(self, **kwargs)
 
     def to_html(self, path: str | os.PathLike, **kwargs) -> str:
         """One standalone HTML report (explorer, timeline, comm, imbalance), viewable offline; see
         ``sharddbg.exporters.html_report``."""
-        from .exporters.html_report import to_html
-
-        return to_html(self, path, **kwargs)
+        return rendering.html_report(self, path, **kwargs)
 
 
 # What a trace file may hold, checked before anything is built from it.
@@ -467,6 +461,10 @@ def _trace_of_file(d: dict) -> Trace:
     meta = d.get("meta", {})
     if not isinstance(meta, dict):
         raise _FileProblem(f'field "meta" must be an object, got {type(meta).__name__}')
+    try:
+        schema.validate_trace_meta(meta)
+    except schema.SchemaError as e:
+        raise _FileProblem(f'field "meta": {e}') from None
     return Trace(dict(zip(ranks, payloads)), offsets, incomplete, meta)
 
 

@@ -98,7 +98,7 @@ def _deep_event_field(d):
 
 
 def _deep_meta(d):
-    d["meta"]["code"] = nested(MAX_NESTING - 1, "x")  # one level past the bound (see the valid case)
+    d["meta"]["notes"] = nested(MAX_NESTING - 1, "x")  # one level past the bound (see the valid case)
 
 
 def _world_size_too_small(d):
@@ -151,6 +151,26 @@ def _meta_not_object(d):
     d["meta"] = ["code"]
 
 
+def _meta_code_not_text(d):
+    d["meta"]["code"] = 42
+
+
+def _meta_reason_of_no_rank(d):
+    d["meta"]["incomplete_reasons"] = {"two": "did not finish"}
+
+
+def _meta_mesh_without_domain(d):
+    d["meta"]["mesh"] = {"ddp": 1}
+
+
+def _meta_replica_difference_without_key(d):
+    d["meta"]["replica_differences"] = [{"group_ranks": [0, 1], "reference_rank": 0, "by_rank": {}, "note": None}]
+
+
+def _payload_meta_comm_not_bool(d):
+    d["payloads"][2]["meta"]["comm"] = "yes"
+
+
 CORRUPTIONS = [
     (_duplicate_rank, r'"ranks" lists rank 0 twice \("ranks"\[0\] and "ranks"\[1\]\)'),
     (_payload_says_other_rank, r'payload 2 says rank 3 but "ranks"\[2\] is 2'),
@@ -166,7 +186,7 @@ CORRUPTIONS = [
     (_huge_payload_clock, r'payload 0 \(rank 0\) field "clock"\["t_start_ns"\] = 2305843009213693953 is out of range'),
     (_deep_event_field, (r'payload 0 \(rank 0\) event #{i} field "in_local_shapes"(\[0\])+\.\.\. \(\d+ levels more\) '
                          r'nests deeper than 64 levels')),
-    (_deep_meta, r'field "meta"\["code"\](\[0\])+.* nests deeper than 64 levels'),
+    (_deep_meta, r'field "meta"\["notes"\](\[0\])+.* nests deeper than 64 levels'),
     (_world_size_too_small, r'payload 3 \(rank 3\) field "world_size" = 3 does not hold rank 3'),
     (_world_sizes_disagree, r'payload 2 says "world_size" 4 but payload 0 says 8'),
     (_negative_rank, r'field "ranks" = \[-1, 1, 2, 3\] must be a list of ranks'),
@@ -180,6 +200,11 @@ CORRUPTIONS = [
                                           r"does not list rank 1")),
     (_bool_version, r"missing or invalid version field \(True\)"),
     (_meta_not_object, r'field "meta" must be an object'),
+    (_meta_code_not_text, r"field \"meta\": trace meta: field 'code' = 42 has type int"),
+    (_meta_reason_of_no_rank, r"trace meta incomplete_reasons: 'two': 'did not finish' is not a rank"),
+    (_meta_mesh_without_domain, r"trace meta mesh: \{{'ddp': 1\}} is not"),
+    (_meta_replica_difference_without_key, r"trace meta replica_differences #0: missing field\(s\) \['key'\]"),
+    (_payload_meta_comm_not_bool, r"payload 2: payload of rank 2 meta: field 'comm' = 'yes' has type str"),
 ]
 
 
@@ -286,7 +311,8 @@ def test_incomplete_trace_with_a_silent_rank_round_trips(tmp_path):
 def test_extreme_but_valid_values_load(tmp_path):
     """An integer at the bound and meta nested exactly as deep as allowed load, and the analyses run."""
     d = golden()
-    d["meta"]["code"] = nested(MAX_NESTING - 2, "x")  # below the file's top and meta: MAX_NESTING levels
+    # a key of the meta's own (free: TRACE_META_FIELDS does not name it) nested as deep as allowed
+    d["meta"]["notes"] = nested(MAX_NESTING - 2, "x")  # below the file's top and meta: MAX_NESTING levels
     d["clock_offsets_ns"]["0"] = -MAX_ABS_INT
     path = tmp_path / NAME
     path.write_text(json.dumps(d))
@@ -307,8 +333,14 @@ def test_from_payloads_and_trace_agree_on_unfinished_ranks():
 
 
 # ---- writers: a fresh temp file beside the target, renamed into place ----------------------------------
-def _golden_trace() -> Trace:
-    return load_trace(GOLDEN)
+def _golden_trace(**meta) -> Trace:
+    """The golden trace; with ``meta``: rebuilt with those meta entries added (a trace's meta is set when it is
+    built)."""
+    t = load_trace(GOLDEN)
+    if not meta:
+        return t
+    return Trace.from_payloads(t.payloads, t.clock_offsets_ns, meta={**t.meta, **meta},
+                               incomplete_ranks=t.incomplete_ranks)
 
 
 WRITERS = {
@@ -339,8 +371,7 @@ def test_writer_leaves_a_symlink_at_the_old_temp_name_alone(tmp_path, writer):
 
 
 def test_failed_save_leaves_no_temp_file_and_no_target(tmp_path):
-    t = _golden_trace()
-    t.meta["not_json"] = object()  # serialising fails part way through the file
+    t = _golden_trace(not_json=object())  # serialising fails part way through the file
     target = tmp_path / NAME
     with pytest.raises(TypeError, match="not JSON serializable"):
         t.save(target)
@@ -351,8 +382,7 @@ def test_failed_save_keeps_the_old_file(tmp_path):
     target = tmp_path / NAME
     _golden_trace().save(target)
     before = target.read_bytes()
-    t = _golden_trace()
-    t.meta["wall_s"] = float("nan")  # strict JSON refuses NaN, after much of the file was written
+    t = _golden_trace(wall_s=float("nan"))  # strict JSON refuses NaN, after much of the file was written
     with pytest.raises(ValueError, match="not JSON compliant"):
         t.save(target)
     assert target.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [NAME]

@@ -52,6 +52,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(HERE.parent.parent))
     import sharddbg
+    from sharddbg.trace import Trace
 
     with sharddbg.Cluster(n=4, mesh={"ddp": 1, "domain": 4}, timeout=120) as cl:
         cl.run(SETUP, timeout=60)
@@ -59,15 +60,16 @@ def main() -> int:
             t = cl.trace(CELL, timeout=120)
         finally:
             cl.run(CLEANUP, timeout=30)
-        t.meta["golden"] = "conv4: see tests/data/make_golden.py"
+        t = Trace.from_payloads(t.payloads, t.clock_offsets_ns, incomplete_ranks=t.incomplete_ranks,
+                                meta={**t.meta, "golden": "conv4: see tests/data/make_golden.py"})
         path = t.save(HERE / "conv4.sdtrace.json")
         print(t, "->", path, f"{os.path.getsize(path) / 1024:.0f} KiB")
         print(t.get_fallbacks()[["op", "path", "calls", "ranks"]].to_string(index=False))
         print(t.get_errors()[["rank", "op", "exc_type", "message"]].to_string(index=False))
         # every rank's snapshot of x: the inspector's input, for tests without a cluster
-        from sharddbg.cluster.inspect import gather_snapshots
+        from sharddbg.engine import api
 
-        snaps = gather_snapshots(cl, "x", timeout=60)
+        snaps = cl.apply(api.tensor_snapshot, "x", timeout=60)
         (HERE / "x_snapshots.json").write_text(json.dumps(snaps, indent=1) + "\n")
         print("x local shapes:", [s["local_shape"] for s in snaps])
     return 0
