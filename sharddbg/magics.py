@@ -23,6 +23,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, cell_magic, 
 
 from . import errors
 from .cluster.execution import GROUPINGS
+from .options import DEFAULT_MAX_EVENTS, RecordingOptions
 
 
 def _bounded(text: str, convert, not_a_number: str, allowed, out_of_range: str):
@@ -524,8 +525,9 @@ class ShardMagics(Magics):
         return ["%%px\n", *lines]
 
     @magic_arguments.magic_arguments()
-    @magic_arguments.argument("--max-events", type=count, default=200_000, metavar="N",
-                              help="events kept per rank (200000); beyond it events are counted as dropped")
+    @magic_arguments.argument("--max-events", type=count, default=DEFAULT_MAX_EVENTS, metavar="N",
+                              help=f"events kept per rank ({DEFAULT_MAX_EVENTS}); beyond it events are counted as "
+                                   f"dropped")
     @magic_arguments.argument("--timeout", type=seconds, default=None, metavar="S",
                               help="the cell's time limit, seconds (default: the cluster's)")
     @magic_arguments.argument("--no-unmask", action="store_true",
@@ -555,11 +557,12 @@ class ShardMagics(Magics):
         from .cluster import active_cluster
 
         args = parse_options(self.shard_trace, split_words(line, "%%shard_trace"), "%%shard_trace")
+        options = RecordingOptions(max_events=args.max_events, unmask=not args.no_unmask,
+                                   spec_check=not args.no_spec_check, replicas=args.replicas, preflight=args.preflight,
+                                   memory=args.memory)
         cl = active_cluster()
         try:
-            cl.trace(cell, timeout=args.timeout, max_events=args.max_events, unmask=not args.no_unmask,
-                     spec_check=not args.no_spec_check, replicas=args.replicas, preflight=args.preflight,
-                     memory=args.memory)
+            cl.trace(cell, timeout=args.timeout, options=options)
         finally:
             # the trace is kept even when the cell failed: summarise it before the error shows
             trace = cl.last_trace(required=False)

@@ -12,7 +12,8 @@ import pytest
 
 import sharddbg
 from sharddbg.analysis.layout import ShardLayout
-from sharddbg.cluster.inspect import InspectError, gather_snapshots
+from sharddbg.cluster.inspect import InspectError
+from sharddbg.engine import api
 from sharddbg.views.inspector import ShardInspector
 
 N = 4
@@ -141,7 +142,7 @@ def test_multi_dim_mesh(cl):
     assert lay.warnings == []
     # with the mesh the ranks sit on (mesh22 is ddp x domain = 2 x 2, row-major like a cluster's), every rank
     # and every group is named by both coordinates
-    lay = ShardLayout(gather_snapshots(cl, "xdom"), world_mesh={"ddp": 2, "domain": 2})
+    lay = ShardLayout(cl.apply(api.tensor_snapshot, "xdom"), world_mesh={"ddp": 2, "domain": 2})
     assert list(lay.get_ranks()["coordinate"]) == [f"ddp={r // 2}, domain={r % 2}" for r in range(N)]
     assert [g["label"] for g in lay.groups] == ["ddp=0: ranks [0, 1]", "ddp=1: ranks [2, 3]"]
     # Replicate over ddp, Shard(2) over domain: replicas share one block each

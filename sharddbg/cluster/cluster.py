@@ -5,31 +5,39 @@ start) and forks one engine per rank; each engine then joins torch.distributed o
 with a short collective timeout, builds the ("ddp", "domain") mesh and fills physicsnemo's
 DistributedManager. Every wait on engines is bounded; a timeout names the stuck ranks and where they wait.
 
-``Cluster`` is the facade; the work is done by four parts, each behind one object:
+``Cluster`` is the facade; the work is done by five parts, each behind one object. The facade holds them and
+hands each what it needs; none of them reaches back into the facade:
 
 - ``processes.ClusterProcesses``: fork server, controller and engine processes, the registry record,
   stopping and reaping, which ranks died and how;
-- ``execution.RankExecution``: cells and engine API calls on the ranks, bounded waits, per-rank output,
-  ``RankError`` / ``RankTimeoutError``;
 - ``control.ControlChannel``: requests answered by a rank's control thread even while it is blocked
-  (diagnosis, clock);
+  (diagnosis, clock, release);
+- ``execution.RankExecution``: cells and engine API calls on the ranks, bounded waits, per-rank output,
+  ``RankError`` / ``RankTimeoutError`` with their hang reports (it holds the processes and the control
+  channel);
+- ``group.DistributedGroup``: torch.distributed and the mesh on the ranks, brought up and rebuilt;
 - ``recording.CellTracer``: a cell under the recorder on every rank, gathered into a Trace.
 
-What runs on a rank is always a function of ``sharddbg.engine.api`` (or the user's code).
+The features (``verify``, ``doctor``, ``smoke``, ``replicas``, ``inspect``) are handed the execution (and the
+group or mesh where they need it), never the Cluster. What runs on a rank is always a function of
+``sharddbg.engine.api`` (or the user's code).
 """
 
 from __future__ import annotations
 
 import time
 
+from .. import rendering
 from ..engine import api
 from ..errors import ClusterError, NoActiveClusterError, ShardDbgError, hide_own_frames
+from ..options import RecordingOptions
 from . import arguments, hang, registry
 from .arguments import check_memory
 from .control import ControlChannel
-from .execution import PendingCell, RankExecution, RankOutput, filter_noise
+from .execution import PendingCell, RankExecution, RankOutput, engines_in_rank_order, filter_noise
+from .group import DistributedGroup
 from .mesh import MeshSpec, resolve_mesh
-from .processes import ClusterProcesses, choose_backend, free_port
+from .processes import ClusterProcesses, choose_backend
 from .recording import CellTracer
 from .versions import TESTED_VERSIONS, check_versions
 
@@ -72,14 +80,14 @@ class Cluster:
     def __init__(self, n: int | None = None, mesh=None, *, backend: str | None = None, timeout: float = 60.0,
                  start_timeout: float = 180.0, collective_timeout: float = 60.0, threads_per_rank: int = 1,
                  env: dict | None = None, force: bool = False):
-        self.mesh: MeshSpec = resolve_mesh(n, mesh)
-        self.n = self.mesh.size
+        mesh_spec = resolve_mesh(n, mesh)
+        self.n = mesh_spec.size
         if backend not in (None, "gloo", "nccl"):
             raise ClusterError(f"backend must be 'gloo', 'nccl' or None (auto), got {backend!r}")
         self.requested_backend = backend
         self.timeout = arguments.seconds("timeout", timeout)
         self.start_timeout = arguments.seconds("start_timeout", start_timeout)
-        self.collective_timeout = arguments.seconds("collective_timeout", collective_timeout)
+        collective_timeout = arguments.seconds("collective_timeout", collective_timeout)
         self.threads_per_rank = arguments.positive_int("threads_per_rank", threads_per_rank)
         if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                                   for k, v in env.items())):
@@ -87,20 +95,39 @@ class Cluster:
         self.extra_env = dict(env or {})
         if not force:
             check_memory(self.n)
-        self.backend: str | None = None
-        self.use_cuda = False
         self.timings: dict[str, float] = {}
         self.running = False
+        self._group = DistributedGroup(mesh_spec, collective_timeout)
         self._processes: ClusterProcesses | None = None
         self._execution: RankExecution | None = None
         self._control: ControlChannel | None = None
         self._tracer = CellTracer()
-        self._start_statuses: list[dict] = []  # each rank's status() row when torch.distributed came up
+        self._last_check = None  # the CheckResult of the last check() (the doctor reads it)
 
     # ------------------------------------------------------------------ what it is
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<sharddbg.Cluster {state} n={self.n} mesh({self.mesh}) backend={self.backend}>"
+
+    @property
+    def mesh(self) -> MeshSpec:
+        """The ``ddp x domain`` mesh the ranks are on (``remesh`` changes it)."""
+        return self._group.mesh
+
+    @property
+    def backend(self) -> str | None:
+        """The torch.distributed backend chosen at start (gloo, or nccl where GPUs are); None before."""
+        return self._group.backend
+
+    @property
+    def use_cuda(self) -> bool:
+        """The ranks run on GPUs (one each)."""
+        return self._group.use_cuda
+
+    @property
+    def collective_timeout(self) -> float:
+        """torch.distributed's collective timeout on the ranks, in seconds."""
+        return self._group.collective_timeout
 
     @property
     def cluster_id(self) -> str | None:
@@ -154,7 +181,7 @@ class Cluster:
     def patch_mode(self) -> str | None:
         """How ShardTensor's patches were set up on the ranks at start (rank 0's answer; ``status()`` has
         every rank's): registered-by-physicsnemo, registered-by-sharddbg or none."""
-        return self._start_statuses[0].get("patch_mode") if self._start_statuses else None
+        return self._group.patch_mode
 
     def processes(self) -> list:
         """Every process of this cluster that still runs (``psutil.Process``): fork server, controller and
@@ -181,33 +208,25 @@ class Cluster:
                                            timings=self.timings)
         try:
             facts = self._processes.start(self.start_timeout)
-            self.backend = choose_backend(self.requested_backend, int(facts.get("cuda_count", 0)), self.n)
-            self.use_cuda = self.backend == "nccl"
-            self._launch_engines()
+            self._launch_engines(choose_backend(self.requested_backend, int(facts.get("cuda_count", 0)), self.n))
             self.running = True
             _STARTED[:] = [c for c in _STARTED if c is not self and c.running] + [self]
         except BaseException:
             self._shut_down()
             raise
         self.timings["start_s"] = time.perf_counter() - t0
-        check_versions(self._start_statuses)
+        check_versions(self._group.statuses)
         return self
 
-    def _launch_engines(self) -> None:
+    def _launch_engines(self, backend: str) -> None:
+        """Engines up and mapped to ranks, then torch.distributed on them with ``backend``."""
         t0 = time.perf_counter()
         client = self._processes.launch_engines(self.n, self.start_timeout)
-        self._execution = RankExecution.connect(client, self.n, self._processes, self.hang_report, self.timeout)
-        self._control = ControlChannel(client, self._execution.engine_ids)
-        self._execution.release = self._release
+        engine_ids = engines_in_rank_order(client, self.n, self.timeout)
+        self._control = ControlChannel(client, engine_ids)
+        self._execution = RankExecution(client, engine_ids, self._processes, self._control, self.timeout)
         self.timings["engines_s"] = time.perf_counter() - t0
-        self._init_distributed()
-
-    def _init_distributed(self) -> None:
-        t0 = time.perf_counter()
-        self._start_statuses = self._execution.call(
-            api.init_rank, self.n, self.mesh.shape, self.backend, free_port(), self.collective_timeout,
-            self.use_cuda, timeout=self.start_timeout, what="torch.distributed start-up")
-        self.timings["dist_init_s"] = time.perf_counter() - t0
+        self.timings["dist_init_s"] = self._group.bring_up(self._execution, backend, self.start_timeout)
 
     def _close_client(self) -> None:
         if self._execution is not None:
@@ -246,7 +265,7 @@ class Cluster:
         try:
             self._close_client()
             self._processes.replace_engines()
-            self._launch_engines()
+            self._launch_engines(self.backend)
         except BaseException:
             self.stop()
             raise
@@ -283,31 +302,7 @@ class Cluster:
 
     def _rebuild_group(self, spec: MeshSpec, timeout: float) -> None:
         """Release blocked ranks, tear the process group down on every rank, bring it up with mesh ``spec``."""
-        dead = self.dead_ranks()
-        if dead:
-            raise ClusterError(self._execution.dead_message(dead))
-        busy = self.busy_ranks()
-        if busy:
-            self._execution.release_blocked(busy, timeout)
-        self._execution.forget_stuck()
-        self._execution.call(api.teardown, timeout=timeout, what="process-group teardown")
-        self.mesh = spec
-        self._init_distributed()
-        self._execution.group_recovered()
-
-    def _release(self, ranks=None) -> dict:
-        """Every rank of ``ranks`` (None: every live rank) ends the collectives it waits in, answered by its
-        control thread: its TCP connections to the other ranks shut, its NCCL communicators aborted."""
-        dead = self.dead_ranks()
-        ranks = [r for r in (range(self.n) if ranks is None else ranks) if r not in dead]
-        answers = {}
-        for rank in ranks:
-            peers = [pid for r, pid in self.pids.items() if r != rank]
-            try:
-                answers[rank] = self._control.request(rank, api.RELEASE_REQUEST, {"peer_pids": peers}, timeout=5.0)
-            except ClusterError as exc:
-                answers[rank] = {"status": "error", "evalue": str(exc)}
-        return answers
+        self.timings["dist_init_s"] = self._group.rebuild(self._execution, spec, timeout)
 
     # ------------------------------------------------------------------ running code
     def _require_running(self) -> None:
@@ -386,11 +381,10 @@ class Cluster:
         that raised meanwhile (rank -> RankFailure), which the report leads with.
 
         Works from the moment the engines are connected, so a start-up that times out is diagnosed too."""
-        if self._control is None:
+        if self._execution is None:
             raise ClusterError("this cluster is not running; start() it first")
-        dead = self.dead_ranks()
-        diagnoses = self._control.diagnose([r for r in range(self.n) if r not in dead], diagnose_timeout)
-        return hang.build_report(timeout, finished, unfinished, diagnoses, self.pids, what=what, failures=failures)
+        return self._execution.hang_report(timeout, finished, unfinished, what, diagnose_timeout=diagnose_timeout,
+                                           failures=failures)
 
     def clock_offsets(self, samples: int = 15, timeout: float = 5.0) -> dict[int, dict]:
         """How far each rank's recorder clock is ahead of this process's ``time.monotonic_ns()``.
@@ -417,7 +411,8 @@ class Cluster:
         broken = self._execution.broken
         rows = []
         for rank in range(self.n):
-            known = self._start_statuses[rank] if rank < len(self._start_statuses) else {"rank": rank}
+            statuses = self._group.statuses
+            known = statuses[rank] if rank < len(statuses) else {"rank": rank}
             row = dict(fresh.get(rank) or known)
             row["engine_id"] = self.engine_ids[rank]
             row["state"] = f"dead: {dead[rank]}" if rank in dead else "busy" if rank in busy else "idle"
@@ -438,14 +433,16 @@ class Cluster:
     def inspect(self, name: str, *, timeout: float | None = None):
         """The shard inspector for the ShardTensor named ``name`` on the ranks (see sharddbg.cluster.inspect)."""
         __tracebackhide__ = hide_own_frames()
-        from .inspect import inspect_tensor
+        from .inspect import gather_layout
 
-        return inspect_tensor(self, name, timeout=timeout)
+        self._require_running()
+        return rendering.inspector(gather_layout(self._execution, self.mesh, name, timeout=timeout))
 
     # ------------------------------------------------------------------ recording
-    def trace(self, code: str, *, timeout: float | None = None, max_events: int = 200_000, unmask: bool = True,
-              display: bool = True, spec_check: bool = True, replicas: bool = False, preflight: bool = False,
-              memory: bool = False):
+    def trace(self, code: str, *, timeout: float | None = None, display: bool = True,
+              options: RecordingOptions | None = None, max_events: int | None = None, unmask: bool | None = None,
+              spec_check: bool | None = None, replicas: bool | None = None, preflight: bool | None = None,
+              memory: bool | None = None):
         """Run ``code`` on every rank under the recorder and gather one :class:`sharddbg.trace.Trace`.
 
         The trace is kept even when the cell fails or times out (ranks that timed out contribute their
@@ -457,18 +454,19 @@ class Cluster:
         collective inside a recorded op across its group before it is issued, so that a mismatch raises
         ``CollectiveMismatchError`` on every rank of the group instead of hanging (``get_preflight()``).
         ``memory``: on GPU ranks, the CUDA allocator's delta over each op (``mem_delta_bytes`` of
-        ``get_ops()``); off by default (two reads of the allocator's counter per op).
+        ``get_ops()``); off by default (two reads of the allocator's counter per op). ``options``: a
+        ``RecordingOptions`` to start from (the keywords given override it).
         """
         __tracebackhide__ = hide_own_frames()
+        options = RecordingOptions.build(options, max_events=max_events, unmask=unmask, spec_check=spec_check,
+                                         replicas=replicas, preflight=preflight, memory=memory)
         self._require_running()
         _check_code(code)
         timeout = arguments.seconds("timeout", timeout, allow_none=True)
         self._execution.check_group()
-        return self._tracer.trace(self._execution, self._control, code, timeout=timeout, max_events=max_events,
-                                  unmask=unmask, display=display, spec_check=spec_check, replicas=replicas,
-                                  preflight=preflight, memory=memory,
-                                  meta={"cluster_id": self.cluster_id, "mesh": self.mesh.as_dict(),
-                                        "backend": self.backend})
+        return self._tracer.trace(self._execution, self._control, code, options=options, timeout=timeout,
+                                  display=display, cluster={"cluster_id": self.cluster_id,
+                                                            "mesh": self.mesh.as_dict(), "backend": self.backend})
 
     # ------------------------------------------------------------------ verification
     def smoke(self, setup, step, configs=None, *, steps: int = 3, seed: int = 0, lr: float = 0.01,
@@ -490,8 +488,8 @@ class Cluster:
 
         self._require_running()
         self._execution.check_group()
-        return run_smoke(self, self._execution, setup, step, configs, steps=steps, seed=seed, lr=lr, rtol=rtol,
-                         timeout=timeout)
+        return run_smoke(self._execution, self._group, setup, step, configs, steps=steps, seed=seed, lr=lr,
+                         rtol=rtol, timeout=timeout)
 
     def check_replicas(self, model: str, *, mesh_dim: str = "domain", timeout: float | None = None):
         """Are the parameters and buffers of the nn.Module named ``model`` on the ranks (a variable or an
@@ -505,7 +503,7 @@ class Cluster:
 
         self._require_running()
         self._execution.check_group()
-        return check_replicas(self, self._execution, model, mesh_dim=mesh_dim, timeout=timeout)
+        return check_replicas(self._execution, self.mesh, model, mesh_dim=mesh_dim, timeout=timeout)
 
     def check(self, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
               rtol: float | None = None, atol: float | None = None, grads: bool = True,
@@ -524,8 +522,9 @@ class Cluster:
         from .verify import run_check
 
         self._require_running()
-        return run_check(self, stmt, inputs=inputs, outputs=outputs, model=model, loss=loss, rtol=rtol, atol=atol,
-                         grads=grads, timeout=timeout, display=display)
+        self._last_check = run_check(self._execution, stmt, inputs=inputs, outputs=outputs, model=model, loss=loss,
+                                     rtol=rtol, atol=atol, grads=grads, timeout=timeout, display=display)
+        return self._last_check
 
     def doctor(self, *names: str, check=None, trace=None, timeout: float | None = None):
         """The pitfall doctor: one row per known ShardTensor pitfall (ok / warn / fail / skip, what was found,
@@ -538,7 +537,8 @@ class Cluster:
         from .doctor import run_doctor
 
         self._require_running()
-        return run_doctor(self, list(names), check=check, trace=trace, timeout=timeout)
+        return run_doctor(self._execution, list(names), check=self._last_check if check is None else check,
+                          trace=self._tracer.last if trace is None else trace, timeout=timeout)
 
     def last_trace(self, required: bool = True):
         """The Trace of the last ``trace()`` / ``%%shard_trace`` on this cluster; with ``required=False``,

@@ -34,12 +34,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..engine import api
 from ..errors import (ClusterError, RankDiedError, RankError, RankFailure, RankTimeoutError, ShardDbgError,
                       hide_own_frames, short_message)
 from . import arguments
+from . import hang
+from .control import ControlChannel
 from .hang import RECOVERY_HINT, HangReport, format_failures
 from .processes import ClusterProcesses
 
@@ -112,37 +113,34 @@ class CellStillRunningError(ShardDbgError, TimeoutError):
     nothing was diagnosed or marked; get() or wait() again."""
 
 
-# (timeout_s, finished ranks, unfinished ranks, what, failures) -> the report a RankTimeoutError carries
-HangReporter = Callable[..., HangReport]
-# ranks to release (None: every rank) -> {rank: what its control thread answered}
-Releaser = Callable[[list], dict]
+def engines_in_rank_order(client, n: int, timeout: float) -> list[int]:
+    """The engine id of each of ``n`` ranks, in rank order: each engine is asked its rank (registration order
+    is not rank order)."""
+    ranks = client[:].apply_async(api.rank).get(timeout=timeout)
+    by_rank = dict(zip(ranks, client.ids))
+    return [by_rank[r] for r in range(n)]
 
 
 class RankExecution:
-    """Code and engine API calls on the ranks of one running cluster, in rank order, with bounded waits."""
+    """Code and engine API calls on the ranks of one running cluster, in rank order, with bounded waits.
 
-    def __init__(self, client, engine_ids: list[int], processes: ClusterProcesses, hang_report: HangReporter,
-                 default_timeout: float, release: Releaser | None = None):
+    It holds what a wait needs to name a cause: the engines' processes (``processes``: which died, and how)
+    and their control channel (``control``: where each rank waits, answered while it is blocked; and the
+    release of ranks blocked in a collective)."""
+
+    def __init__(self, client, engine_ids: list[int], processes: ClusterProcesses, control: ControlChannel,
+                 default_timeout: float):
         self.client = client
         self.engine_ids = engine_ids  # engine id of rank r at index r
         self.view = client.direct_view(engine_ids)  # every rank, in rank order
         self.view.block = False
         self.processes = processes
-        self.hang_report = hang_report
-        self.release = release  # set by the cluster once its control channel exists
+        self.control = control
         self.default_timeout = default_timeout
         self.broken: BrokenGroup | None = None
         self._stuck: dict[str, int] = {}  # message id -> rank, of calls that timed out and still run
         self._unwaited: dict[str, int] = {}  # message id -> rank, of cells sent by submit() that still run
         self.closed = False  # the client was closed (stop / restart): nothing sent through it can arrive
-
-    @classmethod
-    def connect(cls, client, n: int, processes: ClusterProcesses, hang_report: HangReporter,
-                default_timeout: float) -> "RankExecution":
-        """Map ``client``'s engines to ranks by asking each its rank (registration order is not rank order)."""
-        ranks = client[:].apply_async(api.rank).get(timeout=default_timeout)
-        by_rank = dict(zip(ranks, client.ids))
-        return cls(client, [by_rank[r] for r in range(n)], processes, hang_report, default_timeout)
 
     def close(self) -> None:
         self.closed = True
@@ -171,6 +169,31 @@ class RankExecution:
         who = "; ".join(f"rank {r} (pid {self.processes.pids.get(r)}) {how}" for r, how in sorted(dead.items()))
         return (f"{who}: its engine is gone. cl.restart() (%shard_cluster restart) starts new engines for every "
                 f"rank.")
+
+    def hang_report(self, timeout, finished, unfinished, what: str = "the cell", *, diagnose_timeout: float = 5.0,
+                    failures=None) -> HangReport:
+        """Where the ``unfinished`` ranks wait, after ``timeout`` seconds of ``what``, from each live rank's
+        diagnosis (answered by its control thread within ``diagnose_timeout``); ``failures``: the ranks that
+        raised meanwhile (rank -> RankFailure), which the report leads with."""
+        dead = self.processes.dead_ranks()
+        diagnoses = self.control.diagnose([r for r in range(self.n) if r not in dead], diagnose_timeout)
+        return hang.build_report(timeout, finished, unfinished, diagnoses, self.processes.pids, what=what,
+                                 failures=failures)
+
+    def release(self, ranks=None) -> dict:
+        """Every rank of ``ranks`` (None: every live rank) ends the collectives it waits in, answered by its
+        control thread: its TCP connections to the other ranks shut, its NCCL communicators aborted. Rank ->
+        what its control thread answered."""
+        dead = self.processes.dead_ranks()
+        pids = self.processes.pids
+        answers = {}
+        for rank in [r for r in (range(self.n) if ranks is None else ranks) if r not in dead]:
+            peers = [pid for r, pid in pids.items() if r != rank]
+            try:
+                answers[rank] = self.control.request(rank, api.RELEASE_REQUEST, {"peer_pids": peers}, timeout=5.0)
+            except ClusterError as exc:
+                answers[rank] = {"status": "error", "evalue": str(exc)}
+        return answers
 
     def view_of(self, ranks):
         view = self.client.direct_view([self.engine_ids[r] for r in ranks])
@@ -275,12 +298,13 @@ class RankExecution:
         what = what or f"{getattr(fn, '__name__', 'the call')}()"
         return [o.result for o in self.collect(ar, ranks, timeout, display=display, what=what)]
 
-    def call(self, fn, *args, ranks: list[int] | None = None, timeout: float | None = None, what: str) -> list:
-        """An engine API call the cluster makes for itself: not checked against stuck calls, nothing shown."""
+    def call(self, fn, *, ranks: list[int] | None = None, timeout: float | None = None, what: str, **kwargs) -> list:
+        """``fn(**kwargs)`` on ``ranks`` (default: every rank): an engine API call the cluster makes for itself,
+        not checked against stuck calls, nothing shown; results in rank order."""
         __tracebackhide__ = hide_own_frames()
         ranks = list(range(self.n)) if ranks is None else ranks
         self.check_controller()
-        ar = self.view_of(ranks).apply_async(fn, *args)
+        ar = self.view_of(ranks).apply_async(fn, **kwargs)
         return [o.result for o in self.collect(ar, ranks, timeout, display=False, what=what)]
 
     def collect(self, ar, ranks: list[int], timeout: float | None, display: bool, what: str, *,
@@ -314,7 +338,7 @@ class RankExecution:
             if now >= deadline:
                 break
             impatient = give_up is not None and now >= give_up
-            if release is None and (now >= next_probe or impatient) and self.release is not None:
+            if release is None and (now >= next_probe or impatient):
                 next_probe = now + PROBE_EVERY_S
                 release = self._release_if_waiting_for_failed(ar, ranks, what, now - t0)
             if impatient and release is None:
@@ -387,7 +411,7 @@ class RankExecution:
         """A rank died: release the survivors from any collective with it, collect what they did, raise."""
         __tracebackhide__ = hide_own_frames()
         survivors = [r for r in ranks if r not in dead]
-        if self.release is not None and survivors:
+        if survivors:
             try:
                 self.release(survivors)
             except ClusterError:
@@ -465,8 +489,7 @@ class RankExecution:
         (a loop, a sleep) and is interrupted (SIGINT: KeyboardInterrupt in its cell). Raises when a rank
         stays busy even so."""
         __tracebackhide__ = hide_own_frames()
-        if self.release is not None:
-            self.release(None)
+        self.release(None)
         still = self._wait_idle(min(timeout, RELEASE_WAIT_S))
         if still:
             self._interrupt(still)

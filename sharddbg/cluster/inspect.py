@@ -1,31 +1,30 @@
-"""The shard inspector's cluster side: gather every rank's snapshot of one tensor, build the widget.
+"""The shard inspector's cluster side: every rank's snapshot of one tensor, put together.
 
-``inspect_tensor(cluster, name)`` asks each rank for ``sharddbg.engine.api.tensor_snapshot(name)``
-(local reads only, no collective), puts the snapshots together in a
-:class:`sharddbg.analysis.layout.ShardLayout` (pure data: the checks and the block diagram) and returns
-the inspector widget (``sharddbg.views.inspector.ShardInspector``; its data is ``widget.shard_layout``).
+``gather_layout(execution, mesh, name)`` asks each rank for ``sharddbg.engine.api.tensor_snapshot(name)``
+(local reads only, no collective) and puts the snapshots together in a
+:class:`sharddbg.analysis.layout.ShardLayout` (pure data: the checks and the block diagram). ``Cluster.inspect``
+hands that to its view.
 """
 
 from __future__ import annotations
 
 from ..analysis.layout import ShardLayout
-from ..errors import InspectError
 from ..engine import api as engine_api
+from ..errors import InspectError
+from .execution import RankExecution
+from .mesh import MeshSpec
 
-__all__ = ["inspect_tensor", "gather_snapshots", "InspectError"]
+__all__ = ["gather_layout", "gather_snapshots", "InspectError"]
 
 
-def gather_snapshots(cluster, name: str, timeout: float | None = None) -> list[dict]:
+def gather_snapshots(execution: RankExecution, name: str, timeout: float | None = None) -> list[dict]:
     """Every rank's snapshot of ``name``, in rank order (no communication between ranks)."""
     if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
         raise InspectError(f"inspect() takes the name of a variable on the ranks (e.g. 'x' or 'model.weight'), "
                            f"got {name!r}")
-    return cluster.apply(engine_api.tensor_snapshot, name, timeout=timeout)
+    return execution.apply(engine_api.tensor_snapshot, (name,), {}, execution.ranks(None), timeout)
 
 
-def inspect_tensor(cluster, name: str, timeout: float | None = None):
-    """The shard inspector widget for the tensor named ``name`` on every rank of ``cluster``."""
-    layout = ShardLayout(gather_snapshots(cluster, name, timeout=timeout), world_mesh=cluster.mesh.as_dict())
-    from ..views.inspector import ShardInspector  # widgets load only when a widget is asked for
-
-    return ShardInspector(layout)
+def gather_layout(execution: RankExecution, mesh: MeshSpec, name: str, timeout: float | None = None) -> ShardLayout:
+    """The ShardLayout of the tensor named ``name`` on every rank, on the cluster's ``mesh``."""
+    return ShardLayout(gather_snapshots(execution, name, timeout=timeout), world_mesh=mesh.as_dict())

@@ -1,16 +1,15 @@
 """A cell run under the recorder on every rank, gathered into one :class:`sharddbg.trace.Trace`.
 
-``CellTracer.trace`` starts the recorder on every rank (``engine.api.recording_start``), runs the cell,
-stops the recorder where the cell finished (``recording_stop``) and, for a rank that hung, keeps the
-events its control thread sent with the hang report's diagnosis (marked incomplete); then it measures
-the ranks' clock offsets and builds the Trace on one clock. The Trace is kept (``last``) even when the
-cell failed or timed out; the error is raised after.
+``CellTracer.trace`` starts the recorder on every rank (``engine.api.recording_start``, with the recording's
+``RecordingOptions``), runs the cell, stops the recorder where the cell finished (``recording_stop``) and, for
+a rank that hung, keeps the events its control thread sent with the hang report's diagnosis (marked
+incomplete). It then gathers what the Trace is made of, and only then builds it, once: the ranks' clock
+offsets and, with ``replicas``, the largest difference of the first op call whose replicas differ (its
+values gathered on the ranks of each replica group, ``api.replica_differences``: a broadcast from a rank of the
+majority; the ranks' copies are released after). The Trace is kept (``last``) even when the cell failed or
+timed out; the error is raised after.
 
-Verification options (``Recorder``'s): ``spec_check`` (on by default), ``preflight`` (one store token per
-traced cell, the same on every rank) and ``replicas``: after a cell that finished, the first op call whose
-replicas differ is looked up in the digests and its values are gathered on the ranks of each replica group
-(``api.replica_differences``, a broadcast from a rank of the majority) for the largest difference, kept in the
-trace's meta ``replica_differences`` (``Trace.get_replica_divergence()``); the ranks' copies are then released.
+Every key of the Trace's meta is one of ``schema.TRACE_META_FIELDS``.
 """
 
 from __future__ import annotations
@@ -18,9 +17,11 @@ from __future__ import annotations
 import time
 import uuid
 
-from ..analysis.consistency import first_divergence
+from .. import schema
+from ..analysis.consistency import first_divergence, replicas_frame
 from ..engine import api
-from ..errors import ClusterError, RankDiedError, RankError, RankTimeoutError, ShardDbgError, hide_own_frames
+from ..errors import RankDiedError, RankError, RankTimeoutError, ShardDbgError, hide_own_frames
+from ..options import RecordingOptions
 from .control import ControlChannel
 from .execution import RankExecution
 
@@ -31,29 +32,20 @@ class CellTracer:
     def __init__(self):
         self.last = None  # the Trace of the last traced cell (a failed one included); None before the first
 
-    def trace(self, execution: RankExecution, control: ControlChannel, code: str, *, timeout: float | None,
-              max_events: int, unmask: bool, display: bool, meta: dict, spec_check: bool = True,
-              replicas: bool = False, preflight: bool = False, memory: bool = False):
-        """Run ``code`` on every rank under the recorder; the Trace. ``meta``: what the trace records about
-        the cluster (id, mesh, backend)."""
+    def trace(self, execution: RankExecution, control: ControlChannel, code: str, *, options: RecordingOptions,
+              timeout: float | None, display: bool, cluster: dict):
+        """Run ``code`` on every rank under the recorder with ``options``; the Trace. ``cluster``: what the trace
+        records about the cluster (``cluster_id``, ``mesh``, ``backend``)."""
         __tracebackhide__ = hide_own_frames()
         from ..trace import Trace
 
-        if not isinstance(max_events, int) or max_events < 1:
-            raise ClusterError(f"max_events must be a positive integer, got {max_events!r}")
-        for name, value in (("spec_check", spec_check), ("replicas", replicas), ("preflight", preflight),
-                            ("memory", memory)):
-            if not isinstance(value, bool):
-                raise ClusterError(f"{name} must be True or False, got {value!r}")
         every_rank = list(range(execution.n))
         execution.check_not_stuck(every_rank)
-        token = uuid.uuid4().hex[:12] if preflight else None
-        execution.call(api.recording_start, max_events, unmask, True, spec_check, replicas, preflight, token,
-                       memory, what="recorder start")
+        token = uuid.uuid4().hex[:12] if options.preflight else None
+        execution.call(api.recording_start, options=options.as_dict(), preflight_token=token, what="recorder start")
         t0 = time.perf_counter()
         failure = None
         payloads: dict[int, dict | None] = {}
-        incomplete: list[int] = []
         why_incomplete: dict[int, str] = {}
         try:
             execution.run(code, every_rank, timeout, display)
@@ -61,20 +53,17 @@ class CellTracer:
             failure = exc
             for rank in exc.report.unfinished:
                 payloads[rank] = (exc.report.diagnoses.get(rank) or {}).get("recording")
-                incomplete.append(rank)
                 why_incomplete[rank] = f"did not finish within {exc.report.timeout_s:g} s"
         except RankDiedError as exc:
             failure = exc
             for rank, how in exc.dead.items():
                 payloads[rank] = None  # its events died with it
-                incomplete.append(rank)
                 why_incomplete[rank] = f"its process died ({how}); its events are lost"
             still = [r for r in execution.busy_ranks() if r not in exc.dead]
             if still:  # survivors that could not be released: what they recorded so far
                 diagnoses = control.diagnose(still, 5.0)
                 for rank in still:
                     payloads[rank] = (diagnoses.get(rank) or {}).get("recording")
-                    incomplete.append(rank)
                     why_incomplete[rank] = "still running when a peer died"
         except RankError as exc:
             failure = exc
@@ -83,27 +72,34 @@ class CellTracer:
         if done:
             payloads.update(zip(done, execution.call(api.recording_stop, ranks=done, what="recorder stop")))
         offsets = control.clock_offsets(ranks=[r for r in every_rank if r not in execution.processes.dead_ranks()])
-        self.last = Trace.from_payloads(
-            payloads, {r: o["offset_ns"] for r, o in offsets.items()},
-            meta={"code": code, "wall_s": wall_s, **meta,
-                  "clock_uncertainty_ns": {r: o["uncertainty_ns"] for r, o in offsets.items()},
-                  "failed": None if failure is None else f"{type(failure).__name__}: {str(failure).splitlines()[0]}",
-                  "incomplete_reasons": {str(r): why for r, why in why_incomplete.items()}},
-            incomplete_ranks=incomplete)
-        if replicas and failure is None:
-            self.last.meta["replica_differences"] = gather_replica_differences(execution, self.last, timeout)
+        offsets_ns = {r: o["offset_ns"] for r, o in offsets.items()}
+        differences = None
+        if options.replicas and failure is None:
+            differences = gather_replica_differences(execution, payloads, offsets_ns, timeout)
             execution.call(api.replica_release, what="replica copies released")
+        self.last = Trace.from_payloads(
+            payloads, offsets_ns, incomplete_ranks=list(why_incomplete),
+            meta={"code": code, "wall_s": wall_s, **cluster,
+                  "clock_uncertainty_ns": {str(r): o["uncertainty_ns"] for r, o in offsets.items()},
+                  "failed": None if failure is None else f"{type(failure).__name__}: {str(failure).splitlines()[0]}",
+                  "incomplete_reasons": {str(r): why for r, why in why_incomplete.items()},
+                  "replica_differences": differences})
         if failure is not None:
             raise failure
         return self.last
 
 
-def gather_replica_differences(execution: RankExecution, trace, timeout: float | None) -> list[dict]:
-    """For every tensor of the first op call whose replicas differ: the largest difference of each rank of its
-    group to a rank of the majority, gathered on the ranks (``api.replica_differences``, one call per replica
-    group and reference rank). Entries as ``analysis.consistency.replica_divergence`` reads them."""
+def gather_replica_differences(execution: RankExecution, payloads: dict[int, dict | None], offsets_ns: dict[int, int],
+                               timeout: float | None) -> list[dict]:
+    """For every tensor of the first op call whose replicas differ (in the digests of ``payloads``): the largest
+    difference of each rank of its group to a rank of the majority, gathered on the ranks
+    (``api.replica_differences``, one call per replica group and reference rank). Entries as
+    ``schema.REPLICA_DIFFERENCE_FIELDS`` describes them (``analysis.consistency.replica_divergence`` reads them)."""
     __tracebackhide__ = hide_own_frames()
-    digests = trace.get_replica_digests()
+    for p in payloads.values():
+        if p is not None:
+            schema.validate_payload(p)
+    digests = replicas_frame({r: p["events"] if p else [] for r, p in payloads.items()}, offsets_ns)
     first = first_divergence(digests)
     out = []
     if first.empty:
@@ -121,8 +117,8 @@ def gather_replica_differences(execution: RankExecution, trace, timeout: float |
             out += [dict(entry, key=k, by_rank={}, note=note) for k in keys]
             continue
         try:
-            per_rank = execution.call(api.replica_differences, keys, int(reference), list(group), ranks=list(group),
-                                      timeout=timeout, what="gathering the first diverging replicas")
+            per_rank = execution.call(api.replica_differences, keys=keys, src=int(reference), group_ranks=list(group),
+                                      ranks=list(group), timeout=timeout, what="gathering the first diverging replicas")
         except ShardDbgError as exc:
             note = f"values not gathered: {str(exc).splitlines()[0]}"
             out += [dict(entry, key=k, by_rank={}, note=note) for k in keys]

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, replace
-
+from ..analysis.smoke import (TABLE_COLUMNS, ConfigOutcome, Reference, SmokeConfig, SmokeError, SmokeResult,
+                              full_matrix, reduced_matrix, resolve_configs, smoke_table)
 from ..engine import api
 from ..errors import (
-    ClusterError,
     MeshError,
     RankDiedError,
     RankError,
@@ -29,7 +28,9 @@ from ..errors import (
     hide_own_frames,
 )
 from . import arguments
-from .mesh import MeshSpec
+from .execution import RankExecution
+from .group import DistributedGroup
+from .mesh import MeshSpec, resolve_mesh
 
 __all__ = [
     "TABLE_COLUMNS",
@@ -42,249 +43,8 @@ __all__ = [
     "run_smoke",
 ]
 
-WRAPPERS = ("none", "ddp", "fsdp2")
-TABLE_COLUMNS = ["ok", "outcome", "mesh", "wrapper", "compiled", "training", "expected_error", "loss_error",
-                 "loss_error_step", "grad_error", "grad_error_param", "step_ms", "first_step_ms", "fallbacks",
-                 "fallback_ops", "collectives_per_step", "losses", "reference_losses", "about"]
 DEFAULT_TIMEOUT_S = 300.0  # per configuration: torch.compile on 4 CPU ranks of 2 cores takes 20-40 s alone
 MAX_STEPS = 100
-
-
-class SmokeError(ClusterError):
-    """The smoke matrix cannot run as asked (bad arguments, or the single-device reference run failed)."""
-
-
-@dataclass(frozen=True)
-class SmokeConfig:
-    """One configuration of the smoke matrix.
-
-    ``ddp`` x ``domain``: the mesh (their product must be the cluster's size, unless the configuration
-    is expected to fail with ``MeshError``); ``wrapper``: "none" (weights broadcast over the domain axis,
-    nothing else), "ddp" (DistributedDataParallel over the ``ddp`` sub-mesh's group) or "fsdp2"
-    (``fully_shard`` over the ``ddp`` sub-mesh); ``compiled``: the wrapped model through
-    ``torch.compile(dynamic=False)``; ``training``: False for forward only (``torch.no_grad()``);
-    ``single_device``: plain tensors on rank 0 alone (the reference is the eager one);
-    ``samples_per_domain``: samples a domain group is handed at once; ``expect_error``: the class name of
-    the error this configuration must raise (it passes when it does); ``about``: what it checks.
-    """
-
-    name: str
-    ddp: int = 1
-    domain: int = 1
-    wrapper: str = "none"
-    compiled: bool = False
-    training: bool = True
-    single_device: bool = False
-    samples_per_domain: int = 1
-    expect_error: str | None = None
-    about: str = ""
-
-    @property
-    def mesh_text(self) -> str:
-        return "single device" if self.single_device else f"ddp={self.ddp} x domain={self.domain}"
-
-    @property
-    def samples(self) -> int:
-        """Samples per step over the whole mesh: one per domain group."""
-        return 1 if self.single_device else self.ddp
-
-    def check(self, world_size: int) -> None:
-        """Raise SmokeError naming what is wrong with this configuration on ``world_size`` ranks."""
-        problems = []
-        if not isinstance(self.name, str) or not self.name.strip():
-            problems.append(f"name must be a non-empty string, got {self.name!r}")
-        for field in ("ddp", "domain", "samples_per_domain"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                problems.append(f"{field} must be a whole number of at least 1, got {value!r}")
-        for field in ("compiled", "training", "single_device"):
-            if not isinstance(getattr(self, field), bool):
-                problems.append(f"{field} must be True or False, got {getattr(self, field)!r}")
-        if self.wrapper not in WRAPPERS:
-            problems.append(f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}")
-        if self.expect_error is not None and not (isinstance(self.expect_error, str) and self.expect_error.isidentifier()):
-            problems.append(f"expect_error must be an exception's class name (e.g. 'ScatterError') or None, "
-                            f"got {self.expect_error!r}")
-        if not problems and self.single_device and (self.wrapper != "none" or self.samples_per_domain != 1):
-            problems.append("a single-device configuration has no wrapper and one sample per step")
-        if not problems and not self.single_device and self.expect_error != "MeshError" \
-                and self.ddp * self.domain != world_size:
-            problems.append(f"mesh ddp={self.ddp} x domain={self.domain} has {self.ddp * self.domain} ranks but the "
-                            f"cluster has {world_size} (expect_error='MeshError' makes it an expected failure)")
-        if problems:
-            raise SmokeError(f"smoke configuration {self.name!r}: " + "; ".join(problems))
-
-
-def _factor(world_size: int) -> tuple[int, int] | None:
-    """The most balanced ddp x domain split with both above 1 (4 -> 2 x 2, 8 -> 2 x 4), or None (a prime)."""
-    pairs = [(d, world_size // d) for d in range(2, world_size) if world_size % d == 0 and world_size // d > 1]
-    return min(pairs, key=lambda p: (abs(p[0] - p[1]), p[0])) if pairs else None
-
-
-def full_matrix(world_size: int) -> list[SmokeConfig]:
-    """The checklist's whole matrix on ``world_size`` ranks: single-device reference; ddp=N; domain=N;
-    ddp x domain with DDP; the same with FSDP2; FSDP2 degenerate ddp=1; each with and without
-    torch.compile; one inference-only run; an invalid mesh factorization and a per-domain batch of 2,
-    both of which must fail. The ddp x domain rows are left out on a prime number of ranks."""
-    n = arguments.positive_int("world_size", world_size)
-    eager = [
-        SmokeConfig("single-device", single_device=True,
-                    about="plain tensors on one rank: the reference every other row is compared with"),
-        SmokeConfig(f"ddp={n}, DDP", ddp=n, domain=1, wrapper="ddp",
-                    about="pure data parallel: one sample per rank, plain tensors, DDP averages gradients"),
-        SmokeConfig(f"domain={n}", ddp=1, domain=n,
-                    about="one sample sharded over every rank; weights broadcast over the domain axis"),
-    ]
-    split = _factor(n)
-    if split:
-        a, b = split
-        eager += [
-            SmokeConfig(f"ddp={a} x domain={b}, DDP", ddp=a, domain=b, wrapper="ddp",
-                        about="DDP over the ddp sub-mesh's group; ShardTensor reduces over domain itself"),
-            SmokeConfig(f"ddp={a} x domain={b}, FSDP2", ddp=a, domain=b, wrapper="fsdp2",
-                        about="fully_shard over the ddp sub-mesh (parameters sharded over ddp)"),
-        ]
-    if n > 1:
-        eager.append(SmokeConfig(f"domain={n}, FSDP2 ddp=1", ddp=1, domain=n, wrapper="fsdp2",
-                                 about="degenerate FSDP2: parameters become DTensors, no ddp communication"))
-    compiled = [replace(c, name=f"{c.name}, compiled", compiled=True,
-                        about="the row above through torch.compile(dynamic=False)") for c in eager]
-    rows = [row for pair in zip(eager, compiled) for row in pair]
-    rows.append(SmokeConfig(f"domain={n}, inference", ddp=1, domain=n, training=False,
-                            about="forward only, under torch.no_grad(), against the single-device forward"))
-    if n > 1:
-        bad = next(d for d in range(2, n + 2) if n % d)  # a domain size that does not divide n
-        rows.append(SmokeConfig(f"invalid mesh domain={bad}", ddp=1, domain=bad, expect_error="MeshError",
-                                about=f"{n} ranks cannot be split into domain groups of {bad}: refused before "
-                                      f"anything runs"))
-        rows.append(SmokeConfig(f"domain={n}, 2 samples per domain group", ddp=1, domain=n, samples_per_domain=2,
-                                expect_error="ScatterError",
-                                about="a domain group holds one sample: a batch of 2 is refused on every rank"))
-    return rows
-
-
-def reduced_matrix(world_size: int) -> list[SmokeConfig]:
-    """The matrix CI runs: single-device, domain=N, ddp x domain with DDP and with FSDP2, domain=N compiled,
-    and the per-domain batch of 2 that must fail."""
-    rows = {c.name: c for c in full_matrix(world_size)}
-    n = world_size
-    split = _factor(n)
-    names = ["single-device", f"domain={n}", f"domain={n}, compiled", f"domain={n}, 2 samples per domain group"]
-    if split:
-        names[2:2] = [f"ddp={split[0]} x domain={split[1]}, DDP", f"ddp={split[0]} x domain={split[1]}, FSDP2"]
-    return [rows[name] for name in names if name in rows]
-
-
-def _resolve_configs(configs, world_size: int) -> list[SmokeConfig]:
-    if configs is None or configs == "full":
-        chosen = full_matrix(world_size)
-    elif configs == "reduced":
-        chosen = reduced_matrix(world_size)
-    elif isinstance(configs, (list, tuple)) and configs:
-        by_name = {c.name: c for c in full_matrix(world_size)}
-        chosen = []
-        for c in configs:
-            if isinstance(c, SmokeConfig):
-                chosen.append(c)
-            elif isinstance(c, str) and c in by_name:
-                chosen.append(by_name[c])
-            else:
-                raise SmokeError(f"configs: {c!r} is neither a SmokeConfig nor the name of one of the matrix's "
-                                 f"configurations on {world_size} ranks: {list(by_name)}")
-    else:
-        raise SmokeError(f"configs must be None (the whole matrix), 'reduced', or a non-empty list of SmokeConfig "
-                         f"or configuration names, got {configs!r}")
-    for c in chosen:
-        c.check(world_size)
-    names = [c.name for c in chosen]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise SmokeError(f"configs: each name must be used once; {twice} appear more than once")
-    return chosen
-
-
-@dataclass
-class ConfigOutcome:
-    """What one configuration did, before it becomes a row of the table."""
-
-    config: SmokeConfig
-    losses: list | None = None  # per step, the mean over the ranks (each domain group's loss, averaged)
-    step_ms: float = math.nan
-    first_step_ms: float = math.nan
-    grad_error: float = math.nan
-    grad_error_param: str | None = None
-    error_type: str | None = None  # the class name of what it raised
-    error: str | None = None  # one line, its cause first ("rank 2 raised ...")
-    trace: object = None  # the recorded step's Trace
-
-
-class SmokeResult:
-    """The smoke matrix's result: ``ok`` (every configuration as expected), ``table`` (one row per
-    configuration, indexed by its name), ``show()`` (the view), ``trace(name)`` (the recorded step of a
-    configuration: its fallbacks and collectives op by op), ``verdict`` (one line, also the repr)."""
-
-    def __init__(self, table, configs: list[SmokeConfig], traces: dict, rtol: float, steps: int, world_size: int):
-        self.table = table
-        self.configs = configs
-        self.rtol = rtol
-        self.steps = steps
-        self.world_size = world_size
-        self.traces = traces  # configuration name -> Trace of its recorded step
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.table["ok"].all())
-
-    @property
-    def failed(self) -> list[str]:
-        """The names of the configurations that were not as expected."""
-        return [name for name, ok in self.table["ok"].items() if not ok]
-
-    @property
-    def verdict(self) -> str:
-        n = len(self.table)
-        expected = int(self.table["expected_error"].astype(bool).sum())
-        if self.ok:
-            matched = n - expected
-            parts = [f"{matched} match{'es' if matched == 1 else ''} the single-device run within rtol {self.rtol:g}"
-                     if matched else "", f"{expected} failed as expected" if expected else ""]
-            return (f"smoke matrix on {self.world_size} ranks: all {n} configurations as expected ("
-                    + ", ".join(p for p in parts if p) + ")")
-        bad = self.failed
-        return (f"smoke matrix on {self.world_size} ranks: {len(bad)} of {n} configurations wrong: "
-                + "; ".join(f"{name}: {self.table.loc[name, 'outcome']}" for name in bad))
-
-    def __repr__(self) -> str:
-        return self.verdict
-
-    def _repr_html_(self) -> str:
-        return self.show().html()
-
-    def trace(self, name: str):
-        """The Trace of configuration ``name``'s recorded step (its ops, fallbacks, collectives)."""
-        if name not in self.traces:
-            config = next((c for c in self.configs if c.name == name), None)
-            if config is None:
-                why = f"there is no configuration {name!r} in this result: {[c.name for c in self.configs]}"
-            elif config.compiled:
-                why = f"configuration {name!r} is compiled: its steps run below the recorder and none was recorded"
-            else:
-                why = (f"configuration {name!r} has no recorded step (the single device is not recorded; a "
-                       f"configuration that failed did not get that far: see its outcome)")
-            raise SmokeError(why)
-        return self.traces[name]
-
-    def show(self):
-        """The view: the table with each verdict coloured, and the loss error per step (``plot_losses()``)."""
-        from ..views.smoke import SmokeView
-
-        return SmokeView(self.table, self.verdict, self.rtol)
-
-    def plot_losses(self):
-        """Plotly: each configuration's loss error against the single-device run, per step (log scale)."""
-        from ..views.smoke import plot_smoke_losses
-
-        return plot_smoke_losses(self.table, self.rtol)
 
 
 def _check_callable(name: str, fn, arity: int) -> None:
@@ -313,9 +73,11 @@ def _number(name: str, value, *, integral: bool = False, low: float | None = Non
     return int(value) if integral else float(value)
 
 
-def run_smoke(cluster, execution, setup, step, configs=None, *, steps: int = 3, seed: int = 0, lr: float = 0.01,
+def run_smoke(execution: RankExecution, group: DistributedGroup, setup, step, configs=None, *, steps: int = 3,
+              seed: int = 0, lr: float = 0.01,
               rtol: float = 1e-3, timeout: float | None = DEFAULT_TIMEOUT_S) -> SmokeResult:
-    """``Cluster.smoke``: the matrix on ``cluster`` (``execution``: its RankExecution)."""
+    """``Cluster.smoke``: the matrix on the ranks of ``execution``, whose process ``group`` is rebuilt for each
+    mesh and put back at the end."""
     __tracebackhide__ = hide_own_frames()
     _check_callable("setup", setup, 0)
     _check_callable("step", step, 2)
@@ -326,12 +88,12 @@ def run_smoke(cluster, execution, setup, step, configs=None, *, steps: int = 3, 
     if rtol <= 0:
         raise SmokeError(f"rtol must be above 0, got {rtol!r}")
     timeout = arguments.seconds("timeout", timeout, allow_none=True) or DEFAULT_TIMEOUT_S
-    chosen = _resolve_configs(configs, cluster.n)
+    chosen = resolve_configs(configs, execution.n)
     setup, step = portable_function(setup), portable_function(step)
-    runner = _MatrixRunner(cluster, execution, setup, step, steps=steps, seed=seed, lr=lr, rtol=rtol, timeout=timeout)
+    runner = _MatrixRunner(execution, group, setup, step, steps=steps, seed=seed, lr=lr, rtol=rtol, timeout=timeout)
     outcomes = runner.run_all(chosen)
-    return SmokeResult(_table(chosen, outcomes, runner.references, rtol), chosen,
-                       {name: o.trace for name, o in outcomes.items() if o.trace is not None}, rtol, steps, cluster.n)
+    return SmokeResult(smoke_table(chosen, outcomes, runner.references, rtol), chosen,
+                       {name: o.trace for name, o in outcomes.items() if o.trace is not None}, rtol, steps, execution.n)
 
 
 def portable_function(fn):
@@ -357,22 +119,13 @@ def portable_function(fn):
         cloudpickle.unregister_pickle_by_value(module)
 
 
-@dataclass
-class Reference:
-    """A single-device run the configurations are compared with: ``samples`` per step, training or not."""
-
-    losses: list
-    step_ms: float
-    first_step_ms: float
-    grads: dict | None  # parameter name -> first-step gradient (numpy), for training
-
-
 class _MatrixRunner:
     """Runs configurations on one cluster: references on rank 0, the others on every rank, mesh by mesh."""
 
-    def __init__(self, cluster, execution, setup, step, *, steps, seed, lr, rtol, timeout):
-        self.cluster = cluster
+    def __init__(self, execution: RankExecution, group: DistributedGroup, setup, step, *, steps, seed, lr, rtol,
+                 timeout):
         self.execution = execution
+        self.group = group
         self.setup, self.step = setup, step
         self.steps, self.seed, self.lr, self.rtol, self.timeout = steps, seed, lr, rtol, timeout
         self.references: dict[tuple[int, bool], Reference] = {}
@@ -406,7 +159,7 @@ class _MatrixRunner:
 
     def run_all(self, configs: list[SmokeConfig]) -> dict[str, ConfigOutcome]:
         __tracebackhide__ = hide_own_frames()
-        original = self.cluster.mesh
+        original = self.group.mesh
         outcomes: dict[str, ConfigOutcome] = {}
         dead = None
         try:
@@ -421,8 +174,8 @@ class _MatrixRunner:
                     dead = _first_line(exc)
                     outcomes[config.name] = ConfigOutcome(config, error_type="RankDiedError", error=dead)
         finally:
-            if dead is None and (self.cluster.mesh != original or self.cluster.broken):
-                self.cluster.remesh(original.as_dict(), timeout=self.timeout)
+            if dead is None and (self.group.mesh != original or self.execution.broken is not None):
+                self.group.rebuild(self.execution, original, self.timeout)
         return outcomes
 
     @staticmethod
@@ -441,15 +194,16 @@ class _MatrixRunner:
                                  first_step_ms=ref.first_step_ms, grad_error=0.0)
         if not config.single_device:
             try:
-                if (config.ddp, config.domain) != self.cluster.mesh.shape or self.cluster.broken:
-                    self.cluster.remesh({"ddp": config.ddp, "domain": config.domain}, timeout=self.timeout)
+                if (config.ddp, config.domain) != self.group.mesh.shape or self.execution.broken is not None:
+                    mesh = resolve_mesh(self.execution.n, {"ddp": config.ddp, "domain": config.domain})
+                    self.group.rebuild(self.execution, mesh, self.timeout)
             except MeshError as exc:
                 return ConfigOutcome(config, error_type="MeshError", error=f"MeshError: {exc}")
         expected_to_run = config.expect_error is None
         ref = self.reference(config.samples, config.training) if expected_to_run else None
         plan = self.plan(config, single_device=config.single_device, samples=config.samples,
                          record=not config.single_device and not config.compiled, return_grads=False)
-        ranks = [0] if config.single_device else list(range(self.cluster.n))
+        ranks = [0] if config.single_device else list(range(self.execution.n))
         try:
             outs = self.execution.apply(api.smoke_run, (self.setup, self.step, plan, ref.grads if ref else None),
                                         {}, ranks, self.timeout, display=False,
@@ -494,67 +248,3 @@ def _median(values: list) -> float:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _relative_errors(losses: list, reference: list) -> list[float]:
-    return [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, reference)]
-
-
-def _table(configs: list[SmokeConfig], outcomes: dict[str, ConfigOutcome], references: dict, rtol: float):
-    import pandas as pd
-
-    rows = []
-    for config in configs:
-        o = outcomes[config.name]
-        ref = references.get((config.samples, config.training))
-        row = {"config": config.name, "mesh": config.mesh_text, "wrapper": config.wrapper,
-               "compiled": config.compiled, "training": config.training,
-               "expected_error": config.expect_error or "", "loss_error": math.nan, "loss_error_step": None,
-               "grad_error": o.grad_error, "grad_error_param": o.grad_error_param, "step_ms": o.step_ms,
-               "first_step_ms": o.first_step_ms, "fallbacks": math.nan, "fallback_ops": "",
-               "collectives_per_step": math.nan, "losses": o.losses,
-               "reference_losses": list(ref.losses) if ref is not None and o.losses is not None else None,
-               "about": config.about}
-        if o.losses is not None and ref is not None:
-            rel = _relative_errors(o.losses, ref.losses)
-            row["loss_error"] = max(rel)
-            row["loss_error_step"] = rel.index(max(rel))
-        if o.trace is not None:
-            row.update(_comm_and_fallbacks(o.trace))
-        row["ok"], row["outcome"] = _verdict(config, o, row, rtol)
-        rows.append(row)
-    table = pd.DataFrame(rows).set_index("config")[TABLE_COLUMNS]
-    table["loss_error_step"] = table["loss_error_step"].astype("Int64")  # a step number, or <NA>
-    return table
-
-
-def _comm_and_fallbacks(trace) -> dict:
-    """Fallback calls and collectives per rank in the recorded step, and which ops fell back."""
-    n = max(len(trace.ranks), 1)
-    fallbacks = trace.get_fallbacks()
-    collectives = trace.get_collectives()
-    ops = fallbacks.sort_values("calls", ascending=False)["op"].tolist() if len(fallbacks) else []
-    return {"fallbacks": float(fallbacks["calls"].sum()) / n if len(fallbacks) else 0.0,
-            "fallback_ops": ", ".join(ops),
-            "collectives_per_step": len(collectives) / n}
-
-
-def _verdict(config: SmokeConfig, o: ConfigOutcome, row: dict, rtol: float) -> tuple[bool, str]:
-    if config.expect_error:
-        if o.error_type == config.expect_error:
-            return True, f"failed as expected: {o.error}"
-        if o.error is not None:
-            return False, f"should have failed with {config.expect_error}, but: {o.error}"
-        return False, f"should have failed with {config.expect_error}, but ran to the end"
-    if o.error is not None:
-        return False, o.error
-    if config.single_device and not config.compiled and config.training:
-        return True, "the reference"
-    wrong = []
-    if not row["loss_error"] <= rtol:
-        wrong.append(f"loss off by {row['loss_error']:.1e} (relative) at step {row['loss_error_step']}")
-    if config.training and not o.grad_error <= rtol:
-        wrong.append(f"gradient of {o.grad_error_param} off by {o.grad_error:.1e} (relative to its largest value)")
-    if wrong:
-        return False, "; ".join(wrong) + f", beyond rtol {rtol:g}"
-    return True, "matches the single-device run"
