@@ -636,68 +636,10 @@ class ShardMagics(Magics):
 
 
 def trace_summary(trace) -> str:
-    """One line after a %%shard_trace cell: what was recorded and where to look next."""
-    from .analysis.plan_cache import main_stale_site, stale_left
-
-    ops = trace.get_ops()
-    fallbacks = trace.get_fallbacks()
-    metadata = trace.get_fallbacks(include_metadata=True)
-    metadata = metadata[metadata["category"] == "metadata"]
-    errors_ = trace.get_errors()
-    parts = [f"sharddbg: recorded {len(ops)} op calls on {len(trace.ranks)} ranks"]
-    if len(fallbacks):
-        parts.append(f"{len(fallbacks)} op(s) computed through a DTensor fallback "
-                     f"({', '.join(map(str, fallbacks['op'][:4]))}{', ...' if len(fallbacks) > 4 else ''})")
-    if len(metadata):
-        parts.append(f"{int(metadata['calls'].sum())} metadata reads through the fallback")
-    if trace.collectives_recorded:
-        by_rank = trace.get_comm_by_rank()
-        if len(by_rank) and by_rank["n_collectives"].sum():
-            parts.append(f"{int(by_rank['n_collectives'].max())} collectives per rank (at most), "
-                         f"{by_rank['comm_wall_ms'].max():.1f} ms in collectives on the slowest rank")
-            stuck = int(by_rank["n_in_flight"].sum())
-            if stuck:
-                parts.append(f"{stuck} collective(s) never completed")
-    if len(errors_):
-        parts.append(f"{len(errors_)} error(s) recorded")
-    if trace.incomplete_ranks:
-        parts.append(f"ranks {trace.incomplete_ranks} incomplete")
-    if trace.dropped:
-        parts.append(f"{trace.dropped} events dropped (raise --max-events)")
-    parts += verification_summary(trace)
-    stale = stale_left(trace.get_plan_cache())
-    if len(stale):
-        parts.append(f"DTensor's redistribution plan cache kept {int(stale['kept'].sum())} entries it can never hit "
-                     f"({main_stale_site(stale).where}): each step gets slower (trace.plan_cache_finding says why)")
+    """One line after a %%shard_trace cell: what was recorded (``Trace.overview``), what is wrong
+    (``Trace.findings``, in their order) and where to look next."""
+    parts = [f"sharddbg: recorded {trace.overview.headline()}"] + [f.sentence for f in trace.findings]
     return "; ".join(parts) + ". sharddbg.last_trace().get_op_summary() first; the trace has it all."
-
-
-def verification_summary(trace) -> list[str]:
-    """The summary line's parts on what the trace's verification found: spec mismatches, diverging replicas,
-    collectives the pre-flight stopped or could not check."""
-    from .analysis.consistency import divergence_text
-
-    parts = []
-    found = trace.get_spec_mismatches()
-    if len(found):
-        first = found.iloc[0]
-        ranks = sorted({int(r) for r in found["rank"]})
-        parts.append(f"{len(found)} spec mismatch(es) on rank(s) {ranks}, first at {first['op']} on rank "
-                     f"{first['rank']}: {first['detail']} (get_spec_mismatches())")
-    checks = trace.checks
-    if checks["replicas"]:
-        text = divergence_text(trace.get_replica_divergence())
-        parts.append(f"{text} (get_replica_divergence())" if text else "replicas agree on every rank")
-    if checks["preflight"]:
-        pf = trace.get_preflight()
-        bad = pf[pf["status"] == "mismatch"]
-        late = pf[pf["status"] == "late"]
-        if len(bad):
-            parts.append(f"pre-flight stopped {bad['op'].iloc[0] or 'a collective'}: {bad['detail'].iloc[0]}")
-        elif len(pf):
-            parts.append(f"pre-flight: {int((pf['status'] == 'ok').sum())} collective checks ok"
-                         + (f", {len(late)} late" if len(late) else ""))
-    return parts
 
 
 def load_ipython_extension(ipython) -> None:

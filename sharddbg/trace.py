@@ -34,9 +34,11 @@ import pandas as pd
 from . import rendering, schema
 from .analysis import comm as _comm
 from .analysis import consistency as _consistency
+from .analysis import findings as _findings
 from .analysis import ops as _ops
 from .analysis import plan_cache as _plan_cache
 from .analysis import summary as _summary
+from .analysis.findings import Finding, TraceOverview
 from .errors import ShardDbgWarning, TraceFileError
 from .files import write_file_atomically
 
@@ -282,8 +284,27 @@ class Trace:
 
     @property
     def plan_cache_finding(self) -> str | None:
-        """One sentence when calls missed the plan cache on a spec changed after it was cached, else None."""
-        return _plan_cache.plan_cache_finding(self.get_plan_cache(), self.get_plan_cache_growth())
+        """The plan cache finding's text (cause, cost, fix) when calls missed the plan cache on a spec changed
+        after it was cached, else None."""
+        found = _findings.plan_cache_finding(self.get_plan_cache(), self.get_plan_cache_growth())
+        return found.text() if found is not None else None
+
+    # ---- what is wrong, in the order to read it --------------------------------------------------------
+    @property
+    def findings(self) -> list[Finding]:
+        """What this trace says is wrong, failures first (``analysis.findings.trace_findings``): the one list the
+        summary line, the explorer and the report render."""
+        return _findings.trace_findings(self)
+
+    def get_findings(self) -> pd.DataFrame:
+        """``findings`` as a DataFrame: kind, severity, sentence, fix, ranks, op, location; one row each."""
+        return _findings.findings_frame(self.findings)
+
+    @property
+    def overview(self) -> TraceOverview:
+        """The counts a header shows (``analysis.findings.trace_overview``): op calls, errors, fallbacks,
+        collectives, spec mismatches, incomplete ranks, dropped events."""
+        return _findings.trace_overview(self)
 
     # ---- files ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

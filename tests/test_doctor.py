@@ -47,9 +47,9 @@ def test_a_sound_setup_has_no_pitfall(cl):
     not_yet = (dr.REDUCED_ONCE, dr.PLAN_CACHE)  # no numerical check, no trace yet
     assert _statuses(report) == {c: "ok" for c in dr.CHECKS if c not in not_yet} | {c: "skip" for c in not_yet}
     assert report.ok and report.verdict == "doctor: no pitfall found (7 ok, 2 skip)" and repr(report) == report.verdict
-    assert "run cl.check(...)" in report.finding(dr.REDUCED_ONCE).found
-    assert report.finding(dr.PLAN_CACHE).found.startswith("no trace yet: record a few training steps")
-    assert report.finding(dr.WEIGHTS_SYNCED).found == ("every plain parameter (4 per group) is the same on every "
+    assert "run cl.check(...)" in report.finding(dr.REDUCED_ONCE).sentence
+    assert report.finding(dr.PLAN_CACHE).sentence.startswith("no trace yet: record a few training steps")
+    assert report.finding(dr.WEIGHTS_SYNCED).sentence == ("every plain parameter (4 per group) is the same on every "
                                                        "rank of its domain group")
 
 
@@ -57,11 +57,11 @@ def test_weights_not_synced_over_the_domain_axis(cl):
     cl.run("torch.manual_seed(rank)\ndk_lin = nn.Linear(4, 4)", timeout=30)  # each rank its own weights
     report = cl.doctor("dk_lin")
     f = report.finding(dr.WEIGHTS_SYNCED)
-    assert f.status == "fail" and not report.ok and f.ranks == (1, 3)
-    assert f.found == ("2 of 2 plain parameters differ across the ranks of a domain group (ranks 1, 3 from their "
+    assert f.severity == "fail" and not report.ok and f.ranks == (1, 3)
+    assert f.sentence == ("2 of 2 plain parameters differ across the ranks of a domain group (ranks 1, 3 from their "
                        "group's first rank): dk_lin.weight, dk_lin.bias; they train \"fine\" and wrong")
     assert "dist.broadcast(p.data" in f.fix
-    assert report.verdict.startswith("doctor: FAILED (") and f"{dr.WEIGHTS_SYNCED}: {f.found}" in report.verdict
+    assert report.verdict.startswith("doctor: FAILED (") and f"{dr.WEIGHTS_SYNCED}: {f.sentence}" in report.verdict
     # the fix as the doctor gives it: the same weights on the ranks of each domain group
     cl.run("_g = mesh['domain'].get_group()\nfor _p in dk_lin.parameters():\n"
            "    torch.distributed.broadcast(_p.data, src=torch.distributed.get_process_group_ranks(_g)[0], group=_g)",
@@ -72,8 +72,8 @@ def test_weights_not_synced_over_the_domain_axis(cl):
 def test_a_batch_of_two_per_domain_group(cl):
     cl.run("dk_xb = sharddbg.engine.scatter(torch.randn(2, 3, 16, 8), dim=2, batch_dim=None)", timeout=30)
     f = cl.doctor("dk_xb").finding(dr.BATCH_OF_ONE)
-    assert f.status == "fail" and f.ranks == (0, 1, 2, 3)
-    assert f.found == "dk_xb: global shape (2, 3, 16, 8), split along dim 2, a batch of 2 per domain group"
+    assert f.severity == "fail" and f.ranks == (0, 1, 2, 3)
+    assert f.sentence == "dk_xb: global shape (2, 3, 16, 8), split along dim 2, a batch of 2 per domain group"
 
 
 def test_a_requires_grad_flag_that_autograd_never_sees(cl):
@@ -83,8 +83,8 @@ def test_a_requires_grad_flag_that_autograd_never_sees(cl):
            "dk_net(dk_xr).square().mean().backward()", timeout=30)
     assert cl.eval("(dk_xr.requires_grad, dk_xr.grad is None)") == [(True, True)] * 4  # no gradient arrived
     f = cl.doctor("dk_xr", "dk_x").finding(dr.REQUIRES_GRAD)
-    assert f.status == "fail" and f.ranks == (0, 1, 2, 3)
-    assert f.found.startswith("dk_xr: .requires_grad says True (its local tensor has the flag) but autograd's flag")
+    assert f.severity == "fail" and f.ranks == (0, 1, 2, 3)
+    assert f.sentence.startswith("dk_xr: .requires_grad says True (its local tensor has the flag) but autograd's flag")
     assert "requires_grad=True" in f.fix
     assert cl.doctor("dk_x").status(dr.REQUIRES_GRAD) == "ok"
     # a physicsnemo whose ShardTensor has no requires_grad_ of its own (older releases): the call takes the
@@ -94,8 +94,8 @@ def test_a_requires_grad_flag_that_autograd_never_sees(cl):
                           "ShardTensor.requires_grad_ = _dk_own"):
         assert cl.eval("(dk_xn.requires_grad_(True), dk_xn.requires_grad)[1]") == [False] * 4  # silently nothing
         f = cl.doctor("dk_xn").finding(dr.REQUIRES_GRAD)
-    assert f.status == "warn" and f.ranks == (0, 1, 2, 3)
-    assert f.found == ("requires_grad_(True) on a ShardTensor does nothing in this physicsnemo (it takes the DTensor "
+    assert f.severity == "warn" and f.ranks == (0, 1, 2, 3)
+    assert f.sentence == ("requires_grad_(True) on a ShardTensor does nothing in this physicsnemo (it takes the DTensor "
                        "fallback and sets the flag on a temporary); ShardTensor leaves that do not require grad: dk_xn "
                        "(set on purpose?)")
     assert cl.doctor("dk_xn").status(dr.REQUIRES_GRAD) == "ok"
@@ -104,16 +104,16 @@ def test_a_requires_grad_flag_that_autograd_never_sees(cl):
 def test_an_async_collective_never_waited(cl):
     cl.run("dk_ar = funcol.all_reduce(torch.ones(4), 'sum', mesh['domain'].get_group())", timeout=30)
     f = cl.doctor("dk_ar").finding(dr.ASYNC_WAITED)
-    assert f.status == "fail" and f.ranks == (0, 1, 2, 3)
-    assert f.found.startswith("dk_ar holds an AsyncCollectiveTensor never waited")
+    assert f.severity == "fail" and f.ranks == (0, 1, 2, 3)
+    assert f.sentence.startswith("dk_ar holds an AsyncCollectiveTensor never waited")
     cl.run("dk_ar = dk_ar.wait()", timeout=30)
     assert cl.doctor("dk_ar").status(dr.ASYNC_WAITED) == "ok"
     # a result dropped without waiting (a warm-up, a benchmark): no variable holds it, torch's registry still does
     cl.run("_dk_dropped = funcol.all_reduce(torch.ones(4), 'sum', mesh['domain'].get_group())\ndel _dk_dropped",
            timeout=30)
     f = cl.doctor("dk_ar").finding(dr.ASYNC_WAITED)
-    assert f.status == "warn" and f.ranks == (0, 1, 2, 3)
-    assert f.found == ("1 functional collective(s) issued and never waited on ranks 0-3 (results dropped in a "
+    assert f.severity == "warn" and f.ranks == (0, 1, 2, 3)
+    assert f.sentence == ("1 functional collective(s) issued and never waited on ranks 0-3 (results dropped in a "
                        "warm-up or a benchmark?)")
 
 
@@ -127,11 +127,11 @@ def test_an_optimizer_mixing_distributed_and_plain_parameters(cl):
            "dk_split = torch.optim.AdamW([{'params': list(dk_f2.parameters())}, {'params': [dk_extra]}], foreach=True)",
            timeout=60)
     f = cl.doctor("dk_mixed").finding(dr.OPTIMIZER_GROUPS)
-    assert f.status == "fail" and f.ranks == (0, 1, 2, 3)
-    assert f.found == ("dk_mixed group 0: 4 distributed and 1 plain parameters with foreach=True: foreach kernels "
+    assert f.severity == "fail" and f.ranks == (0, 1, 2, 3)
+    assert f.sentence == ("dk_mixed group 0: 4 distributed and 1 plain parameters with foreach=True: foreach kernels "
                        "cannot mix DTensor/ShardTensor and plain parameters")
     f = cl.doctor("dk_mixed_default").finding(dr.OPTIMIZER_GROUPS)
-    assert f.status == "warn" and "fine on CPU, where foreach is off by default" in f.found
+    assert f.severity == "warn" and "fine on CPU, where foreach is off by default" in f.sentence
     assert cl.doctor("dk_split").status(dr.OPTIMIZER_GROUPS) == "ok"
 
 
@@ -140,14 +140,14 @@ def test_fsdp1_anywhere_in_the_model(cl):
            "dk_outer = nn.Sequential(FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device('cpu')), nn.ReLU())",
            timeout=60)
     f = cl.doctor("dk_outer").finding(dr.NO_FSDP1)
-    assert f.status == "fail" and f.found == "FullyShardedDataParallel (FSDP1) wraps dk_outer.0" and "fully_shard" in f.fix
+    assert f.severity == "fail" and f.sentence == "FullyShardedDataParallel (FSDP1) wraps dk_outer.0" and "fully_shard" in f.fix
 
 
 def test_ddp_over_the_whole_world(cl):
     cl.run("dk_world = DDP(nn.Linear(4, 4))", timeout=60)
     f = cl.doctor("dk_world").finding(dr.DDP_GROUP)
-    assert f.status == "fail" and f.ranks == (0, 1, 2, 3)
-    assert f.found.startswith("dk_world is DDP over the whole world ([0, 1, 2, 3]), not over the ddp axis (rank 0: "
+    assert f.severity == "fail" and f.ranks == (0, 1, 2, 3)
+    assert f.sentence.startswith("dk_world is DDP over the whole world ([0, 1, 2, 3]), not over the ddp axis (rank 0: "
                               "[0, 2]): it averages the gradients over the domain axis too")
     assert f.fix == "DDP(model, process_group=mesh['ddp'].get_group())"
 
@@ -160,8 +160,8 @@ def test_a_gradient_reduced_twice_over_the_domain_axis(cl):
     # two domain groups, each against its own reference
     assert check.groups == [0, 1] and set(check.failures()["tensor"]) == {"dk_net.2.weight.grad"}
     f = cl.doctor("dk_net").finding(dr.REDUCED_ONCE)  # the last check of the cluster
-    assert f.status == "fail" and f.ranks == (0, 1, 2, 3)
-    assert f.found == ("dk_net.2.weight.grad is 2x the unsharded reference's (last cl.check): reduced over the "
+    assert f.severity == "fail" and f.ranks == (0, 1, 2, 3)
+    assert f.sentence == ("dk_net.2.weight.grad is 2x the unsharded reference's (last cl.check): reduced over the "
                        "domain axis once more than it should be")
     sound = cl.check("dk_y = dk_net(dk_x)", inputs=["dk_x"], outputs=["dk_y"], model="dk_net")
     assert sound.ok and cl.doctor("dk_net").status(dr.REDUCED_ONCE) == "ok"

@@ -15,12 +15,8 @@ from pathlib import Path
 import pytest
 
 from sharddbg import schema
-from sharddbg.analysis.plan_cache import (
-    CLEAR_CALL,
-    plan_cache_finding,
-    plan_cache_frame,
-    plan_cache_growth,
-)
+from sharddbg.analysis.findings import plan_cache_finding
+from sharddbg.analysis.plan_cache import CLEAR_CALL, plan_cache_frame, plan_cache_growth
 from sharddbg.cluster import doctor as dr
 from sharddbg.cluster.doctor import DoctorError
 from sharddbg.magics import trace_summary
@@ -144,7 +140,8 @@ def test_a_malformed_plan_cache_record_is_refused():
          "complete": True, "events": [], "dropped": 0, "clock": {}, "meta": {"plan_cache": base}}
     schema.validate_payload(p)
     frame, growth = plan_cache_frame({0: p}), plan_cache_growth({0: p})
-    assert plan_cache_finding(frame, growth).startswith("Rank 0: outside every recorded op, Partial(sum) -> Replicate()")
+    assert plan_cache_finding(frame, growth).text().startswith("Rank 0: outside every recorded op, Partial(sum) -> "
+                                                               "Replicate()")
     bad = dict(base, groups=[dict(base["groups"][0], count="1")])
     with pytest.raises(schema.SchemaError, match=r"rank 0 meta plan_cache group #0: field 'count'"):
         schema.validate_payload(dict(p, meta={"plan_cache": bad}))
@@ -156,18 +153,21 @@ def test_the_doctor_reads_the_last_trace_and_the_ranks_cache(cl):
     t = _trace(cl, f"for _i in range({STEPS}):\n    _step()")
     entries = cl.eval("_plan_cache.cache_info().currsize")
     f = cl.doctor("_net").finding(dr.PLAN_CACHE)  # the cluster's last trace
-    assert f.status == "warn" and f.ranks == tuple(range(N))
-    assert f.found == (f"the last trace left {N * STEPS} entries the cache can never hit on ranks 0-3: "
-                       "ShardTensor.redistribute (in ShardTensor.backward), Partial(sum) -> Replicate() changed "
-                       f"target._sharding_shapes after the call; each step gets slower; the cache holds "
-                       f"{max(entries):,} entries now on rank {entries.index(max(entries))}")
+    assert f.severity == "warn" and f.ranks == tuple(range(N))
+    # the trace's own plan cache finding, then what each rank's cache holds now
+    assert f.sentence == (f"in the last trace, ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward), "
+                          f"Partial(sum) -> Replicate(), changed its target spec's _sharding_shapes after DTensor's "
+                          f"redistribution plan cache had stored it, {N * STEPS} times: those entries are never hit "
+                          f"again, each call adds one and every lookup compares against all of them (they share one "
+                          f"hash), so each step gets slower ({max(t.get_plan_cache_growth()['entries_end']):,} entries "
+                          f"now); the cache holds {max(entries):,} entries now on rank {entries.index(max(entries))}")
     assert CLEAR_CALL in f.fix
     # a trace of the same loop clearing the cache after each step: nothing stale left
     cleared = _trace(cl, f"for _i in range({STEPS}):\n    _step()\n    _plan_cache.cache_clear()")
     ok = cl.doctor("_net", trace=cleared).finding(dr.PLAN_CACHE)
     misses = int(cleared.get_plan_cache_growth()["misses"].sum())  # every plan of each step, once cleared
     assert misses >= N * STEPS
-    assert ok.status == "ok" and ok.found == (f"the last trace left no stale entry ({misses} misses while recording); "
+    assert ok.severity == "ok" and ok.sentence == (f"the last trace left no stale entry ({misses} misses while recording); "
                                               "the cache holds 0 entries now on rank 0")
     assert cl.doctor("_net", trace=t).status(dr.PLAN_CACHE) == "warn"  # the trace given, not the last one
     with pytest.raises(DoctorError, match="trace= takes a Trace"):

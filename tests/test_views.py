@@ -205,6 +205,32 @@ def test_timeline_many_spans_drawn_as_webgl_lines(trace, monkeypatch):
     assert not any(d.type == "bar" for d in fig.data)
 
 
+def test_two_groups_of_the_same_ranks_are_matched_apart(trace):
+    """Every collective issued again on a second group of the same ranks (as the world group and a domain
+    sub-mesh of every rank are): the timeline, the arrival waits and the mismatch check all match collectives
+    by group and number, so each group's k-th collective is its own, lined up across its ranks."""
+    from sharddbg.analysis.comm import arrival_wait_ms, matched_collectives
+
+    payloads = {}
+    for r in trace.ranks:
+        p = copy.deepcopy(trace.payloads[r])
+        extra = [dict(e, group_name="world", seq=e["seq"] + 10**6) for e in p["events"] if e["kind"] == "collective"]
+        p["events"] = p["events"] + extra
+        payloads[r] = p
+    twice = Trace.from_payloads(payloads, trace.clock_offsets_ns)
+    colls = twice.get_collectives()
+    same = matched_collectives(colls)
+    assert same.nunique() == 16  # 8 per group
+    assert (colls.groupby(same)["rank"].apply(sorted) == pd.Series([list(range(N))] * 16)).all()
+    links = tl.collective_links(twice)
+    assert len(links) == 16 and all(link.ranks == list(range(N)) for link in links.itertuples())
+    assert twice.get_collective_mismatches().empty
+    # each group's waits are its own: the same as on the trace with one group
+    once = trace.get_collectives()
+    waits = arrival_wait_ms(colls)
+    assert waits[colls["group_name"] != "world"].tolist() == pytest.approx(arrival_wait_ms(once).tolist())
+
+
 def test_collectives_linked_across_ranks(trace):
     """The same collective (same group, same group_seq) on every rank: one link, from the payloads."""
     links = tl.collective_links(trace)

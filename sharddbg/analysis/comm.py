@@ -339,14 +339,30 @@ def comm_by_peer(colls: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COMM_BY_PEER_COLUMNS)
 
 
+# What names one collective across ranks: its process group (by name: two groups of the same ranks, such as the
+# world and a domain sub-mesh of every rank, count their collectives apart) and its number on that group.
+MATCH_KEY = ["group_name", "group_seq"]
+
+
+def matched_collectives(colls: pd.DataFrame) -> pd.Series:
+    """Which rows of ``get_collectives()`` are the same collective on different ranks: one id per row (an int,
+    in order of first appearance), equal for the rows of one collective (``MATCH_KEY``: the same process group
+    and the same ``group_seq``, the k-th collective each rank issued on it). Every analysis and view that lines
+    a collective up across ranks uses this."""
+    if colls.empty:
+        return pd.Series(dtype="int64", index=colls.index)
+    return colls.groupby(MATCH_KEY, sort=False).ngroup()
+
+
 def arrival_wait_ms(colls: pd.DataFrame) -> pd.Series:
-    """Per collective row: ms this rank waited for the group's last arrival at the same
-    (group_name, group_seq), from the aligned ``t_issue_ns``. NaN when only one rank recorded it."""
+    """Per collective row: ms this rank waited for the last rank of its group to issue the same collective
+    (``matched_collectives``), from the aligned ``t_issue_ns``. NaN when only one rank recorded it."""
     if colls.empty:
         return pd.Series(dtype=float)
     t = colls["t_issue_ns"].astype("Float64")
-    last = t.groupby([colls["group_name"], colls["group_seq"]]).transform("max")
-    n = t.groupby([colls["group_name"], colls["group_seq"]]).transform("count")
+    same = matched_collectives(colls)
+    last = t.groupby(same).transform("max")
+    n = t.groupby(same).transform("count")
     w = ((last - t) / 1e6).astype(float)
     return w.where(n.astype(int) > 1)
 
@@ -396,7 +412,7 @@ def _shard_elems(f: pd.DataFrame) -> int:
 def collective_mismatches(colls: pd.DataFrame, traced_ranks=None) -> pd.DataFrame:
     """Collectives that do not line up across the ranks of their group.
 
-    At each (group_name, group_seq) every rank of the group must have issued the same collective:
+    For each collective (``matched_collectives``) every rank of the group must have issued the same one:
     ``problem`` is ``"kind"`` (different kinds; send/recv count as one point-to-point kind),
     ``"dtype"``, ``"size"`` (different buffer sizes for a kind whose sizes must agree, or a broadcast
     with different sizes or roots), ``"splits"`` (all_to_all: what rank i sends to j differs from what j
@@ -409,7 +425,9 @@ def collective_mismatches(colls: pd.DataFrame, traced_ranks=None) -> pd.DataFram
     if colls.empty:
         return pd.DataFrame(columns=MISMATCH_COLUMNS)
     traced = None if traced_ranks is None else {int(r) for r in traced_ranks}
-    for (gname, gseq), d in colls.groupby(["group_name", "group_seq"], sort=True):
+    colls = colls.assign(_match=matched_collectives(colls)).sort_values(MATCH_KEY, kind="stable")
+    for _, d in colls.groupby("_match", sort=False):
+        gname, gseq = d["group_name"].iloc[0], d["group_seq"].iloc[0]
         d = d.sort_values("rank")
         ranks = [int(r) for r in d["rank"]]
         kinds = [str(k) for k in d["kind"]]

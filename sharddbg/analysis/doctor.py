@@ -23,14 +23,13 @@ Each row: ``ok``, ``warn`` (a risk, or right here but wrong elsewhere), ``fail``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from .. import rendering
 from .check import whole_multiple
-from .plan_cache import CLEAR_CALL, main_stale_site, stale_left
+from .findings import PLAN_CACHE_FIX, Finding, plan_cache_finding
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -68,19 +67,8 @@ FIXES = {
     DDP_GROUP: "DDP(model, process_group=mesh['ddp'].get_group())",
     REDUCED_ONCE: ("do not reduce gradients over the domain axis yourself (no all_reduce or hook over the domain "
                    "group): ShardTensor's backward already sums the promoted weights' gradients there"),
-    PLAN_CACHE: f"clear the cache now and then in the training loop (every 100 steps, say): {CLEAR_CALL}",
+    PLAN_CACHE: PLAN_CACHE_FIX,
 }
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One row of the doctor: a check, its status, what was found, the fix, the ranks concerned."""
-
-    check: str
-    status: str
-    found: str
-    fix: str = ""
-    ranks: tuple[int, ...] = ()
 
 
 class DoctorReport:
@@ -90,7 +78,7 @@ class DoctorReport:
     def __init__(self, findings: list[Finding], names: list[str]):
         self.findings = findings
         self.names = names  # the variables examined ([]: every one)
-        self.table = pd.DataFrame([{"check": f.check, "status": f.status, "found": f.found, "fix": f.fix,
+        self.table = pd.DataFrame([{"check": f.kind, "status": f.severity, "found": f.sentence, "fix": f.fix,
                                     "ranks": list(f.ranks)} for f in findings], columns=TABLE_COLUMNS)
 
     @property
@@ -111,7 +99,7 @@ class DoctorReport:
     def finding(self, check: str) -> Finding:
         """The row of one check."""
         for f in self.findings:
-            if f.check == check:
+            if f.kind == check:
                 return f
         raise KeyError(f"no doctor check named {check!r}; the checks: {', '.join(CHECKS)}")
 
@@ -119,11 +107,11 @@ class DoctorReport:
     def verdict(self) -> str:
         counts = {s: int((self.table["status"] == s).sum()) for s in STATUSES}
         tally = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
-        bad = [f for f in self.findings if f.status == "fail"] or [f for f in self.findings if f.status == "warn"]
+        bad = [f for f in self.findings if f.severity == "fail"] or [f for f in self.findings if f.severity == "warn"]
         head = "doctor: " + ("FAILED" if counts["fail"] else "warnings" if counts["warn"] else "no pitfall found")
         text = f"{head} ({tally})"
         if bad:
-            text += f"; {bad[0].check}: {bad[0].found}"
+            text += f"; {bad[0].kind}: {bad[0].sentence}"
             if len(bad) > 1:
                 text += f"; and {len(bad) - 1} more"
         return text
@@ -400,13 +388,9 @@ def plan_cache(trace, facts: list[dict]) -> Finding:
         what = "no trace yet" if trace is None else "the last trace did not watch the cache (an older sharddbg)"
         return Finding(name, "skip", f"{what}: record a few training steps with %%shard_trace (or cl.trace) and "
                                      f"run the doctor again{now}", FIXES[name])
-    stale = stale_left(trace.get_plan_cache())
-    if len(stale):
-        site = main_stale_site(stale)
-        ranks = tuple(sorted(int(r) for r in stale["rank"].unique()))
-        return Finding(name, "warn", f"the last trace left {int(stale['kept'].sum())} entries the cache can never hit "
-                                     f"on {ranks_text(ranks)}: {site.where}, {site.source} -> {site.target} changed "
-                                     f"{site.changed} after the call; each step gets slower{now}", FIXES[name], ranks)
+    stale = plan_cache_finding(trace.get_plan_cache(), growth)
+    if stale is not None:
+        return Finding(name, "warn", f"in the last trace, {stale.sentence}{now}", stale.fix, stale.ranks, stale.op)
     misses = int(growth["misses"].sum())
     return Finding(name, "ok", f"the last trace left no stale entry ({misses} miss{'es' if misses != 1 else ''} while "
                                f"recording){now}", FIXES[name])

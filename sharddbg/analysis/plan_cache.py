@@ -3,7 +3,7 @@
 
 A *stale* miss is a call whose spec changed after the call had cached it (``changed`` names the fields): that
 entry is never hit again, the next equal call misses and adds another, and every entry keeps one hash, so
-each lookup compares against all of them. ``plan_cache_finding`` says so in one sentence, cause first, when
+each lookup compares against all of them. ``analysis.findings.plan_cache_finding`` says so, cause first, when
 such entries were still in the cache at the end of the recording (a cell that clears the cache after them
 has none).
 """
@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from .formatting import ranks_text
 
 PLAN_CACHE_COLUMNS = ["rank", "op", "outer_op", "source", "target", "shape", "spec_type", "changed", "stale", "count",
                       "kept", "first_op_seq", "entries_start", "entries_end"]
@@ -80,21 +79,3 @@ def main_stale_site(stale: pd.DataFrame) -> StaleSite:
     if isinstance(outer, str) and outer != op:
         where += f" (in {outer})"
     return StaleSite(where, src, dst, changed, int(g["kept"].sum()), sorted(int(r) for r in g["rank"].unique()))
-
-
-def plan_cache_finding(frame: pd.DataFrame, growth: pd.DataFrame) -> str | None:
-    """One sentence when stale entries were left in the cache (None otherwise): where, which spec field, how
-    many on which ranks, what it costs and what clears it."""
-    stale = stale_left(frame)
-    if not len(stale):
-        return None
-    site = main_stale_site(stale)
-    others = int(stale["kept"].sum()) - site.kept
-    fields = " and ".join(f"its {c.split('.')[0]} spec's {c.split('.', 1)[1]}" for c in site.changed.split(", "))
-    entries = growth.dropna(subset=["entries_end"])
-    now = f" ({int(entries['entries_end'].max()):,} entries now)" if len(entries) else ""
-    return (f"{ranks_text(site.ranks).capitalize()}: {site.where}, {site.source} -> {site.target}, changed {fields} "
-            f"after DTensor's redistribution plan cache had stored it, {site.kept} time{'s' if site.kept != 1 else ''}"
-            + (f" ({others} more stale entries from other calls)" if others else "")
-            + ": those entries are never hit again, each call adds one and every lookup compares against all of "
-            f"them (they share one hash), so each step gets slower{now}. Clear the cache now and then: {CLEAR_CALL}")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from ..analysis.comm import NO_OP
+from ..analysis.comm import NO_OP, matched_collectives
 from ..analysis.ops import AUTOGRAD_ENTRY_OPS
 from ..analysis.formatting import format_bytes, format_shape
 from ..analysis.timeline import (ERROR_CATEGORY, collective_span_frame, in_window, op_span_frame,
@@ -53,8 +53,8 @@ CLOUD_BUTTONS = ["sendDataToCloud", "editInChartStudio"]
 TIMELINE_COLUMNS = ["rank", "seq", "op", "path", "phase", "depth", "lane", "start_ms", "end_ms", "y", "category",
                     "label", "hover"]
 COLLECTIVE_SPAN_COLUMNS = ["rank", "seq", "kind", "op", "start_ms", "end_ms", "bytes_sent", "bytes_recv", "category",
-                           "group", "group_seq", "y", "hover"]
-LINK_COLUMNS = ["group", "group_seq", "kind", "ranks", "start_ms", "first_rank", "last_rank", "lag_ms"]
+                           "group", "group_seq", "collective", "y", "hover"]
+LINK_COLUMNS = ["collective", "group", "group_seq", "kind", "ranks", "start_ms", "first_rank", "last_rank", "lag_ms"]
 
 
 def _time_origin(trace: Trace) -> int:
@@ -131,18 +131,16 @@ def _group_text(ranks, mesh_dim) -> str:
 
 
 def collective_links(trace: Trace) -> pd.DataFrame:
-    """The same collective on every rank of its group (the same ``group_seq`` on the same group): one row
-    per collective issued on more than one rank: group (text), group_seq, kind, ranks, start_ms (each
-    rank's issue, ms since the first event, in the order of ``ranks``), first_rank / last_rank (the first
-    and the last to issue it), lag_ms (how long after the first the last issued it)."""
+    """The same collective on every rank of its group (``analysis.comm.matched_collectives``): one row per
+    collective issued on more than one rank: collective (its id), group (text), group_seq, kind, ranks,
+    start_ms (each rank's issue, ms since the first event, in the order of ``ranks``), first_rank / last_rank
+    (the first and the last to issue it), lag_ms (how long after the first the last issued it)."""
     colls = trace.get_collectives()
     if colls.empty:
         return pd.DataFrame(columns=LINK_COLUMNS)
     t0 = _time_origin(trace)
     rows = []
-    keys = [(tuple(g) if isinstance(g, list) else (n,), s)
-            for g, n, s in zip(colls["group_ranks"], colls["group_name"], colls["group_seq"])]
-    for key, part in colls.groupby(pd.Series(keys, index=colls.index), sort=False):
+    for collective, part in colls.groupby(matched_collectives(colls), sort=False):
         if part["rank"].nunique() < 2:
             continue
         part = part.sort_values("rank")
@@ -150,7 +148,8 @@ def collective_links(trace: Trace) -> pd.DataFrame:
         ranks = [int(r) for r in part["rank"]]
         first, last = int(np.argmin(starts)), int(np.argmax(starts))
         c0 = part.iloc[0]
-        rows.append({"group": _group_text(c0["group_ranks"], c0["mesh_dim"]), "group_seq": int(c0["group_seq"]),
+        rows.append({"collective": int(collective), "group": _group_text(c0["group_ranks"], c0["mesh_dim"]),
+                     "group_seq": int(c0["group_seq"]),
                      "kind": str(c0["kind"]), "ranks": ranks, "start_ms": starts, "first_rank": ranks[first],
                      "last_rank": ranks[last], "lag_ms": starts[last] - starts[first]})
     return pd.DataFrame(rows, columns=LINK_COLUMNS)
@@ -166,16 +165,17 @@ def collective_spans(trace: Trace) -> pd.DataFrame:
         return pd.DataFrame(columns=COLLECTIVE_SPAN_COLUMNS)
     df["group"] = [_group_text(g if isinstance(g, list) else None, m) for g, m in zip(colls["group_ranks"], colls["mesh_dim"])]
     df["group_seq"] = colls["group_seq"].astype(int).values
+    df["collective"] = matched_collectives(colls).astype(int).values
     df["y"] = df["rank"] + COLL_LANE
     across = {}
     for link in collective_links(trace).itertuples(index=False):
-        across[(link.group, link.group_seq)] = (
+        across[link.collective] = (
             f"<br>{esc(link.group)} #{link.group_seq}: rank {link.last_rank} issued it last, "
             f"{link.lag_ms:.3f} ms after rank {link.first_rank}")
     df["hover"] = [
         f"<b>{esc(c.kind)}</b> · rank {int(c.rank)}<br>from op {esc(c.op if isinstance(c.op, str) else NO_OP)}<br>"
         f"sent {format_bytes(c.bytes_sent)} · received {format_bytes(c.bytes_recv)}<br>{c.end_ms - c.start_ms:.3f} ms"
-        + across.get((c.group, c.group_seq), f"<br>{esc(c.group)} #{c.group_seq}")
+        + across.get(c.collective, f"<br>{esc(c.group)} #{c.group_seq}")
         for c in df.itertuples(index=False)]
     return df[COLLECTIVE_SPAN_COLUMNS]
 
@@ -312,10 +312,10 @@ def _link_trace(links: pd.DataFrame, coll: pd.DataFrame, gl: bool):
     """Dotted lines joining the same collective's spans on every rank (at each rank's issue time)."""
     import plotly.graph_objects as go
 
-    drawn = set(zip(coll["group"], coll["group_seq"]))
+    drawn = set(coll["collective"])
     xs, ys = [], []
     for link in links.itertuples(index=False):
-        if (link.group, link.group_seq) not in drawn:
+        if link.collective not in drawn:
             continue
         xs += list(link.start_ms) + [None]
         ys += [r + COLL_LANE for r in link.ranks] + [None]

@@ -1,0 +1,318 @@
+"""What a recording says is wrong, in the order to read it: one list of typed findings for every front end.
+
+``trace_findings(trace)`` decides which findings a trace has, what each says and in which order they come:
+failures first (exceptions, results whose spec disagrees with their data, replicas that diverge, a collective
+the pre-flight stopped, collectives never completed, ranks whose recording is incomplete), then warnings
+(events dropped, stale entries in DTensor's redistribution plan cache, ops computed through a DTensor
+fallback), then what is merely so (metadata reads through the fallback, the checks that found nothing).
+``trace_overview(trace)`` holds the counts a header shows. The ``%%shard_trace`` summary line, the explorer, the
+HTML report (and anything else that shows a trace) render these two and decide nothing themselves.
+
+``Finding`` is also what each row of the pitfall doctor is (``analysis.doctor``): one type for everything
+sharddbg finds. Pure data: no torch, no cluster, no plotting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from .consistency import divergence_text
+from .formatting import ranks_text
+from .ops import NO_OP
+from .plan_cache import CLEAR_CALL, main_stale_site, stale_left
+
+if TYPE_CHECKING:
+    from ..trace import Trace
+
+__all__ = ["Finding", "TraceOverview", "SEVERITIES", "TRACE_FINDING_KINDS", "FINDING_FIELDS", "trace_findings",
+           "trace_overview", "plan_cache_finding", "findings_frame", "MAX_ERROR_FINDINGS", "MAX_FALLBACK_OPS"]
+
+# How bad, in the order a list of findings is read: the mistake is there; a risk or a cost; a fact worth
+# knowing; a check that found nothing wrong; nothing to examine.
+SEVERITIES = ("fail", "warn", "info", "ok", "skip")
+# A trace's findings, each kind in this order within its severity.
+TRACE_FINDING_KINDS = (
+    "error",  # an exception, per distinct (type, message, op); the ranks that raised it, where
+    "spec_mismatch",  # ShardTensor results whose spec disagrees with their local tensor (recorded spec check)
+    "replica_divergence",  # tensors claiming Replicate whose ranks hold different values (replicas=True)
+    "preflight_mismatch",  # a collective the pre-flight stopped: its group disagreed on shapes (preflight=True)
+    "collective_unfinished",  # collectives issued and never completed while recording
+    "incomplete_ranks",  # ranks whose recording did not finish (a hang, a dead rank)
+    "dropped_events",  # events the recorder's full buffer could not keep
+    "plan_cache",  # stale entries left in DTensor's redistribution plan cache: each step gets slower
+    "fallback",  # ops computed through a DTensor fallback
+    "metadata_fallback",  # metadata reads (shape, ndim, ...) through the fallback
+    "preflight_ok",  # the pre-flight compared every collective (some may have been late)
+    "replicas_agree",  # every digested replica agreed
+)
+MAX_ERROR_FINDINGS = 3  # distinct exceptions named one by one; the rest in one more finding
+MAX_FALLBACK_OPS = 4  # ops named in the fallback finding
+PLAN_CACHE_FIX = f"clear the cache now and then in the training loop (every 100 steps, say): {CLEAR_CALL}"
+# The fields of a finding as JSON (``Finding.as_dict``, ``findings_frame``), in order.
+FINDING_FIELDS = ("kind", "severity", "sentence", "fix", "ranks", "op", "location")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing sharddbg found, said once for every front end.
+
+    ``kind``: what was looked at (one of ``TRACE_FINDING_KINDS`` for a trace, the check's name for the doctor);
+    ``severity``: one of ``SEVERITIES``; ``sentence``: what was found, cause first (which ranks, which op,
+    where), as one clause without a final period; ``fix``: what to do about it ("" when there is nothing to do
+    or nothing sure to say); ``ranks``: the ranks concerned; ``op``: the op concerned, where one is;
+    ``location``: where in the user's code ("cell [6], line 5: `y = x + x`"), where known."""
+
+    kind: str
+    severity: str
+    sentence: str
+    fix: str = ""
+    ranks: tuple[int, ...] = field(default=())
+    op: str | None = None
+    location: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"a finding's severity is one of {SEVERITIES}, got {self.severity!r}")
+
+    def text(self) -> str:
+        """The sentence and the fix, as one line that reads on its own (first letter capitalised)."""
+        text = self.sentence + (f". {self.fix}" if self.fix else "")
+        return text[:1].upper() + text[1:]
+
+    def as_dict(self) -> dict:
+        """The finding as JSON (``FINDING_FIELDS``): what a front end without Python reads."""
+        return {"kind": self.kind, "severity": self.severity, "sentence": self.sentence, "fix": self.fix,
+                "ranks": [int(r) for r in self.ranks], "op": self.op, "location": self.location}
+
+
+@dataclass(frozen=True)
+class TraceOverview:
+    """The counts a trace's header shows: ranks, op calls and how many raised or fell back, collectives (the
+    most any rank issued, the slowest rank's time in them), results whose spec disagrees with their data,
+    incomplete ranks, dropped events."""
+
+    ranks: tuple[int, ...]
+    op_calls: int
+    errors: int  # op calls that raised
+    fallback_calls: int
+    fallback_ops: int
+    spec_mismatches: int  # op calls whose result's spec disagrees with its local tensor
+    collectives: int
+    collectives_recorded: bool
+    collectives_per_rank: int  # the most any rank issued
+    comm_wall_ms: float  # the slowest rank's wall time in collectives
+    incomplete_ranks: tuple[int, ...]
+    dropped: int
+
+    def headline(self) -> str:
+        """"42 op calls on 4 ranks, 4 raised, 9 through a DTensor fallback, 8 collectives (at most 2 per rank,
+        0.9 ms in collectives on the slowest rank)": what every header says first."""
+        text = (f"{self.op_calls} op calls on {len(self.ranks)} ranks, {self.errors} raised, {self.fallback_calls} "
+                f"through a DTensor fallback, {self.collectives} collectives")
+        if self.collectives:
+            text += (f" (at most {self.collectives_per_rank} per rank, {self.comm_wall_ms:.1f} ms in collectives on "
+                     f"the slowest rank)")
+        if self.spec_mismatches:
+            text += f", {self.spec_mismatches} results whose spec disagrees with their data"
+        return text
+
+    def as_dict(self) -> dict:
+        """The overview as JSON."""
+        return {"ranks": list(self.ranks), "op_calls": self.op_calls, "errors": self.errors,
+                "fallback_calls": self.fallback_calls, "fallback_ops": self.fallback_ops,
+                "spec_mismatches": self.spec_mismatches, "collectives": self.collectives,
+                "collectives_recorded": self.collectives_recorded, "collectives_per_rank": self.collectives_per_rank,
+                "comm_wall_ms": self.comm_wall_ms, "incomplete_ranks": list(self.incomplete_ranks),
+                "dropped": self.dropped, "headline": self.headline()}
+
+
+def trace_overview(trace: Trace) -> TraceOverview:
+    """The counts of ``trace`` that a header shows."""
+    ops = trace.get_ops()
+    has_ops = len(ops) > 0
+    from .ops import is_fallback
+
+    per_rank = trace.get_comm_by_rank() if trace.collectives_recorded else pd.DataFrame()
+    issued = int(per_rank["n_collectives"].max()) if len(per_rank) else 0
+    wall = float(per_rank["comm_wall_ms"].max()) if len(per_rank) and issued else 0.0
+    return TraceOverview(
+        ranks=tuple(int(r) for r in trace.ranks), op_calls=len(ops),
+        errors=int(ops["exc_type"].notna().sum()) if has_ops else 0,
+        fallback_calls=int(is_fallback(ops).sum()) if has_ops else 0,
+        fallback_ops=len(trace.get_fallbacks()),
+        spec_mismatches=int(ops["spec_mismatch"].notna().sum()) if has_ops else 0,
+        collectives=len(trace.get_collectives()), collectives_recorded=trace.collectives_recorded,
+        collectives_per_rank=issued, comm_wall_ms=0.0 if math.isnan(wall) else wall,
+        incomplete_ranks=tuple(int(r) for r in trace.incomplete_ranks), dropped=int(trace.dropped))
+
+
+def trace_findings(trace: Trace) -> list[Finding]:
+    """Every finding of ``trace``, failures first, each severity in ``TRACE_FINDING_KINDS`` order."""
+    found = [*_errors(trace), *_spec_mismatches(trace), *_replicas(trace), *_preflight(trace),
+             *_unfinished_collectives(trace), *_incomplete(trace), *_dropped(trace), *_plan_cache(trace),
+             *_fallbacks(trace)]
+    order = {k: i for i, k in enumerate(TRACE_FINDING_KINDS)}
+    return sorted(found, key=lambda f: (SEVERITIES.index(f.severity), order.get(f.kind, len(order))))
+
+
+def findings_frame(findings: list[Finding]) -> pd.DataFrame:
+    """``findings`` as a DataFrame, one row each, columns ``FINDING_FIELDS``, in their order."""
+    return pd.DataFrame([f.as_dict() for f in findings], columns=list(FINDING_FIELDS))
+
+
+# ---- each kind ---------------------------------------------------------------------------------------------
+def _first_line(message) -> str:
+    return str(message).splitlines()[0] if isinstance(message, str) and message else str(message)
+
+
+def _errors(trace: Trace) -> list[Finding]:
+    errs = trace.get_errors()
+    if errs.empty:
+        return []
+    out = []
+    distinct = list(errs.groupby(["exc_type", "message", "op"], sort=False))
+    for (exc, message, op), g in distinct[:MAX_ERROR_FINDINGS]:
+        ranks = tuple(sorted(int(r) for r in g["rank"].unique()))
+        where = next((w for w in g["location"] if isinstance(w, str)), None)
+        inside = "outside every recorded op" if op == NO_OP else f"in {op}"
+        sentence = f"{ranks_text(ranks)} raised {exc}: {_first_line(message)} {inside}"
+        if where:
+            sentence += f" ({where})"
+        if bool(g["unmasked"].any()):
+            sentence += "; PyTorch would have hidden it behind \u201cunsupported operand type(s)\u201d"
+        out.append(Finding("error", "fail", sentence, ranks=ranks, op=None if op == NO_OP else str(op),
+                           location=where))
+    if len(distinct) > MAX_ERROR_FINDINGS:
+        rest = distinct[MAX_ERROR_FINDINGS:]
+        ranks = tuple(sorted({int(r) for _, g in rest for r in g["rank"]}))
+        out.append(Finding("error", "fail", f"{len(rest)} more distinct exception(s) on {ranks_text(ranks)}",
+                           fix="t.get_errors() lists every one", ranks=ranks))
+    return out
+
+
+def _spec_mismatches(trace: Trace) -> list[Finding]:
+    found = trace.get_spec_mismatches()
+    if found.empty:
+        return []
+    first = found.iloc[0]
+    ranks = tuple(sorted({int(r) for r in found["rank"]}))
+    location = first["location"] if isinstance(first["location"], str) else None
+    return [Finding("spec_mismatch", "fail",
+                    f"{len(found)} result(s) whose spec disagrees with the local tensor on {ranks_text(ranks)}, first "
+                    f"at {first['op']} on rank {int(first['rank'])}: {first['detail']}",
+                    fix="the first is usually where the rest come from: t.get_spec_mismatches() lists each",
+                    ranks=ranks, op=str(first["op"]), location=location)]
+
+
+def _replicas(trace: Trace) -> list[Finding]:
+    if not trace.checks["replicas"]:
+        return []
+    div = trace.get_replica_divergence()
+    text = divergence_text(div)
+    if text is None:
+        return [Finding("replicas_agree", "ok", "replicas agree on every rank")]
+    first = div.iloc[0]
+    ranks = tuple(sorted({int(r) for ranks in div["ranks_differing"] for r in ranks}))
+    return [Finding("replica_divergence", "fail", text, fix="t.get_replica_divergence() lists every tensor that "
+                    "diverges", ranks=ranks, op=str(first["op"]),
+                    location=first["location"] if isinstance(first["location"], str) else None)]
+
+
+def _preflight(trace: Trace) -> list[Finding]:
+    if not trace.checks["preflight"]:
+        return []
+    pf = trace.get_preflight()
+    bad = pf[pf["status"] == "mismatch"]
+    if len(bad):
+        first = bad.iloc[0]
+        ranks = tuple(sorted({int(r) for r in bad["rank"]}))
+        return [Finding("preflight_mismatch", "fail",
+                        f"pre-flight stopped {first['op'] or 'a collective'}: {first['detail']}",
+                        fix="the ranks of its group were about to issue different collectives (it would have hung); "
+                            "t.get_preflight() shows each rank's", ranks=ranks, op=first["op"] or None,
+                        location=first["location"] if isinstance(first["location"], str) else None)]
+    if not len(pf):
+        return []
+    late = pf[pf["status"] == "late"]
+    text = f"pre-flight: {int((pf['status'] == 'ok').sum())} collective checks ok" + (
+        f", {len(late)} late (issued unchecked)" if len(late) else "")
+    return [Finding("preflight_ok", "warn" if len(late) else "ok", text,
+                    ranks=tuple(sorted({int(r) for r in late["rank"]})))]
+
+
+def _unfinished_collectives(trace: Trace) -> list[Finding]:
+    if not trace.collectives_recorded:
+        return []
+    colls = trace.get_collectives()
+    stuck = colls[colls["in_flight"].astype(bool)] if len(colls) else colls
+    if not len(stuck):
+        return []
+    ranks = tuple(sorted({int(r) for r in stuck["rank"]}))
+    return [Finding("collective_unfinished", "fail", f"{len(stuck)} collective(s) never completed, on "
+                    f"{ranks_text(ranks)}", ranks=ranks)]
+
+
+def _incomplete(trace: Trace) -> list[Finding]:
+    if not trace.incomplete_ranks:
+        return []
+    reasons = trace.incomplete_reasons
+    ranks = tuple(int(r) for r in trace.incomplete_ranks)
+    why = "; ".join(f"rank {r} {reasons[r]}" for r in ranks if r in reasons)
+    return [Finding("incomplete_ranks", "fail", f"the recording of {ranks_text(ranks)} is incomplete"
+                    + (f" ({why})" if why else ""), ranks=ranks)]
+
+
+def _dropped(trace: Trace) -> list[Finding]:
+    if not trace.dropped:
+        return []
+    per_rank = trace.dropped_by_rank
+    return [Finding("dropped_events", "warn", f"{trace.dropped} events dropped: the recorder's buffer was full on "
+                    f"{ranks_text(per_rank)}", fix="raise max_events (%%shard_trace --max-events) to keep them all",
+                    ranks=tuple(sorted(per_rank)))]
+
+
+def plan_cache_finding(frame: pd.DataFrame, growth: pd.DataFrame) -> Finding | None:
+    """The plan cache finding of ``get_plan_cache()`` / ``get_plan_cache_growth()`` rows when stale entries were
+    left in the cache: where, which spec field, how many on which ranks, what it costs; None otherwise."""
+    stale = stale_left(frame)
+    if not len(stale):
+        return None
+    site = main_stale_site(stale)
+    others = int(stale["kept"].sum()) - site.kept
+    fields = " and ".join(f"its {c.split('.')[0]} spec's {c.split('.', 1)[1]}" for c in site.changed.split(", "))
+    entries = growth.dropna(subset=["entries_end"])
+    now = f" ({int(entries['entries_end'].max()):,} entries now)" if len(entries) else ""
+    sentence = (f"{ranks_text(site.ranks)}: {site.where}, {site.source} -> {site.target}, changed {fields} after "
+                f"DTensor's redistribution plan cache had stored it, {site.kept} time{'s' if site.kept != 1 else ''}"
+                + (f" ({others} more stale entries from other calls)" if others else "")
+                + ": those entries are never hit again, each call adds one and every lookup compares against all of "
+                f"them (they share one hash), so each step gets slower{now}")
+    return Finding("plan_cache", "warn", sentence, fix=PLAN_CACHE_FIX, ranks=tuple(site.ranks), op=site.where)
+
+
+def _plan_cache(trace: Trace) -> list[Finding]:
+    found = plan_cache_finding(trace.get_plan_cache(), trace.get_plan_cache_growth())
+    return [found] if found is not None else []
+
+
+def _fallbacks(trace: Trace) -> list[Finding]:
+    out = []
+    fb = trace.get_fallbacks()
+    if len(fb):
+        ops = list(fb["op"])
+        shown = ", ".join(map(str, ops[:MAX_FALLBACK_OPS])) + (", ..." if len(ops) > MAX_FALLBACK_OPS else "")
+        ranks = tuple(sorted({int(r) for rs in fb["ranks"] for r in rs}))
+        out.append(Finding("fallback", "warn", f"{len(ops)} op(s) computed through a DTensor fallback ({shown})",
+                           fix="t.get_fallbacks() shows what each cost and where it was called", ranks=ranks,
+                           op=str(ops[0])))
+    every = trace.get_fallbacks(include_metadata=True)
+    metadata = every[every["category"] == "metadata"] if len(every) else every
+    if len(metadata):
+        ranks = tuple(sorted({int(r) for rs in metadata["ranks"] for r in rs}))
+        out.append(Finding("metadata_fallback", "info",
+                           f"{int(metadata['calls'].sum())} metadata reads through the fallback", ranks=ranks))
+    return out
