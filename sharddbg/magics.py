@@ -576,12 +576,12 @@ class ShardMagics(Magics):
     def shard_inspect(self, line):
         """Show the ShardTensor named on the line (a variable on the ranks): who holds which block."""
         __tracebackhide__ = hide_own_frames()
-        import sharddbg
+        from .cluster import active_cluster
 
         name = " ".join(parse_options(self.shard_inspect, split_words(line, "%shard_inspect"), "%shard_inspect").name)
         if not name.isidentifier():
             raise UsageError(f"%shard_inspect takes the name of a variable on the engines, got {name!r}")
-        return sharddbg.inspect(name)
+        return active_cluster().inspect(name)
 
     # ---- verification: the numerical check and the pitfall doctor
     @magic_arguments.magic_arguments()

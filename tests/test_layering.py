@@ -1,8 +1,11 @@
 """The package's layering, read from the source (no imports run): the rules README "How it is built" states.
 
-- engine/ (runs inside each rank) has no import cycle among its modules and imports nothing from
-  cluster/, views/, analysis/, trace.py or the magics;
-- views/ import no ipyparallel and nothing from engine/ or cluster/ (they read a Trace and analyses);
+- no import cycle anywhere in the package, counting the imports made inside functions; the seam
+  (``sharddbg.rendering``), whose imports of views and exporters wait until a view is asked for, is the one
+  place allowed to close a loop, and imports under ``if TYPE_CHECKING:`` (never run) do not count;
+- below the front ends (the magics and the command line), only the seam imports a view or exporter module;
+- engine/ (runs inside each rank) imports nothing from cluster/, views/, analysis/, trace.py or the magics;
+- views/ import no ipyparallel and nothing from engine/ or cluster/ (they read a Trace, analyses and results);
 - the data layer (schema, trace, analysis) imports no views, no cluster, no engine;
 - no module reads another sharddbg module's underscore names;
 - a view never probes a trace with getattr/hasattr: it reads Trace.get_*() and analysis/, typed.
@@ -41,20 +44,37 @@ class _Imports(ast.NodeVisitor):
 
     def __init__(self, importer: str) -> None:
         self.importer = importer
-        self.modules: set[str] = set()
+        self.modules: set[str] = set()  # imported when the code runs (at import time or inside a function)
+        self.type_only: set[str] = set()  # imported under ``if TYPE_CHECKING:`` only: for type checkers, never run
         self.top_level: set[str] = set()  # imported when the module itself is imported
         self.names: list[tuple[str, str, int]] = []  # (module, name, line) of `from module import name`
         self.aliases: dict[str, str] = {}  # local name -> sharddbg module it is bound to
         self.depth = 0  # inside how many function definitions
+        self.typing_only = 0  # inside how many ``if TYPE_CHECKING:`` blocks
 
     def _add(self, target: str) -> None:
         # the deepest sharddbg module named (a package import counts as its __init__)
         while target and target not in MODULES:
             target = target.rpartition(".")[0]
-        if target.startswith("sharddbg"):
-            self.modules.add(target)
-            if self.depth == 0:
-                self.top_level.add(target)
+        if not target.startswith("sharddbg"):
+            return
+        if self.typing_only:
+            self.type_only.add(target)
+            return
+        self.modules.add(target)
+        if self.depth == 0:
+            self.top_level.add(target)
+
+    def visit_If(self, node: ast.If) -> None:
+        if ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            self.typing_only += 1
+            for child in node.body:
+                self.visit(child)
+            self.typing_only -= 1
+            for child in node.orelse:
+                self.visit(child)
+        else:
+            self.generic_visit(node)
 
     def _nested(self, node) -> None:
         self.depth += 1
@@ -102,10 +122,15 @@ def _in(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-def test_engine_has_no_import_cycle():
-    engine = [m for m in MODULES if _in(m, "sharddbg.engine")]
-    graph = {m: {d for d in _imports(m) if _in(d, "sharddbg.engine") and d != "sharddbg.engine"} for m in engine}
-    # a package's __init__ only re-exports lazily; it is not a place code depends on
+# The seam between the data and its views: its imports of views and exporters run only when a view is asked for.
+SEAM = "sharddbg.rendering"
+# The front ends: they parse what a person typed and call the API (and may show a view directly).
+FRONT_ENDS = ("sharddbg.magics", "sharddbg.cli")
+RENDERED = ("sharddbg.views", "sharddbg.exporters")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (module -> the modules it imports), each as a path back to its start."""
     state: dict[str, int] = {}
     cycles = []
 
@@ -121,7 +146,43 @@ def test_engine_has_no_import_cycle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+    return cycles
+
+
+def test_engine_has_no_import_cycle():
+    engine = [m for m in MODULES if _in(m, "sharddbg.engine")]
+    # a package's __init__ only re-exports lazily; it is not a place code depends on
+    graph = {m: {d for d in _imports(m) if _in(d, "sharddbg.engine") and d != "sharddbg.engine"} for m in engine}
+    cycles = _cycles(graph)
     assert not cycles, "import cycles among engine modules: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+# Package faces: an __init__ whose every import waits inside a function (``sharddbg``, ``sharddbg.engine``): a
+# table of contents of lazy accessors. A module importing one (the engine hands the ``sharddbg`` package to the
+# user's cells) depends on nothing in it.
+FACES = {m for m in PACKAGES if not SCANS[m][0].top_level}
+
+
+def test_no_import_cycle_in_the_package():
+    """Every import that runs counts, the ones inside functions too; only the seam's imports of the views and
+    exporters are set aside (they are the one loop by design: a view reads the data that asked for it), and an
+    import of a package face (it only holds lazy accessors)."""
+    graph = {m: {d for d in _imports(m) if d not in FACES and not (m == SEAM and any(_in(d, r) for r in RENDERED))}
+             for m in MODULES}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_below_the_front_ends_only_the_seam_reaches_views_and_exporters():
+    allowed = (SEAM, *FRONT_ENDS, *RENDERED)
+    bad = []
+    for m in MODULES:
+        if any(_in(m, a) for a in allowed):
+            continue
+        for d in _imports(m) | SCANS[m][0].type_only:
+            if any(_in(d, r) for r in RENDERED):
+                bad.append(f"{m} imports {d}")
+    assert not bad, "only sharddbg.rendering may import a view or exporter below the front ends: " + "; ".join(bad)
 
 
 def _forbidden(layer: str, banned: tuple[str, ...], top_level_only: bool = False) -> list[str]:
@@ -154,9 +215,9 @@ def test_views_import_no_engine_no_cluster_no_ipyparallel():
 def test_data_layer_imports_no_views_cluster_or_engine():
     for layer in ("sharddbg.schema", "sharddbg.analysis"):
         assert not _forbidden(layer, ("sharddbg.views", "sharddbg.cluster", "sharddbg.engine", "sharddbg.magics"))
-    # Trace is the front object: its show() / plot_*() / to_html() hand over to views, imported when called
-    assert not _forbidden("sharddbg.trace", ("sharddbg.cluster", "sharddbg.engine", "sharddbg.magics"))
-    assert not _forbidden("sharddbg.trace", ("sharddbg.views",), top_level_only=True)
+    # Trace is the front object: its show() / plot_*() / to_html() hand over to the seam, which imports the views
+    assert not _forbidden("sharddbg.trace", ("sharddbg.cluster", "sharddbg.engine", "sharddbg.magics", "sharddbg.views",
+                                             "sharddbg.exporters"))
 
 
 def test_no_module_reads_another_modules_private_names():
@@ -203,3 +264,10 @@ def test_the_rules_see_real_imports():
     assert "sharddbg.schema" in _imports("sharddbg.trace")
     assert any(_in(d, "sharddbg.engine") for d in _imports("sharddbg.cluster.cluster"))
     assert len([m for m in MODULES if _in(m, "sharddbg.engine")]) >= 8
+    # an import inside a function counts; one under `if TYPE_CHECKING:` is for type checkers only
+    assert "sharddbg.views.explorer" in _imports(SEAM) and SEAM not in SCANS[SEAM][0].top_level
+    assert "sharddbg.trace" in SCANS["sharddbg.views.explorer"][0].type_only
+    assert "sharddbg.trace" not in _imports("sharddbg.views.explorer")
+    assert FACES == {"sharddbg", "sharddbg.engine", "sharddbg.views", "sharddbg.exporters"}, FACES
+    # the cycle finder finds a cycle
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
