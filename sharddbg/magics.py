@@ -158,8 +158,9 @@ def parse_subcommand(magic, line: str, prog: str) -> argparse.Namespace | None:
     """``line`` read by the parser of ``magic``, declared with ``@subcommands``; None when a subcommand's
     ``--help`` was printed. A usage error names the magic and where its options are listed; an option of
     another subcommand is named as such."""
+    words = split_words(line, prog)
     try:
-        args, extras = magic.parser.parse_known_args(split_words(line, prog))
+        args, extras = magic.parser.parse_known_args(words)
     except HelpShown:
         return None
     except UsageError as exc:

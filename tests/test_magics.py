@@ -139,6 +139,7 @@ def test_every_magic_has_help_and_usage_errors(ip):
         (("shard_cluster", "status --timeout 3"), r"^%shard_cluster status: --timeout is an option of start, "
                                                   r"recover and diagnose"),
         (("shard_cluster", "start -n 0"), r"^%shard_cluster: argument -n: '0' must be at least 1"),
+        (("shard_cluster", "start --mesh 'ddp=1"), r"^%shard_cluster: cannot read the options \(No closing quotation"),
         (("pxresult", ""), r"^%pxresult shows the output of the last %px cell; no %px cell ran yet"),
         (("pxconfig", "--progress-after 1"), r"^%pxconfig: --progress-after"),
         (("pxconfig", "-t x"), r"^-t x: ranks are written"),
