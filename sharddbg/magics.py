@@ -1,6 +1,7 @@
 """IPython magics: a thin layer that parses arguments and calls the API, with ipyparallel's conventions.
 
-``%shard_cluster start|status|stop|restart|recover|diagnose``; ``%px`` / ``%%px`` (ipyparallel's options:
+``%shard_cluster start|status|stop|restart|recover|diagnose`` (subcommands, each with its own options:
+``%shard_cluster start --help``); ``%px`` / ``%%px`` (ipyparallel's options:
 ``--targets``, ``--block`` / ``--noblock``, ``--group-outputs``, ``--stream``, ``--local``, ``--verbose``, ``-o``;
 every wait bounded by ``--timeout`` or the cluster's), ``%pxresult``, ``%pxconfig``, ``%autopx``;
 ``%%shard_trace`` (run a cell under the recorder on every rank), ``%shard_inspect``, ``%%shard_check`` (the
@@ -94,6 +95,91 @@ def with_options(options: list[MagicOption]):
         return func
 
     return declare
+
+
+class HelpShown(Exception):
+    """A subcommand's ``--help`` was printed: the magic does nothing else."""
+
+
+class SubcommandHelpFormatter(magic_arguments.MagicHelpFormatter):
+    """IPython's help layout, with argparse's ``usage:`` before the line (printed by ``--help``, and one block
+    of the magic's docstring per subcommand)."""
+
+    def add_usage(self, usage, actions, groups, prefix="usage: %"):
+        super().add_usage(usage, actions, groups, prefix)
+
+
+class SubcommandParser(magic_arguments.MagicArgumentParser):
+    """The parser of one subcommand: a bad argument is a ``UsageError`` (as for every magic); ``--help`` prints
+    its help and raises ``HelpShown`` where argparse would exit the process."""
+
+    def exit(self, status=0, message=None):
+        raise HelpShown()
+
+
+class subcommands(magic_arguments.ArgDecorator):
+    """Declare that a magic's first word names a subcommand (``%magic NAME [its options]``), each declared
+    below with ``@subcommand``; ``dest``: the attribute of the parsed arguments that holds the name."""
+
+    def __init__(self, dest: str):
+        self.dest = dest
+
+    def add_to_parser(self, parser, group):
+        # returned as the group the @subcommand declarations below add to, as argument_group's is for arguments
+        return parser.add_subparsers(dest=self.dest, required=True, title="subcommands", parser_class=SubcommandParser)
+
+
+class subcommand(magic_arguments.ArgDecorator):
+    """Declare one subcommand of a magic (below its ``@subcommands``): its name, what it does (one line in the
+    list of subcommands, and the start of its own help) and exactly its own options. Its help is printed by
+    ``%magic NAME --help`` and added to the magic's docstring (``%magic?``)."""
+
+    def __init__(self, name: str, summary: str, *options: MagicOption):
+        self.name = name
+        self.summary = summary
+        self.options = options
+
+    @property
+    def flags(self) -> set[str]:
+        return {flag for option in self.options for flag in option.flags}
+
+    def add_to_parser(self, parser, group):
+        if not hasattr(group, "add_parser"):
+            raise TypeError(f"subcommand {self.name!r}: declare @subcommands(...) above the first @subcommand")
+        own = group.add_parser(self.name, help=self.summary.replace("%", "%%"), description=self.summary,
+                               formatter_class=SubcommandHelpFormatter)
+        own.add_argument("-h", "--help", action="help", help="show these options and do nothing else")
+        for option in self.options:
+            own.add_argument(*option.flags, **option.settings)
+        parser.epilog = (parser.epilog or "") + "\n" + own.format_help()
+        return group
+
+
+def parse_subcommand(magic, line: str, prog: str) -> argparse.Namespace | None:
+    """``line`` read by the parser of ``magic``, declared with ``@subcommands``; None when a subcommand's
+    ``--help`` was printed. A usage error names the magic and where its options are listed; an option of
+    another subcommand is named as such."""
+    words = split_words(line, prog)
+    try:
+        args, extras = magic.parser.parse_known_args(words)
+    except HelpShown:
+        return None
+    except UsageError as exc:
+        raise UsageError(f"{prog}: {exc} ({prog}? lists the options)") from None
+    if not extras:
+        return args
+    (declared,) = [d for d in magic.decorators if isinstance(d, subcommands)]
+    name = getattr(args, declared.dest)
+    flag = next((word.split("=", 1)[0] for word in extras if word.startswith("-")), None)
+    owners = [d.name for d in reversed(magic.decorators) if isinstance(d, subcommand) and flag in d.flags]
+    if name in owners:
+        raise UsageError(f"{prog}: {flag} goes after the subcommand: {prog} {name} {flag} "
+                         f"({prog} {name} --help lists its options)")
+    if owners:
+        owners = " and ".join([", ".join(owners[:-1]), owners[-1]] if len(owners) > 1 else owners)
+        raise UsageError(f"{prog} {name}: {flag} is an option of {owners} ({prog}? lists the options)")
+    raise UsageError(f"{prog} {name}: unrecognized arguments: {' '.join(extras)} "
+                     f"({prog} {name} --help lists its options)")
 
 
 TIMEOUT = MagicOption(("--timeout",), dict(
@@ -269,39 +355,6 @@ def hide_own_frames() -> bool:
     return errors.hide_own_frames()
 
 
-# %shard_cluster: the options each action takes (the rest are refused for it), and --timeout's default per action
-CLUSTER_ACTIONS = {
-    "start": ("n", "mesh", "backend", "timeout", "collective_timeout", "force"),
-    "status": ("full",),
-    "stop": ("all",),
-    "restart": (),
-    "recover": ("timeout",),
-    "diagnose": ("timeout",),
-}
-CLUSTER_TIMEOUT_DEFAULTS = {"start": 60.0, "recover": None, "diagnose": 5.0}
-CLUSTER_DEFAULTS = {"collective_timeout": 60.0, "force": False, "all": False, "full": False}
-CLUSTER_FLAGS = {"n": "-n", "mesh": "--mesh", "backend": "--backend", "timeout": "--timeout",
-                 "collective_timeout": "--collective-timeout", "force": "--force", "all": "--all", "full": "--full"}
-
-
-def read_cluster_line(line: str) -> argparse.Namespace:
-    """%shard_cluster's arguments, each option checked against its action; --timeout's default set per action."""
-    args = parse_options(ShardMagics.shard_cluster, split_words(line, "%shard_cluster"), "%shard_cluster")
-    allowed = CLUSTER_ACTIONS[args.action]
-    for dest, flag in CLUSTER_FLAGS.items():
-        if getattr(args, dest) not in (None, False) and dest not in allowed:
-            owners = [a for a, dests in CLUSTER_ACTIONS.items() if dest in dests]
-            owners = " and ".join([", ".join(owners[:-1]), owners[-1]] if len(owners) > 1 else owners)
-            raise UsageError(f"%shard_cluster {args.action}: {flag} is an option of {owners} "
-                             f"(%shard_cluster? lists the options)")
-    if args.timeout is None:
-        args.timeout = CLUSTER_TIMEOUT_DEFAULTS.get(args.action)
-    for dest, default in CLUSTER_DEFAULTS.items():
-        if getattr(args, dest) is None:
-            setattr(args, dest, default)
-    return args
-
-
 # cells that %autopx leaves to run here: the ones that start with a sharddbg magic
 _OWN_MAGIC = re.compile(r"^%{1,2}(autopx|px|pxresult|pxconfig|shard_\w+)\b")
 
@@ -315,33 +368,51 @@ class ShardMagics(Magics):
         self.autopx_enabled = False
 
     @magic_arguments.magic_arguments()
-    @magic_arguments.argument("action", choices=list(CLUSTER_ACTIONS), help=(
-        "start: start N ranks (CPU+gloo here, GPU+NCCL where GPUs exist); status: one row per rank; stop: stop "
-        "the active cluster; restart: new engines, same settings; recover: release ranks blocked in a collective "
-        "and make a new process group; diagnose: where every rank is now (stack, pending collective)"))
-    @magic_arguments.argument("-n", type=count, default=None, help="start: number of ranks")
-    @magic_arguments.argument("--mesh", default=None,
-                              help="start: e.g. ddp=1,domain=4 (one axis may be left out: it is inferred)")
-    @magic_arguments.argument("--backend", choices=["gloo", "nccl"], default=None,
-                              help="start: the torch.distributed backend (default: nccl with GPUs, else gloo)")
-    @magic_arguments.argument("--timeout", type=seconds, default=None, metavar="S", help=(
-        "start: the default time limit of a cell or call, seconds (60); recover: how long ranks get to be "
-        "released (the cluster's time limit); diagnose: how long each rank gets to answer (5)"))
-    @magic_arguments.argument("--collective-timeout", type=seconds, default=None, metavar="S",
-                              help="start: torch.distributed's collective timeout, seconds (60)")
-    @magic_arguments.argument("--force", action="store_true", default=None,
-                              help="start: start even when the ranks would not fit in the memory available now")
-    @magic_arguments.argument("--all", action="store_true", default=None, help=(
-        "stop: also reap every cluster sharddbg left behind on this machine (owner process gone)"))
-    @magic_arguments.argument("--full", action="store_true", default=None,
-                              help="status: every column (versions, engine ids, patch details), not the 8 that matter first")
+    @subcommands("action")
+    @subcommand(
+        "start", "start N ranks (CPU+gloo here, GPU+NCCL where GPUs exist)",
+        MagicOption(("-n",), dict(type=count, default=None, help="number of ranks")),
+        MagicOption(("--mesh",), dict(default=None,
+                                      help="e.g. ddp=1,domain=4 (one axis may be left out: it is inferred)")),
+        MagicOption(("--backend",), dict(choices=["gloo", "nccl"], default=None,
+                                         help="the torch.distributed backend (default: nccl with GPUs, else gloo)")),
+        MagicOption(("--timeout",), dict(type=seconds, default=60.0, metavar="S",
+                                         help="the default time limit of a cell or call, seconds (60)")),
+        MagicOption(("--collective-timeout",), dict(type=seconds, default=60.0, metavar="S",
+                                                    help="torch.distributed's collective timeout, seconds (60)")),
+        MagicOption(("--force",), dict(action="store_true",
+                                       help="start even when the ranks would not fit in the memory available now")))
+    @subcommand(
+        "status", "one row per rank",
+        MagicOption(("--full",), dict(action="store_true",
+                                      help="every column (versions, engine ids, patch details), not the 8 that "
+                                           "matter first")))
+    @subcommand(
+        "stop", "stop the active cluster",
+        MagicOption(("--all",), dict(action="store_true",
+                                     help="also reap every cluster sharddbg left behind on this machine (owner "
+                                          "process gone)")))
+    @subcommand("restart", "new engines, same settings")
+    @subcommand(
+        "recover", "release ranks blocked in a collective and make a new process group",
+        MagicOption(("--timeout",), dict(type=seconds, default=None, metavar="S",
+                                         help="how long ranks get to be released, seconds (default: the "
+                                              "cluster's time limit)")))
+    @subcommand(
+        "diagnose", "where every rank is now (stack, pending collective)",
+        MagicOption(("--timeout",), dict(type=seconds, default=5.0, metavar="S",
+                                         help="how long each rank gets to answer, seconds (5)")))
     @line_magic
     def shard_cluster(self, line):
-        """Start, inspect and stop the sharddbg cluster (the ranks %px runs on)."""
+        """Start, inspect and stop the sharddbg cluster (the ranks %px runs on). Each subcommand's options are
+        below; ``%shard_cluster start --help`` prints one subcommand's (IPython reads ``%shard_cluster start?``
+        as help on a variable ``start``)."""
         from .cluster import Cluster, active_cluster, registry
 
         __tracebackhide__ = hide_own_frames()
-        args = read_cluster_line(line)
+        args = parse_subcommand(self.shard_cluster, line, "%shard_cluster")
+        if args is None:  # a subcommand's --help was printed
+            return None
         if args.action == "start":
             current = active_cluster(required=False)
             if current is not None:

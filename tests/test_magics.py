@@ -130,9 +130,16 @@ def test_every_magic_has_help_and_usage_errors(ip):
         (("shard_cluster", "launch"), r"^%shard_cluster: argument action: invalid choice: 'launch'"),
         (("shard_cluster", ""), r"^%shard_cluster: the following arguments are required: action"),
         (("shard_cluster", "stop -n 4"), r"^%shard_cluster stop: -n is an option of start"),
+        (("shard_cluster", "stop --mesh ddp=1,domain=4"),
+         r"^%shard_cluster stop: --mesh is an option of start \(%shard_cluster\? lists the options\)$"),
+        (("shard_cluster", "start --bogus"),
+         r"^%shard_cluster start: unrecognized arguments: --bogus \(%shard_cluster start --help lists its options\)$"),
+        (("shard_cluster", "--full status"), r"^%shard_cluster: --full goes after the subcommand: "
+                                             r"%shard_cluster status --full"),
         (("shard_cluster", "status --timeout 3"), r"^%shard_cluster status: --timeout is an option of start, "
                                                   r"recover and diagnose"),
         (("shard_cluster", "start -n 0"), r"^%shard_cluster: argument -n: '0' must be at least 1"),
+        (("shard_cluster", "start --mesh 'ddp=1"), r"^%shard_cluster: cannot read the options \(No closing quotation"),
         (("pxresult", ""), r"^%pxresult shows the output of the last %px cell; no %px cell ran yet"),
         (("pxconfig", "--progress-after 1"), r"^%pxconfig: --progress-after"),
         (("pxconfig", "-t x"), r"^-t x: ranks are written"),
@@ -146,6 +153,74 @@ def test_every_magic_has_help_and_usage_errors(ip):
         ip.run_cell_magic("px", "--block print(1)", "print(2)")
     with pytest.raises(UsageError, match=r"^%%shard_trace: argument --max-events: 'lots' is not a whole number"):
         ip.run_cell_magic("shard_trace", "--max-events lots", "pass")
+
+
+# each %shard_cluster subcommand's own options, as its --help lists them
+CLUSTER_SUBCOMMANDS = {"start": {"-h", "--help", "-n", "--mesh", "--backend", "--timeout", "--collective-timeout",
+                                 "--force"},
+                       "status": {"-h", "--help", "--full"},
+                       "stop": {"-h", "--help", "--all"},
+                       "restart": {"-h", "--help"},
+                       "recover": {"-h", "--help", "--timeout"},
+                       "diagnose": {"-h", "--help", "--timeout"}}
+
+
+def listed_options(help_text: str) -> set[str]:
+    """The flags of the options section of an argparse help text ("  -n N, --number N   help" -> -n, --number)."""
+    options = help_text.split("\noptions:\n", 1)[1]
+    invocations = [line.strip().split("  ")[0] for line in options.splitlines() if line.startswith("  -")]
+    return {part.split()[0] for invocation in invocations for part in invocation.split(", ")}
+
+
+def test_shard_cluster_subcommands_help(ip):
+    """Each subcommand's help comes from its own parser: `%shard_cluster start --help` (or -h) prints start's
+    options and none of another's, and does nothing else; `%shard_cluster?` lists every subcommand with its
+    options."""
+    from sharddbg.cluster import running_clusters
+
+    running_before = running_clusters()
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    for name, own in CLUSTER_SUBCOMMANDS.items():
+        for help_flag in ("--help", "-h"):
+            with capture_output() as cap:
+                assert ip.run_line_magic("shard_cluster", f"{name} {help_flag}") is None
+            assert cap.stdout.startswith(f"usage: %shard_cluster {name} [-h]"), cap.stdout
+            assert listed_options(cap.stdout) == own, (name, cap.stdout)
+    with capture_output() as cap:
+        ip.run_line_magic("shard_cluster", "recover --help")
+    assert "released, seconds (default: the cluster's time limit)" in " ".join(cap.stdout.split())
+    with capture_output() as cap:
+        ip.run_line_magic("shard_cluster", "diagnose --help")
+    assert "how long each rank gets to answer, seconds (5)" in " ".join(cap.stdout.split())
+    # `start -n 4 --help` too: the help wins, nothing starts
+    with capture_output() as cap:
+        ip.run_line_magic("shard_cluster", "start -n 4 --help")
+    assert cap.stdout.startswith("usage: %shard_cluster start")
+
+    with capture_output() as cap:
+        ip.run_cell("%shard_cluster?")
+    help_text = re.sub(r"\x1b\[[0-9;]*m", "", cap.stdout)
+    assert "%shard_cluster {start,status,stop,restart,recover,diagnose} ..." in help_text
+    for name, own in CLUSTER_SUBCOMMANDS.items():
+        with capture_output() as cap:
+            ip.run_line_magic("shard_cluster", f"{name} --help")
+        assert cap.stdout.strip() in help_text, name  # the same help, from the same parser
+    # IPython reads `%shard_cluster start?` as help on a name `start`: the magic never sees it (--help is the way)
+    assert ip.transform_cell("%shard_cluster start?").strip() == "get_ipython().run_line_magic('pinfo', 'start')"
+
+    # an option of another subcommand is refused before anything starts
+    with pytest.raises(UsageError, match=r"^%shard_cluster start: --all is an option of stop \(%shard_cluster\? "
+                                         r"lists the options\)$"):
+        ip.run_line_magic("shard_cluster", "start -n 4 --mesh ddp=1,domain=4 --all")
+    with pytest.raises(UsageError, match=r"^%shard_cluster start: --full is an option of status"):
+        ip.run_line_magic("shard_cluster", "start -n 4 --full")
+    assert running_clusters() == running_before
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children_before
+
+    # --timeout's default is each subcommand's own
+    parser = ip.find_magic("shard_cluster").parser
+    assert [parser.parse_args([name]).timeout for name in ("start", "recover", "diagnose")] == [60.0, None, 5.0]
+    assert parser.parse_args(["diagnose", "--timeout", "2"]).timeout == 2.0
 
 
 def test_magic_errors_before_start(ip):
@@ -426,6 +501,47 @@ def test_local_verbose_pxconfig_and_autopx(ip, started, px_defaults):
     with capture_output() as cap:
         ip.run_cell("print('local again')")
     assert cap.stdout.strip() == "local again"
+
+
+def test_cluster_timeout_defaults_reach_the_calls(ip, started, monkeypatch, tmp_path):
+    """Each subcommand's --timeout default reaches its call: start's 60 s is the cluster's time limit, recover
+    passes None (the cluster's), diagnose gives each rank 5 s to answer."""
+    cl = started
+    assert cl.timeout == 60.0  # `started` ran %shard_cluster start without --timeout
+    calls = []
+
+    def recorded(name):
+        method = getattr(cl, name)
+
+        def call(*args, **kwargs):
+            calls.append((name, kwargs))
+            return method(*args, **kwargs)
+
+        monkeypatch.setattr(cl, name, call)
+
+    recorded("recover")
+    recorded("hang_report")
+    with capture_output() as cap:
+        ip.run_line_magic("shard_cluster", "recover")
+    assert "re-created" in cap.stdout
+    go = tmp_path / "go"
+    with capture_output():  # busy until `go` exists, so that diagnose reports on them
+        handle = ip.run_cell_magic("px", "--noblock", f"import os, time\nwhile not os.path.exists({str(go)!r}):\n"
+                                                      f"    time.sleep(0.05)")
+    try:
+        deadline = time.monotonic() + 20
+        while cl.busy_ranks() != [0, 1, 2, 3]:  # the controller counts the cell a moment after it is sent
+            assert time.monotonic() < deadline, "the ranks never started the cell"
+            time.sleep(0.05)
+        with capture_output() as cap:
+            ip.run_line_magic("shard_cluster", "diagnose")
+            ip.run_line_magic("shard_cluster", "diagnose --timeout 2")
+    finally:
+        go.touch()
+    with capture_output():
+        handle.get()
+    assert [(name, kwargs.get("timeout", kwargs.get("diagnose_timeout"))) for name, kwargs in calls] == [
+        ("recover", None), ("hang_report", 5.0), ("hang_report", 2.0)]
 
 
 
