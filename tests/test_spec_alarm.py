@@ -93,9 +93,10 @@ def test_a_custom_op_passing_its_inputs_sharding_shapes_is_caught_at_the_op(cl):
     assert f"{N} results whose spec disagrees with their data" in html
     assert f"{N} spec mismatch(es)" in explorer.explorer_text(t)
     line = trace_summary(t)
-    assert (f"4 spec mismatch(es) on rank(s) [0, 1, 2, 3], first at {OP} on rank "
+    assert (f"4 result(s) whose spec disagrees with the local tensor on ranks 0-3, first at {OP} on rank "
             f"{int(found.loc[found['first'], 'rank'].iloc[0])}: spec says (") in line
-    assert "get_spec_mismatches()" in line
+    (finding,) = [f for f in t.findings if f.kind == "spec_mismatch"]
+    assert finding.severity == "fail" and finding.op == OP and "get_spec_mismatches()" in finding.fix
 
 
 def test_the_inspector_sees_it_too_but_only_later(cl):
