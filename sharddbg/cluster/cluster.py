@@ -1195,8 +1195,9 @@ class Cluster:
         SmokeError
             ``setup`` or ``step`` cannot be called as ``setup()`` / ``step(model, ctx)``; ``steps``, ``seed``,
             ``lr`` or ``rtol`` is out of range; ``configs`` is none of the above, names a configuration twice or
-            one that does not exist; or the single-device reference run failed, so nothing can be compared (a
-            ``ClusterError``).
+            one that does not exist, or holds a ``SmokeConfig`` that is malformed or whose mesh does not fit the
+            cluster (unless it expects ``MeshError``); or the single-device reference run failed, so nothing can
+            be compared (a ``ClusterError``).
         ClusterError
             The cluster is not running; the process group is broken; ``timeout`` is not a finite number of
             seconds above 0; or putting the cluster's own mesh back failed.
@@ -1322,7 +1323,7 @@ class Cluster:
             raised, failed, or did not finish within ``timeout``.
         ClusterError
             The cluster is not running; ``timeout`` is not a finite number of seconds above 0; the process group is
-            broken; or the controller died.
+            broken; a rank is dead; or the controller died.
         RankError
             The statement raised on a rank.
         RankTimeoutError
