@@ -26,6 +26,7 @@ group or mesh where they need it), never the Cluster. What runs on a rank is alw
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 from .. import rendering
 from ..engine import api
@@ -40,6 +41,16 @@ from .mesh import MeshSpec, resolve_mesh
 from .processes import ClusterProcesses, choose_backend
 from .recording import CellTracer
 from .versions import TESTED_VERSIONS, check_versions
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import psutil
+
+    from ..analysis.check import CheckResult
+    from ..analysis.doctor import DoctorReport
+    from ..analysis.replica_check import ReplicaCheck
+    from ..analysis.smoke import SmokeResult
+    from ..trace import Trace
 
 __all__ = ["Cluster", "RankOutput", "active_cluster", "running_clusters", "filter_noise", "TESTED_VERSIONS"]
 
@@ -71,15 +82,65 @@ def active_cluster(required: bool = True) -> "Cluster | None":
 
 
 class Cluster:
-    """A local cluster of ``n`` ranks, one ipyparallel engine each, mesh ``ddp x domain``.
+    """A local cluster of ``n`` ranks, one ipyparallel engine each, on a ``ddp x domain`` mesh.
 
-    >>> with Cluster(n=4, mesh={"ddp": 1, "domain": 4}) as cl:   # doctest: +SKIP
-    ...     cl.run("x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)")
+    Each rank is a process of its own that runs the real PhysicsNeMo ShardTensor stack; this process drives
+    them (``run``, ``apply``, ``trace``, the checks). Nothing starts when the object is made: the arguments are
+    checked here, and ``start()`` (or a ``with`` block, which stops the cluster at its end) starts the fork
+    server, the ipyparallel controller and the engines, and brings up torch.distributed and the mesh on them.
+    The cluster started last that still runs is the active one: ``sharddbg.last_trace()``,
+    ``sharddbg.inspect()``, ``%px`` and the other magics act on it.
+
+    Parameters
+    ----------
+    n : int or None
+        The number of ranks. None: the product of the two axes of ``mesh``, which must then give both.
+    mesh : dict, str, tuple, MeshSpec or None
+        The ``ddp x domain`` mesh: ``{"ddp": 1, "domain": 4}``, ``"ddp=1,domain=4"`` or ``(1, 4)``. One axis
+        may be left out (or given as None or -1) and is inferred from ``n``. None: ``ddp=1``, every rank in one
+        domain group (one sample sharded over every rank).
+    backend : {"gloo", "nccl"} or None
+        torch.distributed's backend. None: chosen at ``start()``, NCCL (one GPU per rank) where the host has
+        GPUs, gloo (CPU) where it has none.
+    timeout : float
+        Seconds a call on the ranks waits at most unless it is given its own ``timeout`` (``run``, ``submit``,
+        ``apply``, ``trace``, ``status``, ...); also what ``recover`` and ``remesh`` wait by default.
+    start_timeout : float
+        Seconds each step of the start-up may take: the controller's start, the fork server's imports of torch
+        and physicsnemo, the engines' registration, torch.distributed's start-up on the ranks.
+    collective_timeout : float
+        torch.distributed's collective timeout on the ranks, in seconds.
+    threads_per_rank : int
+        CPU threads of each engine (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS``).
+    env : dict of str to str or None
+        Extra environment variables of the fork server and of every engine it forks; they override sharddbg's
+        own (the thread counts, ``GLOO_SOCKET_IFNAME``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ...).
+    force : bool
+        Skip the check that ``n`` engines (about 0.7 GB each) fit in the memory available now.
+
+    Raises
+    ------
+    MeshError
+        ``n`` is not a positive integer, ``mesh`` is malformed, ``ddp * domain`` cannot be ``n``, or neither
+        ``n`` nor both axes of ``mesh`` are given.
+    ClusterError
+        ``backend`` is not "gloo", "nccl" or None; ``timeout``, ``start_timeout`` or ``collective_timeout`` is
+        not a finite number of seconds above 0; ``threads_per_rank`` is not a whole number of at least 1;
+        ``env`` does not map names to string values; or, without ``force``, ``n`` engines would not fit in the
+        memory available now.
+
+    Examples
+    --------
+    >>> cl = sharddbg.Cluster(n=4, mesh={"ddp": 1, "domain": 4})
+    >>> cl
+    <sharddbg.Cluster stopped n=4 mesh(ddp=1,domain=4) backend=None>
+    >>> with sharddbg.Cluster(n=4, mesh="ddp=2,domain=2", timeout=120) as cl:
+    ...     outs = cl.run("x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)")
     """
 
     def __init__(self, n: int | None = None, mesh=None, *, backend: str | None = None, timeout: float = 60.0,
                  start_timeout: float = 180.0, collective_timeout: float = 60.0, threads_per_rank: int = 1,
-                 env: dict | None = None, force: bool = False):
+                 env: dict | None = None, force: bool = False) -> None:
         mesh_spec = resolve_mesh(n, mesh)
         self.n = mesh_spec.size
         if backend not in (None, "gloo", "nccl"):
@@ -131,6 +192,9 @@ class Cluster:
 
     @property
     def cluster_id(self) -> str | None:
+        """The cluster's id in sharddbg's registry of clusters (its log folder is named by it); None before the first
+        start, the last one after a stop.
+        """
         return self._processes.cluster_id if self._processes else None
 
     @property
@@ -159,7 +223,22 @@ class Cluster:
         return self._processes.controller_pid if self._processes else None
 
     def controller_failure(self) -> str | None:
-        """None while the controller runs; else how it died ("the controller (pid N) died: killed by ...")."""
+        """How the ipyparallel controller died, or None while it runs.
+
+        Cheap (a look at the process table, no message to anyone), so it can be asked at any time. Also None when
+        no controller is meant to run (before ``start()``, after ``stop()``).
+
+        Returns
+        -------
+        str or None
+            None while the controller runs; else how it died, e.g. ``"the controller (pid 1234) died: killed by
+            signal 9 (SIGKILL)"``.
+
+        Examples
+        --------
+        >>> cl.controller_failure() is None
+        True
+        """
         return self._processes.controller_failure() if self._processes else None
 
     @property
@@ -183,9 +262,22 @@ class Cluster:
         every rank's): registered-by-physicsnemo, registered-by-sharddbg or none."""
         return self._group.patch_mode
 
-    def processes(self) -> list:
-        """Every process of this cluster that still runs (``psutil.Process``): fork server, controller and
-        its children, engines."""
+    def processes(self) -> list[psutil.Process]:
+        """Every process of this cluster that still runs.
+
+        The fork server, the controller and its children (its heart monitor), and the engines, as the cluster's
+        registry record names them; empty before the first ``start()`` and after ``stop()``.
+
+        Returns
+        -------
+        list of psutil.Process
+            One per process of the cluster that runs now.
+
+        Examples
+        --------
+        >>> {p.pid for p in cl.processes()} >= set(cl.pids.values())
+        True
+        """
         return self._processes.live() if self._processes else []
 
     # ------------------------------------------------------------------ lifecycle
@@ -197,7 +289,42 @@ class Cluster:
             self.stop()
 
     def start(self) -> "Cluster":
-        """Start controller and engines, initialise torch.distributed and the mesh. Makes this the active cluster."""
+        """Start the controller and the engines, bring up torch.distributed and the mesh; make this the active cluster.
+
+        Clusters whose owning process died are reaped first. Then the fork server starts the ipyparallel
+        controller and, meanwhile, imports torch and physicsnemo once; it forks one engine per rank, each engine is
+        mapped to its rank, and every rank joins torch.distributed on a fresh loopback port with the backend
+        (``backend``, or NCCL where the host has GPUs and gloo where it has none), builds the ``ddp x domain`` mesh
+        and fills physicsnemo's DistributedManager. When a step fails, everything started so far is shut down
+        before the error is raised. The steps' durations are in ``timings`` (``start_s`` for the whole). An
+        untested torch or physicsnemo version on the engines is warned about once (``ShardDbgWarning``); it still
+        runs.
+
+        Returns
+        -------
+        Cluster
+            This cluster, running (so ``cl = Cluster(n=4).start()`` works).
+
+        Raises
+        ------
+        ClusterError
+            The cluster is already running (``stop()`` it first, or ``restart()``); NCCL was asked for without a
+            GPU per rank; the fork server, the controller or an engine died or did not come up within
+            ``start_timeout`` (the message names it and quotes the end of its log); a rank died while joining
+            torch.distributed (``RankDiedError``).
+        RankError
+            A rank raised while joining torch.distributed or building the mesh.
+        RankTimeoutError
+            A rank did not join torch.distributed within ``start_timeout``; its report says where it waits.
+        ipyparallel.error.TimeoutError
+            An engine did not say which rank it is within ``timeout``.
+
+        Examples
+        --------
+        >>> cl = sharddbg.Cluster(n=4).start()
+        >>> cl.status()["state"].tolist()
+        ['idle', 'idle', 'idle', 'idle']
+        """
         __tracebackhide__ = hide_own_frames()
         if self.running:
             raise ClusterError(f"this cluster is already running ({self.n} ranks); stop() it first, or restart()")
@@ -240,7 +367,25 @@ class Cluster:
         self.running = False
 
     def stop(self) -> None:
-        """Stop engines and controller; check that none of their processes is left."""
+        """Stop the engines and the controller; check that none of the cluster's processes is left.
+
+        The client is closed; the fork server kills the engines and the controller's whole process group, and
+        exits; whatever is left of the cluster's processes is killed, and its registry record and the controller's
+        files are removed. The cluster is no longer the active one; ``start()`` starts it again (new processes,
+        same settings). The time it took is ``timings["stop_s"]``. A ``with`` block calls it at its end.
+
+        Raises
+        ------
+        ClusterError
+            The cluster is not running (it was never started, or was stopped already), or a process of it survived
+            SIGKILL (the message lists their pids and command lines).
+
+        Examples
+        --------
+        >>> cl.stop()
+        >>> cl.running, cl.processes()
+        (False, [])
+        """
         __tracebackhide__ = hide_own_frames()
         if not self.running and (self._processes is None or self._processes.fork_server is None):
             raise ClusterError("this cluster is not running (it was never started, or was stopped already)")
@@ -252,9 +397,34 @@ class Cluster:
         self.timings["stop_s"] = time.perf_counter() - t0
 
     def restart(self) -> "Cluster":
-        """Replace every engine with a fresh one (new processes, new process group). Same mesh and settings.
+        """Replace every engine with a fresh one (new processes, new process group); the same mesh and settings.
 
-        The fork server (torch and physicsnemo already imported) is kept, so this is quicker than a start.
+        The fork server (torch and physicsnemo already imported) is kept, so this is quicker than a start: the
+        client is closed, the engines are killed, the controller is started again, new engines are forked and
+        torch.distributed comes up on them with the same backend (``timings["restart_s"]``). Everything the old
+        ranks held is gone (variables, ShardTensors, a broken process group). When the cluster is not running, or
+        its fork server is gone, what is left of it is stopped and it is started from scratch (``start()``). When
+        replacing the engines fails, the cluster is stopped and the error raised.
+
+        Returns
+        -------
+        Cluster
+            This cluster, running.
+
+        Raises
+        ------
+        ClusterError
+            The controller or an engine died or did not come up within ``start_timeout``; or, when the cluster is
+            started from scratch, what ``start()`` raises.
+        RankError
+            A rank raised while joining torch.distributed.
+        RankTimeoutError
+            A rank did not join torch.distributed within ``start_timeout``.
+
+        Examples
+        --------
+        >>> cl.restart()
+        <sharddbg.Cluster running n=4 mesh(ddp=1,domain=4) backend=gloo>
         """
         __tracebackhide__ = hide_own_frames()
         if not self.running or not self._processes.fork_server_alive():
@@ -273,13 +443,38 @@ class Cluster:
         return self
 
     def recover(self, timeout: float | None = None) -> None:
-        """After a hang or a broken process group: release ranks blocked in a collective and re-create the
-        process group.
+        """Release ranks blocked in a collective and re-create the process group, after a hang or a broken group.
 
         The engines (and their pids) are kept. Every rank ends the collectives it waits in, from its control
-        thread (its connections to the other ranks shut: a gloo collective fails at once; its NCCL
-        communicators aborted); then every rank tears the old group down and joins a new one on a fresh
-        port. Tensors built on the old mesh must be rebuilt. A dead rank cannot be recovered: restart().
+        thread (its connections to the other ranks shut: a gloo collective fails at once; its NCCL communicators
+        aborted); a rank still busy after that in the user's own code (a loop, a sleep) is interrupted (SIGINT:
+        ``KeyboardInterrupt`` in its cell). Then every rank tears the old process group down and joins a new one
+        on a fresh port, on the same mesh; calls that timed out are forgotten and ``broken`` is None again.
+        Tensors built on the old mesh must be rebuilt. A dead rank cannot be recovered: ``restart()``.
+
+        Parameters
+        ----------
+        timeout : float or None
+            Seconds the teardown and the new group's start-up may each take (released ranks get at most 5 s to
+            end their work, twice); None: the cluster's ``timeout``.
+
+        Raises
+        ------
+        ClusterError
+            The cluster is not running; ``timeout`` is not a finite number of seconds above 0; a rank is dead; a
+            rank is still busy after it was released and interrupted; or the controller died.
+        RankError
+            A rank raised while tearing the old group down or joining the new one.
+        RankTimeoutError
+            A rank did not finish that within ``timeout``.
+
+        Examples
+        --------
+        >>> cl.broken
+        'the cell: ranks [0, 1, 2] were left waiting in a collective after 3 s'
+        >>> cl.recover()
+        >>> cl.broken is None
+        True
         """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
@@ -287,13 +482,41 @@ class Cluster:
         self._rebuild_group(self.mesh, timeout)
 
     def remesh(self, mesh, *, timeout: float | None = None) -> None:
-        """Rebuild torch.distributed on the same engines with another ``ddp x domain`` mesh of the same
-        ranks (``{"ddp": 2, "domain": 2}``, ``"ddp=2,domain=2"``, ``(2, 2)``; one axis may be left out).
+        """Rebuild torch.distributed on the same engines with another ``ddp x domain`` mesh of the same ranks.
 
-        A mesh that does not fit the cluster's size is refused (``MeshError``) before anything changes. As
-        with ``recover()``: ranks blocked in a collective are released, every rank tears its process group
-        down and joins a new one with the new mesh (the ``mesh`` of a %px cell is the new one); tensors
-        built on the old mesh must be rebuilt."""
+        A mesh that does not fit the cluster's size is refused (``MeshError``) before anything changes. As with
+        ``recover()``: ranks blocked in a collective are released, every rank tears its process group down and
+        joins a new one with the new mesh (the ``mesh`` of a %px cell is the new one); tensors built on the old
+        mesh must be rebuilt. ``smoke()`` uses it for each configuration's mesh.
+
+        Parameters
+        ----------
+        mesh : dict, str, tuple, MeshSpec or None
+            The new mesh: ``{"ddp": 2, "domain": 2}``, ``"ddp=2,domain=2"``, ``(2, 2)``; one axis may be left out
+            and is inferred from the cluster's size. None: ``ddp=1``, every rank in one domain group.
+        timeout : float or None
+            Seconds the teardown and the new group's start-up may each take (released ranks get at most 5 s to
+            end their work, twice); None: the cluster's ``timeout``.
+
+        Raises
+        ------
+        MeshError
+            ``mesh`` is malformed, or its ``ddp * domain`` is not the cluster's number of ranks.
+        ClusterError
+            The cluster is not running; ``timeout`` is not a finite number of seconds above 0; a rank is dead; a
+            rank is still busy after it was released and interrupted; or the controller died.
+        RankError
+            A rank raised while tearing the old group down or joining the new one.
+        RankTimeoutError
+            A rank did not finish that within ``timeout``.
+
+        Examples
+        --------
+        >>> cl.remesh({"ddp": 2, "domain": 2})
+        >>> cl.mesh
+        MeshSpec(ddp=2, domain=2)
+        >>> cl.remesh("domain=4")
+        """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
         spec = resolve_mesh(self.n, mesh)
@@ -310,18 +533,101 @@ class Cluster:
             raise ClusterError("this cluster is not running; start() it first")
 
     def busy_ranks(self) -> list[int]:
-        """Ranks whose engine is still running (or queued) work."""
+        """Ranks whose engine is still running (or has queued) work.
+
+        The controller is asked, unless every request this client sent has its reply (then no rank is busy). Dead
+        ranks are not listed (``dead_ranks()`` has them). Only for a running cluster.
+
+        Returns
+        -------
+        list of int
+            The busy ranks, in rank order; empty when every live rank is idle.
+
+        Raises
+        ------
+        ClusterError
+            The controller died, or did not answer within 10 s.
+
+        Examples
+        --------
+        >>> cell = cl.submit("import time; time.sleep(30)")
+        >>> cl.busy_ranks()
+        [0, 1, 2, 3]
+        """
         return self._execution.busy_ranks()
 
     def dead_ranks(self) -> dict[int, str]:
-        """Ranks whose engine process has exited, with how (as seen by the fork server, which reaps them)."""
+        """Ranks whose engine process has exited, with how.
+
+        As seen by the fork server, their parent, which reaps them; a rank whose end it has not reported within a
+        second "is gone (its process no longer exists)". Empty before the first start.
+
+        Returns
+        -------
+        dict of int to str
+            Rank -> how its process ended, e.g. ``{2: "killed by signal 9 (SIGKILL)"}``; empty while every engine
+            runs.
+
+        Examples
+        --------
+        >>> cl.dead_ranks()
+        {}
+        """
         return self._processes.dead_ranks() if self._processes else {}
 
     def run(self, code: str, *, timeout: float | None = None, targets=None, display: bool = True) -> list[RankOutput]:
-        """Execute ``code`` on every rank (or ``targets``), wait at most ``timeout`` seconds.
+        """Execute ``code`` on every rank (or ``targets``); wait at most ``timeout`` seconds.
 
-        Prints each rank's output in rank order when ``display``. Raises :class:`RankError` if a rank
-        raised, :class:`RankTimeoutError` (with a hang report) if a rank did not finish in time.
+        Each rank runs it as a %px cell, in its own namespace (``torch``, ``sharddbg``, ``rank``, ``mesh``, ... are
+        there without an import). Prints each rank's output in rank order when ``display``, every line prefixed
+        with its rank. While it waits it watches for what ends the wait early: a dead controller; a dead rank (the
+        others are released from any collective with it); a rank that raised while others wait for it in a
+        collective (they are released at once instead of waiting out the collective timeout).
+
+        Parameters
+        ----------
+        code : str
+            Python source, run as a cell on each rank.
+        timeout : float or None
+            Seconds to wait at most; None: the cluster's ``timeout``.
+        targets : int, list of int, range, slice or None
+            The ranks that run it; None: every rank.
+        display : bool
+            Print each rank's output (stdout, stderr, rich output) in rank order.
+
+        Returns
+        -------
+        list of RankOutput
+            One per rank that ran it, in rank order: ``rank``, ``stdout``, ``stderr``, ``result`` (the text IPython
+            shows for the cell's last expression; ipyparallel's reply object when the cell ends without one),
+            ``error`` (None) and ``displays`` (rich outputs).
+
+        Raises
+        ------
+        ClusterError
+            The cluster is not running; ``code`` is not a string; ``timeout`` is not a finite number of seconds
+            above 0; ``targets`` names no rank, a rank that does not exist or a dead one; the process group is
+            broken (``recover()`` first); a target still runs an earlier call that timed out, or a ``submit()``
+            cell nothing waited for; or the controller died.
+        RankError
+            A rank raised: the ranks whose own failure started it come first, with their traceback and the line of
+            the cell (``errors``, ``causes``, ``released``, ``report``).
+        RankTimeoutError
+            A rank did not finish in time; its ``report`` says where each unfinished rank waits. Ranks left waiting
+            in a collective leave the process group broken.
+        RankDiedError
+            A rank's process died meanwhile (a ``ClusterError``): how, and what the other ranks printed and raised.
+
+        Examples
+        --------
+        >>> outs = cl.run("print(rank)")
+        [rank 0] 0
+        [rank 1] 1
+        [rank 2] 2
+        [rank 3] 3
+        >>> [o.result for o in cl.run("rank * 10", display=False)]
+        ['0', '10', '20', '30']
+        >>> outs = cl.run("x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)", timeout=60)
         """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
@@ -330,11 +636,45 @@ class Cluster:
         return self._execution.run(code, self._execution.ranks(targets), timeout, display)
 
     def submit(self, code: str, *, timeout: float | None = None, targets=None) -> PendingCell:
-        """Send ``code`` to every rank (or ``targets``) and return at once, without waiting: the cell's
-        :class:`~sharddbg.cluster.execution.PendingCell` (``%px --noblock``). Its time limit is ``timeout``
-        (default: the cluster's), counted from now; ``wait(seconds)`` and ``get()`` stay within it, and
-        ``get()`` prints each rank's output and raises what ``run()`` raises. New work for its ranks is refused
-        while it runs (it would queue behind it)."""
+        """Send ``code`` to every rank (or ``targets``) and return at once, without waiting (``%px --noblock``).
+
+        The cell's time limit is ``timeout`` (default: the cluster's), counted from now; its handle's
+        ``wait(seconds)`` and ``get()`` stay within it, and ``get()`` prints each rank's output and raises what
+        ``run()`` raises. New work for its ranks is refused while it runs (it would queue behind it).
+
+        Parameters
+        ----------
+        code : str
+            Python source, run as a cell on each rank.
+        timeout : float or None
+            The cell's time limit in seconds, from now; None: the cluster's ``timeout``.
+        targets : int, list of int, range, slice or None
+            The ranks that run it; None: every rank.
+
+        Returns
+        -------
+        PendingCell
+            The cell's handle: ``done()``, ``wait(seconds)``, ``get()``, ``display_outputs()``.
+
+        Raises
+        ------
+        ClusterError
+            The cluster is not running; ``code`` is not a string; ``timeout`` is not a finite number of seconds
+            above 0; ``targets`` names no rank, a rank that does not exist or a dead one; the process group is
+            broken; a target still runs an earlier call that timed out, or an earlier cell nothing waited for; or
+            the controller died.
+
+        Examples
+        --------
+        >>> cell = cl.submit("import time; time.sleep(20); print(rank)", timeout=60)
+        >>> cell.done()
+        False
+        >>> outs = cell.get()
+        [rank 0] 0
+        [rank 1] 1
+        [rank 2] 2
+        [rank 3] 3
+        """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
         _check_code(code)
@@ -342,9 +682,52 @@ class Cluster:
         return self._execution.submit(code, self._execution.ranks(targets), timeout)
 
     def apply(self, fn, *args, timeout: float | None = None, targets=None, **kwargs) -> list:
-        """Call ``fn(*args, **kwargs)`` on every rank (or ``targets``); results in rank order.
+        """Call ``fn(*args, **kwargs)`` on every rank (or ``targets``); the results in rank order.
 
-        ``fn`` is normally a function of ``sharddbg.engine.api`` (what a rank answers)."""
+        ``fn`` is normally a function of ``sharddbg.engine.api`` (what a rank answers); it travels to the ranks,
+        and its arguments and results back, as ipyparallel sends them (pickled). Each rank's printed output is
+        shown in rank order. The process group's state is not checked, so this works while it is broken.
+
+        Parameters
+        ----------
+        fn : callable
+            What each rank calls.
+        *args : object
+            Its positional arguments, the same on every rank.
+        timeout : float or None
+            Seconds to wait at most; None: the cluster's ``timeout``.
+        targets : int, list of int, range, slice or None
+            The ranks that call it; None: every rank.
+        **kwargs : object
+            Its keyword arguments, the same on every rank (``timeout`` and ``targets`` are this method's own:
+            ``fn`` cannot be given keywords of those names).
+
+        Returns
+        -------
+        list
+            What ``fn`` returned on each rank, in rank order.
+
+        Raises
+        ------
+        ClusterError
+            The cluster is not running; ``fn`` is not callable; ``timeout`` is not a finite number of seconds
+            above 0; ``targets`` names no rank, a rank that does not exist or a dead one; a target still runs an
+            earlier call that timed out, or a cell nothing waited for; or the controller died.
+        RankError
+            ``fn`` raised on a rank.
+        RankTimeoutError
+            A rank did not finish in time (with where it waits).
+        RankDiedError
+            A rank's process died meanwhile.
+
+        Examples
+        --------
+        >>> from sharddbg.engine import api
+        >>> cl.apply(api.rank)
+        [0, 1, 2, 3]
+        >>> cl.apply(api.user_eval, "world_size", targets=[0])
+        [4]
+        """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
         if not callable(fn):
@@ -353,14 +736,85 @@ class Cluster:
         return self._execution.apply(fn, args, kwargs, self._execution.ranks(targets), timeout)
 
     def pull(self, name: str, *, timeout: float | None = None, targets=None) -> list:
-        """The value of variable ``name`` on every rank (or ``targets``), in rank order."""
+        """The value of variable ``name`` on every rank (or ``targets``), in rank order.
+
+        Read from each rank's %px namespace and sent back pickled; it works while the process group is broken.
+
+        Parameters
+        ----------
+        name : str
+            A variable of the ranks' namespace (an identifier, not an expression: ``eval()`` takes those).
+        timeout : float or None
+            Seconds to wait at most; None: the cluster's ``timeout``.
+        targets : int, list of int, range, slice or None
+            The ranks to read; None: every rank.
+
+        Returns
+        -------
+        list
+            The variable's value on each rank, in rank order.
+
+        Raises
+        ------
+        ClusterError
+            ``name`` is not an identifier; or what ``apply()`` raises before it sends anything (the cluster is not
+            running, a bad ``timeout`` or ``targets``, a dead or still busy rank, a dead controller).
+        RankError
+            A rank has no variable ``name`` (``NameError`` there).
+        RankTimeoutError
+            A rank did not answer in time.
+        RankDiedError
+            A rank's process died meanwhile.
+
+        Examples
+        --------
+        >>> cl.pull("rank")
+        [0, 1, 2, 3]
+        >>> cl.pull("world_size", targets=[0, 2])
+        [4, 4]
+        """
         __tracebackhide__ = hide_own_frames()
         if not isinstance(name, str) or not name.isidentifier():
             raise ClusterError(f"pull() takes a variable name, got {name!r}")
         return self.apply(api.user_value, name, timeout=timeout, targets=targets)
 
     def eval(self, expression: str, *, timeout: float | None = None, targets=None) -> list:
-        """Evaluate a Python expression in every rank's namespace; values in rank order."""
+        """Evaluate a Python expression in every rank's (or ``targets``') namespace; the values in rank order.
+
+        The expression is evaluated in each rank's %px namespace and the values are sent back pickled; it works
+        while the process group is broken.
+
+        Parameters
+        ----------
+        expression : str
+            A Python expression.
+        timeout : float or None
+            Seconds to wait at most; None: the cluster's ``timeout``.
+        targets : int, list of int, range, slice or None
+            The ranks that evaluate it; None: every rank.
+
+        Returns
+        -------
+        list
+            The expression's value on each rank, in rank order.
+
+        Raises
+        ------
+        ClusterError
+            ``expression`` is not a string; or what ``apply()`` raises before it sends anything (the cluster is
+            not running, a bad ``timeout`` or ``targets``, a dead or still busy rank, a dead controller).
+        RankError
+            The expression raised on a rank (a ``SyntaxError``, a ``NameError``, ...).
+        RankTimeoutError
+            A rank did not answer in time.
+        RankDiedError
+            A rank's process died meanwhile.
+
+        Examples
+        --------
+        >>> cl.eval("tuple(x._local_tensor.shape)")
+        [(1, 3, 17, 64), (1, 3, 17, 64), (1, 3, 16, 64), (1, 3, 16, 64)]
+        """
         __tracebackhide__ = hide_own_frames()
         if not isinstance(expression, str):
             raise ClusterError(f"eval() takes an expression as a string, got {type(expression).__name__}")
@@ -368,7 +822,40 @@ class Cluster:
 
     # ------------------------------------------------------------------ inspection
     def diagnose(self, ranks=None, timeout: float = 5.0) -> dict[int, dict | None]:
-        """Each rank's stack and Flight Recorder, answered by its control thread even while it is blocked."""
+        """Each rank's stack and Flight Recorder, answered by its control thread even while the rank is blocked.
+
+        No cell runs: the request goes to each rank's control thread, which answers while the main thread waits in
+        a collective or runs the user's code (``%shard_cluster diagnose`` and the hang reports read the same).
+
+        Parameters
+        ----------
+        ranks : int, list of int, range, slice or None
+            The ranks to ask; None: every rank.
+        timeout : float
+            Seconds the ranks have to answer, all together.
+
+        Returns
+        -------
+        dict of int to (dict or None)
+            Rank -> its diagnosis, or None for a rank that did not answer in time. A diagnosis holds ``rank``,
+            ``pid``, ``stack`` (the main thread's frames, outermost first, each with ``file``, ``line``,
+            ``function``, ``code`` and ``user``), ``flight_recorder`` (torch's Flight Recorder entries of its
+            collectives), ``groups`` (process-group name -> its ranks), ``mesh_dims`` (process-group name -> the
+            mesh dim it serves) and, while a recording runs, ``recording`` (what was recorded so far) or
+            ``recording_error``.
+
+        Raises
+        ------
+        ClusterError
+            The cluster is not running; ``timeout`` is not a finite number of seconds above 0; ``ranks`` names no
+            rank, a rank that does not exist or a dead one.
+
+        Examples
+        --------
+        >>> d = cl.diagnose()
+        >>> sorted(d[0])
+        ['flight_recorder', 'groups', 'mesh_dims', 'pid', 'rank', 'stack']
+        """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
         timeout = arguments.seconds("timeout", timeout)
@@ -376,11 +863,50 @@ class Cluster:
 
     def hang_report(self, timeout, finished, unfinished, what="the cell", *,
                     diagnose_timeout: float = 5.0, failures=None) -> hang.HangReport:
-        """Where the ``unfinished`` ranks wait, after ``timeout`` seconds of ``what`` (each rank's diagnosis,
-        answered within ``diagnose_timeout``, is in the report's ``diagnoses``); ``failures``: the ranks
-        that raised meanwhile (rank -> RankFailure), which the report leads with.
+        """Where the ``unfinished`` ranks wait, after ``timeout`` seconds of ``what``: a hang report.
 
-        Works from the moment the engines are connected, so a start-up that times out is diagnosed too."""
+        Every live rank's diagnosis is asked of its control thread (as ``diagnose()`` does); the report names,
+        for each unfinished rank, its stack (the user's code first) and the collective it waits in, with the ranks
+        of its group that never issued it. It works from the moment the engines are connected, so a start-up that
+        times out is diagnosed too. A ``RankTimeoutError`` carries one (``report``); ``%shard_cluster diagnose``
+        prints one.
+
+        Parameters
+        ----------
+        timeout : float
+            Seconds the work has run (the report's words only).
+        finished : list of int
+            The ranks that finished.
+        unfinished : list of int
+            The ranks still running it: the report says where each waits.
+        what : str
+            What they run, in the report's words (``"the cell"``, ``"their current work"``, ...).
+        diagnose_timeout : float
+            Seconds the ranks' control threads have to answer, all together; each rank's diagnosis is in the
+            report's ``diagnoses`` (None for a rank that did not answer).
+        failures : dict of int to RankFailure or None
+            The ranks that raised meanwhile (rank -> ``RankFailure``), which the report leads with.
+
+        Returns
+        -------
+        HangReport
+            ``finished``, ``unfinished``, ``ranks`` (unfinished rank -> where it waits), ``diagnoses``,
+            ``failures``, ``summary()`` (one line) and ``format()`` (the whole text, also ``str()``).
+
+        Raises
+        ------
+        ClusterError
+            The engines are not connected (before ``start()``, after ``stop()``).
+
+        Examples
+        --------
+        >>> busy = cl.busy_ranks()
+        >>> busy
+        [3]
+        >>> report = cl.hang_report(0, [r for r in range(cl.n) if r not in busy], busy, what="their current work")
+        >>> print(report.summary())
+        1 of 4 ranks did not finish their current work within 0 s: ranks [3] still running; ranks [0, 1, 2] finished.
+        """
         if self._execution is None:
             raise ClusterError("this cluster is not running; start() it first")
         return self._execution.hang_report(timeout, finished, unfinished, what, diagnose_timeout=diagnose_timeout,
@@ -389,16 +915,72 @@ class Cluster:
     def clock_offsets(self, samples: int = 15, timeout: float = 5.0) -> dict[int, dict]:
         """How far each rank's recorder clock is ahead of this process's ``time.monotonic_ns()``.
 
-        NTP-style: for each rank, ``samples`` round trips on the control channel; the one with the
-        shortest round trip wins, offset = engine time - midpoint, uncertainty = half its round trip.
+        NTP-style, on the control channel: for each rank, ``samples`` round trips; the one with the shortest round
+        trip wins, offset = engine time - midpoint, uncertainty = half its round trip. The ranks are asked one after
+        the other. ``trace()`` measures them after each cell to put every rank's events on one time axis.
+
+        Parameters
+        ----------
+        samples : int
+            Round trips per rank; at least 1 (it is not checked).
+        timeout : float
+            Seconds each round trip may take.
+
+        Returns
+        -------
+        dict of int to dict
+            Rank -> ``{"offset_ns": int, "uncertainty_ns": int}``, for every rank.
+
+        Raises
+        ------
+        ClusterError
+            The cluster is not running, or a rank did not answer a round trip within ``timeout``.
+
+        Examples
+        --------
+        >>> offsets = cl.clock_offsets()
+        >>> sorted(offsets[0])
+        ['offset_ns', 'uncertainty_ns']
         """
         self._require_running()
         return self._control.clock_offsets(samples, timeout)
 
-    def status(self, full: bool = False):
-        """One row per rank (index ``rank``): pid, device, backend, mesh coordinate (``ddp``, ``domain``),
-        patch mode, ``state`` idle / busy / dead (and how it died), ``process_group`` ok or why it broke.
-        ``full=True``: every column (host, versions, patch count and reason, engine id, threads, ...)."""
+    def status(self, full: bool = False) -> pd.DataFrame:
+        """One row per rank: pid, device, backend, mesh coordinate, patch mode, state and the process group's health.
+
+        Idle ranks are asked now; a busy or dead rank's row is what it said when torch.distributed last came up
+        on it (its ``state`` is current).
+
+        Parameters
+        ----------
+        full : bool
+            Every column: also ``host``, ``n_patches``, the ``torch``, ``physicsnemo`` and ``python`` versions,
+            ``engine_id``, ``dist_initialized``, ``patch_reason``, ``collective_timeout_s`` and ``threads``.
+
+        Returns
+        -------
+        pandas.DataFrame
+            Indexed by ``rank``; columns ``pid``, ``device``, ``backend``, ``ddp`` and ``domain`` (the mesh
+            coordinate), ``patch_mode`` (registered-by-physicsnemo, registered-by-sharddbg or none), ``state``
+            (``idle``, ``busy``, or ``dead: `` and how it died) and ``process_group`` (``ok``, or ``broken at`` and
+            why); with ``full``, every column of ``STATUS_COLUMNS`` in that order.
+
+        Raises
+        ------
+        ClusterError
+            The cluster is not running, or the controller died.
+        RankError
+            An idle rank raised while answering.
+        RankTimeoutError
+            An idle rank did not answer within the cluster's ``timeout``.
+
+        Examples
+        --------
+        >>> cl.status()["state"].tolist()
+        ['idle', 'idle', 'dead: killed by signal 9 (SIGKILL)', 'idle']
+        >>> list(cl.status(full=True).columns)[:4]
+        ['pid', 'host', 'device', 'backend']
+        """
         __tracebackhide__ = hide_own_frames()
         import pandas as pd
 
@@ -430,8 +1012,48 @@ class Cluster:
         None while it works; cells are refused until ``recover()``."""
         return self._execution.broken.cause if self._execution is not None and self._execution.broken else None
 
-    def inspect(self, name: str, *, timeout: float | None = None):
-        """The shard inspector for the ShardTensor named ``name`` on the ranks (see sharddbg.cluster.inspect)."""
+    def inspect(self, name: str, *, timeout: float | None = None) -> Any:
+        """The shard inspector for the tensor named ``name`` on the ranks: a widget with its block diagram.
+
+        Every rank sends a snapshot of its part (local reads, no communication between ranks); the snapshots are
+        put together in a ``ShardLayout`` (shapes, offsets and placements checked against each other) and shown by
+        the inspector widget. A ShardTensor, a DTensor or a plain torch.Tensor can be inspected. See
+        ``sharddbg.cluster.inspect``; ``%shard_inspect NAME`` shows the same.
+
+        Parameters
+        ----------
+        name : str
+            A variable of the ranks' %px namespace, or a dotted path to an attribute of one (``"model.weight"``).
+        timeout : float or None
+            Seconds to wait for the snapshots; None: the cluster's ``timeout``.
+
+        Returns
+        -------
+        ShardInspector
+            The widget (``sharddbg.views.inspector.ShardInspector``): ``get_ranks()`` (one row per rank: local
+            shape, offsets, placements, ...), ``text()`` (the inspector as plain text), ``warnings`` and
+            ``shard_layout``.
+
+        Raises
+        ------
+        InspectError
+            ``name`` is not a variable name or dotted path, or the variable is missing on some ranks or is not a
+            tensor there.
+        ClusterError
+            The cluster is not running; ``timeout`` is not a finite number of seconds above 0; a rank is dead, or
+            still runs an earlier call that timed out or a cell nothing waited for; or the controller died.
+        RankError
+            A rank raised while taking its snapshot.
+        RankTimeoutError
+            A rank did not answer in time.
+
+        Examples
+        --------
+        >>> outs = cl.run("x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)")
+        >>> w = cl.inspect("x")
+        >>> w.get_ranks()["local_shape"].tolist()
+        [(1, 3, 17, 64), (1, 3, 17, 64), (1, 3, 16, 64), (1, 3, 16, 64)]
+        """
         __tracebackhide__ = hide_own_frames()
         from .inspect import gather_layout
 
@@ -442,20 +1064,76 @@ class Cluster:
     def trace(self, code: str, *, timeout: float | None = None, display: bool = True,
               options: RecordingOptions | None = None, max_events: int | None = None, unmask: bool | None = None,
               spec_check: bool | None = None, replicas: bool | None = None, preflight: bool | None = None,
-              memory: bool | None = None):
-        """Run ``code`` on every rank under the recorder and gather one :class:`sharddbg.trace.Trace`.
+              memory: bool | None = None) -> Trace:
+        """Run ``code`` on every rank under the recorder and gather one Trace.
 
-        The trace is kept even when the cell fails or times out (ranks that timed out contribute their
-        events up to then, marked incomplete): ``last_trace()`` returns it, and the error is re-raised.
-        Verification while recording: ``spec_check`` flags a ShardTensor result whose spec disagrees with its
-        local tensor (``get_spec_mismatches()``); ``replicas`` digests every tensor that claims Replicate after
-        each op and names the first op where ranks diverge, with the largest difference
-        (``get_replica_divergence()``; it costs a copy and a hash per tensor); ``preflight`` compares each
-        collective inside a recorded op across its group before it is issued, so that a mismatch raises
-        ``CollectiveMismatchError`` on every rank of the group instead of hanging (``get_preflight()``).
-        ``memory``: on GPU ranks, the CUDA allocator's delta over each op (``mem_delta_bytes`` of
-        ``get_ops()``); off by default (two reads of the allocator's counter per op). ``options``: a
-        ``RecordingOptions`` to start from (the keywords given override it).
+        The recorder starts on every rank, the cell runs (as ``run()``), the recorder stops, and the ranks'
+        events are put on one time axis (their clock offsets are measured after the cell). The trace is kept even
+        when the cell fails or times out (ranks that timed out contribute their events up to then, marked
+        incomplete; a rank that died contributes none): ``last_trace()`` returns it, and the error is re-raised.
+        The options are checked first, before anything else, even on a stopped cluster.
+
+        Parameters
+        ----------
+        code : str
+            Python source, run as a cell on every rank.
+        timeout : float or None
+            Seconds to wait for the cell at most; None: the cluster's ``timeout``.
+        display : bool
+            Print each rank's output in rank order.
+        options : RecordingOptions or None
+            The recording options to start from (None: the defaults); the keywords below that are given (not
+            None) override it.
+        max_events : int or None
+            Events kept per rank (default 200000); beyond it events are only counted, as dropped.
+        unmask : bool or None
+            Re-raise a TypeError that PyTorch would report only as "unsupported operand type(s)" as
+            ``UnmaskedOpError``, chained to the real one (on by default).
+        spec_check : bool or None
+            Flag a ShardTensor result whose spec disagrees with its local tensor (``get_spec_mismatches()``; on by
+            default).
+        replicas : bool or None
+            Digest every tensor that claims Replicate after each op and name the first op where ranks diverge,
+            with the largest difference (``get_replica_divergence()``; it costs a copy and a hash per tensor; off
+            by default).
+        preflight : bool or None
+            Compare each collective inside a recorded op across its group before it is issued, so that a mismatch
+            raises ``CollectiveMismatchError`` on every rank of the group instead of hanging (``get_preflight()``;
+            off by default; it needs ``comm``, which ``options`` can turn off).
+        memory : bool or None
+            On GPU ranks, the CUDA allocator's delta over each op (``mem_delta_bytes`` of ``get_ops()``; two reads
+            of the allocator's counter per op; off by default).
+
+        Returns
+        -------
+        Trace
+            Every rank's events; its meta holds the code, the wall time, the cluster's id, mesh and backend, the
+            clock uncertainty, and why ranks are incomplete.
+
+        Raises
+        ------
+        RecordingOptionsError
+            ``options`` is not a RecordingOptions, an option is of the wrong type or out of range, or
+            ``preflight`` is asked for without ``comm`` (a ``ClusterError``).
+        ClusterError
+            The cluster is not running; ``code`` is not a string; ``timeout`` is not a finite number of seconds
+            above 0; the process group is broken; a rank still runs an earlier call that timed out, or a cell
+            nothing waited for; or the controller died.
+        RankError
+            The cell raised on a rank (the trace is kept).
+        RankTimeoutError
+            A rank did not finish the cell in time (the trace is kept, that rank's events marked incomplete).
+        RankDiedError
+            A rank's process died (during the cell: the trace is kept with the other ranks' events).
+
+        Examples
+        --------
+        >>> t = cl.trace("y = torch.nn.functional.conv2d(x, torch.randn(4, 3, 3, 3), padding=1)")
+        >>> t.ranks
+        [0, 1, 2, 3]
+        >>> t = cl.trace("loss = net(x).square().mean(); loss.backward()", replicas=True, preflight=True)
+        >>> t.checks
+        {'spec_check': True, 'replicas': True, 'preflight': True}
         """
         __tracebackhide__ = hide_own_frames()
         options = RecordingOptions.build(options, max_events=max_events, unmask=unmask, spec_check=spec_check,
@@ -470,19 +1148,73 @@ class Cluster:
 
     # ------------------------------------------------------------------ verification
     def smoke(self, setup, step, configs=None, *, steps: int = 3, seed: int = 0, lr: float = 0.01,
-              rtol: float = 1e-3, timeout: float | None = 300.0):
-        """The smoke matrix: the model of ``setup()`` trained with ``step(model, ctx)`` (which returns the
-        loss) in each configuration of ``configs`` on these ranks, against the same model trained on a
-        single device; a :class:`~sharddbg.cluster.smoke.SmokeResult` (``ok``, ``table``, ``show()``).
-        ``setup`` and ``step`` travel to the ranks by value, with the globals they read.
+              rtol: float = 1e-3, timeout: float | None = 300.0) -> SmokeResult:
+        """The smoke matrix: a model trained in each configuration on these ranks, against a single device.
 
-        ``configs``: None (the whole matrix: single device; ddp=N; domain=N; ddp x domain with DDP and with
-        FSDP2; FSDP2 with ddp=1; each with and without torch.compile; inference only; an invalid mesh and a
-        per-domain batch of 2, which must fail), ``"reduced"``, or a list of ``SmokeConfig`` or names.
-        ``steps`` SGD steps (``lr``) per configuration from ``seed``; losses and first-step gradients must
-        agree within ``rtol`` (relative); ``timeout`` per configuration. The mesh is rebuilt on the same
-        engines for each configuration whose mesh differs (``remesh``) and restored at the end: tensors
-        built on the cluster's mesh before must then be rebuilt. See ``sharddbg.cluster.smoke``."""
+        The model of ``setup()`` is trained with ``step(model, ctx)`` (which returns the loss) in each
+        configuration of ``configs`` on these ranks, and compared with the same model trained on a single device:
+        each step's loss and the first step's gradients must agree within ``rtol`` (relative). ``setup`` and
+        ``step`` travel to the ranks by value, with the globals they read. The mesh is rebuilt on the same engines
+        for each configuration whose mesh differs (``remesh``) and restored at the end: tensors built on the
+        cluster's mesh before must then be rebuilt. A configuration that does not behave as expected is a row of
+        the result (not ``ok``), not an exception. See ``sharddbg.cluster.smoke``.
+
+        Parameters
+        ----------
+        setup : callable
+            ``setup()`` builds the model (an ``nn.Module``) on a rank.
+        step : callable
+            ``step(model, ctx)`` runs one step and returns the loss; it draws its data from torch's generator and
+            hands it to the ranks with ``ctx.shard(t, dim)`` (split over the domain group) or ``ctx.replicate(t)``.
+        configs : None, str or list
+            None or ``"full"``: the whole matrix (single device; ddp=N; domain=N; ddp x domain with DDP and with
+            FSDP2; FSDP2 with ddp=1; each with and without torch.compile; inference only; an invalid mesh and a
+            per-domain batch of 2, which must fail). ``"reduced"``: the matrix CI runs. Or a non-empty list of
+            ``SmokeConfig`` or names of the matrix's configurations.
+        steps : int
+            SGD steps per configuration, 2 to 100.
+        seed : int
+            The seed the model and the data are drawn from (0 or more).
+        lr : float
+            The SGD learning rate (0 or more).
+        rtol : float
+            The relative tolerance of the losses and gradients (above 0).
+        timeout : float or None
+            Seconds each configuration may take; None: 300.
+
+        Returns
+        -------
+        SmokeResult
+            ``ok`` (every configuration as expected), ``table`` (one row per configuration, indexed by its name:
+            outcome, loss and gradient error, ms per step, fallbacks and collectives per step, the losses, ...),
+            ``failed``, ``trace(name)`` (a configuration's recorded step), ``verdict``, ``show()`` and
+            ``plot_losses()``.
+
+        Raises
+        ------
+        SmokeError
+            ``setup`` or ``step`` cannot be called as ``setup()`` / ``step(model, ctx)``; ``steps``, ``seed``,
+            ``lr`` or ``rtol`` is out of range; ``configs`` is none of the above, names a configuration twice or
+            one that does not exist, or holds a ``SmokeConfig`` that is malformed or whose mesh does not fit the
+            cluster (unless it expects ``MeshError``); or the single-device reference run failed, so nothing can
+            be compared (a ``ClusterError``).
+        ClusterError
+            The cluster is not running; the process group is broken; ``timeout`` is not a finite number of
+            seconds above 0; or putting the cluster's own mesh back failed.
+
+        Examples
+        --------
+        >>> def setup():
+        ...     from torch import nn
+        ...     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 2, 3, padding=1))
+        >>> def step(model, ctx):
+        ...     import torch
+        ...     x = ctx.shard(torch.randn(1, 3, 34, 16), 2)
+        ...     return model(x).pow(2).mean()
+        >>> result = cl.smoke(setup, step, "reduced")
+        >>> result.ok, result.failed
+        (True, [])
+        """
         __tracebackhide__ = hide_own_frames()
         from .smoke import run_smoke
 
@@ -491,13 +1223,50 @@ class Cluster:
         return run_smoke(self._execution, self._group, setup, step, configs, steps=steps, seed=seed, lr=lr,
                          rtol=rtol, timeout=timeout)
 
-    def check_replicas(self, model: str, *, mesh_dim: str = "domain", timeout: float | None = None):
-        """Are the parameters and buffers of the nn.Module named ``model`` on the ranks (a variable or an
-        expression of their namespace) the same on every rank of each ``mesh_dim`` group? Digests on every rank,
-        then, for those that differ, the largest difference to the group's first rank, gathered on the ranks;
-        a :class:`~sharddbg.cluster.replicas.ReplicaCheck` (``ok``, ``table``, ``show()``, a verdict line).
-        Parameters sharded over ``mesh_dim`` are not replicas there and are listed as such. See
-        ``sharddbg.cluster.replicas``."""
+    def check_replicas(self, model: str, *, mesh_dim: str = "domain", timeout: float | None = None) -> ReplicaCheck:
+        """Are the parameters and buffers of a model the same on every rank of each ``mesh_dim`` group?
+
+        Every rank digests each parameter and buffer of the nn.Module (no communication); the digests are compared
+        within each group of ``mesh_dim``, and for those that differ the largest difference to the group's first
+        rank is gathered on the ranks. Parameters sharded over ``mesh_dim`` are not replicas there and are listed
+        as such. See ``sharddbg.cluster.replicas``.
+
+        Parameters
+        ----------
+        model : str
+            The nn.Module on the ranks: a variable or an expression of their namespace.
+        mesh_dim : {"domain", "ddp"}
+            The mesh dim whose groups must hold the same values.
+        timeout : float or None
+            Seconds each call on the ranks may take; None: the cluster's ``timeout``.
+
+        Returns
+        -------
+        ReplicaCheck
+            ``ok``, ``table`` (one row per parameter or buffer and group: ``name``, ``kind``, ``group_ranks``,
+            ``state`` (same, differs, sharded or mismatch), ``ranks_differing``, ``reference_rank``,
+            ``max_abs_diff``, ``shape``, ``dtype``, ``placements``, ``detail``), ``differing``, ``verdict`` (a line,
+            also the repr) and ``show()``.
+
+        Raises
+        ------
+        ClusterError
+            The cluster is not running; the process group is broken; ``model`` is not a non-empty string;
+            ``mesh_dim`` is not an axis of the mesh; ``timeout`` is not a finite number of seconds above 0; or the
+            controller died.
+        RankError
+            The expression raised on a rank, or is not an nn.Module there.
+        RankTimeoutError
+            A rank did not answer in time.
+
+        Examples
+        --------
+        >>> r = cl.check_replicas("net")
+        >>> r.ok
+        True
+        >>> cl.check_replicas("net", mesh_dim="ddp").differing
+        []
+        """
         __tracebackhide__ = hide_own_frames()
         from .replicas import check_replicas
 
@@ -507,17 +1276,69 @@ class Cluster:
 
     def check(self, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
               rtol: float | None = None, atol: float | None = None, grads: bool = True,
-              timeout: float | None = None, display: bool = True):
-        """Run ``stmt`` on the ranks (sharded), then the same statement unsharded in a separate process, and
-        compare every output, input gradient and parameter gradient per tensor and rank: a
-        :class:`~sharddbg.cluster.verify.CheckResult` (``ok``, ``table``, ``rows``, ``show()``, a verdict line).
+              timeout: float | None = None, display: bool = True) -> CheckResult:
+        """Run ``stmt`` sharded on the ranks and unsharded in a separate process; compare outputs and gradients.
 
-        ``inputs``: the names bound to their ``full_tensor()`` in the reference (default: the tensors the
-        statement reads); ``outputs``: the names compared after it (default: those it binds); ``model``: the
-        modules copied with rank 0's weights whose parameter gradients are compared (default: the modules it
-        reads); ``loss``: an expression (default: the sum of the mean squares of the outputs); ``rtol`` /
-        ``atol``: tolerances (default by dtype; atol relative to each tensor's scale); ``grads=False``: outputs
-        only. See ``sharddbg.cluster.verify``."""
+        Every output, input gradient and parameter gradient is compared per tensor and rank. The result is also
+        what ``doctor()`` reads next (a gradient reduced more than once). See ``sharddbg.cluster.verify``.
+
+        Parameters
+        ----------
+        stmt : str
+            The statement (Python source; a whole forward and loss works too).
+        inputs : str, list of str or None
+            The names bound to their ``full_tensor()`` in the reference (``"x"``, ``"x, y"`` or a list); None: the
+            tensors the statement reads.
+        outputs : str, list of str or None
+            The names compared after it; None: those it binds.
+        model : str, list of str or None
+            The modules copied with rank 0's weights whose parameter gradients are compared; None: the modules it
+            reads.
+        loss : str or None
+            An expression of the loss; None: the sum of the mean squares of the outputs.
+        rtol : float or None
+            Relative tolerance (0 or more); None: by dtype.
+        atol : float or None
+            Absolute tolerance, relative to each tensor's scale (0 or more); None: by dtype.
+        grads : bool
+            Compare gradients too; False: outputs only.
+        timeout : float or None
+            Seconds each step may take (on the ranks and in the reference process); None: the cluster's
+            ``timeout``.
+        display : bool
+            Show the statement's output as a cell's.
+
+        Returns
+        -------
+        CheckResult
+            ``ok``, ``table`` (one row per tensor and rank), ``rows`` (the error per row along each tensor's
+            sharded dim), ``failures()``, ``verdict`` (a line, also the repr), ``show()`` and ``plot_rows()``.
+
+        Raises
+        ------
+        CheckError
+            An argument is not as described (``stmt`` or ``loss`` not valid Python, a name not an identifier,
+            ``outputs`` naming nothing, a negative tolerance, ``grads`` not a bool, a name both an input and a
+            model); the ranks refused the request (names they do not have, ...); or the unsharded reference
+            raised, failed, or did not finish within ``timeout``.
+        ClusterError
+            The cluster is not running; ``timeout`` is not a finite number of seconds above 0; the process group is
+            broken; a rank is dead; or the controller died.
+        RankError
+            The statement raised on a rank.
+        RankTimeoutError
+            A rank did not finish a step in time.
+        RankDiedError
+            A rank's process died meanwhile.
+
+        Examples
+        --------
+        >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net")
+        >>> r.ok
+        True
+        >>> cl.check("y = net(x)", grads=False, rtol=1e-4).ok
+        True
+        """
         __tracebackhide__ = hide_own_frames()
         from .verify import run_check
 
@@ -526,13 +1347,51 @@ class Cluster:
                                      rtol=rtol, atol=atol, grads=grads, timeout=timeout, display=display)
         return self._last_check
 
-    def doctor(self, *names: str, check=None, trace=None, timeout: float | None = None):
-        """The pitfall doctor: one row per known ShardTensor pitfall (ok / warn / fail / skip, what was found,
-        the fix), from what the ranks hold (``names``: the variables to examine; default every one), the last
-        :meth:`check` (or ``check``, a CheckResult: whether gradients were reduced more than once) and the last
-        trace (or ``trace``, a Trace: stale entries in DTensor's redistribution plan cache). A
-        :class:`~sharddbg.cluster.doctor.DoctorReport` (``ok``, ``table``, ``show()``, a verdict line). See
-        ``sharddbg.cluster.doctor``."""
+    def doctor(self, *names: str, check=None, trace=None, timeout: float | None = None) -> DoctorReport:
+        """The pitfall doctor: one row per known ShardTensor pitfall (ok / warn / fail / skip, what was found, the fix).
+
+        From what the ranks hold, the last ``check()`` (whether gradients were reduced more than once) and the last
+        trace (stale entries in DTensor's redistribution plan cache). See ``sharddbg.cluster.doctor``.
+
+        Parameters
+        ----------
+        *names : str
+            The variables of the ranks to examine; none: every one.
+        check : CheckResult or None
+            The numerical check to read; None: this cluster's last ``check()``.
+        trace : Trace or None
+            The trace to read; None: this cluster's last ``trace()``.
+        timeout : float or None
+            Seconds the ranks may take to answer; None: the cluster's ``timeout``.
+
+        Returns
+        -------
+        DoctorReport
+            ``ok`` (no check failed), ``table`` (one row per check: ``check``, ``status``, ``found``, ``fix``,
+            ``ranks``), ``failures()``, ``finding(check)``, ``status(check)``, ``verdict`` (a line, also the repr)
+            and ``show()``.
+
+        Raises
+        ------
+        DoctorError
+            A name is not an identifier or is missing on some ranks; ``check`` is not a CheckResult; ``trace`` is
+            not a Trace.
+        ClusterError
+            The cluster is not running; ``timeout`` is not a finite number of seconds above 0; a rank is dead or
+            still runs an earlier call; or the controller died.
+        RankError
+            A rank raised while answering.
+        RankTimeoutError
+            A rank did not answer in time.
+
+        Examples
+        --------
+        >>> report = cl.doctor("net", "x")
+        >>> report.ok
+        True
+        >>> report.status("weights synced over the domain axis")
+        'ok'
+        """
         __tracebackhide__ = hide_own_frames()
         from .doctor import run_doctor
 
@@ -540,9 +1399,32 @@ class Cluster:
         return run_doctor(self._execution, list(names), check=self._last_check if check is None else check,
                           trace=self._tracer.last if trace is None else trace, timeout=timeout)
 
-    def last_trace(self, required: bool = True):
-        """The Trace of the last ``trace()`` / ``%%shard_trace`` on this cluster; with ``required=False``,
-        None when nothing was traced yet (instead of an error)."""
+    def last_trace(self, required: bool = True) -> Trace | None:
+        """The Trace of the last ``trace()`` / ``%%shard_trace`` on this cluster.
+
+        A trace whose cell failed or timed out is kept too; it stays after ``stop()``.
+
+        Parameters
+        ----------
+        required : bool
+            Raise when nothing was traced yet; False: return None instead.
+
+        Returns
+        -------
+        Trace or None
+            The last trace; None when nothing was traced yet and ``required`` is False.
+
+        Raises
+        ------
+        ShardDbgError
+            Nothing was traced on this cluster yet, and ``required``.
+
+        Examples
+        --------
+        >>> t = cl.last_trace()
+        >>> sharddbg.Cluster(n=2).last_trace(required=False) is None
+        True
+        """
         if self._tracer.last is None and required:
             raise ShardDbgError("nothing was traced on this cluster yet; run a cell with %%shard_trace or cl.trace(code)")
         return self._tracer.last

@@ -562,14 +562,65 @@ class PendingCell:
         return self._shown
 
     def done(self) -> bool:
-        """Every rank finished the cell (or get()/wait() found it over: failed, or past its time limit)."""
+        """Whether the cell is over: every rank finished it, or get() / wait() found it over.
+
+        Over also means failed, or past its time limit. It never waits. ``ready()`` is the same method
+        (ipyparallel's name).
+
+        Returns
+        -------
+        bool
+            True when every rank finished the cell, or a wait found it failed or past its time limit.
+
+        Examples
+        --------
+        >>> cell = cl.submit("import time; time.sleep(5)")
+        >>> cell.done()
+        False
+        >>> cell.wait()
+        True
+        >>> cell.done()
+        True
+        """
         return self._over_at is not None or self._ar.ready()
 
     ready = done  # ipyparallel's name
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait at most ``timeout`` seconds (None: up to the cell's time limit); True when the cell is over (every
-        rank finished, a rank failed or died, or the time limit passed): get() then answers at once."""
+        """Wait at most ``timeout`` seconds for the cell to be over; whether it is.
+
+        Over: every rank finished, a rank failed or died, or the cell's time limit (counted from when it was sent)
+        passed; get() then answers at once. A wait that ends while the ranks still run within their limit changes
+        nothing and returns False. Meanwhile it does what ``run()`` does while it waits: ranks waiting in a
+        collective for a rank that raised are released; past the time limit, where each rank waits is diagnosed
+        (the ``RankTimeoutError`` get() raises) and new work for its ranks is refused until ``recover()``.
+        Nothing is printed (with ``stream``, each rank's lines as they arrive); the cell's error is kept for
+        get(), not raised here.
+
+        Parameters
+        ----------
+        timeout : float or None
+            Seconds to wait at most; None: up to the cell's time limit.
+
+        Returns
+        -------
+        bool
+            True when the cell is over (also when the cluster was stopped or restarted since it was sent), False
+            when its ranks still run.
+
+        Raises
+        ------
+        ClusterError
+            ``timeout`` is not a finite number of seconds above 0.
+
+        Examples
+        --------
+        >>> cell = cl.submit("import time; time.sleep(30)", timeout=60)
+        >>> cell.wait(1)
+        False
+        >>> cell.wait()
+        True
+        """
         __tracebackhide__ = hide_own_frames()
         timeout = arguments.seconds("timeout", timeout, allow_none=True)
         if self._over_at is None:
@@ -580,9 +631,50 @@ class PendingCell:
         return True
 
     def get(self, timeout: float | None = None) -> list[RankOutput]:
-        """Wait until the cell is over, at most ``timeout`` seconds (None: up to its time limit; a shorter wait
-        that ends first raises ``CellStillRunningError`` and changes nothing). Prints the output once (``groupby``,
-        ``results``); returns each rank's ``RankOutput`` in rank order, or raises the cell's error."""
+        """Wait until the cell is over; print each rank's output once; return the outputs or raise the cell's error.
+
+        It waits at most ``timeout`` seconds (None: up to the cell's time limit); a shorter wait that ends first
+        raises ``CellStillRunningError`` and changes nothing. The output is printed at the first get() only (also
+        when the cell failed), in rank order, grouped as ``groupby`` says, with each rank's value of the cell's
+        last expression when ``results`` is set (with ``stream``, the lines were printed as they came and are not
+        printed again). A later get() returns the same outputs, or raises the same error, without printing.
+
+        Parameters
+        ----------
+        timeout : float or None
+            Seconds to wait at most; None: up to the cell's time limit.
+
+        Returns
+        -------
+        list of RankOutput
+            One per rank of the cell, in rank order (``rank``, ``stdout``, ``stderr``, ``result``, ``error``,
+            ``displays``).
+
+        Raises
+        ------
+        ClusterError
+            ``timeout`` is not a finite number of seconds above 0; the cluster was stopped or restarted since the
+            cell was sent (its outcome is lost); or the controller died.
+        CellStillRunningError
+            ``timeout`` ended before the cell, whose ranks still run within its time limit; get() or wait() again.
+        RankError
+            A rank raised (ranks that waited for it in a collective were released, as in ``run()``).
+        RankTimeoutError
+            A rank did not finish within the cell's time limit; its ``report`` says where each rank waits.
+        RankDiedError
+            A rank's process died while it ran the cell.
+
+        Examples
+        --------
+        >>> cell = cl.submit("print(rank)")
+        >>> outs = cell.get()
+        [rank 0] 0
+        [rank 1] 1
+        [rank 2] 2
+        [rank 3] 3
+        >>> outs[2].stdout.strip()
+        '2'
+        """
         __tracebackhide__ = hide_own_frames()
         timeout = arguments.seconds("timeout", timeout, allow_none=True)
         if self._over_at is None:
@@ -595,8 +687,32 @@ class PendingCell:
         return self._outputs
 
     def display_outputs(self, groupby: str | None = None) -> None:
-        """Print what every rank printed so far, in rank order (``groupby``: one of GROUPINGS, default the
-        cell's), with each rank's value once it finished."""
+        """Print what every rank printed so far, in rank order.
+
+        It can be called while the cell runs (the output up to now) and as often as wanted (get() prints once);
+        when ``results`` is set, each finished rank's value of the cell's last expression is printed too.
+
+        Parameters
+        ----------
+        groupby : str or None
+            ``"engine"`` (each rank's output together), ``"type"`` (every rank's stdout, then every rank's stderr,
+            then rich output, then values) or ``"order"`` (as ``"type"``, rich output collated); None: the cell's
+            ``groupby``.
+
+        Raises
+        ------
+        ClusterError
+            ``groupby`` is not one of those.
+
+        Examples
+        --------
+        >>> cell = cl.submit("print('started'); import time; time.sleep(30)")
+        >>> cell.display_outputs()
+        [rank 0] started
+        [rank 1] started
+        [rank 2] started
+        [rank 3] started
+        """
         outputs = self._outputs if self._over_at is not None else self._execution._outputs(
             self._ar, self.ranks, finished=False, partial=True)
         show(outputs, groupby or self.groupby, results=self.results)
