@@ -43,10 +43,9 @@ from .analysis.findings import Finding, TraceOverview
 from .errors import ShardDbgWarning, TraceFileError
 from .files import write_file_atomically
 
-if TYPE_CHECKING:  # the return types of the views; never imported when sharddbg runs
+if TYPE_CHECKING:  # the return types of the views, for type checkers only (never imported when sharddbg runs)
+    import anywidget
     import plotly.graph_objects as go
-
-    from .views.explorer import TraceExplorer
 
 TRACE_FORMAT = "sharddbg.trace"
 TRACE_VERSION = 1
@@ -862,7 +861,7 @@ class Trace:
         return rendering.perfetto(self, path)
 
     # ---- views and the HTML report (through sharddbg.rendering: the data layer never needs plotly or widgets)
-    def show(self, **kwargs) -> TraceExplorer:
+    def show(self, **kwargs) -> anywidget.AnyWidget:
         """The trace explorer widget: errors and fallbacks first, filters, per-rank detail of an op.
 
         Parameters
@@ -874,8 +873,8 @@ class Trace:
 
         Returns
         -------
-        TraceExplorer
-            The widget; displayed when it is a cell's last value.
+        anywidget.AnyWidget
+            The widget, a ``views.explorer.TraceExplorer``; displayed when it is a cell's last value.
 
         Examples
         --------
