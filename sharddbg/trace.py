@@ -296,7 +296,7 @@ class Trace:
         dispatch adds (and whether it dominates), communication exclusive and inclusive, collectives in
         flight, errors, where in the code (``analysis.summary.op_summary``; its module docstring defines
         every column). Forward rows are the user's own calls (depth 0); backward rows are the backward
-        events.
+        events (and forward-path ops the autograd engine called).
 
         Parameters
         ----------
@@ -320,8 +320,7 @@ class Trace:
 
         Examples
         --------
-        >>> s = t.get_op_summary()
-        >>> s[s["dispatch_bound"]][["op", "path", "steady_ms_median", "local_ms_median"]]
+        >>> t.get_op_summary().query("dispatch_bound")[["op", "path", "steady_ms_median", "local_ms_median"]]
         >>> int(t.get_op_summary(nested=True)["calls"].sum()) == len(t.get_ops())
         True
         """
