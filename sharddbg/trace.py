@@ -10,7 +10,8 @@ File format (``save`` / ``load_trace``), JSON::
 
     {"format": "sharddbg.trace", "version": 1, "schema_version": 7,
      "meta": {...}, "clock_offsets_ns": {"0": 0, "1": -1234, ...},
-     "incomplete_ranks": [2], "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
+     "incomplete_ranks": [2], "ranks": [0, 1, 2, ...],
+     "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 
 Every writer (``save``, ``to_perfetto``, ``to_html``) goes through ``write_file_atomically``: the file
 appears whole or not at all. ``load_trace`` refuses, naming the field (and payload, rank, event), a file
@@ -27,7 +28,7 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -42,6 +43,10 @@ from .analysis.findings import Finding, TraceOverview
 from .errors import ShardDbgWarning, TraceFileError
 from .files import write_file_atomically
 
+if TYPE_CHECKING:  # the return types of the views, for type checkers only (never imported when sharddbg runs)
+    import anywidget
+    import plotly.graph_objects as go
+
 TRACE_FORMAT = "sharddbg.trace"
 TRACE_VERSION = 1
 
@@ -50,13 +55,47 @@ __all__ = ["Trace", "load_trace", "TRACE_FORMAT", "TRACE_VERSION", "MAX_ABS_INT"
 
 
 class Trace:
-    """Events of every rank of one recording. Build with ``Trace.from_payloads`` or ``load_trace``.
+    """Events of every rank of one recording, on one clock, as pandas DataFrames.
 
-    ``clock_offsets_ns[r]``: how far rank r's clock is ahead of the reference (client) clock;
-    every time in the DataFrames is ``rank time - offset``.
-    ``incomplete_ranks``: ranks whose recording did not finish (timed out: events up to the snapshot,
-    in-flight ops marked ``in_flight``) or that sent nothing at all; a rank whose payload is None or
-    says ``complete`` False is always among them.
+    ``Cluster.trace`` and ``%%shard_trace`` hand one back; build one with ``Trace.from_payloads`` (from the
+    recorders' payloads) or ``load_trace`` (from a file ``save`` wrote). Every ``get_*()`` returns a new
+    DataFrame; ``show()``, ``plot_*()``, ``to_html()`` and ``to_perfetto()`` render the trace. The
+    arguments are kept as attributes of the same names: ``payloads`` sorted by rank, ``clock_offsets_ns``
+    for those ranks, ``incomplete_ranks`` sorted, ``meta`` read-only.
+
+    Parameters
+    ----------
+    payloads : dict of int to dict or None
+        Rank -> its payload (``schema.py``), or None for a rank that sent nothing. Not checked here:
+        ``from_payloads`` and ``load_trace`` check them first.
+    clock_offsets_ns : dict of int to int
+        Rank -> how far its clock is ahead of the reference (client) clock, in ns; a rank left out has 0.
+        Every time in the DataFrames is ``rank time - offset``.
+    incomplete_ranks : iterable of int
+        Ranks whose recording did not finish (timed out: events up to the snapshot, in-flight ops marked
+        ``in_flight``) or that sent nothing at all. A rank whose payload is None or says ``complete``
+        False is always among them, listed here or not.
+    meta : dict or None
+        What the trace says about itself (the keys ``schema.TRACE_META_FIELDS`` names: the code, the
+        cluster, the clock, why ranks are incomplete, ...; other keys are kept and read by nothing). Set
+        when the trace is built, read-only afterwards.
+
+    Raises
+    ------
+    SchemaError
+        A key of ``meta`` that ``schema.TRACE_META_FIELDS`` names holds what it does not allow.
+
+    Notes
+    -----
+    When a recorder's buffer overflowed, building the trace issues a ``ShardDbgWarning`` saying how many
+    events were dropped, per rank, and that a larger ``max_events`` (``--max-events``) keeps them all.
+
+    Examples
+    --------
+    >>> t = cl.trace("y = torch.nn.functional.conv2d(x, w, padding=1)")
+    >>> t.incomplete_ranks  # every rank finished the cell
+    []
+    >>> t.get_ops()[["rank", "op", "path", "host_ms"]]
     """
 
     def __init__(self, payloads: dict[int, dict | None], clock_offsets_ns: dict[int, int],
@@ -83,9 +122,44 @@ class Trace:
     @classmethod
     def from_payloads(cls, payloads: list | dict, clock_offsets_ns: dict | list | None = None,
                       meta: dict | None = None, incomplete_ranks: Iterable[int] = ()) -> "Trace":
-        """``payloads``: per rank (list in rank order, or {rank: payload}); ``None`` for a rank that
-        returned nothing. Payloads from ``recorder.peek()`` (``complete`` False) mark their rank incomplete.
-        ``clock_offsets_ns``: {rank: ns} or a list in rank order (default: all 0).
+        """Build a trace from the payloads the ranks' recorders returned.
+
+        Each payload is checked (``schema.validate_payload``) before anything is built. A payload's rank is
+        its own ``"rank"`` field; the list position or dict key places only a None. A None, and a payload
+        from ``recorder.peek()`` (``complete`` False), mark their rank incomplete.
+
+        Parameters
+        ----------
+        payloads : list or dict
+            Per rank: a list in rank order, or {rank: payload}; None for a rank that returned nothing.
+        clock_offsets_ns : dict or list or None
+            {rank: ns} or a list in rank order: how far each rank's clock is ahead of the reference clock.
+            Default: all 0.
+        meta : dict or None
+            The trace's meta (``schema.TRACE_META_FIELDS``), as the class takes it.
+        incomplete_ranks : iterable of int
+            More ranks to mark incomplete (a rank that timed out or whose process died).
+
+        Returns
+        -------
+        Trace
+            The trace of these payloads, ranks in ascending order.
+
+        Raises
+        ------
+        SchemaError
+            A payload that is not a valid payload of this schema, two payloads that claim the same rank, or
+            a ``meta`` that ``schema.TRACE_META_FIELDS`` refuses.
+
+        Examples
+        --------
+        On one process, without a cluster:
+
+        >>> with sharddbg.record() as rec:
+        ...     y = model(x)
+        >>> t = sharddbg.Trace.from_payloads([rec.payload()])
+        >>> t.ranks
+        [0]
         """
         items = payloads.items() if isinstance(payloads, dict) else enumerate(payloads)
         by_rank: dict[int, dict | None] = {}
@@ -109,15 +183,19 @@ class Trace:
     # ---- facts ------------------------------------------------------------------------------------
     @property
     def ranks(self) -> list[int]:
+        """The ranks this trace holds, ascending, those that sent nothing included."""
         return list(self.payloads)
 
     @property
     def world_size(self) -> int:
+        """The number of ranks of the recording: the largest ``world_size`` a payload states, and never less
+        than the number of ranks this trace holds."""
         ws = [p["world_size"] for p in self.payloads.values() if p]
         return max(ws + [len(self.payloads)])
 
     @property
     def dropped_by_rank(self) -> dict[int, int]:
+        """Events lost to a full buffer, per rank ({rank: count}); only the ranks that lost some."""
         return {r: p["dropped"] for r, p in self.payloads.items() if p and p["dropped"]}
 
     @property
@@ -136,12 +214,34 @@ class Trace:
     def checks(self) -> dict[str, bool]:
         """Which verifications ran while recording (schema version 5, payload meta): ``spec_check`` (each
         ShardTensor result's spec against its local tensor), ``replicas`` (digests of what claims Replicate),
-        ``preflight`` (collectives compared across their group before being issued). All False for older
-        files: nothing was looked for, so their empty tables mean "not checked"."""
+        ``preflight`` (collectives compared across their group before being issued). True where any rank ran
+        it. All False for older files: nothing was looked for, so their empty tables mean "not checked"."""
         metas = [p["meta"] for p in self.payloads.values() if p and p["schema_version"] >= 5]
         return {name: any(bool(m.get(name)) for m in metas) for name in ("spec_check", "replicas", "preflight")}
 
     def events(self, rank: int) -> list[dict]:
+        """The records of one rank, as its recorder wrote them.
+
+        Op, collective and error records (``schema.py``) in the payload's order, times on that rank's own
+        clock (the DataFrames move them onto the reference clock). The list is new, the records in it are
+        the trace's own: change a copy, not them.
+
+        Parameters
+        ----------
+        rank : int
+            The rank whose records to give.
+
+        Returns
+        -------
+        list of dict
+            Its records; empty for a rank that sent nothing or that the trace does not hold.
+
+        Examples
+        --------
+        >>> op_records = [e for e in t.events(0) if e["kind"] == "op"]
+        >>> len(op_records) == len(t.get_ops().query("rank == 0"))
+        True
+        """
         p = self.payloads.get(rank)
         return list(p["events"]) if p else []
 
@@ -152,140 +252,489 @@ class Trace:
 
     # ---- DataFrames (one-line delegations) ---------------------------------------------------------
     def get_ops(self) -> pd.DataFrame:
-        """One row per op call (forward and backward) per rank; times on the reference clock. Beside the
+        """Every op call of every rank, one row each: the table the others are built from.
+
+        One row per op call (forward and backward) per rank; times on the reference clock. Beside the
         record's fields: ``location`` (where the user's code made the call: "cell [6], line 5: `y = x + x`"),
         ``message`` / ``exc_type`` / ``traceback`` of an error, ``local_ms`` (CPU: the call's own local
         computation, timed after recording), ``spec_mismatches`` (the records of results whose spec disagrees
-        with their local tensor) and ``spec_mismatch`` (the same in one line, None where they agree: the
-        mark for a view)."""
+        with their local tensor) and ``spec_mismatch`` (the same in one line, missing where they agree: the
+        mark for a view). Built once (``analysis.ops.ops_frame``); each call returns a copy.
+
+        Returns
+        -------
+        pandas.DataFrame
+            Sorted by ``rank``, then ``seq``. Columns: ``rank``; the op record's fields
+            (``schema.OP_FIELDS``) ``seq``, ``parent_seq``, ``depth``, ``op``, ``path``, ``handler``,
+            ``phase``, ``autograd_node``, ``module``, ``user_frame``, ``in_local_shapes``,
+            ``in_global_shapes``, ``out_local_shape``, ``out_global_shape``, ``placements``, ``dtype``,
+            ``sharding_shapes``, ``in_bytes``, ``out_bytes``, ``t_start_ns``, ``t_end_ns``, ``host_ms``,
+            ``device_ms``, ``mem_delta_bytes``, ``error`` ("exc_type: message", missing when the call did
+            not raise), ``fwd_seq``, ``in_placements``, ``fallback``, ``not_implemented``, ``in_flight``,
+            ``thread``; then ``exc_type``, ``traceback``, ``error_origin_seq`` (the seq of the op where the
+            exception was first seen), ``unmasked``, ``promotions``, ``user_cell``, ``user_code``,
+            ``location``, ``local_ms``, ``message``, ``spec_mismatches``, ``spec_mismatch``.
+            ``host_ms``, ``device_ms``, ``local_ms`` and ``mem_delta_bytes`` are floats, NaN where not
+            measured; ``t_start_ns``, ``t_end_ns`` (missing for a call still running at snapshot time),
+            ``parent_seq``, ``fwd_seq``, ``error_origin_seq`` and ``user_cell`` are nullable integers.
+
+        Examples
+        --------
+        >>> ops = t.get_ops()
+        >>> ops[ops["exc_type"].notna()][["rank", "op", "exc_type", "location"]]
+        >>> ops.groupby(["path", "phase"])["host_ms"].sum()
+        """
         if self._ops is None:
             self._ops = _ops.ops_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
                                        self.clock_offsets_ns)
         return self._ops.copy()
 
     def get_op_summary(self, nested: bool = False) -> pd.DataFrame:
-        """The table to read first: one row per (op, dispatch path, phase) with calls, ranks, first-call and
-        steady-state host time (median, p95), device / local time, what host dispatch adds (and whether it
-        dominates), communication exclusive and inclusive, collectives in flight, errors, where in the code.
-        Forward rows are the user's own calls (``nested=True``: every call); see analysis/summary.py."""
+        """The table to read first: one row per (op, dispatch path, phase), all ranks together.
+
+        Calls, ranks, first-call and steady-state host time (median, p95), device / local time, what host
+        dispatch adds (and whether it dominates), communication exclusive and inclusive, collectives in
+        flight, errors, where in the code (``analysis.summary.op_summary``; its module docstring defines
+        every column). Forward rows are the user's own calls (depth 0); backward rows are the backward
+        events (and forward-path ops the autograd engine called).
+
+        Parameters
+        ----------
+        nested : bool
+            Also count the calls made from inside another recorded op, as rows of their own (every call).
+
+        Returns
+        -------
+        pandas.DataFrame
+            Largest ``host_ms_total`` first (then most ``calls``; NaN last). Columns: ``op``, ``path``,
+            ``phase``, ``calls``, ``ranks`` (list), ``first_calls`` / ``first_ms_median`` (the first call
+            on a rank with given local input shapes), ``steady_calls`` / ``steady_ms_median`` /
+            ``steady_ms_p95`` (every other call), ``host_ms_total``, ``device_ms_median``,
+            ``local_ms_median`` (``device_ms`` on CUDA, ``local_ms`` on CPU), ``dispatch_ms_median`` (host
+            time minus own communication minus local time), ``dispatch_bound`` (even the least dispatch time
+            exceeds the local computation), ``n_collectives`` / ``comm_ms`` / ``bytes`` (the collectives of
+            the calls themselves) and ``n_collectives_inclusive`` / ``comm_ms_inclusive`` /
+            ``bytes_inclusive`` (with those of the recorded ops they ran), ``n_in_flight``, ``errors``
+            (calls that raised), ``fallback`` (bool), ``category`` ("compute", "metadata" or "autograd"),
+            ``locations`` (list). Empty, with these columns, when no op was recorded.
+
+        Examples
+        --------
+        >>> t.get_op_summary().query("dispatch_bound")[["op", "path", "steady_ms_median", "local_ms_median"]]
+        >>> int(t.get_op_summary(nested=True)["calls"].sum()) == len(t.get_ops())
+        True
+        """
         return _summary.op_summary(self.get_ops(), self.get_collectives(), nested)
 
     def get_fallbacks(self, include_metadata: bool = False) -> pd.DataFrame:
-        """Ops whose computation took a DTensor fallback: op, path, calls, ranks, host_ms_total, user_frames,
-        ..., locations. Metadata reads (``shape``, ``ndim``, ``dtype``, ``detach``, ...) only with
-        ``include_metadata=True`` (``category`` "metadata"); ``Tensor.backward`` is never one (its time is the
-        whole backward pass)."""
+        """Ops whose computation took a DTensor fallback, one row per (op, path).
+
+        Metadata reads (``shape``, ``ndim``, ``dtype``, ``detach``, ...) are left out unless asked for;
+        ``Tensor.backward`` is never one (its time is the whole backward pass, whose nodes are recorded on
+        their own). ``analysis.ops.fallbacks``.
+
+        Parameters
+        ----------
+        include_metadata : bool
+            Also list the metadata reads (``category`` "metadata").
+
+        Returns
+        -------
+        pandas.DataFrame
+            Largest ``host_ms_total`` first, then most ``calls``. Columns: ``op``, ``path`` (the handler's
+            path when ``via_handler``), ``calls`` (forward calls), ``ranks`` (list), ``host_ms_total``
+            (their host time, NaN where not measured), ``user_frames`` (list), ``via_handler`` (the op had a
+            handler that itself called the fallback), ``bwd_host_ms_total`` (time of their backward events,
+            the output node only), ``category`` ("compute" or "metadata"), ``locations`` (where the user's
+            code made the calls, list). Empty, with these columns, when there are none.
+
+        Examples
+        --------
+        >>> t.get_fallbacks()[["op", "calls", "host_ms_total", "locations"]]
+        >>> fb = t.get_fallbacks(include_metadata=True)
+        >>> fb[fb["category"] == "metadata"]["op"].tolist()
+        """
         return _ops.fallbacks(self.get_ops(), include_metadata)
 
     def get_errors(self, include_propagated: bool = False) -> pd.DataFrame:
-        """Real exceptions per rank: one row per origin, the innermost recorded op that raised it, or the cell
-        itself for an exception raised outside every recorded op (``op`` is ``<outside recorded ops>``,
-        ``user_frame`` the cell's line); ``message`` whole, ``traceback`` from the user's line down;
-        ``cell_line`` / ``cell_code``: the cell statement the exception ended; ``location``: where, as
-        "cell [6], line 5: `y = x + x`" (analysis/ops.py ``errors``)."""
+        """Real exceptions per rank: one row per origin (``analysis.ops.errors``).
+
+        The origin is the innermost recorded op that raised it, or the cell itself for an exception raised
+        outside every recorded op (``op`` is ``<outside recorded ops>``, ``user_frame`` the cell's line).
+        ``message`` whole, ``traceback`` from the user's line down; ``cell_line`` / ``cell_code``: the cell
+        statement the exception ended; ``location``: where, as "cell [6], line 5: `y = x + x`".
+
+        Parameters
+        ----------
+        include_propagated : bool
+            Also give a row for every enclosing recorded op the same exception went through.
+
+        Returns
+        -------
+        pandas.DataFrame
+            Sorted by ``rank``, then ``seq``. Columns: ``rank``, ``seq``, ``op``, ``path``, ``exc_type``,
+            ``message``, ``traceback``, ``user_frame``, ``phase`` ("cell" for an exception outside every
+            recorded op), ``unmasked`` (re-raised as ``UnmaskedOpError``), ``propagated_to`` (seqs of the
+            enclosing ops it went through), ``cell_line``, ``cell_code``, ``location``. Empty, with these
+            columns, when nothing raised.
+
+        Examples
+        --------
+        >>> t.get_errors()[["rank", "op", "exc_type", "location"]]
+        >>> print(t.get_errors()["traceback"].iloc[0])
+        """
         return _ops.errors(self.get_ops(), include_propagated, self.get_cell_errors())
 
     def get_cell_errors(self) -> pd.DataFrame:
         """The exception that ended the cell on each rank that raised (schema "error" records, since
-        version 3): rank, seq, t_ns (reference clock), exc_type, message, traceback, origin_seq (the op
-        record where it started, or None), cell_line, cell_code, cell (the cell's execution count on the
-        ranks, since version 4), location."""
+        version 3; ``analysis.ops.cell_errors_frame``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per such record. Columns: ``rank``, ``seq``, ``t_ns`` (reference clock), ``exc_type``,
+            ``message``, ``traceback``, ``origin_seq`` (the op record where it started, or missing when it
+            was raised outside every recorded op), ``cell_line``, ``cell_code``, ``cell`` (the cell's
+            execution count on the ranks, since version 4), ``location``. ``seq``, ``t_ns``,
+            ``origin_seq``, ``cell_line`` and ``cell`` are nullable integers. Empty when no cell raised.
+
+        Examples
+        --------
+        >>> t.get_cell_errors()[["rank", "exc_type", "message", "location"]]
+        """
         return _ops.cell_errors_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
                                       self.clock_offsets_ns)
 
     @property
     def incomplete_reasons(self) -> dict[int, str]:
         """Why each incomplete rank is incomplete ("did not finish within 60 s", "its process died ..."),
-        where the cluster said so."""
+        where the cluster said so ({rank: reason}, from ``meta["incomplete_reasons"]``)."""
         given = self.meta.get("incomplete_reasons") or {}
         return {int(r): str(why) for r, why in given.items()}
 
     def get_promotions(self) -> pd.DataFrame:
-        """Plain tensors promoted to Replicate, per op, with parameter names where known."""
+        """Plain tensors promoted to Replicate, per op, with parameter names where known.
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per promotion. Columns: ``rank``, ``seq`` and ``op`` (the call that promoted it),
+            ``param`` (the parameter or buffer name, missing when not known), ``shape`` (tuple), ``dtype``,
+            ``module``, ``user_frame``.
+
+        Examples
+        --------
+        >>> t.get_promotions().groupby("op")["param"].unique()
+        """
         return _ops.promotions(self.get_ops())
 
     def get_collectives(self) -> pd.DataFrame:
-        """One row per collective call per rank (kind, group, bytes, times on the reference clock,
-        duration, bandwidth, the op it belongs to); see analysis/comm.py."""
+        """One row per collective call per rank, times on the reference clock (``analysis.comm``).
+
+        A collective that never completed (``in_flight``) is counted but never timed; one the pre-flight
+        stopped before it was issued moved nothing and is left out (``get_preflight()`` lists it). Built
+        once; each call returns a copy. Empty when nothing was recorded (see ``collectives_recorded``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            Sorted by ``rank``, then ``seq``. Columns: ``rank``, ``seq``, ``group_seq``, ``kind``,
+            ``group_ranks``, ``mesh_dim``, ``bytes_sent``, ``bytes_recv``, ``t_issue_ns``, ``t_done_ns``,
+            ``duration_ms`` (issue to the return of its wait; NaN when ``in_flight``), ``async``, ``op``,
+            ``op_seq`` (the op it belongs to), ``outer_op``, ``outer_op_seq``, ``phase``,
+            ``autograd_node``, ``param``, ``bandwidth_gbps`` (``max(bytes_sent, bytes_recv)`` over
+            ``device_ms``, else ``duration_ms``, in GB/s), ``group_name``, ``group_size``, ``peer``,
+            ``root``, ``splits_sent``, ``splits_recv``, ``dtype``, ``shape``, ``api``, ``aten_op``,
+            ``t_return_ns``, ``issue_ms`` (issue to the return of the issuing call), ``wait_op_seq``,
+            ``waited``, ``device_ms``, ``in_flight``, ``thread``, ``params``, ``bucket``, ``user_frame``,
+            ``user_cell``, ``user_code``, ``location``. The record fields mean what
+            ``schema.COLLECTIVE_FIELDS`` says.
+
+        Examples
+        --------
+        >>> c = t.get_collectives()
+        >>> c.groupby("kind")[["bytes_sent", "duration_ms"]].sum()
+        >>> c[c["in_flight"]][["rank", "kind", "op", "location"]]
+        """
         if self._collectives is None:
             self._collectives = _comm.collectives_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
                                                         self.clock_offsets_ns)
         return self._collectives.copy()
 
     def get_comm_by_op(self, by: str = "op", inclusive: bool = False) -> pd.DataFrame:
-        """Communication per op name and rank (``by="op"``) or per op call (``by="call"``); forward
-        (``comm_ms`` / ``op_ms`` / ``comm_share``) and backward (``bwd_*``) apart. ``inclusive=True``: a
-        collective counts for every recorded op it ran inside, not only the innermost."""
+        """Communication per op name and rank, or per op call; forward and backward apart.
+
+        A collective counts for the op it is attributed to (the innermost recorded op at issue; in backward,
+        the forward op whose autograd node issued it). ``comm_ms`` (the forward collectives' time) stands
+        against ``op_ms`` (the host time of the forward calls), ``comm_share`` = comm_ms / op_ms; the
+        backward's ``bwd_*`` are not a share (a backward event times the op's output node only).
+        Collectives outside every recorded op appear under ``<outside recorded ops>``
+        (``analysis.comm.comm_by_op``).
+
+        Parameters
+        ----------
+        by : str
+            ``"op"``: one row per op name and rank; ``"call"``: one row per op call.
+        inclusive : bool
+            A collective counts for every recorded op it ran inside, not only the innermost (the rows then
+            overlap and do not add up to the trace's total).
+
+        Returns
+        -------
+        pandas.DataFrame
+            ``by="op"``, largest communication (forward and backward) first: ``op``, ``rank``, ``calls``
+            (forward calls), ``n_collectives``, ``kinds`` ({kind: count}), ``bytes_sent``, ``bytes_recv``
+            (these three over both phases), ``comm_ms``, ``op_ms``, ``comm_share``,
+            ``bwd_n_collectives``, ``bwd_comm_ms``, ``bwd_op_ms``, ``n_in_flight`` (never completed, not
+            timed). ``by="call"``, sorted by ``rank`` and ``op_seq``: ``rank``, ``op_seq``, ``op``,
+            ``path``, ``module``, ``n_collectives``, ``kinds``, ``bytes_sent``, ``bytes_recv``, ``comm_ms``,
+            ``op_ms``, ``comm_share``, ``user_frame``, ``bwd_n_collectives``, ``bwd_comm_ms``,
+            ``bwd_op_ms``, ``n_in_flight``, ``location``.
+
+        Raises
+        ------
+        ValueError
+            ``by`` is neither "op" nor "call", or ``inclusive`` is not a bool.
+
+        Examples
+        --------
+        >>> t.get_comm_by_op()[["op", "rank", "comm_ms", "op_ms", "comm_share"]]
+        >>> t.get_comm_by_op(by="call", inclusive=True).nlargest(5, "comm_ms")
+        """
         return _comm.comm_by_op(self.get_collectives(), self.get_ops(), by, inclusive)
 
     def get_comm_by_kind(self) -> pd.DataFrame:
         """Communication per (op, collective kind), all ranks together: the sum over ranks beside the per-rank
-        maximum and mean of the time."""
+        maximum and mean of the time (``analysis.comm.comm_by_op_kind``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            Largest ``bytes`` first, then largest ``comm_ms``. Columns: ``op``, ``kind``, ``calls``
+            (collectives), ``bytes`` (sent + received, summed over ranks), ``comm_ms`` (``duration_ms``
+            summed over ranks: about 4x the wall time on 4 ranks waiting together), ``comm_ms_rank_max``
+            and ``comm_ms_rank_mean`` (per-rank totals: the slowest rank's, and their mean over the ranks
+            of the table), ``n_in_flight`` (never completed, not timed).
+
+        Examples
+        --------
+        >>> t.get_comm_by_kind().head()
+        """
         return _comm.comm_by_op_kind(self.get_collectives())
 
     def get_comm_by_rank(self) -> pd.DataFrame:
         """Communication of each rank: collectives, in flight, bytes, time summed and as wall time, and the
-        rank's recorded span."""
+        rank's recorded span (``analysis.comm.comm_by_rank``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per rank of the trace, ascending (zeros for a rank without collectives). Columns:
+            ``rank``, ``n_collectives``, ``n_in_flight`` (never completed), ``bytes_sent``, ``bytes_recv``,
+            ``comm_ms`` (sum of ``duration_ms``: overlapping async collectives count each),
+            ``comm_wall_ms`` (wall time with at least one of them open, never more than the span),
+            ``span_ms`` (from the rank's first recorded event to its last).
+
+        Examples
+        --------
+        >>> by_rank = t.get_comm_by_rank()
+        >>> by_rank.assign(share=by_rank["comm_wall_ms"] / by_rank["span_ms"])
+        """
         return _comm.comm_by_rank(self.get_collectives(), self.get_ops(), self.ranks)
 
     def get_comm_by_peer(self) -> pd.DataFrame:
-        """Bytes each rank sent to / received from each other rank (all_to_all splits, send / recv)."""
+        """Bytes each rank sent to / received from each other rank, where the records say so exactly: the
+        splits of an all_to_all, the peer of a send / recv. Collectives whose traffic per peer depends on the
+        backend's algorithm (all_reduce, all_gather, broadcast, ...) are not split here.
+
+        Returns
+        -------
+        pandas.DataFrame
+            Sorted by ``rank``, ``peer``, ``kind``. Columns: ``rank``, ``peer``, ``kind``,
+            ``n_collectives``, ``bytes_sent``, ``bytes_recv``, ``local`` (peer == rank: the part of an
+            all_to_all a rank keeps, no transfer).
+
+        Examples
+        --------
+        >>> p = t.get_comm_by_peer()
+        >>> p[~p["local"]].pivot_table(index="rank", columns="peer", values="bytes_sent", aggfunc="sum")
+        """
         return _comm.comm_by_peer(self.get_collectives())
 
     def get_imbalance(self) -> pd.DataFrame:
-        """Per op and rank: shard volume beside host, comm and wait-for-other-ranks time."""
+        """Per op and rank: shard volume beside host, comm and wait-for-other-ranks time
+        (``analysis.comm.imbalance``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            Sorted by ``op``, then ``rank``. Columns: ``op``, ``rank``, ``calls`` (forward calls),
+            ``shard_elems`` (elements of the local data of every distributed argument of those calls),
+            ``host_ms`` (forward and backward events), ``comm_ms``, ``wait_ms`` (waiting for the last rank
+            of the group to issue the same collective), ``n_collectives``, ``shard_imbalance`` and
+            ``host_imbalance`` (max over the op's ranks / mean over them: 1.0 is balanced), ``wait_ms_max``
+            (the op's largest per-rank wait).
+
+        Examples
+        --------
+        >>> imb = t.get_imbalance()
+        >>> imb[imb["shard_imbalance"] > 1.1][["op", "rank", "shard_elems", "host_ms"]]
+        """
         return _comm.imbalance(self.get_ops(), self.get_collectives())
 
     def get_collective_mismatches(self) -> pd.DataFrame:
         """Collectives that do not line up across the ranks of their group at the same group_seq: a
-        different kind, dtype, size or split, or a rank that never issued it (``missing``)."""
+        different kind, dtype, size or split, or a rank that never issued it (``missing``).
+
+        A rank of the group that this trace does not hold is not counted missing; point-to-point calls are
+        not compared (``analysis.comm.collective_mismatches``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per problem. Columns: ``group_name``, ``group_seq``, ``mesh_dim``, ``problem`` ("kind",
+            "dtype", "size", "splits" or "missing"), ``ranks`` (those that issued it), ``kinds`` (what
+            each of them issued), ``detail``. Empty when every collective lines up.
+
+        Examples
+        --------
+        >>> t.get_collective_mismatches()[["group_seq", "problem", "detail"]]
+        """
         return _comm.collective_mismatches(self.get_collectives(), traced_ranks=self.ranks)
 
     # ---- verification -----------------------------------------------------------------------------
     def get_spec_mismatches(self) -> pd.DataFrame:
-        """ShardTensor results whose spec disagreed with the local tensor, at the op that made them, on each rank
-        where they held: one row per finding (``check``: which part of the spec, ``detail``: "spec says (313,
-        3), the local tensor is (313, 17, 3) ..."), the earliest first (``first``). Empty also when nothing
-        was checked (``checks["spec_check"]``)."""
+        """ShardTensor results whose spec disagreed with the local tensor, at the op that made them, on each
+        rank where they held (``analysis.consistency.spec_mismatches``).
+
+        ``detail`` reads "spec says (313, 3), the local tensor is (313, 17, 3) ...". Empty also when nothing
+        was checked (``checks["spec_check"]``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per finding, the earliest first (``first`` True on it). Columns: ``rank``, ``seq``,
+            ``op``, ``path``, ``phase``, ``depth``, ``output`` (which result), ``check`` (which part of the
+            spec: "sharding_shapes", "mesh_size", "ndim" or "global_shape"), ``mesh_dim``, ``spec_shape``,
+            ``local_shape``, ``global_shape``, ``placements``, ``detail``, ``t_start_ns``, ``first``,
+            ``module``, ``location``.
+
+        Examples
+        --------
+        >>> t.get_spec_mismatches().head(1)[["op", "rank", "detail", "location"]]  # the first
+        """
         return _consistency.spec_mismatches(self.get_ops())
 
     def get_replica_divergence(self) -> pd.DataFrame:
-        """Tensors claiming Replicate (op results, plain tensors such as module weights promoted to Replicate)
-        whose ranks held different values after an op, recorded with ``replicas=True``: one row per tensor
-        and replica group, the first op first (``first``), with the ranks that differ, the ranks they are
-        compared with (``reference_ranks``) and, for the first op, the largest difference gathered from the
-        ranks (``max_abs_diff``)."""
+        """Tensors claiming Replicate whose ranks held different values after an op, recorded with
+        ``replicas=True`` (``analysis.consistency.replica_divergence``).
+
+        Op results, and plain tensors such as module weights promoted to Replicate. For the first op that
+        diverged, the cluster gathers the largest difference from the ranks. Empty also when nothing was
+        digested (``checks["replicas"]``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per tensor and replica group, the first op first (``first`` True on it). Columns:
+            ``key``, ``op``, ``what``, ``group_ranks``, ``ranks_differing``, ``reference_ranks`` (the ranks
+            of the most common version they are compared with), ``n_versions``, ``missing_ranks``,
+            ``shape``, ``dtype``, ``t_start_ns``, ``first``, ``max_abs_diff`` (the largest over the differing
+            ranks, NaN where not gathered), ``max_abs_diff_by_rank``, ``note`` (why values were not
+            gathered), ``location``.
+
+        Examples
+        --------
+        >>> t = cl.trace("loss = model(x).sum(); loss.backward(); opt.step()", replicas=True)
+        >>> t.get_replica_divergence()[["op", "what", "ranks_differing", "max_abs_diff"]]
+        """
         return _consistency.replica_divergence(self.get_replica_digests(), self.meta.get("replica_differences"))
 
     def get_replica_digests(self) -> pd.DataFrame:
-        """Every digest taken with ``replicas=True``: one row per tensor claiming Replicate per op call per rank
-        (``key`` names the same tensor on every rank)."""
+        """Every digest taken with ``replicas=True`` (``analysis.consistency.replicas_frame``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per tensor claiming Replicate per op call per rank. Columns: ``rank``, ``seq``, ``op``,
+            ``key`` (names the same tensor on every rank), ``what``, ``digest``, ``shape``, ``dtype``,
+            ``group_ranks``, ``kept`` (a copy is kept on the rank), ``t_start_ns`` (the op's start),
+            ``location``.
+
+        Examples
+        --------
+        >>> d = t.get_replica_digests()
+        >>> per_tensor = d.groupby(["key", "group_ranks"])["digest"].nunique()
+        >>> per_tensor[per_tensor > 1]  # tensors whose replicas disagree
+        """
         return _consistency.replicas_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
                                            self.clock_offsets_ns)
 
     def get_preflight(self) -> pd.DataFrame:
-        """Collectives compared across their group before they were issued (``preflight=True``): one row per
-        collective and rank, ``status`` ok / mismatch (with ``detail``) / late / unchecked, ``ms`` its cost."""
+        """Collectives compared across their group before they were issued (``preflight=True``;
+        ``analysis.consistency.preflight_frame``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per collective and rank. Columns: ``rank``, ``seq``, ``group_seq``, ``kind``,
+            ``group_name``, ``mesh_dim``, ``group_ranks``, ``op``, ``phase``, ``status`` ("ok",
+            "mismatch" (never issued, ``detail`` says what disagreed), "late" (issued unchecked) or
+            "unchecked"), ``ms`` (the check's cost), ``detail``, ``late_ranks``, ``location``. Empty when
+            nothing was compared.
+
+        Examples
+        --------
+        >>> pf = t.get_preflight()
+        >>> pf[pf["status"] != "ok"][["rank", "kind", "op", "status", "detail"]]
+        """
         return _consistency.preflight_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
                                             self.get_ops())
 
     # ---- performance pitfalls ------------------------------------------------------------------------
     def get_plan_cache(self) -> pd.DataFrame:
-        """DTensor's redistribution plan cache while recording: one row per group of calls that missed it per
-        rank (op, source and target placements, ``changed``: the spec fields that changed after the call,
-        ``stale`` when some did, ``count``), with the cache's size at start and stop on that rank. A stale
-        miss is an entry never hit again: the cache grows each step and its lookups slow down
-        (``plan_cache_finding``). Empty for payloads written before it was watched."""
+        """DTensor's redistribution plan cache while recording (``analysis.plan_cache.plan_cache_frame``).
+
+        A stale miss is an entry never hit again: the cache grows each step and its lookups slow down
+        (``plan_cache_finding``). Empty for payloads written before it was watched.
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per group of calls that missed it per rank. Columns: ``rank``, ``op``, ``outer_op``,
+            ``source`` and ``target`` (placements), ``shape``, ``spec_type``, ``changed`` (the spec fields
+            that changed after the call, joined by ", "; "" for a first call), ``stale`` (some did),
+            ``count``, ``kept`` (of them, still cached at stop), ``first_op_seq``, ``entries_start`` and
+            ``entries_end`` (the cache's size at start and stop on that rank).
+
+        Examples
+        --------
+        >>> pc = t.get_plan_cache()
+        >>> pc[pc["changed"] != ""][["rank", "op", "source", "target", "changed", "kept"]]  # the stale ones
+        """
         return _plan_cache.plan_cache_frame(self.payloads)
 
     def get_plan_cache_growth(self) -> pd.DataFrame:
-        """Per rank: the plan cache's size at start and stop, the misses while recording, how many stale."""
+        """Per rank: the plan cache's size at start and stop, the misses while recording, how many stale
+        (``analysis.plan_cache.plan_cache_growth``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per rank whose payload watched the cache. Columns: ``rank``, ``entries_start``,
+            ``entries_end``, ``misses``, ``stale_misses``, ``clears`` (times the cache was seen emptied).
+
+        Examples
+        --------
+        >>> list(t.get_plan_cache_growth().columns)
+        ['rank', 'entries_start', 'entries_end', 'misses', 'stale_misses', 'clears']
+        """
         return _plan_cache.plan_cache_growth(self.payloads)
 
     @property
     def plan_cache_finding(self) -> str | None:
         """The plan cache finding's text (cause, cost, fix) when calls missed the plan cache on a spec changed
-        after it was cached, else None."""
+        after it was cached and left such entries in it, else None."""
         found = _findings.plan_cache_finding(self.get_plan_cache(), self.get_plan_cache_growth())
         return found.text() if found is not None else None
 
@@ -297,7 +746,19 @@ class Trace:
         return _findings.trace_findings(self)
 
     def get_findings(self) -> pd.DataFrame:
-        """``findings`` as a DataFrame: kind, severity, sentence, fix, ranks, op, location; one row each."""
+        """``findings`` as a DataFrame, one row each (``analysis.findings.findings_frame``).
+
+        Returns
+        -------
+        pandas.DataFrame
+            In ``findings`` order (failures first). Columns: ``kind``, ``severity``, ``sentence``, ``fix``,
+            ``ranks`` (list), ``op``, ``location`` (``Finding.as_dict``).
+
+        Examples
+        --------
+        >>> f = t.get_findings()
+        >>> f[f["severity"] == "fail"][["kind", "sentence"]]
+        """
         return _findings.findings_frame(self.findings)
 
     @property
@@ -308,6 +769,21 @@ class Trace:
 
     # ---- files ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        """The trace as the JSON document ``save`` writes (the module's file format).
+
+        Returns
+        -------
+        dict
+            ``format`` ("sharddbg.trace"), ``version``, ``schema_version``, ``meta``, ``clock_offsets_ns``
+            ({rank as a string: ns}), ``incomplete_ranks``, ``ranks``, ``payloads`` (in ``ranks`` order,
+            None for a rank that sent nothing). The payloads are the trace's own, not copies.
+
+        Examples
+        --------
+        >>> d = t.to_dict()
+        >>> d["format"], d["ranks"] == t.ranks
+        ('sharddbg.trace', True)
+        """
         return {
             "format": TRACE_FORMAT,
             "version": TRACE_VERSION,
@@ -320,37 +796,184 @@ class Trace:
         }
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write the trace as JSON (``load_trace`` reads it back). Returns the path. The file appears
-        whole or not at all (``write_file_atomically``)."""
+        """Write the trace as JSON; ``load_trace`` reads it back.
+
+        The file appears whole or not at all (``write_file_atomically``): on any error ``path`` is left as
+        it was.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            The file to write (replaced if it exists); ``.sdtrace.json`` by convention.
+
+        Returns
+        -------
+        str
+            ``path``.
+
+        Raises
+        ------
+        OSError
+            The file cannot be written (no such folder, no permission, disk full).
+        ValueError
+            The trace holds a NaN or an infinite number, which strict JSON cannot hold.
+        TypeError
+            ``meta`` holds a value JSON cannot write (a key that ``schema.TRACE_META_FIELDS`` does not name
+            may hold anything).
+
+        Examples
+        --------
+        >>> t.save("conv.sdtrace.json")
+        'conv.sdtrace.json'
+        >>> sharddbg.load_trace("conv.sdtrace.json").ranks == t.ranks
+        True
+        """
         doc = self.to_dict()
         return write_file_atomically(path, lambda f: json.dump(doc, f, allow_nan=False, separators=(",", ":")))
 
     def to_perfetto(self, path: str | os.PathLike) -> str:
-        """Chrome trace-event JSON (open in ui.perfetto.dev or chrome://tracing): one process per
-        rank, one complete ("X") slice per op and per collective; see ``sharddbg.exporters.perfetto``.
-        Written like ``save``: whole or not at all."""
+        """Write Chrome trace-event JSON, to open in ui.perfetto.dev or chrome://tracing.
+
+        One process per rank, one complete ("X") slice per op and per collective; see
+        ``sharddbg.exporters.perfetto``. Written like ``save``: whole or not at all.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            The file to write (replaced if it exists).
+
+        Returns
+        -------
+        str
+            ``path``.
+
+        Raises
+        ------
+        OSError
+            The file cannot be written.
+
+        Examples
+        --------
+        >>> t.to_perfetto("conv.perfetto.json")
+        'conv.perfetto.json'
+        """
         return rendering.perfetto(self, path)
 
     # ---- views and the HTML report (through sharddbg.rendering: the data layer never needs plotly or widgets)
-    def show(self, **kwargs):
-        """The trace explorer widget: errors and fallbacks first, filters, per-rank detail of an op."""
+    def show(self, **kwargs) -> anywidget.AnyWidget:
+        """The trace explorer widget: errors and fallbacks first, filters, per-rank detail of an op.
+
+        Parameters
+        ----------
+        **kwargs : Any
+            Passed to ``views.explorer.TraceExplorer``: ``max_rows`` (calls sent to the browser, 20,000 by
+            default: errors first, then fallbacks, then the rest in time order) and the widget's own
+            keywords.
+
+        Returns
+        -------
+        anywidget.AnyWidget
+            The widget, a ``views.explorer.TraceExplorer``; displayed when it is a cell's last value.
+
+        Examples
+        --------
+        >>> t.show()
+        >>> t.show(max_rows=2_000)
+        """
         return rendering.explorer(self, **kwargs)
 
-    def plot_timeline(self, **kwargs):
-        """plotly Figure: one row per rank, op spans by dispatch path, collective spans by kind."""
+    def plot_timeline(self, **kwargs) -> go.Figure:
+        """plotly Figure: one row per rank, op spans by dispatch path, collective spans by kind.
+
+        Parameters
+        ----------
+        **kwargs : Any
+            Passed to ``views.timeline.plot_timeline``: ``time_range`` ((start, end) in ms since the first
+            event: only that window), ``aggregate`` (merge nested ops into their top-level op), ``overview``
+            (bin the spans into time bins per rank) and ``height``.
+
+        Returns
+        -------
+        plotly.graph_objects.Figure
+            The timeline.
+
+        Examples
+        --------
+        >>> t.plot_timeline()
+        >>> t.plot_timeline(time_range=(120.0, 180.0))
+        """
         return rendering.timeline(self, **kwargs)
 
-    def plot_comm_by_op(self, **kwargs):
-        """plotly Figure: bytes and time per op, split by collective kind."""
+    def plot_comm_by_op(self, **kwargs) -> go.Figure:
+        """plotly Figure: bytes and time per op, split by collective kind.
+
+        Parameters
+        ----------
+        **kwargs : Any
+            Passed to ``views.comm.plot_comm_by_op``, which takes none: any keyword raises a TypeError.
+
+        Returns
+        -------
+        plotly.graph_objects.Figure
+            Bytes sent + received (left) and time in collectives (right) per op, stacked by kind; a figure
+            that says so when no collective was recorded.
+
+        Examples
+        --------
+        >>> t.plot_comm_by_op()
+        """
         return rendering.comm_by_op(self, **kwargs)
 
-    def plot_imbalance(self, **kwargs):
-        """plotly Figure: per-rank shard volume beside per-rank time, per op."""
+    def plot_imbalance(self, **kwargs) -> go.Figure:
+        """plotly Figure: per-rank shard volume beside per-rank time, per op.
+
+        Parameters
+        ----------
+        **kwargs : Any
+            Passed to ``views.imbalance.plot_imbalance``: ``op`` (the op shown first; the menu holds the
+            others and all ops together).
+
+        Returns
+        -------
+        plotly.graph_objects.Figure
+            Shard volume (left) and times (right) per rank.
+
+        Examples
+        --------
+        >>> t.plot_imbalance(op="torch.conv2d")
+        """
         return rendering.imbalance(self, **kwargs)
 
     def to_html(self, path: str | os.PathLike, **kwargs) -> str:
-        """One standalone HTML report (explorer, timeline, comm, imbalance), viewable offline; see
-        ``sharddbg.exporters.html_report``."""
+        """Write one standalone HTML report (explorer, timeline, comm, imbalance), viewable offline; see
+        ``sharddbg.exporters.html_report``.
+
+        The findings, errors and fallbacks come first, then the figures and the explorer. Written like
+        ``save``: whole or not at all.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            The file to write (replaced if it exists).
+        **kwargs : Any
+            Passed to ``exporters.html_report.to_html``: ``title`` (default "sharddbg trace report") and
+            ``max_rows`` (calls kept in the explorer, 20,000 by default).
+
+        Returns
+        -------
+        str
+            ``path``.
+
+        Raises
+        ------
+        OSError
+            The file cannot be written.
+
+        Examples
+        --------
+        >>> t.to_html("conv-report.html", title="conv, 4 ranks")
+        'conv-report.html'
+        """
         return rendering.html_report(self, path, **kwargs)
 
 
@@ -368,8 +991,43 @@ MAX_NESTING = 64
 
 
 def load_trace(path: str | os.PathLike) -> Trace:
-    """Read a file written by ``Trace.save``. Wrong or corrupt files raise TraceFileError, naming the field
-    (and the payload, rank and event index) that is wrong, before anything is built from the file."""
+    """Read a trace file written by ``Trace.save``.
+
+    Everything is checked before anything is built from the file: a wrong or corrupt file raises
+    TraceFileError naming the field (and the payload, rank and event index) that is wrong. A file without
+    ``"ranks"`` holds the payloads of ranks 0, 1, ... in order.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file to read.
+
+    Returns
+    -------
+    Trace
+        The trace the file holds.
+
+    Raises
+    ------
+    TraceFileError
+        The file is not a sharddbg trace (not JSON, no ``"format": "sharddbg.trace"``), was written by a
+        newer sharddbg (a file version or schema version above what this one reads), or is corrupt: it
+        contradicts itself (a rank listed twice, a payload whose ``"rank"`` is not its ``"ranks"`` entry, a
+        negative count or version, a null or unfinished payload whose rank is not in ``"incomplete_ranks"``,
+        ...) or holds what no sharddbg writes (integers beyond +-``MAX_ABS_INT``, NaN or infinities, nesting
+        deeper than ``MAX_NESTING``).
+    OSError
+        The file cannot be opened (``FileNotFoundError``, ``PermissionError``, ...).
+
+    Notes
+    -----
+    A trace whose recorders dropped events loads, with a ``ShardDbgWarning`` saying how many.
+
+    Examples
+    --------
+    >>> t = sharddbg.load_trace("conv.sdtrace.json")
+    >>> t.get_errors()[["rank", "op", "exc_type", "location"]]
+    """
     path = os.fspath(path)
     with open(path, "rb") as f:
         raw = f.read()

@@ -60,11 +60,38 @@ FINDING_FIELDS = ("kind", "severity", "sentence", "fix", "ranks", "op", "locatio
 class Finding:
     """One thing sharddbg found, said once for every front end.
 
-    ``kind``: what was looked at (one of ``TRACE_FINDING_KINDS`` for a trace, the check's name for the doctor);
-    ``severity``: one of ``SEVERITIES``; ``sentence``: what was found, cause first (which ranks, which op,
-    where), as one clause without a final period; ``fix``: what to do about it ("" when there is nothing to do
-    or nothing sure to say); ``ranks``: the ranks concerned; ``op``: the op concerned, where one is;
-    ``location``: where in the user's code ("cell [6], line 5: `y = x + x`"), where known."""
+    A trace's findings (``Trace.findings``) and each row of the pitfall doctor are Findings. Frozen: the
+    fields below are its attributes.
+
+    Parameters
+    ----------
+    kind : str
+        What was looked at: one of ``TRACE_FINDING_KINDS`` for a trace, the check's name for the doctor.
+    severity : str
+        One of ``SEVERITIES``: "fail", "warn", "info", "ok", "skip".
+    sentence : str
+        What was found, cause first (which ranks, which op, where), as one clause without a final period.
+    fix : str
+        What to do about it; "" when there is nothing to do or nothing sure to say.
+    ranks : tuple of int
+        The ranks concerned.
+    op : str or None
+        The op concerned, where one is.
+    location : str or None
+        Where in the user's code ("cell [6], line 5: `y = x + x`"), where known.
+
+    Raises
+    ------
+    ValueError
+        ``severity`` is not one of ``SEVERITIES``.
+
+    Examples
+    --------
+    >>> [f.kind for f in t.findings if f.severity == "fail"]
+    >>> f = Finding("incomplete_ranks", "fail", "the recording of rank 3 is incomplete", ranks=(3,))
+    >>> f.severity, f.fix
+    ('fail', '')
+    """
 
     kind: str
     severity: str
@@ -79,12 +106,41 @@ class Finding:
             raise ValueError(f"a finding's severity is one of {SEVERITIES}, got {self.severity!r}")
 
     def text(self) -> str:
-        """The sentence and the fix, as one line that reads on its own (first letter capitalised)."""
+        """The sentence and the fix, as one line that reads on its own (first letter capitalised).
+
+        ``sentence``, then ". " and ``fix`` when there is one; only the line's first letter is changed (a
+        fix keeps its own first letter), and no final period is added.
+
+        Returns
+        -------
+        str
+            The line.
+
+        Examples
+        --------
+        >>> Finding("incomplete_ranks", "fail", "the recording of rank 3 is incomplete", ranks=(3,)).text()
+        'The recording of rank 3 is incomplete'
+        >>> Finding("dropped_events", "warn", "120 events dropped", fix="raise max_events").text()
+        '120 events dropped. raise max_events'
+        """
         text = self.sentence + (f". {self.fix}" if self.fix else "")
         return text[:1].upper() + text[1:]
 
     def as_dict(self) -> dict:
-        """The finding as JSON (``FINDING_FIELDS``): what a front end without Python reads."""
+        """The finding as JSON (``FINDING_FIELDS``): what a front end without Python reads.
+
+        Returns
+        -------
+        dict
+            ``kind``, ``severity``, ``sentence``, ``fix``, ``ranks`` (a list of int), ``op``, ``location``,
+            in that order.
+
+        Examples
+        --------
+        >>> f = Finding("incomplete_ranks", "fail", "the recording of rank 3 is incomplete", ranks=(3,))
+        >>> f.as_dict()["ranks"], list(f.as_dict()) == list(FINDING_FIELDS)
+        ([3], True)
+        """
         return {"kind": self.kind, "severity": self.severity, "sentence": self.sentence, "fix": self.fix,
                 "ranks": [int(r) for r in self.ranks], "op": self.op, "location": self.location}
 
@@ -93,7 +149,48 @@ class Finding:
 class TraceOverview:
     """The counts a trace's header shows: ranks, op calls and how many raised or fell back, collectives (the
     most any rank issued, the slowest rank's time in them), results whose spec disagrees with their data,
-    incomplete ranks, dropped events."""
+    incomplete ranks, dropped events.
+
+    ``Trace.overview`` (``trace_overview``) builds it from a trace. Frozen: the fields below are its
+    attributes.
+
+    Parameters
+    ----------
+    ranks : tuple of int
+        The trace's ranks.
+    op_calls : int
+        Op calls of every rank, forward and backward, nested ones included (the rows of ``get_ops()``).
+    errors : int
+        Op calls that raised; an exception counts once for every recorded op it went through.
+    fallback_calls : int
+        Op calls, forward and backward, that took a compute fallback (metadata reads and calls that enter
+        the autograd engine left out).
+    fallback_ops : int
+        Ops computed through a fallback: the rows of ``get_fallbacks()``.
+    spec_mismatches : int
+        Op calls whose result's spec disagrees with its local tensor.
+    collectives : int
+        Collective calls, all ranks together (the rows of ``get_collectives()``).
+    collectives_recorded : bool
+        Collectives were recorded (``Trace.collectives_recorded``).
+    collectives_per_rank : int
+        The most collectives any rank issued.
+    comm_wall_ms : float
+        The slowest rank's wall time in collectives (0.0 when none was timed).
+    incomplete_ranks : tuple of int
+        Ranks whose recording is incomplete.
+    dropped : int
+        Events lost to a full buffer, all ranks together.
+
+    Examples
+    --------
+    >>> t.overview.errors, t.overview.incomplete_ranks
+    >>> o = TraceOverview(ranks=(0, 1), op_calls=6, errors=0, fallback_calls=2, fallback_ops=1, spec_mismatches=0,
+    ...                   collectives=0, collectives_recorded=False, collectives_per_rank=0, comm_wall_ms=0.0,
+    ...                   incomplete_ranks=(), dropped=0)
+    >>> o.headline()
+    '6 op calls on 2 ranks, 0 raised, 2 through a DTensor fallback, 0 collectives'
+    """
 
     ranks: tuple[int, ...]
     op_calls: int
@@ -109,8 +206,21 @@ class TraceOverview:
     dropped: int
 
     def headline(self) -> str:
-        """"42 op calls on 4 ranks, 4 raised, 9 through a DTensor fallback, 8 collectives (at most 2 per rank,
-        0.9 ms in collectives on the slowest rank)": what every header says first."""
+        """The counts in one line: what every header says first.
+
+        "42 op calls on 4 ranks, 4 raised, 9 through a DTensor fallback, 8 collectives (at most 2 per rank,
+        0.9 ms in collectives on the slowest rank)". The part in parentheses only when there are
+        collectives; ", N results whose spec disagrees with their data" added when there are such results.
+
+        Returns
+        -------
+        str
+            The line, without a final period.
+
+        Examples
+        --------
+        >>> print(t.overview.headline())
+        """
         text = (f"{self.op_calls} op calls on {len(self.ranks)} ranks, {self.errors} raised, {self.fallback_calls} "
                 f"through a DTensor fallback, {self.collectives} collectives")
         if self.collectives:
@@ -121,7 +231,22 @@ class TraceOverview:
         return text
 
     def as_dict(self) -> dict:
-        """The overview as JSON."""
+        """The overview as JSON.
+
+        Returns
+        -------
+        dict
+            Every field (``ranks`` and ``incomplete_ranks`` as lists), then ``headline``: ``ranks``,
+            ``op_calls``, ``errors``, ``fallback_calls``, ``fallback_ops``, ``spec_mismatches``,
+            ``collectives``, ``collectives_recorded``, ``collectives_per_rank``, ``comm_wall_ms``,
+            ``incomplete_ranks``, ``dropped``, ``headline``.
+
+        Examples
+        --------
+        >>> o = t.overview
+        >>> o.as_dict()["headline"] == o.headline()
+        True
+        """
         return {"ranks": list(self.ranks), "op_calls": self.op_calls, "errors": self.errors,
                 "fallback_calls": self.fallback_calls, "fallback_ops": self.fallback_ops,
                 "spec_mismatches": self.spec_mismatches, "collectives": self.collectives,
