@@ -221,7 +221,9 @@ class TraceOverview:
         --------
         >>> print(t.overview.headline())
         """
-        text = (f"{self.op_calls} op calls on {len(self.ranks)} ranks, {self.errors} raised, {self.fallback_calls} "
+        n = len(self.ranks)
+        text = (f"{self.op_calls} op call{'s' if self.op_calls != 1 else ''} on {n} rank{'s' if n != 1 else ''}, "
+                f"{self.errors} raised, {self.fallback_calls} "
                 f"through a DTensor fallback, {self.collectives} collectives")
         if self.collectives:
             text += (f" (at most {self.collectives_per_rank} per rank, {self.comm_wall_ms:.1f} ms in collectives on "

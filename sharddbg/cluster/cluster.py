@@ -349,7 +349,7 @@ class Cluster:
         """Engines up and mapped to ranks, then torch.distributed on them with ``backend``."""
         t0 = time.perf_counter()
         client = self._processes.launch_engines(self.n, self.start_timeout)
-        engine_ids = engines_in_rank_order(client, self.n, self.timeout)
+        engine_ids = engines_in_rank_order(client, self.n, self.start_timeout)
         self._control = ControlChannel(client, engine_ids)
         self._execution = RankExecution(client, engine_ids, self._processes, self._control, self.timeout)
         self.timings["engines_s"] = time.perf_counter() - t0
@@ -427,11 +427,13 @@ class Cluster:
         <sharddbg.Cluster running n=4 mesh(ddp=1,domain=4) backend=gloo>
         """
         __tracebackhide__ = hide_own_frames()
+        t0 = time.perf_counter()
         if not self.running or not self._processes.fork_server_alive():
             if self.running or (self._processes is not None and self._processes.fork_server is not None):
                 self.stop()
-            return self.start()
-        t0 = time.perf_counter()
+            self.start()
+            self.timings["restart_s"] = time.perf_counter() - t0
+            return self
         try:
             self._close_client()
             self._processes.replace_engines()
@@ -546,7 +548,7 @@ class Cluster:
         Raises
         ------
         ClusterError
-            The controller died, or did not answer within 10 s.
+            The cluster is not running, or the controller died, or did not answer within 10 s.
 
         Examples
         --------
@@ -554,6 +556,7 @@ class Cluster:
         >>> cl.busy_ranks()
         [0, 1, 2, 3]
         """
+        self._require_running()
         return self._execution.busy_ranks()
 
     def dead_ranks(self) -> dict[int, str]:
@@ -907,6 +910,7 @@ class Cluster:
         >>> print(report.summary())
         1 of 4 ranks did not finish their current work within 0 s: ranks [3] still running; ranks [0, 1, 2] finished.
         """
+        diagnose_timeout = arguments.seconds("diagnose_timeout", diagnose_timeout)
         if self._execution is None:
             raise ClusterError("this cluster is not running; start() it first")
         return self._execution.hang_report(timeout, finished, unfinished, what, diagnose_timeout=diagnose_timeout,
@@ -922,7 +926,7 @@ class Cluster:
         Parameters
         ----------
         samples : int
-            Round trips per rank; at least 1 (it is not checked).
+            Round trips per rank; at least 1.
         timeout : float
             Seconds each round trip may take.
 
@@ -934,7 +938,8 @@ class Cluster:
         Raises
         ------
         ClusterError
-            The cluster is not running, or a rank did not answer a round trip within ``timeout``.
+            ``samples`` is not a whole number of at least 1 or ``timeout`` not a number of seconds above 0; the
+            cluster is not running; or a rank did not answer a round trip within ``timeout``.
 
         Examples
         --------
@@ -942,6 +947,8 @@ class Cluster:
         >>> sorted(offsets[0])
         ['offset_ns', 'uncertainty_ns']
         """
+        samples = arguments.positive_int("samples", samples)
+        timeout = arguments.seconds("timeout", timeout)
         self._require_running()
         return self._control.clock_offsets(samples, timeout)
 
@@ -1057,6 +1064,7 @@ class Cluster:
         __tracebackhide__ = hide_own_frames()
         from .inspect import gather_layout
 
+        timeout = arguments.seconds("timeout", timeout, allow_none=True)
         self._require_running()
         return rendering.inspector(gather_layout(self._execution, self.mesh, name, timeout=timeout))
 
@@ -1270,6 +1278,7 @@ class Cluster:
         __tracebackhide__ = hide_own_frames()
         from .replicas import check_replicas
 
+        timeout = arguments.seconds("timeout", timeout, allow_none=True)
         self._require_running()
         self._execution.check_group()
         return check_replicas(self._execution, self.mesh, model, mesh_dim=mesh_dim, timeout=timeout)
@@ -1395,6 +1404,7 @@ class Cluster:
         __tracebackhide__ = hide_own_frames()
         from .doctor import run_doctor
 
+        timeout = arguments.seconds("timeout", timeout, allow_none=True)
         self._require_running()
         return run_doctor(self._execution, list(names), check=self._last_check if check is None else check,
                           trace=self._tracer.last if trace is None else trace, timeout=timeout)

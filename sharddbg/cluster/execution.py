@@ -115,8 +115,17 @@ class CellStillRunningError(ShardDbgError, TimeoutError):
 
 def engines_in_rank_order(client, n: int, timeout: float) -> list[int]:
     """The engine id of each of ``n`` ranks, in rank order: each engine is asked its rank (registration order
-    is not rank order)."""
-    ranks = client[:].apply_async(api.rank).get(timeout=timeout)
+    is not rank order). A ClusterError names the engines that did not answer within ``timeout`` seconds."""
+    from ipyparallel import error as ipp_error
+
+    ar = client[:].apply_async(api.rank)
+    try:
+        ranks = ar.get(timeout=timeout)
+    except ipp_error.TimeoutError:
+        silent = [e for e, msg_id in zip(client.ids, ar.msg_ids) if msg_id in client.outstanding]
+        raise ClusterError(f"engines {silent} (of {len(client.ids)}) did not say which rank they are within "
+                           f"{timeout:g} s of starting: they are stuck or overloaded (their logs are in the "
+                           f"cluster's log_dir)") from None
     by_rank = dict(zip(ranks, client.ids))
     return [by_rank[r] for r in range(n)]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from ..engine import api
-from ..errors import ClusterError
-from .execution import RankExecution
+from ..errors import ClusterError, ShardDbgError
+from .execution import BrokenGroup, RankExecution
 from .mesh import MeshSpec
 from .processes import free_port
 
@@ -33,16 +33,18 @@ class DistributedGroup:
         """How ShardTensor's patches were set up at the last start (rank 0's answer)."""
         return self.statuses[0].get("patch_mode") if self.statuses else None
 
-    def bring_up(self, execution: RankExecution, backend: str, timeout: float) -> float:
-        """Every rank joins torch.distributed on a fresh port with ``backend``, builds the mesh and fills
-        physicsnemo's manager. Returns the seconds it took."""
+    def bring_up(self, execution: RankExecution, backend: str, timeout: float, mesh: MeshSpec | None = None) -> float:
+        """Every rank joins torch.distributed on a fresh port with ``backend``, builds ``mesh`` (default: the
+        group's) and fills physicsnemo's manager; the group's mesh is ``mesh`` once every rank is up. Returns the
+        seconds it took."""
         t0 = time.perf_counter()
-        self.backend = backend
-        self.use_cuda = backend == "nccl"
+        mesh = self.mesh if mesh is None else mesh
+        use_cuda = backend == "nccl"
         self.statuses = execution.call(
-            api.init_rank, world_size=self.mesh.size, mesh_shape=self.mesh.shape, backend=backend,
-            master_port=free_port(), collective_timeout_s=self.collective_timeout, use_cuda=self.use_cuda,
-            timeout=timeout, what="torch.distributed start-up")
+            api.init_rank, world_size=mesh.size, mesh_shape=mesh.shape, backend=backend, master_port=free_port(),
+            collective_timeout_s=self.collective_timeout, use_cuda=use_cuda, timeout=timeout,
+            what="torch.distributed start-up")
+        self.mesh, self.backend, self.use_cuda = mesh, backend, use_cuda
         return time.perf_counter() - t0
 
     def rebuild(self, execution: RankExecution, mesh: MeshSpec, timeout: float) -> float:
@@ -57,7 +59,12 @@ class DistributedGroup:
             execution.release_blocked(busy, timeout)
         execution.forget_stuck()
         execution.call(api.teardown, timeout=timeout, what="process-group teardown")
-        self.mesh = mesh
-        took = self.bring_up(execution, self.backend, timeout)
+        try:
+            took = self.bring_up(execution, self.backend, timeout, mesh)
+        except ShardDbgError as exc:
+            # the old group is gone and the new one is not up: nothing may run until a rebuild succeeds
+            execution.broken = BrokenGroup(f"rebuilding the process group with mesh {mesh}: "
+                                           f"{str(exc).splitlines()[0]}")
+            raise
         execution.group_recovered()
         return took
