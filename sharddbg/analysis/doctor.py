@@ -210,9 +210,9 @@ class DoctorReport:
 
     @property
     def verdict(self) -> str:
-        """One line, also the repr: ``"doctor: FAILED"``, ``"doctor: warnings"`` or ``"doctor: no pitfall
-        found"``, how many checks have each status, then the first failure (else the first warning) and how
-        many more there are."""
+        """One line, also the repr: ``"doctor: FAILED"``, ``"doctor: warnings"`` or
+        ``"doctor: no pitfall found"``, how many checks have each status, then the first failure (else the
+        first warning) and how many more there are."""
         counts = {s: int((self.table["status"] == s).sum()) for s in STATUSES}
         tally = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
         bad = [f for f in self.findings if f.severity == "fail"] or [f for f in self.findings if f.severity == "warn"]
