@@ -91,7 +91,8 @@ class CheckResult:
     backward_note : str
         Why, in words ("" when there is nothing to say).
     loss : float or None
-        The sharded loss as rank 0 computed it; None without a backward run by the check.
+        The sharded loss as rank 0 computed it; None when the check computed none (it does so only to run
+        its own backward).
     reference_loss : float or None
         The reference's loss for domain group 0; None without one.
     tf32 : dict
