@@ -611,7 +611,7 @@ def smoke_run(setup, step, plan: dict, reference_grads: dict | None = None) -> d
         device), ``losses`` (each step's loss as this rank sees it; the single device: the mean over the
         step's samples), ``step_s`` (each step's seconds: forward, backward, optimizer step), ``grad_error``
         (the largest error of a first-step gradient relative to that gradient's largest value; None without
-        ``reference_grads``) with ``grad_error_abs`` and ``grad_error_param``, ``grads`` (with
+        ``reference_grads`` or training) with ``grad_error_abs`` and ``grad_error_param``, ``grads`` (with
         ``return_grads``: name -> the first-step gradient, whole, float32 numpy; else None) and ``payload``
         (with ``record``: the recorder's payload of one more step; else None).
 
