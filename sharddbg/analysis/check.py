@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from .. import rendering
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 __all__ = ["CheckResult", "BoundaryPattern", "check_tables", "whole_multiple", "TABLE_COLUMNS", "ROW_COLUMNS",
            "KIND_ORDER", "NEAR_BOUNDARY_SHARE"]
@@ -47,15 +51,74 @@ class BoundaryPattern:
 
     @property
     def max_distance(self) -> int | None:
+        """The largest of ``distances`` (how far the farthest failing row lies from a cut); None when no row
+        fails or the tensor has no boundary."""
         return max(self.distances) if self.distances else None
 
 
 class CheckResult:
-    """What ``Cluster.check`` found. ``ok``; ``table`` (one row per tensor and rank, ``TABLE_COLUMNS``);
-    ``rows`` (the error per row along each tensor's sharded dim, ``ROW_COLUMNS``); ``failures()``;
-    ``boundaries(tensor)`` and ``boundary_pattern(tensor)``; ``unsynced`` (plain parameters whose values differ
-    across the ranks of a domain group); ``verdict`` (one line, also the repr);
-    ``show()`` (the view) and ``plot_rows(tensor)`` (the error per row, shard boundaries marked)."""
+    """What ``Cluster.check`` found: every compared tensor against the unsharded reference, per rank and row.
+
+    ``ok`` says whether it passed; ``table`` has one row per tensor and rank (``TABLE_COLUMNS``: tensor,
+    kind, rank, group, ok, max_abs, max_rel, ratio, rtol, atol, bad, numel, dtype, shape, reference_shape,
+    compared, row_dim, note); ``rows`` the error per row along each tensor's sharded dim (``ROW_COLUMNS``:
+    tensor, group, rank, row, max_abs, ok); ``failures()`` the rows of ``table`` that failed;
+    ``boundaries(tensor)`` and ``boundary_pattern(tensor)`` where the shard boundaries and the failing rows
+    lie; ``unsynced`` the plain parameters whose values differ across the ranks of a domain group (the
+    reference has the group's first rank's); ``verdict`` one line, also the repr; ``show()`` the view and
+    ``plot_rows(tensor)`` the error per row with the shard boundaries marked. The constructor's arguments
+    stay as attributes of the same names. ``Cluster.check`` builds it; its views come through
+    ``sharddbg.rendering``.
+
+    Parameters
+    ----------
+    stmt : str
+        The statement that was checked.
+    table : pandas.DataFrame
+        One row per tensor and rank, ``TABLE_COLUMNS`` (``check_tables``).
+    rows : pandas.DataFrame
+        One row per tensor, rank and row along the tensor's sharded dim, ``ROW_COLUMNS`` (``check_tables``).
+    inputs : list of str
+        The names bound to their ``full_tensor()`` in the reference.
+    outputs : list of str
+        The names compared after the statement.
+    models : list of str
+        The modules copied to the reference whose parameter gradients were compared.
+    backward : str
+        How the gradients came about: ``"check"`` (the check ran the loss's backward), ``"statement"`` (the
+        statement ran its own), ``"none"`` (no gradient compared), ``"skipped"`` (not run: an output's spec
+        disagrees with its data) or ``"failed"`` (the backward raised on every rank).
+    backward_note : str
+        Why, in words ("" when there is nothing to say).
+    loss : float or None
+        The sharded loss as rank 0 computed it; None when the check computed none (it does so only to run
+        its own backward).
+    reference_loss : float or None
+        The reference's loss for domain group 0; None without one.
+    tf32 : dict
+        Rank 0's TF32 settings before the check (TF32 is off during it): ``was_on``, ``applies`` (CUDA
+        only), ``cuda_matmul_allow_tf32``, ``cudnn_allow_tf32``, ``float32_matmul_precision``.
+    groups : list of int
+        The domain groups (their ddp index), one reference each.
+    unsynced : sequence of str, optional
+        The plain parameters (``"model.param"``) whose values differ across the ranks of a domain group.
+
+    Examples
+    --------
+    >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net", grads=False)
+    >>> r.ok
+    False
+    >>> r  # doctest: +NORMALIZE_WHITESPACE
+    check FAILED: 1 of 1 tensors differ from the unsharded reference: y (output, ranks 0-3, max abs 0.26,
+    only in rows near the shard boundaries 17, 34, 50 (within 1 rows): a missing halo?); TF32 does not
+    apply (CPU ranks)
+    >>> r.table[["tensor", "rank", "ok", "max_abs"]]
+      tensor  rank     ok  max_abs
+    0      y     0  False     0.26
+    1      y     1  False     0.26
+    2      y     2  False     0.26
+    3      y     3  False     0.26
+    """
 
     def __init__(self, stmt: str, table: pd.DataFrame, rows: pd.DataFrame, *, inputs: list[str], outputs: list[str],
                  models: list[str], backward: str, backward_note: str, loss: float | None,
@@ -78,25 +141,81 @@ class CheckResult:
     # ---- the verdict ----------------------------------------------------------------------------------
     @property
     def ok(self) -> bool:
-        """Every compared tensor within tolerance on every rank, and the gradients were compared when asked."""
+        """True when something was compared, every compared tensor is within tolerance on every rank, and the
+        gradients were compared when asked (the backward neither skipped nor failed)."""
         return bool(len(self.table)) and bool(self.table["ok"].all()) and self.backward not in ("skipped", "failed")
 
     @property
     def tf32_was_on(self) -> bool:
-        """TF32 was on on the ranks before the check (it is off during it; it exists on CUDA only)."""
+        """Whether TF32 was on before the check, as rank 0 had it (it is off during the check, and exists on CUDA
+        only)."""
         return bool(self.tf32.get("was_on"))
 
     def failures(self) -> pd.DataFrame:
-        """The rows of ``table`` that are not within tolerance."""
+        """The rows of ``table`` that are not within tolerance.
+
+        Returns
+        -------
+        pandas.DataFrame
+            Those rows of ``table``, with its columns (``TABLE_COLUMNS``) and index; empty when the check
+            passed (or nothing was compared).
+
+        Examples
+        --------
+        >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net", grads=False)
+        >>> r.failures()[["tensor", "kind", "rank", "max_abs"]]
+          tensor    kind  rank  max_abs
+        0      y  output     0     0.26
+        1      y  output     1     0.26
+        2      y  output     2     0.26
+        3      y  output     3     0.26
+        """
         return self.table[~self.table["ok"]]
 
     def tensors(self) -> list[str]:
-        """The compared tensors, outputs first, then input and parameter gradients."""
+        """The names of the compared tensors, each once: outputs first, then input and parameter gradients.
+
+        Returns
+        -------
+        list of str
+            In ``table``'s order: outputs (``"y"``), input gradients (``"x.grad"``), parameter gradients
+            (``"net.0.weight.grad"``).
+
+        Examples
+        --------
+        ``x`` scattered with ``requires_grad=True``, ``net`` a one-conv ``nn.Sequential``:
+
+        >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net")
+        >>> r.tensors()
+        ['y', 'x.grad', 'net.0.weight.grad', 'net.0.bias.grad']
+        """
         return list(dict.fromkeys(self.table["tensor"]))
 
     def boundaries(self, tensor: str, group: int = 0) -> list[int]:
-        """The first row of each shard after the first, along ``tensor``'s sharded dim, in domain group
-        ``group`` ([] for a tensor compared whole)."""
+        """Where the shards of ``tensor`` meet: the first row of each shard after the first.
+
+        Read from ``rows`` (the smallest row each rank holds along the tensor's sharded dim).
+
+        Parameters
+        ----------
+        tensor : str
+            A compared tensor, as ``tensors()`` names it.
+        group : int, default 0
+            The domain group (its ddp index).
+
+        Returns
+        -------
+        list of int
+            The rows, ascending; ``[]`` for a tensor compared whole (or a name not in ``rows``).
+
+        Examples
+        --------
+        66 rows over 4 ranks (17, 17, 16, 16):
+
+        >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net", grads=False)
+        >>> r.boundaries("y")
+        [17, 34, 50]
+        """
         part = self.rows[(self.rows["tensor"] == tensor) & (self.rows["group"] == group)]
         if part.empty:
             return []
@@ -104,7 +223,33 @@ class CheckResult:
         return sorted(int(s) for s in starts if s > 0)
 
     def boundary_pattern(self, tensor: str, group: int = 0) -> BoundaryPattern:
-        """Where ``tensor``'s failing rows lie relative to the shard boundaries of ``group``."""
+        """Where ``tensor``'s failing rows lie relative to the shard boundaries of ``group``.
+
+        A row fails when it fails on any rank. The failure is near the boundaries (what a missing halo looks
+        like) when some but not all rows fail and every failing row lies within ``NEAR_BOUNDARY_SHARE`` of
+        the smallest shard (at least one row) from a cut.
+
+        Parameters
+        ----------
+        tensor : str
+            A compared tensor, as ``tensors()`` names it.
+        group : int, default 0
+            The domain group (its ddp index).
+
+        Returns
+        -------
+        BoundaryPattern
+            The failing rows, the boundaries, each failing row's distance to the nearest one (the row just
+            before or just at a cut is 1 away) and ``near_boundaries``; empty tuples and False for a tensor
+            compared whole or a name not in ``rows``.
+
+        Examples
+        --------
+        >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net", grads=False)
+        >>> p = r.boundary_pattern("y")
+        >>> p.failing_rows, p.boundaries, p.near_boundaries
+        ((16, 17, 33, 34, 49, 50), (17, 34, 50), True)
+        """
         part = self.rows[(self.rows["tensor"] == tensor) & (self.rows["group"] == group)]
         cuts = self.boundaries(tensor, group)
         failing = sorted(int(r) for r in part.loc[~part["ok"], "row"].unique())
@@ -118,7 +263,10 @@ class CheckResult:
 
     @property
     def verdict(self) -> str:
-        """One line: passed or failed, and for a failure which tensors, where and how."""
+        """One line, also the repr: passed or failed; for a failure which tensors (three at most, then how many
+        more), on which ranks, by how much, and what it looks like (a whole multiple of the reference: reduced
+        once too often; rows near the shard boundaries only: a missing halo), a skipped or failed backward,
+        parameters not synced across a domain group; last, the TF32 settings."""
         n = len(self.tensors())
         ranks = sorted(set(self.table["rank"])) if len(self.table) else []
         settings = self._settings_text()
@@ -174,7 +322,20 @@ class CheckResult:
         return rendering.check_html(self)
 
     def patterns(self) -> list[BoundaryPattern]:
-        """The boundary pattern of every failing tensor compared by rows, per group."""
+        """The boundary pattern of every failing tensor compared by rows, per group.
+
+        Returns
+        -------
+        list of BoundaryPattern
+            One per failing tensor and domain group where it fails, in ``table``'s order, those with at least
+            one failing row only (a tensor compared whole has none); ``[]`` when the check passed.
+
+        Examples
+        --------
+        >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net", grads=False)
+        >>> [(p.tensor, p.group, p.near_boundaries) for p in r.patterns()]
+        [('y', 0, True)]
+        """
         failing = self.failures()
         out = []
         for tensor in dict.fromkeys(failing["tensor"]):
@@ -185,13 +346,51 @@ class CheckResult:
         return out
 
     # ---- the view --------------------------------------------------------------------------------------
-    def plot_rows(self, tensor: str | None = None, group: int = 0):
-        """Plotly Figure: the largest error per row along the sharded dim, one trace per rank, shard
-        boundaries as dashed lines; a menu picks the tensor (default: the first failing one with rows)."""
+    def plot_rows(self, tensor: str | None = None, group: int = 0) -> go.Figure:
+        """The largest error per row along the sharded dim, one trace per rank, for one tensor at a time.
+
+        Failing rows are marked red, the shard boundaries dashed, the absolute tolerance dotted; a menu picks
+        the tensor. Needs plotly (imported when called).
+
+        Parameters
+        ----------
+        tensor : str or None, default None
+            The tensor shown first; None (or a tensor without rows): the first failing one with rows, else the
+            first with rows.
+        group : int, default 0
+            The domain group (its ddp index) whose rows are drawn.
+
+        Returns
+        -------
+        plotly.graph_objects.Figure
+            The figure; one that only says so when no tensor was compared row by row.
+
+        Examples
+        --------
+        >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net", grads=False)
+        >>> r.plot_rows("y")  # doctest: +SKIP
+        """
         return rendering.check_rows_figure(self, tensor, group)
 
-    def show(self):
-        """The view: the verdict and the table (failures first, tinted), then the error per row."""
+    def show(self) -> Any:
+        """The view: the verdict and the table (failures first, tinted), then the error per row.
+
+        Returns
+        -------
+        sharddbg.views.check.CheckView
+            Displays in a notebook (static HTML, then ``plot_rows()``'s figure when some tensor has rows);
+            ``html()`` and ``text()`` give it as HTML and plain text.
+
+        Examples
+        --------
+        >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net", grads=False)
+        >>> r.show()  # doctest: +SKIP
+        >>> print(r.show().text())  # doctest: +ELLIPSIS
+        check FAILED: 1 of 1 tensors differ from the unsharded reference: y (output, ranks 0-3, ...
+        y: failing rows 16-17, 33-34, 49-50 (shard boundaries at rows 17, 34, 50); all within 1 rows of ...
+        tensor  kind    rank  ok  ...
+        ...
+        """
         return rendering.check_view(self)
 
 

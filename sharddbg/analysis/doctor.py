@@ -23,7 +23,7 @@ Each row: ``ok``, ``warn`` (a risk, or right here but wrong elsewhere), ``fail``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -72,8 +72,46 @@ FIXES = {
 
 
 class DoctorReport:
-    """What ``Cluster.doctor`` found: ``table`` (one row per check, ``TABLE_COLUMNS``), ``ok`` (no check
-    failed), ``failures()``, ``status(check)``, ``verdict`` (one line, also the repr), ``show()``."""
+    """What ``Cluster.doctor`` found: one row per known ShardTensor pitfall, ok, warn, fail or skip.
+
+    ``table`` has one row per check (``TABLE_COLUMNS``: check, status, found, fix, ranks), in the order of
+    ``CHECKS``; ``ok`` says no check failed; ``failures()`` gives the failed rows, ``status(check)`` and
+    ``finding(check)`` one check's status and row; ``verdict`` is one line, also the repr; ``text()`` and
+    ``show()`` the whole report. ``findings`` and ``names`` stay as attributes. ``Cluster.doctor`` builds it
+    (through ``examine``); its views come through ``sharddbg.rendering``.
+
+    Parameters
+    ----------
+    findings : list of Finding
+        One per check: ``kind`` the check's name (one of ``CHECKS``), ``severity`` its status (one of
+        ``STATUSES``), ``sentence`` what was found, ``fix`` the fix, ``ranks`` the ranks concerned. ``table``
+        is made of them (check, status, found, fix, ranks).
+    names : list of str
+        The variables examined; ``[]`` when every variable of the ranks' namespaces was.
+
+    Examples
+    --------
+    Four ranks on one domain group, ``net`` built from each rank's own seed and never broadcast:
+
+    >>> rep = cl.doctor()
+    >>> rep.ok
+    False
+    >>> rep  # doctest: +NORMALIZE_WHITESPACE
+    doctor: FAILED (4 ok, 1 fail, 4 skip); weights synced over the domain axis: 2 of 2 plain parameters differ
+    across the ranks of a domain group (ranks 1-3 from their group's first rank): net.0.weight, net.0.bias;
+    they train "fine" and wrong
+    >>> rep.table[["check", "status"]]
+                                                 check status
+    0              weights synced over the domain axis   fail
+    1                      batch of 1 per domain group     ok
+    2              requires_grad of ShardTensor leaves     ok
+    3                         async collectives waited     ok
+    4                  optimizer groups by tensor type   skip
+    5                                         no FSDP1     ok
+    6                       DDP over the ddp axis only   skip
+    7      gradients reduced once over the domain axis   skip
+    8  redistribution plan cache without stale entries   skip
+    """
 
     def __init__(self, findings: list[Finding], names: list[str]):
         self.findings = findings
@@ -87,17 +125,84 @@ class DoctorReport:
         return not (self.table["status"] == "fail").any()
 
     def failures(self) -> pd.DataFrame:
+        """The checks that failed (warnings and skipped checks are not among them).
+
+        Returns
+        -------
+        pandas.DataFrame
+            Those rows of ``table`` (``TABLE_COLUMNS``: check, status, found, fix, ranks), with its index;
+            empty when ``ok``.
+
+        Examples
+        --------
+        >>> rep = cl.doctor()
+        >>> rep.failures()[["check", "ranks"]]
+                                         check      ranks
+        0  weights synced over the domain axis  [1, 2, 3]
+        """
         return self.table[self.table["status"] == "fail"]
 
     def status(self, check: str) -> str:
-        """The status of one check (one of ``CHECKS``)."""
+        """The status of one check.
+
+        Parameters
+        ----------
+        check : str
+            The check's name, one of ``CHECKS`` (``"no FSDP1"``, ``"weights synced over the domain axis"``, ...;
+            the module's constants such as ``NO_FSDP1`` hold them).
+
+        Returns
+        -------
+        str
+            ``"ok"``, ``"warn"``, ``"fail"`` or ``"skip"``.
+
+        Raises
+        ------
+        KeyError
+            No check of the report has that name (the message lists the checks).
+
+        Examples
+        --------
+        >>> from sharddbg.analysis.doctor import NO_FSDP1
+        >>> rep = cl.doctor()
+        >>> rep.status(NO_FSDP1)
+        'ok'
+        >>> rep.status("weights synced over the domain axis")
+        'fail'
+        """
         found = self.table[self.table["check"] == check]
         if found.empty:
             raise KeyError(f"no doctor check named {check!r}; the checks: {', '.join(CHECKS)}")
         return str(found["status"].iloc[0])
 
     def finding(self, check: str) -> Finding:
-        """The row of one check."""
+        """The row of one check, as the ``Finding`` it was made from.
+
+        Parameters
+        ----------
+        check : str
+            The check's name, one of ``CHECKS`` (the module's constants such as ``WEIGHTS_SYNCED`` hold them).
+
+        Returns
+        -------
+        Finding
+            ``kind`` (the check), ``severity`` (its status), ``sentence`` (what was found), ``fix``, ``ranks``
+            (the ranks concerned), and ``op`` where the check names one (the plan cache's).
+
+        Raises
+        ------
+        KeyError
+            No check of the report has that name (the message lists the checks).
+
+        Examples
+        --------
+        >>> from sharddbg.analysis.doctor import WEIGHTS_SYNCED
+        >>> f = cl.doctor().finding(WEIGHTS_SYNCED)
+        >>> f.severity, f.ranks
+        ('fail', (1, 2, 3))
+        >>> f.fix  # doctest: +ELLIPSIS
+        "broadcast every plain parameter from the domain group's first rank at start-up (before wrapping): ..."
+        """
         for f in self.findings:
             if f.kind == check:
                 return f
@@ -105,6 +210,9 @@ class DoctorReport:
 
     @property
     def verdict(self) -> str:
+        """One line, also the repr: ``"doctor: FAILED"``, ``"doctor: warnings"`` or
+        ``"doctor: no pitfall found"``, how many checks have each status, then the first failure (else the
+        first warning) and how many more there are."""
         counts = {s: int((self.table["status"] == s).sum()) for s in STATUSES}
         tally = ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
         bad = [f for f in self.findings if f.severity == "fail"] or [f for f in self.findings if f.severity == "warn"]
@@ -120,14 +228,42 @@ class DoctorReport:
         return self.verdict
 
     def text(self) -> str:
-        """The report in words: the verdict, then one block per check."""
+        """The report in words: the verdict, then one block per check.
+
+        Each block: the status and the check, what was found, and the fix for a check that failed or warned.
+
+        Returns
+        -------
+        str
+            The text of ``show()``.
+
+        Examples
+        --------
+        >>> print(cl.doctor().text())  # doctest: +ELLIPSIS
+        doctor: FAILED (4 ok, 1 fail, 4 skip); weights synced over the domain axis: 2 of 2 plain parameters ...
+        ✖ fail  weights synced over the domain axis: 2 of 2 plain parameters differ across the ranks of a ...
+                fix: broadcast every plain parameter from the domain group's first rank at start-up ...
+        ✔ ok    batch of 1 per domain group: every sharded activation has a batch (dim 0) of 1
+        ...
+        """
         return self.show().text()
 
     def _repr_html_(self) -> str:
         return self.show().html()
 
-    def show(self):
-        """The view: the verdict, then one row per check tinted by status."""
+    def show(self) -> Any:
+        """The view: the verdict, then one row per check tinted by status.
+
+        Returns
+        -------
+        sharddbg.views.check.DoctorView
+            Static HTML in a notebook (the fix shown for the checks that failed or warned); ``html()`` and
+            ``text()`` give it as HTML and plain text.
+
+        Examples
+        --------
+        >>> cl.doctor("net", "x").show()  # doctest: +SKIP
+        """
         return rendering.doctor_view(self)
 
 

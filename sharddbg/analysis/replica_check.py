@@ -9,6 +9,7 @@ verdict and the view, which comes through ``sharddbg.rendering``. Pure data: no 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pandas as pd
 
@@ -28,9 +29,46 @@ STATES_OK = (SAME, SHARDED)
 
 
 class ReplicaCheck:
-    """What ``Cluster.check_replicas`` found: ``ok`` (every replicated parameter and buffer the same across each
-    group), ``table`` (one row per parameter and group, ``TABLE_COLUMNS``), ``differing`` (the names that
-    differ somewhere), ``verdict`` (one line, also the repr), ``show()`` (the view)."""
+    """What ``Cluster.check_replicas`` found: is each parameter and buffer the same on every rank of each group?
+
+    ``ok`` says every replicated parameter and buffer is the same across each group; ``table`` has one row
+    per parameter (or buffer) and group (``TABLE_COLUMNS``: name, kind, group_ranks, state, ranks_differing,
+    reference_rank, max_abs_diff, shape, dtype, placements, detail), those that differ first; ``differing``
+    names those that differ somewhere; ``verdict`` is one line, also the repr; ``show()`` the view. The
+    constructor's arguments stay as attributes of the same names. ``Cluster.check_replicas`` builds it; its
+    view comes through ``sharddbg.rendering``.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        One row per name and group, ``TABLE_COLUMNS``: ``state`` is ``"same"`` (the same bytes on every rank
+        of the group), ``"differs"``, ``"sharded"`` (a distributed parameter sharded over the mesh dim: not
+        compared) or ``"mismatch"`` (absent on some ranks, or another shape or dtype there);
+        ``max_abs_diff`` the largest difference to the group's first rank (``reference_rank``), NaN where
+        nothing was gathered.
+    model : str
+        The expression that names the nn.Module on the ranks.
+    mesh_dim : str
+        The mesh dim whose groups were compared, ``"domain"`` or ``"ddp"``.
+    groups : list of list of int
+        The groups of global ranks along ``mesh_dim``.
+
+    Examples
+    --------
+    >>> chk = cl.check_replicas("net")
+    >>> chk.ok
+    False
+    >>> chk  # doctest: +NORMALIZE_WHITESPACE
+    net: 2 of 4 parameters and buffers differ across the ranks of a domain group (first: 0.weight: ranks 1, 2,
+    3 differ from rank 0 by up to 0.735); broadcast the parameters from domain rank 0 at start-up (before any
+    wrapper)
+    >>> chk.table[["name", "state", "ranks_differing", "max_abs_diff"]]
+           name    state ranks_differing  max_abs_diff
+    0  0.weight  differs       [1, 2, 3]         0.735
+    1  2.weight  differs       [1, 2, 3]         0.412
+    2    0.bias     same              []           NaN
+    3    2.bias     same              []           NaN
+    """
 
     def __init__(self, table: pd.DataFrame, model: str, mesh_dim: str, groups: list[list[int]]):
         self.table = table
@@ -40,15 +78,22 @@ class ReplicaCheck:
 
     @property
     def ok(self) -> bool:
+        """Every row is ``"same"`` or ``"sharded"``: no replicated parameter or buffer differs, none is missing
+        or of another shape or dtype on some rank."""
         return bool(self.table["state"].isin(STATES_OK).all())
 
     @property
     def differing(self) -> list[str]:
+        """The names of the parameters and buffers that differ (or mismatch) in some group, each once, in the
+        table's order."""
         bad = self.table[~self.table["state"].isin(STATES_OK)]
         return list(dict.fromkeys(bad["name"]))
 
     @property
     def verdict(self) -> str:
+        """One line, also the repr: the model, then either that every parameter and buffer is the same on every
+        rank of each group (and how many are sharded, not compared), or how many differ, the first of them with
+        its ranks and largest difference (or what does not match), and, over the domain axis, the fix."""
         names = sorted(set(self.table["name"]))
         where = f"{len(self.groups)} {self.mesh_dim} group{'s' if len(self.groups) > 1 else ''}"
         if self.ok:
@@ -71,8 +116,24 @@ class ReplicaCheck:
     def __repr__(self) -> str:
         return self.verdict
 
-    def show(self):
-        """The view: the verdict, then one row per parameter and group, those that differ first."""
+    def show(self) -> Any:
+        """The view: the verdict, then one row per parameter and group, those that differ first.
+
+        Returns
+        -------
+        sharddbg.views.replicas.ReplicaCheckView
+            Static HTML in a notebook; ``html()`` and ``text()`` give it as HTML and plain text.
+
+        Examples
+        --------
+        >>> chk = cl.check_replicas("net")
+        >>> chk.show()  # doctest: +SKIP
+        >>> print(chk.show().text())  # doctest: +ELLIPSIS
+        net: 2 of 4 parameters and buffers differ across the ranks of a domain group (first: 0.weight: ...
+        parameter  ranks       state      differing ranks  max |diff|  shape         dtype    detail
+        0.weight   0, 1, 2, 3  ✖ differs  1, 2, 3          0.735       (8, 3, 3, 3)  float32
+        ...
+        """
         return rendering.replica_check_view(self)
 
 

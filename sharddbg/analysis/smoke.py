@@ -12,11 +12,17 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from .. import rendering
 from ..errors import ClusterError
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
+
+    from ..trace import Trace
 
 __all__ = ["TABLE_COLUMNS", "WRAPPERS", "SmokeConfig", "SmokeError", "SmokeResult", "ConfigOutcome", "Reference",
            "full_matrix", "reduced_matrix", "resolve_configs", "smoke_table"]
@@ -197,9 +203,51 @@ class ConfigOutcome:
 
 
 class SmokeResult:
-    """The smoke matrix's result: ``ok`` (every configuration as expected), ``table`` (one row per
-    configuration, indexed by its name), ``show()`` (the view), ``trace(name)`` (the recorded step of a
-    configuration: its fallbacks and collectives op by op), ``verdict`` (one line, also the repr)."""
+    """The smoke matrix's result: each configuration against the single-device run.
+
+    ``ok`` says every configuration was as expected; ``table`` has one row per configuration, indexed by its
+    name (``TABLE_COLUMNS``: ok, outcome, mesh, wrapper, compiled, training, expected_error, loss_error,
+    loss_error_step, grad_error, grad_error_param, step_ms, first_step_ms, fallbacks, fallback_ops,
+    collectives_per_step, losses, reference_losses, about); ``failed`` names the configurations that were
+    not; ``trace(name)`` is the recorded step of a configuration (its fallbacks and collectives op by op);
+    ``verdict`` is one line, also the repr; ``show()`` the view and ``plot_losses()`` the loss error per
+    step. The constructor's arguments stay as attributes of the same names. ``Cluster.smoke`` builds it; its
+    views come through ``sharddbg.rendering``.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        One row per configuration, indexed by its name, ``TABLE_COLUMNS`` (``smoke_table``).
+    configs : list of SmokeConfig
+        The configurations run, in the table's order.
+    traces : dict
+        Configuration name -> the ``Trace`` of its recorded step (one more step run under the recorder);
+        compiled configurations, the single device and configurations that failed have none.
+    rtol : float
+        The relative tolerance the losses and first-step gradients were held to.
+    steps : int
+        The SGD steps each configuration ran.
+    world_size : int
+        The number of ranks.
+
+    Examples
+    --------
+    >>> res = cl.smoke(setup, step, configs="reduced")
+    >>> res.ok
+    True
+    >>> res  # doctest: +NORMALIZE_WHITESPACE
+    smoke matrix on 4 ranks: all 6 configurations as expected (5 match the single-device run within rtol
+    0.001, 1 failed as expected)
+    >>> res.table[["ok", "outcome"]]  # doctest: +NORMALIZE_WHITESPACE
+                                            ok                                            outcome
+    config
+    single-device                         True                                      the reference
+    domain=4                              True                      matches the single-device run
+    ddp=2 x domain=2, DDP                 True                      matches the single-device run
+    ddp=2 x domain=2, FSDP2               True                      matches the single-device run
+    domain=4, compiled                    True                      matches the single-device run
+    domain=4, 2 samples per domain group  True  failed as expected: ranks [0, 1, 2, 3] raised ...
+    """
 
     def __init__(self, table, configs: list[SmokeConfig], traces: dict, rtol: float, steps: int, world_size: int):
         self.table = table
@@ -211,6 +259,8 @@ class SmokeResult:
 
     @property
     def ok(self) -> bool:
+        """Every configuration as expected: those expected to fail failed with their error, the others matched
+        the single-device run within ``rtol``."""
         return bool(self.table["ok"].all())
 
     @property
@@ -220,6 +270,9 @@ class SmokeResult:
 
     @property
     def verdict(self) -> str:
+        """One line, also the repr: on how many ranks, whether every configuration was as expected (how many
+        matched the single-device run within ``rtol``, how many failed as expected), else each wrong one with
+        its outcome."""
         n = len(self.table)
         expected = int(self.table["expected_error"].astype(bool).sum())
         if self.ok:
@@ -238,8 +291,38 @@ class SmokeResult:
     def _repr_html_(self) -> str:
         return self.show().html()
 
-    def trace(self, name: str):
-        """The Trace of configuration ``name``'s recorded step (its ops, fallbacks, collectives)."""
+    def trace(self, name: str) -> Trace:
+        """The Trace of configuration ``name``'s recorded step (its ops, fallbacks, collectives).
+
+        The step is one more step after the compared ones, run under the recorder.
+
+        Parameters
+        ----------
+        name : str
+            The configuration's name, as the table's index has it.
+
+        Returns
+        -------
+        Trace
+            That step on every rank.
+
+        Raises
+        ------
+        SmokeError
+            No configuration of this result has that name, or it has no recorded step: a compiled
+            configuration (its steps run below the recorder), the single device (never recorded), or a
+            configuration that failed before it got that far (see its outcome).
+
+        Examples
+        --------
+        >>> res = cl.smoke(setup, step, configs="reduced")
+        >>> t = res.trace("domain=4")
+        >>> t.get_fallbacks()  # doctest: +SKIP
+        >>> res.trace("domain=4, compiled")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        sharddbg.analysis.smoke.SmokeError: configuration 'domain=4, compiled' is compiled: its steps run below ...
+        """
         if name not in self.traces:
             config = next((c for c in self.configs if c.name == name), None)
             if config is None:
@@ -252,12 +335,43 @@ class SmokeResult:
             raise SmokeError(why)
         return self.traces[name]
 
-    def show(self):
-        """The view: the table with each verdict coloured, and the loss error per step (``plot_losses()``)."""
+    def show(self) -> Any:
+        """The view: the table with each verdict coloured, and the loss error per step (``plot_losses()``).
+
+        Returns
+        -------
+        sharddbg.views.smoke.SmokeView
+            Static HTML in a notebook (one row per configuration, its verdict coloured); ``text()`` gives it as
+            plain text (also its ``str``), ``plot_losses()`` the figure of ``SmokeResult.plot_losses``.
+
+        Examples
+        --------
+        >>> res = cl.smoke(setup, step, configs="reduced")
+        >>> res.show()  # doctest: +SKIP
+        >>> print(res.show().text())  # doctest: +ELLIPSIS
+        smoke matrix on 4 ranks: all 6 configurations as expected (5 match the single-device run within rtol 0.001, ...
+        configuration ...
+        single-device ...
+        ...
+        """
         return rendering.smoke_view(self)
 
-    def plot_losses(self):
-        """Plotly: each configuration's loss error against the single-device run, per step (log scale)."""
+    def plot_losses(self) -> go.Figure:
+        """Plotly: each configuration's loss error against the single-device run, per step (log scale).
+
+        One line per configuration that ran (an exact match is drawn at 1e-12), ``rtol`` as a dashed line.
+        Needs plotly (imported when called).
+
+        Returns
+        -------
+        plotly.graph_objects.Figure
+            The figure; it says so when no configuration ran to compare.
+
+        Examples
+        --------
+        >>> res = cl.smoke(setup, step, configs="reduced")
+        >>> res.plot_losses()  # doctest: +SKIP
+        """
         return rendering.smoke_losses_figure(self)
 
 

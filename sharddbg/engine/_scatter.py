@@ -9,9 +9,13 @@ left waiting in a collective its peers never join.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import ShardDbgError
 from .rank_state import STATE, current_rank
+
+if TYPE_CHECKING:
+    from physicsnemo.domain_parallel import ShardTensor
 
 
 class ScatterError(ShardDbgError, ValueError):
@@ -148,18 +152,70 @@ def _shape_problem(src: SourceTensor, dim, batch_dim, replicate, group_ranks: li
 
 
 def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replicate: bool = False,
-            requires_grad: bool = False):
+            requires_grad: bool = False) -> ShardTensor:
     """Shard ``tensor`` along ``dim`` over this rank's domain group (or replicate it with ``replicate=True``).
 
-    The tensor held by rank 0 of each domain group is the one that counts (physicsnemo's ``scatter_tensor``
-    broadcasts it from that rank); other ranks' values are ignored and may be None. Uneven sizes are fine:
-    66 rows over 4 ranks give 17, 17, 16, 16; fewer rows than ranks are refused (a rank would hold none).
-    Every rank of the domain group must pass the same ``dim``, ``batch_dim``, ``replicate`` and
-    ``requires_grad``. The result requires grad on every rank when the source tensor does or
-    ``requires_grad`` is True, and is then a leaf that accumulates its gradient on every rank.
+    Called on every rank of the domain group (a collective over it). The tensor held by rank 0 of each
+    domain group is the one that counts (physicsnemo's ``scatter_tensor`` broadcasts it from that rank);
+    other ranks' values are ignored and may be None. Uneven sizes are fine: 66 rows over 4 ranks give 17,
+    17, 16, 16 (no rank more than one row above another, larger shards first, the sizes declared in the
+    result's sharding shapes); fewer rows than ranks are refused (a rank would hold none). Every rank of the
+    domain group must pass the same ``dim``, ``batch_dim``, ``replicate`` and ``requires_grad``. The result
+    requires grad on every rank when the source tensor does or ``requires_grad`` is True, and is then a leaf
+    that accumulates its gradient on every rank; it is never part of the source tensor's graph (the data is
+    detached and moved to the rank's device first).
 
     Before any data moves, the ranks exchange their arguments and the source's shape in one collective,
     and every rank raises the same ``ScatterError`` when any rank's request is wrong.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor or None
+        The whole sample, on the domain group's first rank; ignored (and may be None) on the others.
+    dim : int or None, default None
+        The dim to shard along (negative counts from the end). None only with ``replicate=True``.
+    batch_dim : int or None, default 0
+        The batch axis: it must have size 1 (a domain group holds one sample; scale the batch over the
+        ``ddp`` mesh axis) and cannot be ``dim``. None for inputs without a batch axis (point clouds).
+    replicate : bool, default False
+        Put the whole tensor on every rank of the domain group (a Replicate ShardTensor, for targets)
+        instead of sharding it; ``dim`` is then not used.
+    requires_grad : bool, default False
+        Make the result a leaf that requires grad on every rank (the source's own flag does so as well).
+
+    Returns
+    -------
+    ShardTensor
+        On this rank's ``domain`` sub-mesh, placed ``Shard(dim)`` (``dim`` counted from the front) or
+        ``Replicate()``, with the source's global shape and dtype, its local part on the rank's device.
+
+    Raises
+    ------
+    ScatterError
+        On every rank of the domain group alike, when any rank's request is wrong: an argument of the wrong
+        type (``dim`` or ``batch_dim`` not an int or None, ``replicate`` or ``requires_grad`` not a bool),
+        ranks passing different values, a source rank holding no ``torch.Tensor``, a 0-d tensor,
+        ``batch_dim`` out of range or its size not 1, no ``dim`` without ``replicate``, ``dim`` out of range
+        or equal to the batch axis, fewer rows along ``dim`` than ranks. The message names the ranks.
+    ShardDbgError
+        torch.distributed is not set up on this engine (it is not a rank of a ``sharddbg.Cluster``);
+        raised before any exchange.
+
+    Examples
+    --------
+    In a ``%%px`` cell on 4 ranks, one domain group of 4 (``torch`` and ``sharddbg`` are in the ranks'
+    namespace):
+
+    >>> x = sharddbg.engine.scatter(torch.randn(1, 3, 66, 64), dim=2)
+    >>> tuple(x._local_tensor.shape)  # on rank 3
+    (1, 3, 16, 64)
+    >>> target = sharddbg.engine.scatter(torch.randn(1, 4, 66, 64), replicate=True)
+    >>> tuple(target._local_tensor.shape)
+    (1, 4, 66, 64)
+    >>> sharddbg.engine.scatter(torch.randn(2, 3, 66, 64), dim=2)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    sharddbg.engine._scatter.ScatterError: sharddbg.engine.scatter: the batch axis (dim 0) has size 2, but ...
     """
     import torch
     import torch.distributed as dist

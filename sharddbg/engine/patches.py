@@ -28,7 +28,30 @@ def _st():
 
 
 def registered_patches() -> dict[str, list[str]]:
-    """Registry name -> the ops registered there (as strings)."""
+    """The ops ShardTensor routes to a registered patch on this rank, registry by registry.
+
+    Read from ShardTensor's four registries (``_function_registry``, ``_named_function_registry``,
+    ``_dispatch_registry``, ``_dispatch_registry_by_name``) as they are now: inside a ``without_patches``
+    block, without the ops it removed. Imports physicsnemo.
+
+    Returns
+    -------
+    dict of str to list of str
+        Registry name -> the ops registered there, as strings (a registry's own string keys, else the op's
+        name as sharddbg prints it: ``"torch.conv2d"``, ``"Tensor.mean"``, ``"aten.view.default"``), sorted.
+        Every registry is there, empty or not.
+
+    Examples
+    --------
+    In a ``%%px`` cell on the ranks (patches registered: on CPU ranks the cluster registers them):
+
+    >>> from sharddbg.engine.patches import registered_patches
+    >>> patches = registered_patches()
+    >>> sorted(patches)
+    ['_dispatch_registry', '_dispatch_registry_by_name', '_function_registry', '_named_function_registry']
+    >>> "torch.conv2d" in patches["_function_registry"]
+    True
+    """
     ST = _st()
     return {r: sorted(k if isinstance(k, str) else op_name(k) for k in getattr(ST, r)) for r in _REGISTRIES}
 
@@ -77,9 +100,49 @@ def _matches(op: Any) -> list[tuple[dict, Any]]:
 def without_patches(*ops: Any) -> Iterator[None]:
     """Remove ``ops`` from ShardTensor's registries for the duration of the block.
 
-    ``ops``: the callables the patches are registered for (``torch.nn.functional.conv2d``,
-    ``torch.Tensor.mean``), aten ops (``torch.ops.aten.view.default`` or the packet), or their names.
-    Raises NoPatchError (before changing anything) for an op that has no patch.
+    Inside it those ops run through ShardTensor's DTensor fallback (``dtensor_fallback_function``) instead
+    of their registered patch (``function_handler``), which lets a patch be compared with the generic path
+    (result, communication, time). Every registry entry that routes an op to a patch is removed (a name can
+    match several registries), and each is put back on exit, also after an exception. The registries are
+    ShardTensor's class attributes: the removal holds for the whole process (every thread) while the block
+    runs. An op already removed by an enclosing block has no patch left to remove.
+
+    Parameters
+    ----------
+    *ops : callable, torch op or str
+        The callables the patches are registered for (``torch.nn.functional.conv2d``,
+        ``torch.Tensor.mean``), aten ops (``torch.ops.aten.view.default`` or the packet
+        ``torch.ops.aten.view``, for each of its overloads), or their names: a registry key
+        (``"aten.view.default"``, ``"physicsnemo.knn_cuml.default"``) or the name sharddbg prints
+        (``"torch.conv2d"``, ``"Tensor.mean"``). At least one.
+
+    Yields
+    ------
+    None
+        The block runs with the patches removed.
+
+    Raises
+    ------
+    ValueError
+        No op was given (raised when the block is entered).
+    NoPatchError
+        An op has no patch to remove (it already runs through the DTensor fallback, or the patches are not
+        registered on this rank); raised when the block is entered, before anything is changed.
+
+    Examples
+    --------
+    In a ``%%px`` cell on the ranks, ``x`` a ShardTensor split along dim 2:
+
+    >>> from sharddbg.engine.patches import without_patches
+    >>> w = torch.randn(4, 3, 3, 3)
+    >>> y = F.conv2d(x, w, padding=1)  # the patch: halo exchange
+    >>> with without_patches(F.conv2d):
+    ...     y_fallback = F.conv2d(x, w, padding=1)  # the DTensor fallback
+    >>> with without_patches(torch.add):  # doctest: +ELLIPSIS
+    ...     pass
+    Traceback (most recent call last):
+    ...
+    sharddbg.errors.NoPatchError: torch.add has no ShardTensor patch to remove (it already runs through ...
     """
     if not ops:
         raise ValueError("without_patches() needs at least one op")
