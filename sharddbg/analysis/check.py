@@ -172,6 +172,10 @@ class CheckResult:
         """
         return self.table[~self.table["ok"]]
 
+    def _known(self, tensor: str) -> None:
+        if tensor not in set(self.table["tensor"]):
+            raise KeyError(f"no compared tensor named {tensor!r}; this check compared {self.tensors()}")
+
     def tensors(self) -> list[str]:
         """The names of the compared tensors, each once: outputs first, then input and parameter gradients.
 
@@ -206,7 +210,12 @@ class CheckResult:
         Returns
         -------
         list of int
-            The rows, ascending; ``[]`` for a tensor compared whole (or a name not in ``rows``).
+            The rows, ascending; ``[]`` for a tensor compared whole.
+
+        Raises
+        ------
+        KeyError
+            ``tensor`` is not one this check compared.
 
         Examples
         --------
@@ -216,6 +225,7 @@ class CheckResult:
         >>> r.boundaries("y")
         [17, 34, 50]
         """
+        self._known(tensor)
         part = self.rows[(self.rows["tensor"] == tensor) & (self.rows["group"] == group)]
         if part.empty:
             return []
@@ -243,6 +253,11 @@ class CheckResult:
             before or just at a cut is 1 away) and ``near_boundaries``; empty tuples and False for a tensor
             compared whole or a name not in ``rows``.
 
+        Raises
+        ------
+        KeyError
+            ``tensor`` is not one this check compared.
+
         Examples
         --------
         >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net", grads=False)
@@ -250,6 +265,7 @@ class CheckResult:
         >>> p.failing_rows, p.boundaries, p.near_boundaries
         ((16, 17, 33, 34, 49, 50), (17, 34, 50), True)
         """
+        self._known(tensor)
         part = self.rows[(self.rows["tensor"] == tensor) & (self.rows["group"] == group)]
         cuts = self.boundaries(tensor, group)
         failing = sorted(int(r) for r in part.loc[~part["ok"], "row"].unique())
@@ -271,10 +287,11 @@ class CheckResult:
         ranks = sorted(set(self.table["rank"])) if len(self.table) else []
         settings = self._settings_text()
         if self.ok:
-            worst = self.table.sort_values("max_rel", ascending=False).iloc[0]
+            worst = self.table.sort_values("max_rel", ascending=False).iloc[0]  # NaN (nothing to compare) last
+            largest = ("no element held a value to compare" if math.isnan(worst["max_rel"]) else
+                       f"largest error {worst['max_rel']:.2g} of the tensor's scale, {worst['tensor']}")
             return (f"check passed: {n} tensors (outputs and gradients) on {len(ranks)} ranks agree with the unsharded "
-                    f"reference (largest error {worst['max_rel']:.2g} of the tensor's scale, {worst['tensor']}; "
-                    f"{_tolerance_text(self.table)}); {settings}")
+                    f"reference ({largest}; {_tolerance_text(self.table)}); {settings}")
         if not len(self.table):
             return f"check FAILED: nothing was compared ({self.backward_note or 'no outputs'}); {settings}"
         failing = self.failures()
@@ -365,11 +382,18 @@ class CheckResult:
         plotly.graph_objects.Figure
             The figure; one that only says so when no tensor was compared row by row.
 
+        Raises
+        ------
+        KeyError
+            ``tensor`` is not one this check compared.
+
         Examples
         --------
         >>> r = cl.check("y = net(x)", inputs=["x"], outputs=["y"], model="net", grads=False)
         >>> r.plot_rows("y")  # doctest: +SKIP
         """
+        if tensor is not None:
+            self._known(tensor)
         return rendering.check_rows_figure(self, tensor, group)
 
     def show(self) -> Any:

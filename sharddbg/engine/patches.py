@@ -53,7 +53,7 @@ def registered_patches() -> dict[str, list[str]]:
     True
     """
     ST = _st()
-    return {r: sorted(k if isinstance(k, str) else op_name(k) for k in getattr(ST, r)) for r in _REGISTRIES}
+    return {r: sorted(k if isinstance(k, str) else op_name(k) for k in getattr(ST, r, {})) for r in _REGISTRIES}
 
 
 def _matches(op: Any) -> list[tuple[dict, Any]]:
@@ -67,7 +67,7 @@ def _matches(op: Any) -> list[tuple[dict, Any]]:
         # a registry key ("aten.view.default", "physicsnemo.knn_cuml.default") or an op name as
         # sharddbg prints it ("torch.conv2d", "Tensor.mean")
         for r in _REGISTRIES:
-            for k in getattr(ST, r):
+            for k in getattr(ST, r, {}):
                 if k == op or (not isinstance(k, str) and op_name(k) == op):
                     keys.append((r, k))
     else:
