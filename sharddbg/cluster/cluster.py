@@ -58,10 +58,6 @@ __all__ = ["Cluster", "RankOutput", "active_cluster", "running_clusters", "filte
 # the active one is the last that still runs. stop() removes a cluster.
 _STARTED: "list[Cluster]" = []
 
-STATUS_COLUMNS = ["rank", "pid", "host", "device", "backend", "ddp", "domain", "patch_mode", "n_patches",
-                  "torch", "physicsnemo", "python", "state", "process_group", "engine_id", "dist_initialized",
-                  "patch_reason", "collective_timeout_s", "threads"]
-
 
 def running_clusters() -> "list[Cluster]":
     """The clusters of this process that run, in start order (the last is the active one)."""
@@ -970,7 +966,7 @@ class Cluster:
             Indexed by ``rank``; columns ``pid``, ``device``, ``backend``, ``ddp`` and ``domain`` (the mesh
             coordinate), ``patch_mode`` (registered-by-physicsnemo, registered-by-sharddbg or none), ``state``
             (``idle``, ``busy``, or ``dead: `` and how it died) and ``process_group`` (``ok``, or ``broken at`` and
-            why); with ``full``, every column of ``STATUS_COLUMNS`` in that order.
+            why); with ``full``, every column of ``group.STATUS_COLUMNS`` in that order.
 
         Raises
         ------
@@ -989,29 +985,8 @@ class Cluster:
         ['pid', 'host', 'device', 'backend']
         """
         __tracebackhide__ = hide_own_frames()
-        import pandas as pd
-
         self._require_running()
-        self._execution.check_controller()
-        dead = self.dead_ranks()
-        busy = self.busy_ranks()
-        idle = [r for r in range(self.n) if r not in busy and r not in dead]
-        fresh = dict(zip(idle, self._execution.call(api.status, ranks=idle, what="status()"))) if idle else {}
-        broken = self._execution.broken
-        rows = []
-        for rank in range(self.n):
-            statuses = self._group.statuses
-            known = statuses[rank] if rank < len(statuses) else {"rank": rank}
-            row = dict(fresh.get(rank) or known)
-            row["engine_id"] = self.engine_ids[rank]
-            row["state"] = f"dead: {dead[rank]}" if rank in dead else "busy" if rank in busy else "idle"
-            row["process_group"] = "ok" if broken is None else f"broken at {broken.cause}"
-            rows.append(row)
-        frame = pd.DataFrame(rows)
-        # eight columns by default: the table fits a notebook or terminal without wrapping
-        shown = STATUS_COLUMNS if full else ("rank", "pid", "device", "backend", "ddp", "domain", "patch_mode",
-                                             "state", "process_group")
-        return frame[[c for c in shown if c in frame.columns]].set_index("rank")
+        return self._group.status_table(self._execution, full)
 
     @property
     def broken(self) -> str | None:

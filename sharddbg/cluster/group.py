@@ -3,18 +3,28 @@
 ``DistributedGroup`` holds what the group was built with (mesh, backend, collective timeout) and what each
 rank said when it came up (``statuses``: ``engine.api.status`` rows). It brings the group up on fresh
 engines and rebuilds it on the same engines (after a hang, or with another mesh of the same ranks). It works
-through the ``RankExecution`` it is handed and reaches nothing else.
+through the ``RankExecution`` it is handed and reaches nothing else; ``status_table`` is what
+``Cluster.status()`` shows.
 """
 
 from __future__ import annotations
 
 import time
 
+import pandas as pd
+
 from ..engine import api
 from ..errors import ClusterError, ShardDbgError
 from .execution import BrokenGroup, RankExecution
 from .mesh import MeshSpec
 from .processes import free_port
+
+
+STATUS_COLUMNS = ["rank", "pid", "host", "device", "backend", "ddp", "domain", "patch_mode", "n_patches",
+                  "torch", "physicsnemo", "python", "state", "process_group", "engine_id", "dist_initialized",
+                  "patch_reason", "collective_timeout_s", "threads"]
+# what status() shows by default: the table fits a notebook or terminal without wrapping
+STATUS_BRIEF = ("rank", "pid", "device", "backend", "ddp", "domain", "patch_mode", "state", "process_group")
 
 
 class DistributedGroup:
@@ -68,3 +78,25 @@ class DistributedGroup:
             raise
         execution.group_recovered()
         return took
+
+    def status_table(self, execution: RankExecution, full: bool = False) -> pd.DataFrame:
+        """One row per rank (index ``rank``): what each idle rank says now (``api.status``), what a busy or dead
+        one said when the group last came up, with its ``state`` (idle / busy / dead and how) and the process
+        group's health; ``STATUS_BRIEF`` columns, or with ``full`` every one of ``STATUS_COLUMNS``."""
+        execution.check_controller()
+        dead = execution.processes.dead_ranks()
+        busy = execution.busy_ranks()
+        idle = [r for r in range(execution.n) if r not in busy and r not in dead]
+        fresh = dict(zip(idle, execution.call(api.status, ranks=idle, what="status()"))) if idle else {}
+        broken = execution.broken
+        rows = []
+        for rank in range(execution.n):
+            known = self.statuses[rank] if rank < len(self.statuses) else {"rank": rank}
+            row = dict(fresh.get(rank) or known)
+            row["engine_id"] = execution.engine_ids[rank]
+            row["state"] = f"dead: {dead[rank]}" if rank in dead else "busy" if rank in busy else "idle"
+            row["process_group"] = "ok" if broken is None else f"broken at {broken.cause}"
+            rows.append(row)
+        frame = pd.DataFrame(rows)
+        shown = STATUS_COLUMNS if full else STATUS_BRIEF
+        return frame[[c for c in shown if c in frame.columns]].set_index("rank")
