@@ -1,7 +1,8 @@
 """sharddbg: see inside domain-parallel PyTorch (PhysicsNeMo ShardTensor, DTensor) from one notebook.
 
 Public surface: ``Cluster``, ``engine`` (helpers for code running on the ranks), ``record``,
-``last_trace``, ``load_trace``, ``inspect``, and ``%load_ext sharddbg``. Importing this package is cheap:
+``RecordingOptions`` (what a recording keeps and checks), ``last_trace``, ``load_trace``, ``inspect``, and
+``%load_ext sharddbg``. Importing this package is cheap:
 torch is imported only where tensors live (the engines).
 """
 
@@ -18,6 +19,7 @@ _LAZY = {
     "active_cluster": ("sharddbg.cluster", "active_cluster"),
     "load_trace": ("sharddbg.trace", "load_trace"),
     "Trace": ("sharddbg.trace", "Trace"),
+    "RecordingOptions": ("sharddbg.options", "RecordingOptions"),
 }
 
 
