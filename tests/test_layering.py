@@ -1,4 +1,5 @@
-"""The package's layering, read from the source (no imports run): the rules README "How it is built" states.
+"""The package's layering, read from the source (no imports run): the rules docs/architecture.md ("How it is built")
+states.
 
 - engine/ (runs inside each rank) has no import cycle among its modules and imports nothing from
   cluster/, views/, analysis/, trace.py or the magics;
