@@ -44,15 +44,19 @@ def steps(out: list[str]) -> list[tuple[int, int]]:
 def importable(where: Path, names) -> list[str]:
     """Which of the modules ``names`` the clone's venv finds."""
     code = "import importlib.util, sys; print(*[n for n in sys.argv[1:] if importlib.util.find_spec(n)])"
-    found = subprocess.run([str(where / ".venv/bin/python"), "-c", code, *names], capture_output=True, text=True,
-                           check=True, cwd="/").stdout.split()
-    return found
+    return subprocess.run([str(where / ".venv/bin/python"), "-c", code, *names], capture_output=True, text=True,
+                          check=True, cwd="/", env=newcomer_env()).stdout.split()
+
+
+def newcomer_env() -> dict[str, str]:
+    """This environment without what would point the clone's Python elsewhere: the venv and the Python this test
+    runs in, and a PYTHONPATH (which would import the checkout running the test instead of the clone)."""
+    return {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "SHARDDBG_PYTHON", "PYTHONPATH")}
 
 
 def run_setup(where: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "SHARDDBG_PYTHON")}
     return subprocess.run(["bash", ".ci/setup", *args], cwd=where, capture_output=True, text=True, timeout=1200,
-                          env={**environ, **env})
+                          env={**newcomer_env(), **env})
 
 
 def clean_clone(tmp_path_factory, name: str):
@@ -98,7 +102,7 @@ def test_clean_install_says_what_it_does_without_error_lines(clone, installed):
     assert "nvidia-physicsnemo 2.2.2 requires" in log and "Successfully installed" in log
     # the editable install: the clone's own package, imported from anywhere
     where = subprocess.run([str(clone / ".venv/bin/python"), "-c", "import sharddbg; print(sharddbg.__file__)"],
-                           capture_output=True, text=True, check=True, cwd="/").stdout.strip()
+                           capture_output=True, text=True, check=True, cwd="/", env=newcomer_env()).stdout.strip()
     assert where == str(clone / "sharddbg/__init__.py")
     assert importable(clone, TEST_TOOLS) == list(TEST_TOOLS)
 
