@@ -27,7 +27,7 @@ what remains that no timer noise blurs (count with --device cpu: on CUDA backwar
 --runs N: N fresh processes one after another, their per-round ratios pooled (median and quartiles, and
 each run's median); --modes times only the modes named.
 Every block starts with DTensor's redistribution plan cache emptied: this workload leaves a stale entry in
-it each step (see README), so a long run would otherwise compare the modes at different points of that drift.
+it each step (see docs/trace.md), so a long run would otherwise compare the modes at different points of that drift.
 """
 
 from __future__ import annotations

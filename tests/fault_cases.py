@@ -1,8 +1,8 @@
 """The faults and the bad input sharddbg is tried against, as data: what the user does, and the first line
 they read. tests/test_faults.py and tests/test_bad_input.py run every case on a real cluster and assert
-that line, the time bound (nothing hangs) and that nothing recorded is lost; the README's "When things go
-wrong" table is generated from these lists (``python tests/fault_cases.py`` prints it) and a test checks
-that the README holds exactly that table.
+that line, the time bound (nothing hangs) and that nothing recorded is lost; the table of docs/faults.md
+("When things go wrong") is generated from these lists (``python tests/fault_cases.py`` prints it) and a test
+checks that the page holds exactly that table.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Case:
     name: str  # pytest id
-    what: str  # what the user does (README column)
-    sees: str  # the start of what they read first (README column; regex-escaped to test)
+    what: str  # what the user does (a column of the docs' table)
+    sees: str  # the start of what they read first (a column of the docs' table; regex-escaped to test)
     error: str  # the exception class they get
 
 
@@ -98,7 +98,7 @@ TABLE_END = "<!-- end of fault table -->"
 
 
 def table() -> str:
-    """The README's "When things go wrong" table, with the counts the tests assert."""
+    """The table of docs/faults.md ("When things go wrong"), with the counts the tests assert."""
     rows = ["| what happens | what you read first | error |", "|---|---|---|"]
     for case in FAULTS + BAD_INPUT:
         rows.append(f"| {case.what} | {case.sees.replace('|', '&#124;')}… | `{case.error}` |")

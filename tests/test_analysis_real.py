@@ -394,7 +394,7 @@ _ddp = torch.nn.parallel.DistributedDataParallel(_dnet, process_group=mesh["ddp"
 
 
 def test_plain_dtensor_is_recorded_as_the_readme_says(cl):
-    """README "Plain torch DTensor": no op records, collectives recorded without an owning op."""
+    """docs/dtensor.md ("Plain torch DTensor"): no op records, collectives recorded without an owning op."""
     cl.run("_dt = distribute_tensor(torch.randn(8, 8), dmesh, [Shard(0)])", timeout=30)
     t = _trace(cl, "_full = (_dt + _dt).full_tensor()")
     assert t.get_ops().empty

@@ -261,11 +261,12 @@ def test_controller_killed(healthy):
     _works(cl)
 
 
-def test_readme_table_is_generated_from_the_cases():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    m = re.search(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), readme, re.DOTALL)
-    assert m, "README lacks the generated fault table"
-    assert m.group(0) == table(), "README's fault table is stale: paste the output of `python tests/fault_cases.py`"
+def test_docs_table_is_generated_from_the_cases():
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "faults.md")).read()
+    m = re.search(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), page, re.DOTALL)
+    assert m, "docs/faults.md lacks the generated fault table"
+    assert m.group(0) == table(), ("the fault table of docs/faults.md is stale: paste the output of "
+                                   "`python tests/fault_cases.py`")
 
 
 def test_tracebacks_show_the_users_code(healthy, monkeypatch):

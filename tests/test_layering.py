@@ -1,4 +1,5 @@
-"""The package's layering, read from the source (no imports run): the rules README "How it is built" states.
+"""The package's layering, read from the source (no imports run): the rules docs/architecture.md ("How it is built")
+states.
 
 - no import cycle anywhere in the package, counting the imports made inside functions; the seam
   (``sharddbg.rendering``), whose imports of views and exporters wait until a view is asked for, is the one

@@ -1,8 +1,9 @@
-"""The setup (``.ci/setup``) as a newcomer runs it, on a clean clone of this repository: one calm line per step,
+"""The setup (``.ci/setup``) as a newcomer runs it, on clean clones of this repository: one calm line per step,
 progress on the long ones, no ``ERROR`` line (pip's note about physicsnemo's deliberately uninstalled
 dependency list stays in the log), a last line saying what to run next; a second run installs nothing; a real
-failure stops it with pip's reason. The clean install takes about two minutes here (torch comes from this
-machine's disk)."""
+failure stops it with pip's reason. The demo's install has none of the tests' tools; a venv set up for the demo
+and then used for the tests gets those tools, and only them, in one step. Each clean install takes a few
+minutes here (torch comes from this machine's disk)."""
 
 from __future__ import annotations
 
@@ -14,32 +15,62 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # a real install on a clean clone: about 2 minutes
+# real installs on two clean clones: several minutes each (a clean install for the demo took 7.5 minutes on this
+# 2-core machine while other tests ran), more than the suite's 600 s a test
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[1]
 # what the setup reads: the working tree's versions are tested, committed or not
-SETUP_FILES = (".ci/setup", ".ci/demo", ".ci/requirements.txt", ".ci/constraints.txt", "pyproject.toml")
-STEP = re.compile(r"^sharddbg setup: \[(\d)/6\] ")
+SETUP_FILES = (".ci/setup", ".ci/demo", ".ci/requirements.txt", ".ci/requirements-tests.txt", ".ci/constraints.txt",
+               "pyproject.toml")
+STEP = re.compile(r"^sharddbg setup: \[(\d)/(\d)\] ")
 # chromium for the browser tests, only where it is missing
 CHROMIUM = re.compile(r"^sharddbg setup: (Debian's chromium for the browser tests"
                       r"|note: could not install Debian's chromium)")
 PROGRESS = re.compile(r"^sharddbg setup:       still at it after \d+ (s|min \d\d s)"
                       r"(: resolving: \d+ packages? so far|: installing \d+ packages?)?$")
+READY = r"^sharddbg setup: ready in (\d+ s|\d+ min \d\d s) \(\./\.venv; pip's output in \.venv/sharddbg-setup\.log\)\. "
+TESTS_ONLY = ("sharddbg setup: ./.venv has what the demo needs; adding the tests' tools only "
+              "(.ci/requirements-tests.txt) ...")
+# what requirements-tests.txt brings, by import name; the demo's install has none of them
+TEST_TOOLS = ("pytest", "pytest_timeout", "playwright", "mkdocs", "mkdocstrings", "material")
+
+
+def steps(out: list[str]) -> list[tuple[int, int]]:
+    """(step, of how many) of each step line."""
+    return [(int(m.group(1)), int(m.group(2))) for m in map(STEP.match, out) if m]
+
+
+def importable(where: Path, names) -> list[str]:
+    """Which of the modules ``names`` the clone's venv finds."""
+    code = "import importlib.util, sys; print(*[n for n in sys.argv[1:] if importlib.util.find_spec(n)])"
+    return subprocess.run([str(where / ".venv/bin/python"), "-c", code, *names], capture_output=True, text=True,
+                          check=True, cwd="/", env=newcomer_env()).stdout.split()
+
+
+def newcomer_env() -> dict[str, str]:
+    """This environment without what would point the clone's Python elsewhere: the venv and the Python this test
+    runs in, and a PYTHONPATH (which would import the checkout running the test instead of the clone)."""
+    return {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "SHARDDBG_PYTHON", "PYTHONPATH")}
 
 
 def run_setup(where: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "SHARDDBG_PYTHON")}
     return subprocess.run(["bash", ".ci/setup", *args], cwd=where, capture_output=True, text=True, timeout=1200,
-                          env={**environ, **env})
+                          env={**newcomer_env(), **env})
+
+
+def clean_clone(tmp_path_factory, name: str):
+    where = tmp_path_factory.mktemp(name) / "sharddbg"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(where)], check=True, timeout=120)
+    for setup_file in SETUP_FILES:
+        shutil.copy2(REPO / setup_file, where / setup_file)
+    assert not (where / ".venv").exists()
+    return where
 
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory):
-    where = tmp_path_factory.mktemp("setup") / "sharddbg"
-    subprocess.run(["git", "clone", "--quiet", str(REPO), str(where)], check=True, timeout=120)
-    for name in SETUP_FILES:
-        shutil.copy2(REPO / name, where / name)
-    assert not (where / ".venv").exists()
+    where = clean_clone(tmp_path_factory, "setup")
     yield where
     shutil.rmtree(where, ignore_errors=True)  # its venv is several GB
 
@@ -49,25 +80,31 @@ def installed(clone):
     return run_setup(clone)
 
 
+@pytest.fixture(scope="module")
+def demo_clone(tmp_path_factory):
+    where = clean_clone(tmp_path_factory, "setup-demo")
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
 def test_clean_install_says_what_it_does_without_error_lines(clone, installed):
     out = installed.stdout.splitlines()
     assert installed.returncode == 0, installed.stdout + installed.stderr
     assert installed.stderr == ""
     assert "ERROR" not in installed.stdout and "error" not in installed.stdout.lower()
-    steps = [int(STEP.match(line).group(1)) for line in out if STEP.match(line)]
-    assert steps == [1, 2, 3, 4, 5, 6], out
+    assert steps(out) == [(n, 7) for n in range(1, 8)], out  # a plain setup: the tests' tools too
     assert all(STEP.match(line) or PROGRESS.match(line) or CHROMIUM.match(line) for line in out[:-1]), out
     assert any(PROGRESS.match(line) for line in out), "the long steps show progress"
-    assert re.match(r"^sharddbg setup: ready in (\d+ s|\d+ min \d\d s) \(\./\.venv; pip's output in "
-                    r"\.venv/sharddbg-setup\.log\)\. Next: bash \.ci/demo \(the demo on 4 CPU ranks\), or bash "
-                    r"\.ci/run \(the tests\)\.$", out[-1]), out[-1]
+    assert re.match(READY + r"Next: bash \.ci/demo \(the demo on 4 CPU ranks\), or bash \.ci/run \(the tests\)\.$",
+                    out[-1]), out[-1]
     # pip's own output, the expected note about physicsnemo's dependency list included, is in the log
     log = (clone / ".venv/sharddbg-setup.log").read_text()
     assert "nvidia-physicsnemo 2.2.2 requires" in log and "Successfully installed" in log
     # the editable install: the clone's own package, imported from anywhere
     where = subprocess.run([str(clone / ".venv/bin/python"), "-c", "import sharddbg; print(sharddbg.__file__)"],
-                           capture_output=True, text=True, check=True, cwd="/").stdout.strip()
+                           capture_output=True, text=True, check=True, cwd="/", env=newcomer_env()).stdout.strip()
     assert where == str(clone / "sharddbg/__init__.py")
+    assert importable(clone, TEST_TOOLS) == list(TEST_TOOLS)
 
 
 def test_second_run_installs_nothing(clone, installed):
@@ -89,10 +126,9 @@ def test_a_real_failure_stops_with_its_reason(clone, installed):
     finally:
         requirements.write_text(before)
     assert failed.returncode == 1
-    steps = [int(STEP.match(line).group(1)) for line in failed.stdout.splitlines() if STEP.match(line)]
-    assert steps == [1, 2, 3, 4], failed.stdout  # nothing after the failed step
+    assert steps(failed.stdout.splitlines()) == [(n, 7) for n in (1, 2, 3, 4)], failed.stdout  # nothing after it
     err = failed.stderr.splitlines()
-    assert err[0] == ("sharddbg setup: [4/6] what physicsnemo's imports, sharddbg and its tests need "
+    assert err[0] == ("sharddbg setup: [4/7] what physicsnemo's imports, sharddbg, the demo and the notebooks need "
                       "(.ci/requirements.txt): failed (exit status 1). The reason:"), err
     assert "No matching distribution found for sharddbg-no-such-package" in failed.stderr
     assert "dependency resolver" not in failed.stderr  # the expected note is not offered as the reason
@@ -100,6 +136,40 @@ def test_a_real_failure_stops_with_its_reason(clone, installed):
                        "installed.")
     # the failed run did not mark the venv as set up: with the requirements back, it is complete as before
     assert run_setup(clone).stdout.startswith("sharddbg setup: everything is installed already")
+
+
+def test_the_demo_installs_no_test_tools_and_the_tests_then_add_only_theirs(demo_clone):
+    demo = run_setup(demo_clone, "--for", "demo")
+    out = demo.stdout.splitlines()
+    assert demo.returncode == 0 and demo.stderr == "", demo.stdout + demo.stderr
+    assert steps(out) == [(n, 6) for n in range(1, 7)], out
+    assert not any(CHROMIUM.match(line) for line in out), "the demo needs no browser"
+    assert all(STEP.match(line) or PROGRESS.match(line) for line in out[:-1]), out
+    assert re.match(READY + r"Starting the demo\.$", out[-1]), out[-1]
+    assert importable(demo_clone, ("torch", "physicsnemo", "sharddbg", "jinja2", "jupyterlab")) == [
+        "torch", "physicsnemo", "sharddbg", "jinja2", "jupyterlab"]
+    assert importable(demo_clone, TEST_TOOLS) == []
+    log = demo_clone / ".venv/sharddbg-setup.log"
+    logged = len(log.read_text())
+
+    tests = run_setup(demo_clone, "--for", "tests")
+    out = [line for line in tests.stdout.splitlines() if not CHROMIUM.match(line)]
+    assert tests.returncode == 0 and tests.stderr == "", tests.stdout + tests.stderr
+    assert out[0] == TESTS_ONLY and steps(out) == [], out  # one line says what happens; no step runs again
+    assert all(PROGRESS.match(line) for line in out[1:-1]), out
+    assert re.match(READY + r"Starting the tests\.$", out[-1]), out[-1]
+    assert importable(demo_clone, TEST_TOOLS) == list(TEST_TOOLS)
+    # pip installed the tools and nothing of the demo's again
+    added = log.read_text()[logged:]
+    installed_now = re.search(r"^Successfully installed (.*)$", added, re.MULTILINE).group(1).split()
+    assert any(name.startswith("pytest-") for name in installed_now), installed_now
+    assert any(name.startswith("mkdocs-") for name in installed_now), installed_now
+    assert not [name for name in installed_now if name.startswith(("torch-", "nvidia-physicsnemo-", "pandas-"))]
+
+    for caller, then in (("tests", "Starting the tests."), ("demo", "Starting the demo.")):
+        again = run_setup(demo_clone, "--for", caller)
+        assert again.stdout.splitlines() == ["sharddbg setup: everything is installed already (the requirement files "
+                                             f"did not change). {then}"], again.stdout
 
 
 def test_no_python_and_bad_arguments_are_refused_at_once(tmp_path):
