@@ -58,12 +58,14 @@ def big_trace(n_events: int):
         evs = [e for e in p["events"] if e["kind"] == "op"]
         span = max(e["t_end_ns"] for e in evs) - min(e["t_start_ns"] for e in evs) + 1000
         n0 = len(evs)
+        # the ops are numbered again without the collectives between them: a parent is named by its new number
+        position = {e["seq"]: i for i, e in enumerate(evs)}
         out = []
         for k in range(per_rank):
             e = dict(evs[k % n0])
             rep = k // n0
             e["seq"] = k
-            e["parent_seq"] = None if e["parent_seq"] is None else e["parent_seq"] + rep * n0
+            e["parent_seq"] = None if e["parent_seq"] is None else position[e["parent_seq"]] + rep * n0
             e["t_start_ns"] += rep * span
             e["t_end_ns"] += rep * span
             out.append(e)
