@@ -95,26 +95,26 @@ def empty_figure(title: str, message: str):
 
 
 # ---- HTML from templates --------------------------------------------------------------------------------
-def _escaped(eval_ctx, value):
-    """What a template prints for ``{{ value }}``: with autoescape on (every template's default), ``esc``'s
-    escaping (``html.escape``: quotes as &quot; and &#x27;, None as nothing), the spelling sharddbg's HTML
-    has always had; HTML a template or sharddbg made (``|safe``, a macro's output) as it is."""
-    if not eval_ctx.autoescape or hasattr(value, "__html__"):
-        return value
-    from markupsafe import Markup
-
-    return Markup(esc(value))
-
-
 @lru_cache(maxsize=1)
 def template_environment() -> jinja2.Environment:
     """The one Jinja2 environment of sharddbg's templates, built on first use: autoescape everywhere,
     an undefined name an error, templates read once (they ship with the package)."""
     import jinja2
+    from markupsafe import Markup
+
+    @jinja2.pass_eval_context
+    def escaped(eval_ctx, value):
+        # What ``{{ value }}`` prints. With autoescape on (every template's default): ``esc``'s escaping
+        # (``html.escape``: quotes as &quot; and &#x27;, None as nothing), the spelling sharddbg's HTML has
+        # always had, instead of markupsafe's; HTML a template or sharddbg made (``|safe``, a macro's output)
+        # as it is. With autoescape off, the value as it is.
+        if not eval_ctx.autoescape or hasattr(value, "__html__"):
+            return value
+        return Markup(esc(value))
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(_TEMPLATES), autoescape=True,
-                             undefined=jinja2.StrictUndefined, finalize=jinja2.pass_eval_context(_escaped),
-                             trim_blocks=True, lstrip_blocks=True, auto_reload=False)
+                             undefined=jinja2.StrictUndefined, finalize=escaped, trim_blocks=True,
+                             lstrip_blocks=True, auto_reload=False)
     env.globals.update(static=static, error_color=ERROR_COLOR, spec_color=SPEC_COLOR)
     return env
 
