@@ -9,8 +9,13 @@
 2. Shard inspector with 4 ranks, from call to display: a real 4-rank cluster and JupyterLab; the time
    from running the cell ``sharddbg.inspect("x")`` until the browser shows its 4 blocks (and, apart,
    the Python side alone: ``cl.inspect("x")``: gather the snapshots, check, build the widget).
+3. The static renderings (Python only, no browser, no cluster): ``explorer_html`` on the golden trace and
+   on the 100k-event trace (whole, and its HTML alone once the explorer's tables are computed), the
+   standalone report ``to_html``, ``inspector_html`` on the golden snapshots, and the verification views
+   (``check_html``, ``doctor_html``, ``smoke_html``, ``replica_check_html``) on made-up tables of a
+   realistic size.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py [--events 100000] [--repeats 5]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py [--events 100000] [--repeats 5] [--only static]
 
 Prints a table; with --append, adds a section to bench/RESULTS.md.
 """
@@ -53,12 +58,14 @@ def big_trace(n_events: int):
         evs = [e for e in p["events"] if e["kind"] == "op"]
         span = max(e["t_end_ns"] for e in evs) - min(e["t_start_ns"] for e in evs) + 1000
         n0 = len(evs)
+        # the ops are numbered again without the collectives between them: a parent is named by its new number
+        position = {e["seq"]: i for i, e in enumerate(evs)}
         out = []
         for k in range(per_rank):
             e = dict(evs[k % n0])
             rep = k // n0
             e["seq"] = k
-            e["parent_seq"] = None if e["parent_seq"] is None else e["parent_seq"] + rep * n0
+            e["parent_seq"] = None if e["parent_seq"] is None else position[e["parent_seq"]] + rep * n0
             e["t_start_ns"] += rep * span
             e["t_end_ns"] += rep * span
             out.append(e)
@@ -211,24 +218,118 @@ def bench_inspector(repeats: int) -> dict:
             "browser_s": statistics.median(browser_times), "browser_min_s": min(browser_times), "repeats": repeats}
 
 
+def _timed(fn, repeats: int) -> tuple[float, float]:
+    """(median, min) seconds of ``fn()`` over ``repeats`` calls, after one call that warms caches."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def _verification_tables():
+    """Tables shaped like the verification results': a check of 8 tensors on 4 ranks with 2 failing, a
+    doctor of 8 checks, a smoke matrix of 8 configurations, a replica check of 32 parameters."""
+    import pandas as pd
+
+    from sharddbg.cluster.doctor import TABLE_COLUMNS as DOCTOR_COLUMNS
+    from sharddbg.cluster.replicas import TABLE_COLUMNS as REPLICA_COLUMNS
+    from sharddbg.cluster.smoke import TABLE_COLUMNS as SMOKE_COLUMNS
+    from sharddbg.cluster.verify import TABLE_COLUMNS as CHECK_COLUMNS, BoundaryPattern
+
+    check = pd.DataFrame([{"tensor": f"net.{t}.weight.grad", "kind": "parameter grad", "rank": r, "group": 0,
+                           "ok": t >= 2, "max_abs": 1e-7 * (t + 1), "max_rel": 1e-6, "ratio": 0.01, "rtol": 1e-4,
+                           "atol": 1e-6, "bad": 0 if t >= 2 else 12, "numel": 4096, "dtype": "torch.float32",
+                           "shape": (1, 4, 17, 64), "reference_shape": (1, 4, 66, 64), "compared": "local shard",
+                           "row_dim": 2, "note": "the spec says dim 2 is whole (66)" if t == 0 else None}
+                          for t in range(8) for r in range(4)], columns=CHECK_COLUMNS)
+    patterns = [BoundaryPattern(f"net.{t}.weight.grad", 0, (15, 16, 17, 18), (17, 34, 50), (2, 1, 1, 2), True)
+                for t in range(2)]
+    doctor = pd.DataFrame([{"check": f"check {i}", "status": ("ok", "warn", "fail", "skip")[i % 4],
+                            "found": "what was found " * 4, "fix": "what to do " * 4, "ranks": [0, 1, 2, 3]}
+                           for i in range(8)], columns=DOCTOR_COLUMNS)
+    smoke = pd.DataFrame([{"config": f"ddp{i}", "ok": i != 3, "outcome": "matches the single-device run",
+                           "mesh": "ddp=1 x domain=4", "wrapper": "ddp", "compiled": i % 2 == 0, "training": True,
+                           "expected_error": "", "loss_error": 1e-7, "loss_error_step": 2, "grad_error": 1e-6,
+                           "grad_error_param": "net.0.weight", "step_ms": 12.5, "first_step_ms": 80.0,
+                           "fallbacks": 3.0, "fallback_ops": "", "collectives_per_step": 12.0,
+                           "losses": [1.0, 0.9], "reference_losses": [1.0, 0.9], "about": "a configuration"}
+                          for i in range(8)]).set_index("config")[SMOKE_COLUMNS]
+    replicas = pd.DataFrame([{"name": f"net.{i}.weight", "kind": "parameter", "group_ranks": [0, 1, 2, 3],
+                              "state": "differs" if i == 5 else "same", "ranks_differing": [2] if i == 5 else [],
+                              "reference_rank": 0, "max_abs_diff": 0.5 if i == 5 else float("nan"),
+                              "shape": (4, 3, 3, 3), "dtype": "torch.float32", "placements": "(R,)", "detail": ""}
+                             for i in range(32)], columns=REPLICA_COLUMNS)
+    return check, patterns, doctor, smoke, replicas
+
+
+def bench_static(n_events: int, repeats: int) -> list[dict]:
+    import sharddbg
+    from sharddbg.analysis.layout import ShardLayout
+    from sharddbg.views import explorer as ex
+    from sharddbg.views.check import check_html, doctor_html
+    from sharddbg.views.inspector import inspector_html
+    from sharddbg.views.replicas import replica_check_html
+    from sharddbg.views.smoke import smoke_html
+
+    golden = sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json")
+    big = big_trace(n_events)
+    layout = ShardLayout(json.loads((ROOT / "tests" / "data" / "x_snapshots.json").read_text()))
+    check, patterns, doctor, smoke, replicas = _verification_tables()
+    n_big = len(big.get_ops())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = [
+            (f"explorer_html, golden trace ({len(golden.get_ops())} op calls)", lambda: ex.explorer_html(golden)),
+            (f"explorer_html, {n_big} op events", lambda: ex.explorer_html(big)),
+        ]
+        # the HTML alone, the explorer's tables computed once (what a template can change)
+        big_tables = ex._tables(big)
+        golden_tables = ex._tables(golden)
+        cases += [
+            ("explorer's HTML alone, golden trace", lambda: ex._html(golden, golden_tables, ex.STATIC_ROWS)),
+            (f"explorer's HTML alone, {n_big} op events", lambda: ex._html(big, big_tables, ex.STATIC_ROWS)),
+            ("to_html report, golden trace", lambda: golden.to_html(os.path.join(tmp, "golden.html"))),
+            (f"to_html report, {n_big} op events", lambda: big.to_html(os.path.join(tmp, "big.html"))),
+            ("inspector_html, 4 ranks", lambda: inspector_html(layout)),
+            ("check_html, 8 tensors x 4 ranks", lambda: check_html("check failed", False, check, patterns)),
+            ("doctor_html, 8 checks", lambda: doctor_html("doctor: 2 failed", doctor)),
+            ("smoke_html, 8 configurations", lambda: smoke_html(smoke, "smoke matrix: 1 wrong", 1e-4)),
+            ("replica_check_html, 32 parameters", lambda: replica_check_html(replicas, "1 differs", "ddp")),
+        ]
+        for what, fn in cases:
+            median, best = _timed(fn, repeats)
+            rows.append({"what": what, "median_s": median, "min_s": best})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--only", choices=("timeline", "inspector", "static"), help="run one part only")
     ap.add_argument("--append", action="store_true", help="add the results to bench/RESULTS.md")
     args = ap.parse_args()
-    tl = bench_timeline(args.events, args.repeats)
-    insp = bench_inspector(args.repeats)
     lines = [f"machine: {os.cpu_count()} cores (shared), chromium headless without GPU (software WebGL), "
-             f"medians of {args.repeats}", "",
-             "| view | drawn | build figure (Python) | standalone HTML | load + first draw in chromium | hover label shown | zoom redraw |",
-             "|---|---|---|---|---|---|---|"]
-    for r in tl:
-        lines.append(f"| {r['what']} | {r['spans drawn']} | {r['build_s']:.2f} s | {r['html_MB']:.1f} MB | "
-                     f"{r['load_draw_s']:.2f} s | {r['hover_s'] * 1000:.0f} ms | {r['zoom_s'] * 1000:.0f} ms |")
-    lines += ["", "| shard inspector, 4 ranks, (1, 3, 66, 64) on dim 2 | median | min |", "|---|---|---|",
-              f"| `cl.inspect(\"x\")` in Python (gather 4 snapshots, check, build the widget) | {insp['python_s'] * 1000:.0f} ms | {insp['python_min_s'] * 1000:.0f} ms |",
-              f"| JupyterLab: run the cell `sharddbg.inspect(\"x\")` until its 4 blocks are on screen | {insp['browser_s'] * 1000:.0f} ms | {insp['browser_min_s'] * 1000:.0f} ms |"]
+             f"medians of {args.repeats}"]
+    if args.only in (None, "timeline"):
+        tl = bench_timeline(args.events, args.repeats)
+        lines += ["", "| view | drawn | build figure (Python) | standalone HTML | load + first draw in chromium | hover label shown | zoom redraw |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in tl:
+            lines.append(f"| {r['what']} | {r['spans drawn']} | {r['build_s']:.2f} s | {r['html_MB']:.1f} MB | "
+                         f"{r['load_draw_s']:.2f} s | {r['hover_s'] * 1000:.0f} ms | {r['zoom_s'] * 1000:.0f} ms |")
+    if args.only in (None, "inspector"):
+        insp = bench_inspector(args.repeats)
+        lines += ["", "| shard inspector, 4 ranks, (1, 3, 66, 64) on dim 2 | median | min |", "|---|---|---|",
+                  f"| `cl.inspect(\"x\")` in Python (gather 4 snapshots, check, build the widget) | {insp['python_s'] * 1000:.0f} ms | {insp['python_min_s'] * 1000:.0f} ms |",
+                  f"| JupyterLab: run the cell `sharddbg.inspect(\"x\")` until its 4 blocks are on screen | {insp['browser_s'] * 1000:.0f} ms | {insp['browser_min_s'] * 1000:.0f} ms |"]
+    if args.only in (None, "static"):
+        lines += ["", "| static rendering (Python) | median | min |", "|---|---|---|"]
+        lines += [f"| {r['what']} | {r['median_s'] * 1000:.2f} ms | {r['min_s'] * 1000:.2f} ms |"
+                  for r in bench_static(args.events, args.repeats)]
     text = "\n".join(lines)
     print(text)
     if args.append:

@@ -818,6 +818,109 @@ def test_plotly_text_escaped(tmp_path):
     assert "&lt;img src=x onerror=alert(1)&gt;" in labels and not any("<img" in lab for lab in labels)
 
 
+# Text that breaks out of an element, an attribute and a textarea if any template printed it unescaped.
+HOSTILE = "<script>alert(1)</script>\"><img src=x onerror=alert(1)></textarea>"
+HOSTILE_RAW = ("<script>alert(1)", "<img src=x", "</textarea>")
+
+
+def _hostile_everywhere(tmp_path) -> Trace:
+    """The golden trace with HOSTILE in every op's name, the file of its user frame, its cell's code, and
+    the exception's message and traceback."""
+    d = _raw()
+    for p in d["payloads"]:
+        for e in p["events"]:
+            if e["kind"] != "op":
+                continue
+            e["op"] = f"{e['op']} {HOSTILE}"
+            e["user_frame"] = f"/tmp/{HOSTILE}.py:1 in run"
+            e["user_code"] = HOSTILE
+            if e["error"] is not None:
+                e["error"]["message"] = HOSTILE
+                e["error"]["traceback"] += HOSTILE
+    return _load(d, tmp_path, "hostile_everywhere")
+
+
+def test_every_template_escapes_trace_text(tmp_path):
+    """Every view's static HTML and the report, through their public functions, on data carrying HOSTILE:
+    none of its markup survives, its escaped text is there (the report's explorer data holds it as JSON)."""
+    from html.parser import HTMLParser
+
+    from sharddbg.cluster.doctor import TABLE_COLUMNS as DOCTOR_COLUMNS
+    from sharddbg.cluster.replicas import TABLE_COLUMNS as REPLICA_COLUMNS
+    from sharddbg.cluster.smoke import TABLE_COLUMNS as SMOKE_COLUMNS
+    from sharddbg.cluster.verify import TABLE_COLUMNS as CHECK_COLUMNS
+    from sharddbg.cluster.verify import BoundaryPattern
+    from sharddbg.views.check import check_html, doctor_html
+    from sharddbg.views.inspector import inspector_html
+    from sharddbg.views.replicas import replica_check_html
+    from sharddbg.views.smoke import smoke_html
+
+    escaped = html_escape(HOSTILE)
+
+    class Elements(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tags: list[str] = []
+            self.handlers: list[str] = []
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.append(tag)
+            self.handlers += [name for name, _ in attrs if name.startswith("on")]
+
+    t = _hostile_everywhere(tmp_path)
+    snapshots = _snapshots()
+    for sn in snapshots:
+        sn["name"] = HOSTILE
+        sn["mesh"]["dim_names"] = [HOSTILE]
+        sn["placements"][0]["text"] = HOSTILE
+    check = pd.DataFrame([{"tensor": HOSTILE, "kind": "output", "rank": r, "group": 0, "ok": r != 1, "max_abs": 0.5,
+                           "max_rel": 0.1, "ratio": 10.0, "rtol": 1e-4, "atol": 1e-6, "bad": 3 * (r == 1), "numel": 12,
+                           "dtype": "torch.float32", "shape": (3, 4), "reference_shape": (12, 4),
+                           "compared": "local shard", "row_dim": 0, "note": HOSTILE} for r in range(N)],
+                         columns=CHECK_COLUMNS)
+    doctor = pd.DataFrame([{"check": HOSTILE, "status": status, "found": HOSTILE, "fix": HOSTILE, "ranks": [0]}
+                           for status in ("ok", "warn", "fail")], columns=DOCTOR_COLUMNS)
+    smoke = pd.DataFrame([{"config": HOSTILE, "ok": False, "outcome": HOSTILE, "mesh": HOSTILE, "wrapper": "none",
+                           "compiled": False, "training": True, "expected_error": "", "loss_error": 1.0,
+                           "loss_error_step": 0, "grad_error": 1.0, "grad_error_param": HOSTILE, "step_ms": 1.0,
+                           "first_step_ms": 2.0, "fallbacks": 0.0, "fallback_ops": HOSTILE,
+                           "collectives_per_step": 1.0, "losses": [1.0], "reference_losses": [0.5],
+                           "about": HOSTILE}]).set_index("config")[SMOKE_COLUMNS]
+    replicas = pd.DataFrame([{"name": HOSTILE, "kind": "parameter", "group_ranks": [0, 1], "state": "differs",
+                              "ranks_differing": [1], "reference_rank": 0, "max_abs_diff": 0.5, "shape": (3,),
+                              "dtype": HOSTILE, "placements": HOSTILE, "detail": HOSTILE}], columns=REPLICA_COLUMNS)
+    rendered = {
+        "explorer": ex.explorer_html(t),
+        "report": Path(t.to_html(tmp_path / "report.html", title=HOSTILE)).read_text(),
+        "check": check_html(HOSTILE, False, check, [BoundaryPattern(HOSTILE, 0, (2,), (3,), (1,), True)]),
+        "doctor": doctor_html(HOSTILE, doctor),
+        "smoke": smoke_html(smoke, HOSTILE, 1e-4),
+        "replicas": replica_check_html(replicas, HOSTILE, HOSTILE),
+        "inspector": inspector_html(ShardLayout(snapshots)),
+    }
+    for view, text in rendered.items():
+        for raw in HOSTILE_RAW:
+            assert raw not in text, (view, raw)
+        assert escaped in text, view
+        elements = Elements()
+        elements.feed(text)
+        assert "img" not in elements.tags and "textarea" not in elements.tags and not elements.handlers, view
+        if view != "report":
+            assert "script" not in elements.tags, view
+    # (the report's scripts are plotly's and the explorer's); the explorer's data there carries the op names
+    # as JSON text, every < and > as \u escapes
+    report = rendered["report"]
+    assert json.dumps(HOSTILE)[1:-1].replace("<", "\\u003c").replace(">", "\\u003e") in report
+    # each place a trace string goes: op names, the user frame's file, the cell's code, the message
+    explorer = rendered["explorer"]
+    assert f"<td>Tensor.abs {escaped}</td>" in explorer  # an op name in the op summary
+    assert "<td>textarea&gt;.py:1 in run</td>" in explorer  # the calls' source: the frame's file name, after its last "/"
+    assert f"/tmp/{escaped}.py:1 in run" in explorer  # the error's user frame, whole
+    assert f'<td title="cell [2], line 1: `{escaped}`">' in explorer  # where in the cell, an attribute
+    assert f'<span class="sd-error-msg">TypeError: {escaped}</span>' in explorer and f"<h1>{escaped}</h1>" in report
+    assert f'title="{escaped}"' in rendered["smoke"]  # an attribute
+
+
 def test_trace_does_not_import_views():
     code = ("import sys, sharddbg; t = sharddbg.load_trace(sys.argv[1]); t.get_ops(); t.get_fallbacks(); "
             "t.get_collectives(); t.get_imbalance(); t.to_perfetto(sys.argv[2]); "

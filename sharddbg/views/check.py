@@ -9,7 +9,7 @@
 
 They read the tables the results carry (``sharddbg.cluster.verify.TABLE_COLUMNS`` and ``ROW_COLUMNS``,
 ``sharddbg.cluster.doctor.TABLE_COLUMNS``). The HTML is static (no script), in JupyterLab's theme colours with
-light fallbacks; every string is escaped.
+light fallbacks, from the templates ``check.html`` and ``doctor.html``; every string is escaped.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import html
 import math
 
-from .common import StaticView, empty_figure
+from .common import StaticView, empty_figure, render
 
 FAIL_TINT = "rgba(220, 40, 40, 0.18)"
 WARN_TINT = "rgba(230, 160, 20, 0.20)"
@@ -27,13 +27,6 @@ CHECK_HEADERS = ["tensor", "kind", "rank", "ok", "max |diff|", "rel. to scale", 
                  "shape", "dtype", "compared", "note"]
 STATUS_MARKS = {"ok": "✔", "warn": "⚠", "fail": "✖", "skip": "·"}
 STATUS_TINTS = {"ok": "transparent", "warn": WARN_TINT, "fail": FAIL_TINT, "skip": SKIP_TINT}
-
-_CELL = ("padding: 2px 8px; text-align: left; white-space: nowrap; vertical-align: top; "
-         "border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);")
-_WRAP = ("padding: 2px 8px; text-align: left; vertical-align: top; max-width: 40em; "
-         "border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);")
-_BOX = ('<div style="font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; '
-        'color: var(--jp-ui-font-color1, #222);">')
 
 
 def _number(value) -> str:
@@ -114,24 +107,13 @@ def check_text(verdict: str, table, patterns) -> str:
 
 def check_html(verdict: str, ok: bool, table, patterns) -> str:
     """The check as static HTML."""
-    esc = html.escape
-    head = "".join(f'<th style="{_CELL}">{esc(h)}</th>' for h in CHECK_HEADERS)
-    body = []
     ordered = _ordered(table)
     lines = [_check_cells(row) for _, row in ordered.iterrows()]
     notes = _numbered_notes(lines)
-    for (_, row), cells in zip(ordered.iterrows(), lines):
-        tds = "".join(f'<td style="{_CELL}">{esc(v)}</td>' for v in cells)
-        tint = "transparent" if row["ok"] else FAIL_TINT
-        body.append(f'<tr class="sd-check-{"ok" if row["ok"] else "fail"}" style="background: {tint};">{tds}</tr>')
-    color = "var(--jp-success-color1, #2e7d32)" if ok else "var(--jp-error-color1, #b00020)"
-    found = "".join(f'<li>{esc(line)}</li>' for line in _pattern_lines(patterns))
-    return (f'{_BOX}<div class="sd-check-verdict" style="font-weight: bold; color: {color}; margin: 4px 0;">'
-            f'{"✔" if ok else "✖"} {esc(verdict)}</div>'
-            + (f'<ul style="margin: 2px 0 6px 16px; padding: 0;">{found}</ul>' if found else "")
-            + f'<table style="border-collapse: collapse;"><thead><tr>{head}</tr></thead>'
-              f'<tbody>{"".join(body)}</tbody></table>'
-            + "".join(f'<div class="sd-check-note" style="{_WRAP}">{esc(note)}</div>' for note in notes) + '</div>')
+    rows = [{"status": "ok" if row["ok"] else "fail", "tint": "transparent" if row["ok"] else FAIL_TINT, "cells": cells}
+            for (_, row), cells in zip(ordered.iterrows(), lines)]
+    return render("check.html", verdict=verdict, ok=ok, patterns=_pattern_lines(patterns), headers=CHECK_HEADERS,
+                  rows=rows, notes=notes)
 
 
 def plot_row_errors(rows, boundaries: dict, tolerances: dict, *, tensor: str | None = None, failing=()):
@@ -238,23 +220,14 @@ def doctor_text(verdict: str, table) -> str:
 
 def doctor_html(verdict: str, table) -> str:
     """The doctor as static HTML: one row per check, tinted by status."""
-    esc = html.escape
-    bad = (table["status"] == "fail").any()
-    warn = (table["status"] == "warn").any()
-    color = ("var(--jp-error-color1, #b00020)" if bad else "var(--jp-warn-color1, #b26a00)" if warn
-             else "var(--jp-success-color1, #2e7d32)")
-    head = "".join(f'<th style="{_CELL}">{esc(h)}</th>' for h in DOCTOR_HEADERS)
-    body = []
+    outcome = "fail" if (table["status"] == "fail").any() else "warn" if (table["status"] == "warn").any() else "ok"
+    rows = []
     for _, row in table.iterrows():
         cells = _doctor_cells(row)
         if row["status"] not in ("fail", "warn"):  # a fix for what passed or was not examined is noise
             cells[3] = ""
-        tds = "".join(f'<td style="{_CELL if i < 2 else _WRAP}">{esc(v)}</td>' for i, v in enumerate(cells))
-        body.append(f'<tr class="sd-doctor-{esc(str(row["status"]))}" '
-                    f'style="background: {STATUS_TINTS.get(row["status"], "transparent")};">{tds}</tr>')
-    return (f'{_BOX}<div class="sd-doctor-verdict" style="font-weight: bold; color: {color}; margin: 4px 0;">'
-            f'{esc(verdict)}</div><table style="border-collapse: collapse;"><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(body)}</tbody></table></div>')
+        rows.append({"status": str(row["status"]), "tint": STATUS_TINTS.get(row["status"], "transparent"), "cells": cells})
+    return render("doctor.html", verdict=verdict, outcome=outcome, headers=DOCTOR_HEADERS, rows=rows)
 
 
 class DoctorView(StaticView):

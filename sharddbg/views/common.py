@@ -1,4 +1,5 @@
-"""Shared by the views and the HTML report: static assets, colours, HTML escaping, safe JSON embedding."""
+"""Shared by the views and the HTML report: static assets, colours, HTML escaping, safe JSON embedding, and
+the Jinja2 templates every piece of HTML is written from (``templates/``, rendered by ``render``)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ import html
 import json
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jinja2
 
 _STATIC = Path(__file__).with_name("_static")
+_TEMPLATES = Path(__file__).with_name("templates")
 
 # Dispatch paths: greens/blues for handled paths, orange/red for the DTensor fallbacks.
 PATH_COLORS = {
@@ -88,6 +94,41 @@ def empty_figure(title: str, message: str):
     return fig
 
 
+# ---- HTML from templates --------------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def template_environment() -> jinja2.Environment:
+    """The one Jinja2 environment of sharddbg's templates, built on first use: autoescape everywhere,
+    an undefined name an error, templates read once (they ship with the package)."""
+    import jinja2
+    from markupsafe import Markup
+
+    @jinja2.pass_eval_context
+    def escaped(eval_ctx, value):
+        # What ``{{ value }}`` prints. With autoescape on (every template's default): ``esc``'s escaping
+        # (``html.escape``: quotes as &quot; and &#x27;, None as nothing), the spelling sharddbg's HTML has
+        # always had, instead of markupsafe's; HTML a template or sharddbg made (``|safe``, a macro's output)
+        # as it is. With autoescape off, the value as it is.
+        if not eval_ctx.autoescape or hasattr(value, "__html__"):
+            return value
+        return Markup(esc(value))
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(_TEMPLATES), autoescape=True,
+                             undefined=jinja2.StrictUndefined, finalize=escaped, trim_blocks=True,
+                             lstrip_blocks=True, auto_reload=False)
+    env.globals.update(static=static, error_color=ERROR_COLOR, spec_color=SPEC_COLOR)
+    return env
+
+
+def render(template: str, **values) -> str:
+    """``templates/<template>`` rendered with ``values`` (data: every string in it is escaped)."""
+    return template_environment().get_template(template).render(**values)
+
+
+def macros():
+    """The shared macros (``templates/macros.html``), callable from Python: ``macros().warnings(lines)``."""
+    return template_environment().get_template("macros.html").module
+
+
 # ---- static HTML (the standalone report and the static rendering a view leaves in a notebook) --------
 def cell_text(v) -> str:
     """A table cell as text: floats to 3 decimals, lists joined, missing values as a dash."""
@@ -100,55 +141,60 @@ def cell_text(v) -> str:
     return "—" if v is None else str(v)
 
 
+def table_cells(df, cols: list[str]) -> list[list[str]]:
+    """``df[cols]``, row by row, as ``cell_text``."""
+    return [[cell_text(r[c]) for c in cols] for _, r in df.iterrows()]
+
+
 def html_table(df, cols: list[str], cls: str, headers: dict[str, str] | None = None) -> str:
     """``df[cols]`` as an escaped HTML table (``headers``: a column's title, where it differs from its name)."""
     headers = headers or {}
-    head = "".join(f"<th>{esc(headers.get(c, c))}</th>" for c in cols)
-    body = ["<tr>" + "".join(f'<td class="sd-col-{esc(c)}">{esc(cell_text(r[c]))}</td>' for c in cols) + "</tr>"
-            for _, r in df.iterrows()]
-    return f'<table class="sd-table {cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+    return str(macros().data_table(cls, [(c, headers.get(c, c)) for c in cols], table_cells(df, cols)))
+
+
+def error_entries(trace) -> list[dict]:
+    """The trace's exceptions as the error blocks show them: one per distinct (type, message, op), with the
+    ranks that raised it, the first call's source line and traceback, and whether the recorder unmasked it."""
+    errs = trace.get_errors()
+    entries = []
+    for (exc, msg, op), g in (errs.groupby(["exc_type", "message", "op"], sort=False) if len(errs) else ()):
+        r0 = g.iloc[0]
+        entries.append({"exc_type": exc, "message": msg, "op": op, "ranks": str(sorted(int(r) for r in g["rank"])),
+                        "user_frame": r0["user_frame"], "unmasked": bool(g["unmasked"].any()),
+                        "traceback": r0["traceback"]})
+    return entries
 
 
 def errors_html(trace) -> str:
     """The trace's exceptions, one per distinct (type, message, op), with the ranks that raised it and the
     first traceback."""
-    errs = trace.get_errors()
-    if errs.empty:
-        return '<p class="sd-meta">No exceptions were raised.</p>'
-    parts = []
-    for (exc, msg, op), g in errs.groupby(["exc_type", "message", "op"], sort=False):
-        ranks = sorted(int(r) for r in g["rank"])
-        r0 = g.iloc[0]
-        unmasked = bool(g["unmasked"].any())
-        parts.append(
-            f'<details class="sd-error" open><summary><span class="sd-error-msg">{esc(exc)}: {esc(msg)}</span> '
-            f'<span class="sd-meta">in {esc(op)} on ranks {esc(ranks)} · {esc(r0["user_frame"])}'
-            f'{" · PyTorch would have hidden this behind “unsupported operand type(s)”" if unmasked else ""}</span></summary>'
-            f'<pre class="sd-tb">{esc(r0["traceback"])}</pre></details>')
-    return "\n".join(parts)
+    return str(macros().errors(error_entries(trace)))
+
+
+def fallback_table(trace) -> tuple[list[tuple[str, str]], list[list[str]]]:
+    """The ops that took a DTensor fallback (``Trace.get_fallbacks()``): the table's (column, title) pairs
+    and its rows of cell texts; no rows when none did."""
+    fb = trace.get_fallbacks()
+    cols = [c for c in ("op", "path", "calls", "ranks", "host_ms_total", "bwd_host_ms_total", "locations") if c in fb]
+    return [(c, c) for c in cols], ([] if fb.empty else table_cells(fb, cols))
 
 
 def fallbacks_html(trace) -> str:
     """The ops that took a DTensor fallback (``Trace.get_fallbacks()``) as a table."""
-    fb = trace.get_fallbacks()
-    if fb.empty:
-        return '<p class="sd-meta">No op took a DTensor fallback.</p>'
-    cols = [c for c in ("op", "path", "calls", "ranks", "host_ms_total", "bwd_host_ms_total", "locations") if c in fb]
-    return html_table(fb, cols, "sd-fallbacks")
+    return str(macros().fallbacks(*fallback_table(trace)))
 
 
 def warnings_html(lines) -> str:
     """Warnings as the views show them (a tinted box, one "⚠" line each); "" when there is none."""
-    lines = list(lines)
-    if not lines:
-        return ""
-    return '<div class="sd-warnings">' + "".join(f'<div class="sd-warning">⚠ {esc(w)}</div>' for w in lines) + "</div>"
+    return str(macros().warnings(list(lines)))
 
 
 def static_view(classes: str, body: str) -> str:
-    """A view's static HTML: its styles and ``body`` in a root element (the class ``sd-static`` says it is
-    the saved rendering, not the live widget)."""
-    return f'<div class="sd-root sd-static {classes}"><style>{static("style.css")}</style>{body}</div>'
+    """A view's static HTML: its styles and ``body`` (HTML sharddbg made) in a root element (the class
+    ``sd-static`` says it is the saved rendering, not the live widget)."""
+    from markupsafe import Markup
+
+    return str(macros().static_view(classes, caller=lambda: Markup(body)))
 
 
 class StaticView:

@@ -28,8 +28,7 @@ from ..analysis.formatting import format_shape, is_missing, json_value, ranks_te
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
 from .bundle import output_bundle, view_payload
-from .common import (ERROR_COLOR, PATH_COLORS, SPEC_COLOR, errors_html, esc, fallbacks_html, path_color, static, static_view,
-                     warnings_html)
+from .common import PATH_COLORS, error_entries, fallback_table, path_color, render, static
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -375,16 +374,6 @@ def _flag(kind: str, in_flight) -> str:
     return "✖ error" if kind == "error" else "⚠ fallback" if kind == "fallback" else "⏳ running" if in_flight is True else ""
 
 
-def _chips(kind: str, path: str, spec_mismatch: str | None = None) -> str:
-    chip = f'<span class="sd-path" style="background-color:{path_color(path)};color:#fff">{esc(path)}</span>'
-    if kind == "error":
-        chip = f'<span class="sd-chip-error" style="background-color:{ERROR_COLOR};color:#fff">✖ raised</span> ' + chip
-    if spec_mismatch:
-        chip = (f'<span class="sd-chip-spec" title="{esc(spec_mismatch)}" style="background-color:{SPEC_COLOR};'
-                f'color:#fff">⚠ spec ≠ data</span> ') + chip
-    return chip
-
-
 def _spec_count(n) -> str | None:
     return f"{int(n)} call(s) made a result whose spec disagrees with its local tensor" if n else None
 
@@ -393,47 +382,38 @@ def _text_or_none(v) -> str | None:
     return v if isinstance(v, str) else None
 
 
-def _colgroup(columns) -> str:
-    return "<colgroup>" + "".join(f'<col style="width:{w}px">' if w else "<col>" for _, _, w in columns) + "</colgroup>"
-
-
-def _head(columns) -> str:
-    return "<thead><tr>" + "".join(f"<th>{esc(t)}</th>" for _, t, _ in columns) + "</tr></thead>"
-
-
-def _summary_html(tables: _Tables, max_rows: int, max_groups: int = STATIC_GROUPS) -> str:
-    summary = tables.summary
-    if summary.empty:
-        return '<p class="sd-meta">No op calls were recorded.</p>'
+def _summary_cells(tables: _Tables, max_rows: int, max_groups: int = STATIC_GROUPS) -> list[dict]:
+    """The op summary's first ``max_rows`` rows as the static rendering writes them, each with its first
+    ``max_groups`` call groups and how many more there are."""
     groups = {k: g for k, g in tables.groups.groupby("summary_row", sort=False)} if len(tables.groups) else {}
-    nowrap = ' style="white-space:nowrap"'
-    out = []
-    for i, r in enumerate(summary.head(max_rows).itertuples(index=False)):
-        where = r.locations[0] if r.locations else ""
-        out.append(f'<tr class="sd-summary-row sd-kind-{esc(r.kind)}"><td class="sd-col-flag">{_flag(r.kind, None)}</td>'
-                   f"<td>{esc(r.op)}</td><td{nowrap}>{_chips(r.kind, r.path, _spec_count(r.spec_mismatches))}</td>"
-                   f"<td>{esc(r.phase)}</td><td>{int(r.calls)}</td><td>{esc(ranks_text(r.ranks).split(' ', 1)[1])}</td>"
-                   f"<td>{_ms(r.first_ms_median)}</td><td>{_ms(r.steady_ms_median)}</td><td>{_ms(r.host_ms_total)}</td>"
-                   f"<td>{_ms(r.comm_ms_inclusive)}</td><td>{'bound' if r.dispatch_bound else ''}</td>"
-                   f'<td title="{esc(chr(10).join(r.locations))}">{esc(where)}</td></tr>')
+    rows = []
+    for i, r in enumerate(tables.summary.head(max_rows).itertuples(index=False)):
         g = groups.get(i)
-        if g is None:
-            continue
-        cells = []
-        for gr in g.head(max_groups).to_dict("records"):
-            cells.append(f'<tr class="sd-call-group sd-kind-{esc(gr["kind"])}"><td class="sd-col-flag">'
-                         f'{_flag(gr["kind"], gr["in_flight"])}</td><td class="sd-col-ranks_text">{esc(gr["ranks_text"])}</td>'
-                         f'<td>{int(gr["calls"])}</td><td{nowrap}>{esc(_shapes(gr["in_local_shapes"]))}</td>'
-                         f'<td{nowrap}>{esc(format_shape(gr["out_local_shape"]))}</td>'
-                         f'<td>{esc(gr["placements"]) if isinstance(gr["placements"], str) else ""}</td>'
-                         f'<td{nowrap}>{_ms_range(gr["host_ms_min"], gr["host_ms_max"])}</td>'
-                         f'<td title="{esc(gr["location"])}">{esc(gr["location"])}</td></tr>')
-        if len(g) > max_groups:
-            cells.append(f'<tr><td colspan="{len(GROUP_LIST_COLUMNS)}" class="sd-meta">… {len(g) - max_groups} more</td></tr>')
-        out.append(f'<tr class="sd-expansion"><td colspan="{len(SUMMARY_LIST_COLUMNS)}"><table class="sd-table sd-call-groups">'
-                   f'{_colgroup(GROUP_LIST_COLUMNS)}{_head(GROUP_LIST_COLUMNS)}<tbody>{"".join(cells)}</tbody></table></td></tr>')
-    return (f'<table class="sd-table sd-op-list sd-op-summary">{_colgroup(SUMMARY_LIST_COLUMNS)}{_head(SUMMARY_LIST_COLUMNS)}'
-            f'<tbody>{"".join(out)}</tbody></table>')
+        shown = [] if g is None else g.head(max_groups).to_dict("records")
+        rows.append({
+            "kind": r.kind, "flag": _flag(r.kind, None), "op": r.op, "path": r.path, "path_color": path_color(r.path),
+            "spec": _spec_count(r.spec_mismatches), "phase": r.phase, "calls": int(r.calls),
+            "ranks": ranks_text(r.ranks).split(" ", 1)[1], "first_ms": _ms(r.first_ms_median),
+            "steady_ms": _ms(r.steady_ms_median), "total_ms": _ms(r.host_ms_total), "comm_ms": _ms(r.comm_ms_inclusive),
+            "dispatch": "bound" if r.dispatch_bound else "", "locations": "\n".join(r.locations),
+            "where": r.locations[0] if r.locations else "",
+            "groups": [{"kind": gr["kind"], "flag": _flag(gr["kind"], gr["in_flight"]), "ranks_text": gr["ranks_text"],
+                        "calls": int(gr["calls"]), "inputs": _shapes(gr["in_local_shapes"]),
+                        "output": format_shape(gr["out_local_shape"]),
+                        "placements": gr["placements"] if isinstance(gr["placements"], str) else "",
+                        "host_ms": _ms_range(gr["host_ms_min"], gr["host_ms_max"]), "location": gr["location"]}
+                       for gr in shown],
+            "more_groups": 0 if g is None else max(len(g) - max_groups, 0)})
+    return rows
+
+
+def _call_cells(calls: pd.DataFrame, max_rows: int) -> list[dict]:
+    """The first ``max_rows`` op calls (the explorer's order) as the static rendering writes them."""
+    return [{"kind": r.kind, "flag": _flag(r.kind, r.in_flight), "rank": int(r.rank), "seq": int(r.seq), "op": r.op,
+             "path": r.path, "path_color": path_color(r.path), "spec": _text_or_none(r.spec_mismatch),
+             "phase": r.phase, "module": r.module if isinstance(r.module, str) else "",
+             "output": format_shape(r.out_local_shape), "host_ms": _ms(r.host_ms), "source": _source(r.user_frame)}
+            for r in calls.iloc[:max_rows].itertuples(index=False)]
 
 
 def explorer_html(trace: Trace, max_rows: int = STATIC_ROWS) -> str:
@@ -444,31 +424,12 @@ def explorer_html(trace: Trace, max_rows: int = STATIC_ROWS) -> str:
 
 
 def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
-    f = explorer_summary(trace)
-    rows, summary = tables.calls, tables.summary
-    head = (f'<div class="sd-title"><span class="sd-kind">Trace explorer</span> <span class="sd-meta">'
-            f'{f["op_calls"]} op calls on {len(f["ranks"])} ranks · {f["errors"]} raised · {f["fallback_calls"]} '
-            f'DTensor fallback calls · {f["collectives"]} collectives'
-            + (f' · {f["spec_mismatches"]} results whose spec disagrees with their data' if f["spec_mismatches"] else "")
-            + '</span></div>')
-    head += warnings_html(f["findings"])
-    body = [head,
-            f"<h4>Op summary{f' (the first {max_rows} of {len(summary)} rows)' if len(summary) > max_rows else ''}</h4>",
-            _summary_html(tables, max_rows),
-            "<h4>Errors</h4>", errors_html(trace), "<h4>DTensor fallbacks</h4>", fallbacks_html(trace),
-            f"<h4>Op calls{f' (the first {max_rows} of {len(rows)})' if len(rows) > max_rows else ''}</h4>"]
-    cells = []
-    for r in rows.iloc[:max_rows].itertuples(index=False):
-        cells.append(f'<tr class="sd-op sd-kind-{esc(r.kind)}"><td class="sd-col-flag">{_flag(r.kind, r.in_flight)}</td>'
-                     f"<td>{int(r.rank)}</td><td>{int(r.seq)}</td><td>{esc(r.op)}</td>"
-                     f'<td style="white-space:nowrap">{_chips(r.kind, r.path, _text_or_none(r.spec_mismatch))}</td>'
-                     f"<td>{esc(r.phase)}</td><td>{esc(r.module) if isinstance(r.module, str) else ''}</td>"
-                     f'<td class="sd-col-out_local_shape" style="white-space:nowrap">{esc(format_shape(r.out_local_shape))}</td>'
-                     f"<td>{_ms(r.host_ms)}</td>"
-                     f"<td>{esc(_source(r.user_frame))}</td></tr>")
-    body.append(f'<table class="sd-table sd-op-list">{_colgroup(LIST_COLUMNS)}{_head(LIST_COLUMNS)}'
-                f'<tbody>{"".join(cells)}</tbody></table>')
-    return static_view("sd-explorer", "".join(body))
+    fallback_columns, fallback_rows = fallback_table(trace)
+    return render("explorer.html", facts=explorer_summary(trace), max_rows=max_rows,
+                  summary_total=len(tables.summary), summary_rows=_summary_cells(tables, max_rows),
+                  calls_total=len(tables.calls), calls=_call_cells(tables.calls, max_rows),
+                  errors=error_entries(trace), fallback_columns=fallback_columns, fallback_rows=fallback_rows,
+                  summary_columns=SUMMARY_LIST_COLUMNS, group_columns=GROUP_LIST_COLUMNS, list_columns=LIST_COLUMNS)
 
 
 def decode_rows(data: dict) -> list[dict]:

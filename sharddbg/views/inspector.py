@@ -16,32 +16,26 @@ import traitlets
 from ..analysis.formatting import format_bytes, format_shape
 from ..analysis.layout import ShardLayout
 from .bundle import output_bundle, view_payload
-from .common import esc, html_table, static, static_view, warnings_html
+from .common import render, static, table_cells
 
 
 def inspector_html(layout: ShardLayout) -> str:
     """The inspector as static HTML (no script): the header, the block diagram as a character grid, the
     table of ranks, the warnings and notes."""
     s0 = layout.snapshots[0]
-    placements = ", ".join(p["text"] for p in s0.get("placements") or []) or "—"
-    head = (f'<div class="sd-title"><span class="sd-kind">{esc(layout.kind)}</span> <code class="sd-name">'
-            f'{esc(layout.name)}</code> <span class="sd-meta">global {esc(format_shape(layout.global_shape))} · '
-            f'{esc(layout.dtype)} · {esc(layout.mesh_text())} · placements {esc(placements)} · '
-            f'{len(layout.ranks)} ranks</span></div>')
     ranks = layout.get_ranks().assign(ok=lambda d: d["ok"].map({True: "✓", False: "⚠ mismatch"}),
                                       memory=lambda d: d["local_bytes"].map(format_bytes))
     for c in ("local_shape", "spec_local_shape", "offsets"):
         ranks[c] = ranks[c].map(lambda v: format_shape(v) if v is not None else "—")
-    table = html_table(ranks, ["rank", "coordinate", "local_shape", "spec_local_shape", "offsets", "memory",
-                               "device", "ok"], "sd-ranks",
-                       {"coordinate": "mesh coord", "local_shape": "local shape", "spec_local_shape": "spec says",
-                        "offsets": "global offsets", "ok": "check"})
-    body = [head, f'<pre class="sd-grid">{esc(layout.text_grid())}</pre>', table]
-    body.append(warnings_html(layout.warnings))
-    if layout.notes:
-        body.append('<div class="sd-notes">' + "".join(f'<div class="sd-note">ℹ {esc(n)}</div>'
-                                                       for n in layout.notes) + "</div>")
-    return static_view("sd-inspector", "".join(body))
+    columns = ["rank", "coordinate", "local_shape", "spec_local_shape", "offsets", "memory", "device", "ok"]
+    titles = {"coordinate": "mesh coord", "local_shape": "local shape", "spec_local_shape": "spec says",
+              "offsets": "global offsets", "ok": "check"}
+    return render("inspector.html", kind=layout.kind, name=layout.name, global_shape=format_shape(layout.global_shape),
+                  dtype=layout.dtype, mesh=layout.mesh_text(),
+                  placements=", ".join(p["text"] for p in s0.get("placements") or []) or "—",
+                  ranks=len(layout.ranks), grid=layout.text_grid(),
+                  rank_columns=[(c, titles.get(c, c)) for c in columns], rank_rows=table_cells(ranks, columns),
+                  warnings=list(layout.warnings), notes=list(layout.notes))
 
 
 class ShardInspector(anywidget.AnyWidget):

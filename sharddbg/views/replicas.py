@@ -4,15 +4,14 @@ first (which ranks, by how much), then the ones that are the same. Reads the che
 max_abs_diff, shape, dtype, placements, detail).
 
 The HTML is static (no script): it reads the same in a saved notebook, nbconvert or GitHub; its colours are
-JupyterLab's theme variables, with light fallbacks. Every string is escaped.
+JupyterLab's theme variables, with light fallbacks (the template ``replicas.html``). Every string is escaped.
 """
 
 from __future__ import annotations
 
-import html
 import math
 
-from .common import StaticView
+from .common import StaticView, render
 
 MARKS = {"same": "✔", "sharded": "·", "differs": "✖", "mismatch": "✖"}
 TINTS = {"same": "transparent", "sharded": "rgba(128, 128, 128, 0.10)", "differs": "rgba(220, 40, 40, 0.18)",
@@ -47,27 +46,10 @@ def replica_check_text(table, verdict: str) -> str:
 
 def replica_check_html(table, verdict: str, mesh_dim: str) -> str:
     """The view as static HTML."""
-    esc = html.escape
     bad = not table["state"].isin(("same", "sharded")).all()
-    cell = ("padding: 2px 8px; text-align: left; white-space: nowrap; "
-            "border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);")
-    head = "".join(f'<th style="{cell}">{esc(h)}</th>' for h in HEADERS)
-    body = []
-    for _, row in table.iterrows():
-        state = str(row["state"])
-        cells = "".join(f'<td style="{cell}">{esc(v)}</td>' for v in _row_cells(row))
-        body.append(f'<tr class="sd-replicas-{esc(state)}" style="background: {TINTS.get(state, "transparent")};">'
-                    f"{cells}</tr>")
-    color = "var(--jp-error-color1, #b00020)" if bad else "var(--jp-success-color1, #2e7d32)"
-    return (
-        '<div class="sd-replicas" style="font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; '
-        'color: var(--jp-ui-font-color1, #222);">'
-        f'<div style="font-weight: bold; color: {color}; margin: 4px 0;">{"✖" if bad else "✔"} {esc(verdict)}</div>'
-        f'<table style="border-collapse: collapse;"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody>'
-        f'</table><div style="color: var(--jp-ui-font-color2, #666); margin-top: 4px;">Each parameter and buffer is '
-        f'compared byte for byte across the ranks of each {esc(mesh_dim)} group; max |diff| is the largest '
-        f'difference of a differing rank from the group\'s first rank, gathered on the ranks. A parameter sharded '
-        f'over {esc(mesh_dim)} holds a different part on each rank and is not compared.</div></div>')
+    rows = [{"state": str(row["state"]), "tint": TINTS.get(str(row["state"]), "transparent"), "cells": _row_cells(row)}
+            for _, row in table.iterrows()]
+    return render("replicas.html", verdict=verdict, bad=bad, headers=HEADERS, rows=rows, mesh_dim=mesh_dim)
 
 
 class ReplicaCheckView(StaticView):

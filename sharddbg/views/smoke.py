@@ -4,7 +4,7 @@ run's, its time per step, its fallbacks and collectives per step. Reads the resu
 DataFrame indexed by configuration, ``sharddbg.cluster.smoke.TABLE_COLUMNS``).
 
 The HTML is static (no script), so it reads the same in a saved notebook, nbconvert or GitHub; its colours
-are JupyterLab's theme variables, with light fallbacks.
+are JupyterLab's theme variables, with light fallbacks (the template ``smoke.html``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import math
 
-from .common import StaticView
+from .common import StaticView, render
 
 # (column, header, how a value is written)
 SHOWN = [
@@ -67,32 +67,15 @@ def smoke_text(table, verdict: str) -> str:
 
 def smoke_html(table, verdict: str, rtol: float) -> str:
     """The view as static HTML (every string escaped)."""
-    esc = html.escape
     bad = not bool(table["ok"].all())
-    cell = "padding: 2px 8px; text-align: right; white-space: nowrap; border-bottom: 1px solid var(--jp-border-color2, #e0e0e0);"
-    head = "".join(f'<th style="{cell}">{esc(h)}</th>' for _, h, _ in SHOWN)
-    body = []
+    rows = []
     for name, row in table.iterrows():
         state = row_state(row)
-        values = "".join(f'<td style="{cell}">{esc(fmt(row[col]))}</td>' for col, _, fmt in SHOWN)
-        title = esc(str(row["about"] or ""))
-        body.append(
-            f'<tr class="sd-smoke-{state}" style="background: {TINTS[state]};">'
-            f'<td style="{cell} text-align: left;" title="{title}">{esc(str(name))}</td>{values}'
-            f'<td style="{cell} text-align: left; white-space: normal;">{MARKS[state]} {esc(str(row["outcome"]))}</td></tr>')
-    color = "var(--jp-error-color1, #b00020)" if bad else "var(--jp-success-color1, #2e7d32)"
-    return (
-        '<div class="sd-smoke" style="font-family: var(--jp-ui-font-family, sans-serif); font-size: 12px; '
-        'color: var(--jp-ui-font-color1, #222);">'
-        f'<div style="font-weight: bold; color: {color}; margin: 4px 0;">{MARKS["wrong" if bad else "ok"]} '
-        f'{esc(verdict)}</div>'
-        f'<table style="border-collapse: collapse;"><thead><tr><th style="{cell} text-align: left;">configuration</th>'
-        f'{head}<th style="{cell} text-align: left;">verdict</th></tr></thead><tbody>{"".join(body)}</tbody></table>'
-        f'<div style="color: var(--jp-ui-font-color2, #666); margin-top: 4px;">loss error: the largest relative '
-        f'difference of a step\'s loss from the single-device run\'s; grad error: the largest difference of a '
-        f'first-step gradient, relative to its largest value; both must stay within rtol {rtol:g}. Fallbacks and '
-        f'collectives are counted per rank on one more step, run under the recorder; not for a compiled '
-        f'configuration (—): its graph runs below the recorder.</div></div>')
+        rows.append({"state": state, "tint": TINTS[state], "name": str(name), "about": str(row["about"] or ""),
+                     "cells": [fmt(row[col]) for col, _, fmt in SHOWN], "mark": MARKS[state],
+                     "outcome": str(row["outcome"])})
+    return render("smoke.html", verdict=verdict, bad=bad, mark=MARKS["wrong" if bad else "ok"],
+                  headers=[h for _, h, _ in SHOWN], rows=rows, rtol=f"{rtol:g}")
 
 
 class SmokeView(StaticView):
