@@ -387,12 +387,16 @@ def test_explorer(session):
     exp = page.locator(".sd-explorer")
     expect(exp).to_have_count(1)
     listing = exp.locator(".sd-list")
-    # what is wrong with the recording as a whole comes under the title: the cell's backward() left a stale
-    # entry in DTensor's redistribution plan cache on every rank
-    warning = exp.locator(".sd-warnings .sd-warning")
-    expect(warning).to_have_count(1)
-    expect(warning).to_contain_text("Ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward), Partial(sum) -> "
-                                    "Replicate(), changed its target spec's _sharding_shapes")
+    # what is wrong with the recording comes under the title, as the trace's findings list it: failures first
+    # (the cell's error), and among the warnings the stale entry the cell's backward() left in DTensor's
+    # redistribution plan cache on every rank
+    findings = exp.locator(".sd-findings .sd-finding")
+    expect(findings.first).to_have_class(re.compile(r"\bsd-finding-fail\b"))
+    expect(findings.first).to_contain_text("raised")
+    plan = exp.locator(".sd-findings .sd-finding-warn", has_text="ShardTensor.redistribute (in ShardTensor.backward)")
+    expect(plan).to_have_count(1)
+    expect(plan).to_contain_text("Ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward), Partial(sum) -> "
+                                 "Replicate(), changed its target spec's _sharding_shapes")
     # it opens on the op summary: one row per op / path / phase, the error first, then the fallbacks; no call yet
     expect(exp.locator("select.sd-f-view")).to_have_value("summary")
     summary = listing.locator("tr.sd-summary-row")

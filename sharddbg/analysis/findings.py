@@ -53,7 +53,7 @@ MAX_ERROR_FINDINGS = 3  # distinct exceptions named one by one; the rest in one 
 MAX_FALLBACK_OPS = 4  # ops named in the fallback finding
 PLAN_CACHE_FIX = f"clear the cache now and then in the training loop (every 100 steps, say): {CLEAR_CALL}"
 # The fields of a finding as JSON (``Finding.as_dict``, ``findings_frame``), in order.
-FINDING_FIELDS = ("kind", "severity", "sentence", "fix", "ranks", "op", "location")
+FINDING_FIELDS = ("kind", "severity", "sentence", "fix", "ranks", "op", "location", "text")
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Finding:
     def text(self) -> str:
         """The sentence and the fix, as one line that reads on its own (first letter capitalised).
 
-        ``sentence``, then ". " and ``fix`` when there is one; only the line's first letter is changed (a
+        ``sentence``, then "; " and ``fix`` when there is one; only the line's first letter is changed (a
         fix keeps its own first letter), and no final period is added.
 
         Returns
@@ -121,9 +121,9 @@ class Finding:
         >>> Finding("incomplete_ranks", "fail", "the recording of rank 3 is incomplete", ranks=(3,)).text()
         'The recording of rank 3 is incomplete'
         >>> Finding("dropped_events", "warn", "120 events dropped", fix="raise max_events").text()
-        '120 events dropped. raise max_events'
+        '120 events dropped; raise max_events'
         """
-        text = self.sentence + (f". {self.fix}" if self.fix else "")
+        text = self.sentence + (f"; {self.fix}" if self.fix else "")
         return text[:1].upper() + text[1:]
 
     def as_dict(self) -> dict:
@@ -132,8 +132,8 @@ class Finding:
         Returns
         -------
         dict
-            ``kind``, ``severity``, ``sentence``, ``fix``, ``ranks`` (a list of int), ``op``, ``location``,
-            in that order.
+            ``kind``, ``severity``, ``sentence``, ``fix``, ``ranks`` (a list of int), ``op``, ``location``, and
+            ``text`` (``text()``: the line a front end shows), in that order.
 
         Examples
         --------
@@ -142,7 +142,7 @@ class Finding:
         ([3], True)
         """
         return {"kind": self.kind, "severity": self.severity, "sentence": self.sentence, "fix": self.fix,
-                "ranks": [int(r) for r in self.ranks], "op": self.op, "location": self.location}
+                "ranks": [int(r) for r in self.ranks], "op": self.op, "location": self.location, "text": self.text()}
 
 
 @dataclass(frozen=True)

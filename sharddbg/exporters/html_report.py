@@ -16,9 +16,9 @@ import pandas as pd
 
 from ..files import write_file_atomically
 from ..views.comm import plot_comm_by_op
-from ..views.common import (error_entries, fallback_table, json_for_script, module_as_script, path_color, render,
-                            static)
-from ..views.explorer import DEFAULT_MAX_ROWS, explorer_data, trace_findings
+from ..views.common import (SEVERITY_MARKS, error_entries, fallback_table, json_for_script, module_as_script,
+                            path_color, render, static)
+from ..views.explorer import DEFAULT_MAX_ROWS, explorer_data
 from ..views.imbalance import plot_imbalance
 from ..views.timeline import plot_timeline
 
@@ -33,7 +33,6 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
 
     path = os.fspath(path)
     ops = trace.get_ops()
-    fb = trace.get_fallbacks()
     title = title or "sharddbg trace report"
     figs = [("timeline", plot_timeline(trace)), ("comm", plot_comm_by_op(trace)), ("imbalance", plot_imbalance(trace))]
     fig_html = {}
@@ -41,15 +40,10 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
         fig_html[name] = pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), div_id=f"sd-fig-{name}",
                                      config={"displaylogo": False, "responsive": True})
     paths = ops["path"].value_counts() if len(ops) else pd.Series(dtype=int)
-    facts = [f"{len(trace.ranks)} ranks", f"{len(ops)} op calls", f"{int((ops['exc_type'].notna()).sum()) if len(ops) else 0} op calls raised",
-             f"{len(fb)} ops fell back to DTensor"]
-    if trace.dropped:
-        facts.append(f"{trace.dropped} events dropped (buffer full)")
-    if trace.incomplete_ranks:
-        facts.append(f"incomplete ranks {trace.incomplete_ranks}")
     fallback_columns, fallback_rows = fallback_table(trace)
-    doc = render("report.html", title=title, facts=facts,
-                 generated=_dt.datetime.now().isoformat(timespec="seconds"), findings=trace_findings(trace),
+    doc = render("report.html", title=title, headline=trace.overview.headline(),
+                 generated=_dt.datetime.now().isoformat(timespec="seconds"),
+                 findings=[f.as_dict() for f in trace.findings], marks=SEVERITY_MARKS,
                  paths=[{"path": p, "color": path_color(p), "calls": int(n)} for p, n in paths.items()],
                  code=trace.meta.get("code"), errors=error_entries(trace), fallback_columns=fallback_columns,
                  fallback_rows=fallback_rows, figures=fig_html,

@@ -28,6 +28,8 @@ PATH_COLORS = {
     "python_method": "#8c6bb1",  # full_tensor, redistribute, backward, from_local (schema 2)
 }
 ERROR_COLOR = "#8b0000"
+# A finding's mark, by its severity (analysis.findings.SEVERITIES): the explorer, the report and their text show it.
+SEVERITY_MARKS = {"fail": "✖", "warn": "⚠", "info": "ℹ", "ok": "✔", "skip": "·"}
 SPEC_COLOR = "#b8860b"  # a result whose spec disagrees with its local tensor: amber, apart from errors and paths
 # Collective kinds: blues, violets, greens and cyans only (hues 110-290 degrees), so that no collective
 # shares a hue with the orange and red DTensor fallbacks; one colour per family, the same in every figure.

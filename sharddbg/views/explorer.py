@@ -28,7 +28,7 @@ from ..analysis.formatting import format_shape, is_missing, json_value, ranks_te
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
 from .bundle import output_bundle, view_payload
-from .common import PATH_COLORS, error_entries, fallback_table, path_color, render, static
+from .common import PATH_COLORS, SEVERITY_MARKS, error_entries, fallback_table, path_color, render, static
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -240,7 +240,9 @@ def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
         "counts": {k: int((rows["kind"] == k).sum()) for k in ("error", "fallback", "op")},
         "incomplete_ranks": [int(r) for r in trace.incomplete_ranks],
         "dropped": int(trace.dropped),
-        "findings": trace_findings(trace),
+        "headline": trace.overview.headline(),
+        "findings": [f.as_dict() for f in trace.findings],
+        "severity_marks": SEVERITY_MARKS,
         "summary": _summary_rows(tables),
         "list_columns": [list(c) for c in LIST_COLUMNS],
         "summary_columns": [list(c) for c in SUMMARY_LIST_COLUMNS],
@@ -265,21 +267,10 @@ def op_summary(trace: Trace) -> list[dict]:
 
 
 def explorer_summary(trace: Trace) -> dict:
-    """What the explorer's header says, as data: ranks, op calls, errors, fallbacks, collectives."""
-    ops = trace.get_ops()
-    return {"ranks": [int(r) for r in trace.ranks], "op_calls": len(ops),
-            "errors": int(ops["exc_type"].notna().sum()) if len(ops) else 0,
-            "fallback_calls": int(is_fallback(ops).sum()) if len(ops) else 0,
-            "spec_mismatches": int(ops["spec_mismatch"].notna().sum()) if len(ops) else 0,
-            "collectives": len(trace.get_collectives()), "incomplete_ranks": [int(r) for r in trace.incomplete_ranks],
-            "dropped": int(trace.dropped), "findings": trace_findings(trace)}
-
-
-def trace_findings(trace: Trace) -> list[str]:
-    """What is wrong with the recording as a whole, one sentence each, cause first (the explorer shows them
-    under its title): today the plan cache's stale misses (``Trace.plan_cache_finding``)."""
-    finding = trace.plan_cache_finding
-    return [finding] if finding else []
+    """What the explorer's header says, as data: the trace's overview (``Trace.overview``: ranks, op calls,
+    errors, fallbacks, collectives, ..., and its ``headline``) and its findings (``Trace.findings``, each as
+    ``Finding.as_dict()``, in their order)."""
+    return {**trace.overview.as_dict(), "findings": [f.as_dict() for f in trace.findings]}
 
 
 def _ms(v) -> str:
@@ -344,27 +335,15 @@ def _summary_text(tables: _Tables, max_rows: int = TEXT_SUMMARY_ROWS, max_groups
 
 
 def explorer_text(trace: Trace) -> str:
-    """The explorer in words: what was recorded, each distinct error, the ops that fell back, and the op
-    summary, each row with its calls (identical ones on several ranks as one line)."""
+    """The explorer in words: what was recorded (``Trace.overview``'s headline), what is wrong (``Trace.findings``,
+    in their order, each with its mark), and the op summary, each row with its calls (identical ones on several
+    ranks as one line)."""
     return _text(trace, _tables(trace))
 
 
 def _text(trace: Trace, tables: _Tables) -> str:
-    f = explorer_summary(trace)
-    lines = [f"Trace explorer: {f['op_calls']} op calls on {len(f['ranks'])} ranks, {f['errors']} raised, "
-             f"{f['fallback_calls']} through a DTensor fallback, {f['collectives']} collectives"
-             + (f", {f['spec_mismatches']} results whose spec disagrees with their data" if f["spec_mismatches"] else "")]
-    lines.extend(f"  ⚠ {w}" for w in f["findings"])
-    if f["incomplete_ranks"]:
-        lines.append(f"  incomplete ranks: {f['incomplete_ranks']}")
-    if f["dropped"]:
-        lines.append(f"  {f['dropped']} events dropped (buffer full)")
-    errs = trace.get_errors()
-    for (exc, msg, op), g in (errs.groupby(["exc_type", "message", "op"], sort=False) if len(errs) else ()):
-        first = str(msg).splitlines()[0] if isinstance(msg, str) else msg
-        lines.append(f"  error: {exc}: {first} (in {op}, ranks {sorted(int(r) for r in g['rank'])})")
-    for fb in trace.get_fallbacks().itertuples(index=False):
-        lines.append(f"  fallback: {fb.op} ({fb.path}, {fb.calls} calls)")
+    lines = [f"Trace explorer: {trace.overview.headline()}"]
+    lines += [f"  {SEVERITY_MARKS[f.severity]} {f.text()}" for f in trace.findings]
     lines += _summary_text(tables)
     lines.append("  (live: filters and each call on every rank, in the widget or t.to_html(path))")
     return "\n".join(lines)
@@ -425,7 +404,7 @@ def explorer_html(trace: Trace, max_rows: int = STATIC_ROWS) -> str:
 
 def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
     fallback_columns, fallback_rows = fallback_table(trace)
-    return render("explorer.html", facts=explorer_summary(trace), max_rows=max_rows,
+    return render("explorer.html", facts=explorer_summary(trace), marks=SEVERITY_MARKS, max_rows=max_rows,
                   summary_total=len(tables.summary), summary_rows=_summary_cells(tables, max_rows),
                   calls_total=len(tables.calls), calls=_call_cells(tables.calls, max_rows),
                   errors=error_entries(trace), fallback_columns=fallback_columns, fallback_rows=fallback_rows,

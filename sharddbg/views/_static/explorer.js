@@ -41,17 +41,22 @@ export function renderExplorer(model, el) {
   const colls = data.collectives.map((r) => Object.fromEntries(data.coll_fields.map((f, i) => [f, r[i]])));
   const root = h("div", { class: "sd-root sd-explorer" });
   el.append(root);
+  // The header and the findings come from the trace's own overview and findings (sharddbg.analysis.findings):
+  // shown as they are, in their order. A widget saved by an older sharddbg has no headline, and findings as text.
   const c = data.counts;
-  const facts = [`${data.total} op calls on ${data.ranks.length} ranks`, `${c.error} error${c.error === 1 ? "" : "s"}`,
-                 `${c.fallback} DTensor fallback${c.fallback === 1 ? "" : "s"}`];
-  if (data.dropped) facts.push(`${data.dropped} events dropped (buffer full)`);
-  if (data.incomplete_ranks.length) facts.push(`incomplete ranks ${data.incomplete_ranks.join(", ")}`);
+  const headline = data.headline || `${data.total} op calls on ${data.ranks.length} ranks, ${c.error} raised, ` +
+                   `${c.fallback} through a DTensor fallback`;
   root.append(h("div", { class: "sd-title" }, h("span", { class: "sd-kind", text: "Trace explorer" }), " ",
-                h("span", { class: "sd-meta", text: facts.join(" · ") })));
-  if (data.findings && data.findings.length) {  // absent in a widget saved by an older sharddbg
-    const w = h("div", { class: "sd-warnings" });
-    for (const f of data.findings) w.append(h("div", { class: "sd-warning", text: `⚠ ${f}` }));
-    root.append(w);
+                h("span", { class: "sd-meta", text: headline })));
+  if (data.findings && data.findings.length) {
+    const marks = data.severity_marks || {};
+    const box = h("div", { class: "sd-findings" });
+    for (const f of data.findings) {
+      const found = typeof f === "string" ? { severity: "warn", text: f } : f;
+      box.append(h("div", { class: `sd-finding sd-finding-${found.severity}`,
+                            text: `${marks[found.severity] || "⚠"} ${found.text}` }));
+    }
+    root.append(box);
   }
   const sel = (label, cls, options) => {
     const s = h("select", { class: cls, "aria-label": label });
