@@ -1019,3 +1019,23 @@ def test_perfetto_shares_the_timeline_clock(trace):
     # collectives on their own, on every rank
     names = sorted((e["pid"], e["tid"], e["args"]["name"]) for e in evs if e["name"] == "thread_name")
     assert names == [(r, t, n) for r in range(N) for t, n in ((0, "thread 0"), (1000, "collectives"))]
+
+
+def test_the_explorer_builds_its_tables_once_per_trace(trace, monkeypatch):
+    """Opening the widget, its text, its static rendering and every detail click read one set of tables: a
+    click does not regroup the trace's calls."""
+    fresh = sharddbg.load_trace(DATA / "conv4.sdtrace.json")
+    built = []
+    real = ex._build_tables
+    monkeypatch.setattr(ex, "_build_tables", lambda t: built.append(t) or real(t))
+    w = fresh.show()
+    w.text(), ex.explorer_html(fresh), ex.summary_frame(fresh), ex.call_groups(fresh)
+    row = ex.explorer_frame(fresh).iloc[0]
+    for _ in range(3):
+        w.selected = [int(row["rank"]), int(row["seq"])]
+        assert w.detail()["row"]["key"] == row["key"]
+    assert built == [fresh]
+    # what the functions hand out is the caller's to change
+    mine = ex.summary_frame(fresh)
+    mine.loc[0, "op"] = "changed"
+    assert ex.summary_frame(fresh).loc[0, "op"] != "changed"

@@ -17,6 +17,7 @@ output bundle (``sharddbg.views.bundle``): the widget, ``explorer_html`` (a stat
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,7 +91,19 @@ def _max(s: pd.Series) -> float:
     return float(s.max()) if len(s) else float("nan")
 
 
+# A trace's tables, computed once per trace (a Trace does not change once built): the widget's data, its text, its
+# static rendering and every detail click read the same ones.
+_TABLES: "weakref.WeakKeyDictionary[Trace, _Tables]" = weakref.WeakKeyDictionary()
+
+
 def _tables(trace: Trace) -> _Tables:
+    tables = _TABLES.get(trace)
+    if tables is None:
+        tables = _TABLES[trace] = _build_tables(trace)
+    return tables
+
+
+def _build_tables(trace: Trace) -> _Tables:
     summary = trace.get_op_summary()
     ops = trace.get_ops()
     if ops.empty:
@@ -164,7 +177,7 @@ def summary_frame(trace: Trace) -> pd.DataFrame:
     fallback / op as the row's calls are in ``explorer_frame`` (a row is an error when one of its calls
     raised); ``spec_mismatches``: how many of its calls made a result whose spec disagrees with its local
     tensor (``Trace.get_spec_mismatches()``)."""
-    return _tables(trace).summary
+    return _tables(trace).summary.copy()
 
 
 def call_groups(trace: Trace) -> pd.DataFrame:
@@ -173,7 +186,7 @@ def call_groups(trace: Trace) -> pd.DataFrame:
     ``summary_row`` / ``call_group`` (the numbering ``explorer_frame`` uses), ``ranks`` and ``ranks_text``
     ("ranks 0-3"), ``calls``, the first call (``first_rank``, ``first_seq``: its detail), the identical
     fields, and the range of host and device times."""
-    return _tables(trace).groups
+    return _tables(trace).groups.copy()
 
 
 def _collectives(trace: Trace) -> pd.DataFrame:
@@ -432,7 +445,7 @@ class TraceExplorer(anywidget.AnyWidget):
     selected = traitlets.List([]).tag(sync=True)
 
     def __init__(self, trace: Trace, max_rows: int = DEFAULT_MAX_ROWS, **kwargs):
-        tables = _tables(trace)  # once, for the widget, its text and its static rendering
+        tables = _tables(trace)  # the widget's data, its text, its static rendering and its details read these
         super().__init__(data=_data(trace, tables, max_rows), **kwargs)
         self.trace = trace
         self._tables = tables
