@@ -229,15 +229,16 @@ def _timed(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(times), min(times)
 
 
-def _verification_tables():
-    """Tables shaped like the verification results': a check of 8 tensors on 4 ranks with 2 failing, a
-    doctor of 8 checks, a smoke matrix of 8 configurations, a replica check of 32 parameters."""
+def _verification_results():
+    """Results shaped like real ones: a check of 8 tensors on 4 ranks with 2 failing near the shard boundaries,
+    a doctor of 8 checks, a smoke matrix of 8 configurations, a replica check of 32 parameters."""
     import pandas as pd
 
-    from sharddbg.cluster.doctor import TABLE_COLUMNS as DOCTOR_COLUMNS
-    from sharddbg.cluster.replicas import TABLE_COLUMNS as REPLICA_COLUMNS
-    from sharddbg.cluster.smoke import TABLE_COLUMNS as SMOKE_COLUMNS
-    from sharddbg.cluster.verify import TABLE_COLUMNS as CHECK_COLUMNS, BoundaryPattern
+    from sharddbg.analysis.check import ROW_COLUMNS, TABLE_COLUMNS as CHECK_COLUMNS, CheckResult
+    from sharddbg.analysis.doctor import DoctorReport
+    from sharddbg.analysis.findings import Finding
+    from sharddbg.analysis.replica_check import TABLE_COLUMNS as REPLICA_COLUMNS, ReplicaCheck
+    from sharddbg.analysis.smoke import TABLE_COLUMNS as SMOKE_COLUMNS, SmokeConfig, SmokeResult
 
     check = pd.DataFrame([{"tensor": f"net.{t}.weight.grad", "kind": "parameter grad", "rank": r, "group": 0,
                            "ok": t >= 2, "max_abs": 1e-7 * (t + 1), "max_rel": 1e-6, "ratio": 0.01, "rtol": 1e-4,
@@ -245,11 +246,15 @@ def _verification_tables():
                            "shape": (1, 4, 17, 64), "reference_shape": (1, 4, 66, 64), "compared": "local shard",
                            "row_dim": 2, "note": "the spec says dim 2 is whole (66)" if t == 0 else None}
                           for t in range(8) for r in range(4)], columns=CHECK_COLUMNS)
-    patterns = [BoundaryPattern(f"net.{t}.weight.grad", 0, (15, 16, 17, 18), (17, 34, 50), (2, 1, 1, 2), True)
-                for t in range(2)]
-    doctor = pd.DataFrame([{"check": f"check {i}", "status": ("ok", "warn", "fail", "skip")[i % 4],
-                            "found": "what was found " * 4, "fix": "what to do " * 4, "ranks": [0, 1, 2, 3]}
-                           for i in range(8)], columns=DOCTOR_COLUMNS)
+    starts = [0, 17, 34, 50, 66]  # 66 rows over 4 ranks; the 2 failing tensors fail at rows 15-18 (the first cut)
+    rows = pd.DataFrame([{"tensor": f"net.{t}.weight.grad", "group": 0, "rank": r, "row": row,
+                          "max_abs": 1e-3 if t < 2 and 15 <= row <= 18 else 1e-8, "ok": not (t < 2 and 15 <= row <= 18)}
+                         for t in range(8) for r in range(4) for row in range(starts[r], starts[r + 1])],
+                        columns=ROW_COLUMNS)
+    result = CheckResult("y = net(x)", check, rows, inputs=["x"], outputs=["y"], models=["net"], backward="check",
+                         backward_note="", loss=1.0, reference_loss=1.0, tf32={"applies": False}, groups=[0])
+    doctor = DoctorReport([Finding(f"check {i}", ("ok", "warn", "fail", "skip")[i % 4], "what was found " * 4,
+                                   "what to do " * 4, (0, 1, 2, 3)) for i in range(8)], [])
     smoke = pd.DataFrame([{"config": f"ddp{i}", "ok": i != 3, "outcome": "matches the single-device run",
                            "mesh": "ddp=1 x domain=4", "wrapper": "ddp", "compiled": i % 2 == 0, "training": True,
                            "expected_error": "", "loss_error": 1e-7, "loss_error_step": 2, "grad_error": 1e-6,
@@ -257,12 +262,13 @@ def _verification_tables():
                            "fallbacks": 3.0, "fallback_ops": "", "collectives_per_step": 12.0,
                            "losses": [1.0, 0.9], "reference_losses": [1.0, 0.9], "about": "a configuration"}
                           for i in range(8)]).set_index("config")[SMOKE_COLUMNS]
+    smoke_result = SmokeResult(smoke, [SmokeConfig(f"ddp{i}") for i in range(8)], {}, 1e-4, 3, 4)
     replicas = pd.DataFrame([{"name": f"net.{i}.weight", "kind": "parameter", "group_ranks": [0, 1, 2, 3],
                               "state": "differs" if i == 5 else "same", "ranks_differing": [2] if i == 5 else [],
                               "reference_rank": 0, "max_abs_diff": 0.5 if i == 5 else float("nan"),
                               "shape": (4, 3, 3, 3), "dtype": "torch.float32", "placements": "(R,)", "detail": ""}
                              for i in range(32)], columns=REPLICA_COLUMNS)
-    return check, patterns, doctor, smoke, replicas
+    return result, doctor, smoke_result, ReplicaCheck(replicas, "net", "ddp", [[0, 1, 2, 3]])
 
 
 def bench_static(n_events: int, repeats: int) -> list[dict]:
@@ -277,7 +283,7 @@ def bench_static(n_events: int, repeats: int) -> list[dict]:
     golden = sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json")
     big = big_trace(n_events)
     layout = ShardLayout(json.loads((ROOT / "tests" / "data" / "x_snapshots.json").read_text()))
-    check, patterns, doctor, smoke, replicas = _verification_tables()
+    check, doctor, smoke, replicas = _verification_results()
     n_big = len(big.get_ops())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -294,10 +300,10 @@ def bench_static(n_events: int, repeats: int) -> list[dict]:
             ("to_html report, golden trace", lambda: golden.to_html(os.path.join(tmp, "golden.html"))),
             (f"to_html report, {n_big} op events", lambda: big.to_html(os.path.join(tmp, "big.html"))),
             ("inspector_html, 4 ranks", lambda: inspector_html(layout)),
-            ("check_html, 8 tensors x 4 ranks", lambda: check_html("check failed", False, check, patterns)),
-            ("doctor_html, 8 checks", lambda: doctor_html("doctor: 2 failed", doctor)),
-            ("smoke_html, 8 configurations", lambda: smoke_html(smoke, "smoke matrix: 1 wrong", 1e-4)),
-            ("replica_check_html, 32 parameters", lambda: replica_check_html(replicas, "1 differs", "ddp")),
+            ("check_html, 8 tensors x 4 ranks", lambda: check_html(check)),
+            ("doctor_html, 8 checks", lambda: doctor_html(doctor)),
+            ("smoke_html, 8 configurations", lambda: smoke_html(smoke)),
+            ("replica_check_html, 32 parameters", lambda: replica_check_html(replicas)),
         ]
         for what, fn in cases:
             median, best = _timed(fn, repeats)

@@ -13,7 +13,11 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .analysis.check import CheckResult
+    from .analysis.doctor import DoctorReport
     from .analysis.layout import ShardLayout
+    from .analysis.replica_check import ReplicaCheck
+    from .analysis.smoke import SmokeResult
     from .trace import Trace
 
 
@@ -69,57 +73,50 @@ def inspector(layout: ShardLayout) -> Any:
 
 
 # ---- verification results --------------------------------------------------------------------------------
-def check_view(result) -> Any:
+def check_view(result: CheckResult) -> Any:
     """The numerical check's view: its verdict and table, then the error per row (``views.check.CheckView``)."""
     from .views.check import CheckView
 
-    return CheckView(result.verdict, result.ok, result.table, result.patterns(),
-                     check_rows_figure(result) if len(result.rows) else None)
+    return CheckView(result)
 
 
-def check_html(result) -> str:
+def check_html(result: CheckResult) -> str:
     """The numerical check as static HTML (``views.check.check_html``)."""
     from .views.check import check_html as html
 
-    return html(result.verdict, result.ok, result.table, result.patterns())
+    return html(result)
 
 
-def check_rows_figure(result, tensor: str | None = None, group: int = 0) -> Any:
+def check_rows_figure(result: CheckResult, tensor: str | None = None, group: int = 0) -> Any:
     """The largest error per row along the sharded dim, a plotly Figure (``views.check.plot_row_errors``)."""
     from .views.check import plot_row_errors
 
-    tensors = result.tensors()
-    tolerances = {t: float(result.table.loc[result.table["tensor"] == t, "atol"].max()) for t in tensors}
-    with_rows = set(result.rows["tensor"])
-    boundaries = {t: result.boundaries(t, group) for t in tensors if t in with_rows}
-    failing = [t for t in dict.fromkeys(result.failures()["tensor"]) if t in with_rows]
-    return plot_row_errors(result.rows[result.rows["group"] == group], boundaries, tolerances, tensor=tensor,
-                           failing=failing)
+    return plot_row_errors(result, tensor, group)
 
 
-def doctor_view(report) -> Any:
+def doctor_view(report: DoctorReport) -> Any:
     """The pitfall doctor's view (``views.check.DoctorView``)."""
     from .views.check import DoctorView
 
-    return DoctorView(report.verdict, report.table)
+    return DoctorView(report)
 
 
-def smoke_view(result) -> Any:
+def smoke_view(result: SmokeResult) -> Any:
     """The smoke matrix's view (``views.smoke.SmokeView``)."""
     from .views.smoke import SmokeView
 
-    return SmokeView(result.table, result.verdict, result.rtol)
+    return SmokeView(result)
 
 
-def smoke_losses_figure(result) -> Any:
+def smoke_losses_figure(result: SmokeResult) -> Any:
     """Each configuration's loss error per step, a plotly Figure (``views.smoke.plot_smoke_losses``)."""
     from .views.smoke import plot_smoke_losses
 
-    return plot_smoke_losses(result.table, result.rtol)
+    return plot_smoke_losses(result)
 
 
-def replica_check_view(check) -> Any:
+def replica_check_view(check: ReplicaCheck) -> Any:
     """The replica check's view (``views.replicas.ReplicaCheckView``)."""
     from .views.replicas import ReplicaCheckView
 
-    return ReplicaCheckView(check.table, check.verdict, check.mesh_dim)
+    return ReplicaCheckView(check)

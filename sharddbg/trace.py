@@ -110,6 +110,8 @@ class Trace:
         self.meta: Mapping[str, Any] = MappingProxyType(meta)
         self._ops: pd.DataFrame | None = None
         self._collectives: pd.DataFrame | None = None
+        self._findings: list[Finding] | None = None  # worked out once: a trace does not change once built
+        self._overview: TraceOverview | None = None
         if self.dropped:
             warnings.warn(
                 f"sharddbg: the recorder's buffer overflowed, {self.dropped} events were dropped "
@@ -743,7 +745,9 @@ class Trace:
     def findings(self) -> list[Finding]:
         """What this trace says is wrong, failures first (``analysis.findings.trace_findings``): the one list the
         summary line, the explorer and the report render."""
-        return _findings.trace_findings(self)
+        if self._findings is None:
+            self._findings = _findings.trace_findings(self)
+        return list(self._findings)
 
     def get_findings(self) -> pd.DataFrame:
         """``findings`` as a DataFrame, one row each (``analysis.findings.findings_frame``).
@@ -765,7 +769,9 @@ class Trace:
     def overview(self) -> TraceOverview:
         """The counts a header shows (``analysis.findings.trace_overview``): op calls, errors, fallbacks,
         collectives, spec mismatches, incomplete ranks, dropped events."""
-        return _findings.trace_overview(self)
+        if self._overview is None:
+            self._overview = _findings.trace_overview(self)
+        return self._overview
 
     # ---- files ------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -845,11 +845,15 @@ def test_every_template_escapes_trace_text(tmp_path):
     none of its markup survives, its escaped text is there (the report's explorer data holds it as JSON)."""
     from html.parser import HTMLParser
 
-    from sharddbg.cluster.doctor import TABLE_COLUMNS as DOCTOR_COLUMNS
-    from sharddbg.cluster.replicas import TABLE_COLUMNS as REPLICA_COLUMNS
-    from sharddbg.cluster.smoke import TABLE_COLUMNS as SMOKE_COLUMNS
-    from sharddbg.cluster.verify import TABLE_COLUMNS as CHECK_COLUMNS
-    from sharddbg.cluster.verify import BoundaryPattern
+    from sharddbg.analysis.check import ROW_COLUMNS as CHECK_ROWS
+    from sharddbg.analysis.check import TABLE_COLUMNS as CHECK_COLUMNS
+    from sharddbg.analysis.check import CheckResult
+    from sharddbg.analysis.doctor import DoctorReport
+    from sharddbg.analysis.findings import Finding
+    from sharddbg.analysis.replica_check import TABLE_COLUMNS as REPLICA_COLUMNS
+    from sharddbg.analysis.replica_check import ReplicaCheck
+    from sharddbg.analysis.smoke import TABLE_COLUMNS as SMOKE_COLUMNS
+    from sharddbg.analysis.smoke import SmokeConfig, SmokeResult
     from sharddbg.views.check import check_html, doctor_html
     from sharddbg.views.inspector import inspector_html
     from sharddbg.views.replicas import replica_check_html
@@ -878,8 +882,6 @@ def test_every_template_escapes_trace_text(tmp_path):
                            "dtype": "torch.float32", "shape": (3, 4), "reference_shape": (12, 4),
                            "compared": "local shard", "row_dim": 0, "note": HOSTILE} for r in range(N)],
                          columns=CHECK_COLUMNS)
-    doctor = pd.DataFrame([{"check": HOSTILE, "status": status, "found": HOSTILE, "fix": HOSTILE, "ranks": [0]}
-                           for status in ("ok", "warn", "fail")], columns=DOCTOR_COLUMNS)
     smoke = pd.DataFrame([{"config": HOSTILE, "ok": False, "outcome": HOSTILE, "mesh": HOSTILE, "wrapper": "none",
                            "compiled": False, "training": True, "expected_error": "", "loss_error": 1.0,
                            "loss_error_step": 0, "grad_error": 1.0, "grad_error_param": HOSTILE, "step_ms": 1.0,
@@ -889,13 +891,23 @@ def test_every_template_escapes_trace_text(tmp_path):
     replicas = pd.DataFrame([{"name": HOSTILE, "kind": "parameter", "group_ranks": [0, 1], "state": "differs",
                               "ranks_differing": [1], "reference_rank": 0, "max_abs_diff": 0.5, "shape": (3,),
                               "dtype": HOSTILE, "placements": HOSTILE, "detail": HOSTILE}], columns=REPLICA_COLUMNS)
+    # the results as the views receive them: the hostile strings in their tables and what they were made of
+    rows = pd.DataFrame([{"tensor": HOSTILE, "group": 0, "rank": r, "row": 3 * r + k, "max_abs": 0.5 * (r == 1 and k == 0),
+                          "ok": not (r == 1 and k == 0)} for r in range(N) for k in range(3)], columns=CHECK_ROWS)
+    check_result = CheckResult(HOSTILE, check, rows, inputs=[HOSTILE], outputs=[HOSTILE], models=[], backward="none",
+                               backward_note=HOSTILE, loss=None, reference_loss=None, tf32={"applies": False}, groups=[0])
+    assert check_result.patterns() and check_result.patterns()[0].tensor == HOSTILE
+    doctor_report = DoctorReport([Finding(HOSTILE, status, HOSTILE, HOSTILE, (0,)) for status in ("ok", "warn", "fail")],
+                                 [HOSTILE])
+    smoke_result = SmokeResult(smoke, [SmokeConfig(HOSTILE)], {}, 1e-4, 3, N)
+    replica_check = ReplicaCheck(replicas, HOSTILE, HOSTILE, [[0, 1]])
     rendered = {
         "explorer": ex.explorer_html(t),
         "report": Path(t.to_html(tmp_path / "report.html", title=HOSTILE)).read_text(),
-        "check": check_html(HOSTILE, False, check, [BoundaryPattern(HOSTILE, 0, (2,), (3,), (1,), True)]),
-        "doctor": doctor_html(HOSTILE, doctor),
-        "smoke": smoke_html(smoke, HOSTILE, 1e-4),
-        "replicas": replica_check_html(replicas, HOSTILE, HOSTILE),
+        "check": check_html(check_result),
+        "doctor": doctor_html(doctor_report),
+        "smoke": smoke_html(smoke_result),
+        "replicas": replica_check_html(replica_check),
         "inspector": inspector_html(ShardLayout(snapshots)),
     }
     for view, text in rendered.items():

@@ -7,8 +7,8 @@
   spikes at the dashed lines;
 - ``doctor_html`` / ``doctor_text``: one row per check, ok / warn / fail / skip, what was found, the fix.
 
-They read the tables the results carry (``sharddbg.cluster.verify.TABLE_COLUMNS`` and ``ROW_COLUMNS``,
-``sharddbg.cluster.doctor.TABLE_COLUMNS``). The HTML is static (no script), in JupyterLab's theme colours with
+Each takes the result it shows (``analysis.check.CheckResult``, ``analysis.doctor.DoctorReport``) and reads
+its data: the tables (``TABLE_COLUMNS``, ``ROW_COLUMNS``), the verdict, the boundary patterns. The HTML is static (no script), in JupyterLab's theme colours with
 light fallbacks, from the templates ``check.html`` and ``doctor.html``; every string is escaped.
 """
 
@@ -17,7 +17,13 @@ from __future__ import annotations
 import html
 import math
 
+from typing import TYPE_CHECKING
+
 from .common import StaticView, empty_figure, render
+
+if TYPE_CHECKING:
+    from ..analysis.check import CheckResult
+    from ..analysis.doctor import DoctorReport
 
 FAIL_TINT = "rgba(220, 40, 40, 0.18)"
 WARN_TINT = "rgba(230, 160, 20, 0.20)"
@@ -93,38 +99,41 @@ def _numbered_notes(lines: list[list[str]]) -> list[str]:
     return [f"[{i + 1}] {note}" for i, note in enumerate(notes)]
 
 
-def check_text(verdict: str, table, patterns) -> str:
+def check_text(result: CheckResult) -> str:
     """The check as text: the verdict, the failing rows' patterns, then one aligned line per tensor and rank,
     then the notes they refer to."""
-    lines = [_check_cells(row) for _, row in _ordered(table).iterrows()]
+    lines = [_check_cells(row) for _, row in _ordered(result.table).iterrows()]
     notes = _numbered_notes(lines)
     widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(CHECK_HEADERS)]
-    out = [verdict] + _pattern_lines(patterns)
+    out = [result.verdict] + _pattern_lines(result.patterns())
     out.append("  ".join(h.ljust(w) for h, w in zip(CHECK_HEADERS, widths)).rstrip())
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines]
     return "\n".join(out + notes)
 
 
-def check_html(verdict: str, ok: bool, table, patterns) -> str:
+def check_html(result: CheckResult) -> str:
     """The check as static HTML."""
-    ordered = _ordered(table)
+    ordered = _ordered(result.table)
     lines = [_check_cells(row) for _, row in ordered.iterrows()]
     notes = _numbered_notes(lines)
     rows = [{"status": "ok" if row["ok"] else "fail", "tint": "transparent" if row["ok"] else FAIL_TINT, "cells": cells}
             for (_, row), cells in zip(ordered.iterrows(), lines)]
-    return render("check.html", verdict=verdict, ok=ok, patterns=_pattern_lines(patterns), headers=CHECK_HEADERS,
-                  rows=rows, notes=notes)
+    return render("check.html", verdict=result.verdict, ok=result.ok, patterns=_pattern_lines(result.patterns()),
+                  headers=CHECK_HEADERS, rows=rows, notes=notes)
 
 
-def plot_row_errors(rows, boundaries: dict, tolerances: dict, *, tensor: str | None = None, failing=()):
+def plot_row_errors(result: CheckResult, tensor: str | None = None, group: int = 0):
     """Plotly Figure: for one tensor at a time (a menu picks it), the largest |sharded - reference| of each row
-    along its sharded dim, one line per rank, failing rows marked red, shard boundaries dashed, the absolute
-    tolerance dotted. ``rows``: ``ROW_COLUMNS`` of one domain group; ``boundaries``: tensor -> first row of
-    each shard after the first; ``tolerances``: tensor -> atol; ``tensor``: the one shown first (default:
-    the first of ``failing``, else the first with rows)."""
+    along its sharded dim in domain group ``group``, one line per rank, failing rows marked red, shard boundaries
+    dashed, the absolute tolerance dotted. ``tensor``: the one shown first (default: the first failing one with
+    rows, else the first with rows)."""
     import plotly.graph_objects as go
 
+    rows = result.rows[result.rows["group"] == group]
     tensors = [t for t in dict.fromkeys(rows["tensor"])]
+    boundaries = {t: result.boundaries(t, group) for t in tensors}
+    tolerances = {t: float(result.table.loc[result.table["tensor"] == t, "atol"].max()) for t in tensors}
+    failing = [t for t in dict.fromkeys(result.failures()["tensor"]) if t in tensors]
     if not tensors:
         return empty_figure("Error per row", "no tensor was compared row by row (none is sharded)")
     shown = tensor if tensor in tensors else next((t for t in failing if t in tensors), tensors[0])
@@ -177,20 +186,18 @@ def plot_row_errors(rows, boundaries: dict, tolerances: dict, *, tensor: str | N
 
 
 class CheckView(StaticView):
-    """The check's view: the verdict and table (static HTML), then the error per row (plotly)."""
+    """The check's view: the verdict and table (static HTML), then the error per row (plotly, when a tensor was
+    compared row by row)."""
 
-    def __init__(self, verdict: str, ok: bool, table, patterns, figure):
-        self.verdict = verdict
-        self.ok = ok
-        self.table = table
-        self.patterns = patterns
-        self.figure = figure
+    def __init__(self, result: CheckResult):
+        self.result = result
+        self.figure = plot_row_errors(result) if len(result.rows) else None
 
     def html(self) -> str:
-        return check_html(self.verdict, self.ok, self.table, self.patterns)
+        return check_html(self.result)
 
     def text(self) -> str:
-        return check_text(self.verdict, self.table, self.patterns)
+        return check_text(self.result)
 
     def _ipython_display_(self) -> None:
         from IPython.display import HTML, display
@@ -209,17 +216,18 @@ def _doctor_cells(row) -> list[str]:
             str(row["fix"] or "")]
 
 
-def doctor_text(verdict: str, table) -> str:
+def doctor_text(report: DoctorReport) -> str:
     """The doctor as text: the verdict, then one block per check."""
-    out = [verdict]
-    for _, row in table.iterrows():
+    out = [report.verdict]
+    for _, row in report.table.iterrows():
         check, status, found, fix = _doctor_cells(row)
         out.append(f"{status:<7} {check}: {found}" + (f"\n        fix: {fix}" if fix and row["status"] in ("fail", "warn") else ""))
     return "\n".join(out)
 
 
-def doctor_html(verdict: str, table) -> str:
+def doctor_html(report: DoctorReport) -> str:
     """The doctor as static HTML: one row per check, tinted by status."""
+    table = report.table
     outcome = "fail" if (table["status"] == "fail").any() else "warn" if (table["status"] == "warn").any() else "ok"
     rows = []
     for _, row in table.iterrows():
@@ -227,18 +235,17 @@ def doctor_html(verdict: str, table) -> str:
         if row["status"] not in ("fail", "warn"):  # a fix for what passed or was not examined is noise
             cells[3] = ""
         rows.append({"status": str(row["status"]), "tint": STATUS_TINTS.get(row["status"], "transparent"), "cells": cells})
-    return render("doctor.html", verdict=verdict, outcome=outcome, headers=DOCTOR_HEADERS, rows=rows)
+    return render("doctor.html", verdict=report.verdict, outcome=outcome, headers=DOCTOR_HEADERS, rows=rows)
 
 
 class DoctorView(StaticView):
     """The doctor's view: the verdict, then one row per check tinted by status (static HTML)."""
 
-    def __init__(self, verdict: str, table):
-        self.verdict = verdict
-        self.table = table
+    def __init__(self, report: DoctorReport):
+        self.report = report
 
     def html(self) -> str:
-        return doctor_html(self.verdict, self.table)
+        return doctor_html(self.report)
 
     def text(self) -> str:
-        return doctor_text(self.verdict, self.table)
+        return doctor_text(self.report)

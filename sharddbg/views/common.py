@@ -126,11 +126,6 @@ def render(template: str, **values) -> str:
     return template_environment().get_template(template).render(**values)
 
 
-def macros():
-    """The shared macros (``templates/macros.html``), callable from Python: ``macros().warnings(lines)``."""
-    return template_environment().get_template("macros.html").module
-
-
 # ---- static HTML (the standalone report and the static rendering a view leaves in a notebook) --------
 def cell_text(v) -> str:
     """A table cell as text: floats to 3 decimals, lists joined, missing values as a dash."""
@@ -148,12 +143,6 @@ def table_cells(df, cols: list[str]) -> list[list[str]]:
     return [[cell_text(r[c]) for c in cols] for _, r in df.iterrows()]
 
 
-def html_table(df, cols: list[str], cls: str, headers: dict[str, str] | None = None) -> str:
-    """``df[cols]`` as an escaped HTML table (``headers``: a column's title, where it differs from its name)."""
-    headers = headers or {}
-    return str(macros().data_table(cls, [(c, headers.get(c, c)) for c in cols], table_cells(df, cols)))
-
-
 def error_entries(trace) -> list[dict]:
     """The trace's exceptions as the error blocks show them: one per distinct (type, message, op), with the
     ranks that raised it, the first call's source line and traceback, and whether the recorder unmasked it."""
@@ -167,36 +156,12 @@ def error_entries(trace) -> list[dict]:
     return entries
 
 
-def errors_html(trace) -> str:
-    """The trace's exceptions, one per distinct (type, message, op), with the ranks that raised it and the
-    first traceback."""
-    return str(macros().errors(error_entries(trace)))
-
-
 def fallback_table(trace) -> tuple[list[tuple[str, str]], list[list[str]]]:
     """The ops that took a DTensor fallback (``Trace.get_fallbacks()``): the table's (column, title) pairs
     and its rows of cell texts; no rows when none did."""
     fb = trace.get_fallbacks()
     cols = [c for c in ("op", "path", "calls", "ranks", "host_ms_total", "bwd_host_ms_total", "locations") if c in fb]
     return [(c, c) for c in cols], ([] if fb.empty else table_cells(fb, cols))
-
-
-def fallbacks_html(trace) -> str:
-    """The ops that took a DTensor fallback (``Trace.get_fallbacks()``) as a table."""
-    return str(macros().fallbacks(*fallback_table(trace)))
-
-
-def warnings_html(lines) -> str:
-    """Warnings as the views show them (a tinted box, one "⚠" line each); "" when there is none."""
-    return str(macros().warnings(list(lines)))
-
-
-def static_view(classes: str, body: str) -> str:
-    """A view's static HTML: its styles and ``body`` (HTML sharddbg made) in a root element (the class
-    ``sd-static`` says it is the saved rendering, not the live widget)."""
-    from markupsafe import Markup
-
-    return str(macros().static_view(classes, caller=lambda: Markup(body)))
 
 
 class StaticView:

@@ -1,7 +1,7 @@
 """The replica check's view: the verdict, then one row per parameter and group of ranks, those that differ
-first (which ranks, by how much), then the ones that are the same. Reads the check's table only
-(``sharddbg.cluster.replicas.TABLE_COLUMNS``: name, kind, group_ranks, state, ranks_differing, reference_rank,
-max_abs_diff, shape, dtype, placements, detail).
+first (which ranks, by how much), then the ones that are the same. Each takes the check it shows
+(``analysis.replica_check.ReplicaCheck``) and reads its table (``TABLE_COLUMNS``: name, kind, group_ranks,
+state, ranks_differing, reference_rank, max_abs_diff, shape, dtype, placements, detail), verdict and mesh dim.
 
 The HTML is static (no script): it reads the same in a saved notebook, nbconvert or GitHub; its colours are
 JupyterLab's theme variables, with light fallbacks (the template ``replicas.html``). Every string is escaped.
@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 from .common import StaticView, render
+
+if TYPE_CHECKING:
+    from ..analysis.replica_check import ReplicaCheck
 
 MARKS = {"same": "✔", "sharded": "·", "differs": "✖", "mismatch": "✖"}
 TINTS = {"same": "transparent", "sharded": "rgba(128, 128, 128, 0.10)", "differs": "rgba(220, 40, 40, 0.18)",
@@ -35,17 +40,18 @@ def _row_cells(row) -> list[str]:
             _shape(row["shape"]), str(row["dtype"]), str(row["detail"] or "")]
 
 
-def replica_check_text(table, verdict: str) -> str:
+def replica_check_text(check: ReplicaCheck) -> str:
     """The view as text: the verdict, then one aligned line per parameter and group."""
-    lines = [_row_cells(row) for _, row in table.iterrows()]
+    lines = [_row_cells(row) for _, row in check.table.iterrows()]
     widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(HEADERS)]
-    out = [verdict, "  ".join(h.ljust(w) for h, w in zip(HEADERS, widths)).rstrip()]
+    out = [check.verdict, "  ".join(h.ljust(w) for h, w in zip(HEADERS, widths)).rstrip()]
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines]
     return "\n".join(out)
 
 
-def replica_check_html(table, verdict: str, mesh_dim: str) -> str:
+def replica_check_html(check: ReplicaCheck) -> str:
     """The view as static HTML."""
+    table, verdict, mesh_dim = check.table, check.verdict, check.mesh_dim
     bad = not table["state"].isin(("same", "sharded")).all()
     rows = [{"state": str(row["state"]), "tint": TINTS.get(str(row["state"]), "transparent"), "cells": _row_cells(row)}
             for _, row in table.iterrows()]
@@ -55,13 +61,11 @@ def replica_check_html(table, verdict: str, mesh_dim: str) -> str:
 class ReplicaCheckView(StaticView):
     """The replica check as a view: HTML in a notebook, text in a terminal (``str(view)``)."""
 
-    def __init__(self, table, verdict: str, mesh_dim: str):
-        self.table = table
-        self.verdict = verdict
-        self.mesh_dim = mesh_dim
+    def __init__(self, check: ReplicaCheck):
+        self.check = check
 
     def text(self) -> str:
-        return replica_check_text(self.table, self.verdict)
+        return replica_check_text(self.check)
 
     def html(self) -> str:
-        return replica_check_html(self.table, self.verdict, self.mesh_dim)
+        return replica_check_html(self.check)

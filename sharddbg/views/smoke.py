@@ -1,7 +1,8 @@
 """The smoke matrix's view: one row per configuration, its verdict first (matches the single-device run,
 failed as expected, or what is wrong), then how far its losses and gradients are from the single-device
-run's, its time per step, its fallbacks and collectives per step. Reads the result's table only (a
-DataFrame indexed by configuration, ``sharddbg.cluster.smoke.TABLE_COLUMNS``).
+run's, its time per step, its fallbacks and collectives per step. Each takes the result it shows
+(``analysis.smoke.SmokeResult``) and reads its table (a DataFrame indexed by configuration, ``TABLE_COLUMNS``),
+its verdict and its tolerance.
 
 The HTML is static (no script), so it reads the same in a saved notebook, nbconvert or GitHub; its colours
 are JupyterLab's theme variables, with light fallbacks (the template ``smoke.html``).
@@ -12,7 +13,12 @@ from __future__ import annotations
 import html
 import math
 
+from typing import TYPE_CHECKING
+
 from .common import StaticView, render
+
+if TYPE_CHECKING:
+    from ..analysis.smoke import SmokeResult
 
 # (column, header, how a value is written)
 SHOWN = [
@@ -51,8 +57,9 @@ MARKS = {"ok": "✔", "expected": "✔", "wrong": "✖"}
 TINTS = {"ok": "rgba(40, 160, 60, 0.13)", "expected": "rgba(128, 128, 128, 0.13)", "wrong": "rgba(220, 40, 40, 0.18)"}
 
 
-def smoke_text(table, verdict: str) -> str:
+def smoke_text(result: SmokeResult) -> str:
     """The view as text: the verdict, then one line per configuration."""
+    table, verdict = result.table, result.verdict
     headers = ["configuration"] + [h for _, h, _ in SHOWN] + ["verdict"]
     lines = []
     for name, row in table.iterrows():
@@ -65,8 +72,9 @@ def smoke_text(table, verdict: str) -> str:
     return "\n".join(out)
 
 
-def smoke_html(table, verdict: str, rtol: float) -> str:
+def smoke_html(result: SmokeResult) -> str:
     """The view as static HTML (every string escaped)."""
+    table, verdict, rtol = result.table, result.verdict, result.rtol
     bad = not bool(table["ok"].all())
     rows = []
     for name, row in table.iterrows():
@@ -82,26 +90,25 @@ class SmokeView(StaticView):
     """The smoke matrix's table as a view: HTML in a notebook, text in a terminal (``str(view)``), and the
     loss error per step as a plotly figure (``plot_losses()``)."""
 
-    def __init__(self, table, verdict: str, rtol: float):
-        self.table = table
-        self.verdict = verdict
-        self.rtol = rtol
+    def __init__(self, result: SmokeResult):
+        self.result = result
 
     def text(self) -> str:
-        return smoke_text(self.table, self.verdict)
+        return smoke_text(self.result)
 
     def html(self) -> str:
-        return smoke_html(self.table, self.verdict, self.rtol)
+        return smoke_html(self.result)
 
     def plot_losses(self):
-        return plot_smoke_losses(self.table, self.rtol)
+        return plot_smoke_losses(self.result)
 
 
-def plot_smoke_losses(table, rtol: float):
+def plot_smoke_losses(result: SmokeResult):
     """Each configuration's loss error against the single-device run, per step, on a log scale, with the
     tolerance as a dashed line: a configuration that is right stays far below it."""
     import plotly.graph_objects as go
 
+    table, rtol = result.table, result.rtol
     fig = go.Figure()
     floor = 1e-12  # an exact match (error 0) is drawn here: a log axis has no 0
     shown = 0
