@@ -194,7 +194,8 @@ def test_05_verify():
         [b - 0.5 for b in bounds]
     # 2. the spec alarm: the custom op, on every rank, in the summary line and the table (50 points: 13, 13, 12, 12)
     alarm = outputs_text(cell_with(nb, "feats = neighbor_features(pts, 17)"))
-    assert f"{N} spec mismatch(es) on rank(s) [0, 1, 2, 3], first at verify_demo.neighbor_features.default" in alarm
+    assert f"{N} result(s) whose spec disagrees with the local tensor on ranks 0-3, first at " \
+           f"verify_demo.neighbor_features.default" in alarm
     table = outputs_text(cell_with(nb, "get_spec_mismatches()"))
     for r, points in enumerate([13, 13, 12, 12]):
         assert re.search(rf"<td>{r}</td>\s*<td>verify_demo.neighbor_features.default</td>\s*<td>\({points}, 3\)</td>\s*"
