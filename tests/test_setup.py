@@ -1,9 +1,10 @@
-"""The setup (``.ci/setup``) as a newcomer runs it, on clean clones of this repository: one calm line per step,
-progress on the long ones, no ``ERROR`` line (pip's note about physicsnemo's deliberately uninstalled
-dependency list stays in the log), a last line saying what to run next; a second run installs nothing; a real
-failure stops it with pip's reason. The demo's install has none of the tests' tools; a venv set up for the demo
-and then used for the tests gets those tools, and only them, in one step. Each clean install takes a few
-minutes here (torch comes from this machine's disk)."""
+"""The setup (``.ci/setup``) as a newcomer runs it, on a clean clone of this repository: the demo's install first
+(``bash .ci/demo``'s): one calm line per step, progress on the long ones, no ``ERROR`` line (pip's note about
+physicsnemo's deliberately uninstalled dependency list stays in the log), a last line saying what starts next,
+and none of the tests' tools; then the tests' (``bash .ci/run``'s) on that venv: those tools, and only them, in
+one step; a second run installs nothing; a real failure stops it with pip's reason. One clean install takes a
+few minutes here (torch comes from this machine's disk), so there is one: the tests' install from scratch (all
+seven steps in one run) is what CI itself does on its clean clone before every test."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-# real installs on two clean clones: several minutes each (a clean install for the demo took 7.5 minutes on this
-# 2-core machine while other tests ran), more than the suite's 600 s a test
+# a real install on a clean clone: several minutes (a clean install for the demo took 7.5 minutes on this 2-core
+# machine while other tests ran), more than the suite's 600 s a test
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,27 +77,28 @@ def clone(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def installed(clone):
-    return run_setup(clone)
+def demo_installed(clone):
+    """``bash .ci/demo``'s install on the clean clone, and the length of pip's log after it."""
+    done = run_setup(clone, "--for", "demo")
+    return done, len((clone / ".venv/sharddbg-setup.log").read_text())
 
 
 @pytest.fixture(scope="module")
-def demo_clone(tmp_path_factory):
-    where = clean_clone(tmp_path_factory, "setup-demo")
-    yield where
-    shutil.rmtree(where, ignore_errors=True)
+def tests_added(clone, demo_installed):
+    """``bash .ci/run``'s install on the venv the demo set up."""
+    return run_setup(clone, "--for", "tests")
 
 
-def test_clean_install_says_what_it_does_without_error_lines(clone, installed):
-    out = installed.stdout.splitlines()
-    assert installed.returncode == 0, installed.stdout + installed.stderr
-    assert installed.stderr == ""
-    assert "ERROR" not in installed.stdout and "error" not in installed.stdout.lower()
-    assert steps(out) == [(n, 7) for n in range(1, 8)], out  # a plain setup: the tests' tools too
-    assert all(STEP.match(line) or PROGRESS.match(line) or CHROMIUM.match(line) for line in out[:-1]), out
+def test_the_demo_install_says_what_it_does_without_error_lines(clone, demo_installed):
+    demo, _ = demo_installed
+    out = demo.stdout.splitlines()
+    assert demo.returncode == 0 and demo.stderr == "", demo.stdout + demo.stderr
+    assert "ERROR" not in demo.stdout and "error" not in demo.stdout.lower()
+    assert steps(out) == [(n, 6) for n in range(1, 7)], out
+    assert not any(CHROMIUM.match(line) for line in out), "the demo needs no browser"
+    assert all(STEP.match(line) or PROGRESS.match(line) for line in out[:-1]), out
     assert any(PROGRESS.match(line) for line in out), "the long steps show progress"
-    assert re.match(READY + r"Next: bash \.ci/demo \(the demo on 4 CPU ranks\), or bash \.ci/run \(the tests\)\.$",
-                    out[-1]), out[-1]
+    assert re.match(READY + r"Starting the demo\.$", out[-1]), out[-1]
     # pip's own output, the expected note about physicsnemo's dependency list included, is in the log
     log = (clone / ".venv/sharddbg-setup.log").read_text()
     assert "nvidia-physicsnemo 2.2.2 requires" in log and "Successfully installed" in log
@@ -104,20 +106,39 @@ def test_clean_install_says_what_it_does_without_error_lines(clone, installed):
     where = subprocess.run([str(clone / ".venv/bin/python"), "-c", "import sharddbg; print(sharddbg.__file__)"],
                            capture_output=True, text=True, check=True, cwd="/", env=newcomer_env()).stdout.strip()
     assert where == str(clone / "sharddbg/__init__.py")
+    assert importable(clone, ("torch", "physicsnemo", "sharddbg", "jinja2", "jupyterlab")) == [
+        "torch", "physicsnemo", "sharddbg", "jinja2", "jupyterlab"]
+    assert importable(clone, TEST_TOOLS) == []
+
+
+def test_the_tests_then_add_their_tools_and_only_them(clone, demo_installed, tests_added):
+    _, logged = demo_installed
+    out = [line for line in tests_added.stdout.splitlines() if not CHROMIUM.match(line)]
+    assert tests_added.returncode == 0 and tests_added.stderr == "", tests_added.stdout + tests_added.stderr
+    assert out[0] == TESTS_ONLY and steps(out) == [], out  # one line says what happens; no step runs again
+    assert all(PROGRESS.match(line) for line in out[1:-1]), out
+    assert re.match(READY + r"Starting the tests\.$", out[-1]), out[-1]
     assert importable(clone, TEST_TOOLS) == list(TEST_TOOLS)
+    # pip installed the tools and nothing of the demo's again
+    added = (clone / ".venv/sharddbg-setup.log").read_text()[logged:]
+    installed_now = re.search(r"^Successfully installed (.*)$", added, re.MULTILINE).group(1).split()
+    assert any(name.startswith("pytest-") for name in installed_now), installed_now
+    assert any(name.startswith("mkdocs-") for name in installed_now), installed_now
+    assert not [name for name in installed_now if name.startswith(("torch-", "nvidia-physicsnemo-", "pandas-"))]
 
 
-def test_second_run_installs_nothing(clone, installed):
+def test_second_run_installs_nothing(clone, tests_added):
     again = run_setup(clone)
     assert again.returncode == 0 and again.stderr == ""
     assert again.stdout.splitlines() == ["sharddbg setup: everything is installed already (the requirement files did "
                                          "not change). Next: bash .ci/demo (the demo on 4 CPU ranks), or bash .ci/run "
                                          "(the tests)."]
     for caller, then in (("demo", "Starting the demo."), ("tests", "Starting the tests.")):
-        assert run_setup(clone, "--for", caller).stdout.strip().endswith(then)
+        assert run_setup(clone, "--for", caller).stdout.splitlines() == [
+            f"sharddbg setup: everything is installed already (the requirement files did not change). {then}"]
 
 
-def test_a_real_failure_stops_with_its_reason(clone, installed):
+def test_a_real_failure_stops_with_its_reason(clone, tests_added):
     requirements = clone / ".ci/requirements.txt"
     before = requirements.read_text()
     requirements.write_text(before + "sharddbg-no-such-package\n")
@@ -136,40 +157,6 @@ def test_a_real_failure_stops_with_its_reason(clone, installed):
                        "installed.")
     # the failed run did not mark the venv as set up: with the requirements back, it is complete as before
     assert run_setup(clone).stdout.startswith("sharddbg setup: everything is installed already")
-
-
-def test_the_demo_installs_no_test_tools_and_the_tests_then_add_only_theirs(demo_clone):
-    demo = run_setup(demo_clone, "--for", "demo")
-    out = demo.stdout.splitlines()
-    assert demo.returncode == 0 and demo.stderr == "", demo.stdout + demo.stderr
-    assert steps(out) == [(n, 6) for n in range(1, 7)], out
-    assert not any(CHROMIUM.match(line) for line in out), "the demo needs no browser"
-    assert all(STEP.match(line) or PROGRESS.match(line) for line in out[:-1]), out
-    assert re.match(READY + r"Starting the demo\.$", out[-1]), out[-1]
-    assert importable(demo_clone, ("torch", "physicsnemo", "sharddbg", "jinja2", "jupyterlab")) == [
-        "torch", "physicsnemo", "sharddbg", "jinja2", "jupyterlab"]
-    assert importable(demo_clone, TEST_TOOLS) == []
-    log = demo_clone / ".venv/sharddbg-setup.log"
-    logged = len(log.read_text())
-
-    tests = run_setup(demo_clone, "--for", "tests")
-    out = [line for line in tests.stdout.splitlines() if not CHROMIUM.match(line)]
-    assert tests.returncode == 0 and tests.stderr == "", tests.stdout + tests.stderr
-    assert out[0] == TESTS_ONLY and steps(out) == [], out  # one line says what happens; no step runs again
-    assert all(PROGRESS.match(line) for line in out[1:-1]), out
-    assert re.match(READY + r"Starting the tests\.$", out[-1]), out[-1]
-    assert importable(demo_clone, TEST_TOOLS) == list(TEST_TOOLS)
-    # pip installed the tools and nothing of the demo's again
-    added = log.read_text()[logged:]
-    installed_now = re.search(r"^Successfully installed (.*)$", added, re.MULTILINE).group(1).split()
-    assert any(name.startswith("pytest-") for name in installed_now), installed_now
-    assert any(name.startswith("mkdocs-") for name in installed_now), installed_now
-    assert not [name for name in installed_now if name.startswith(("torch-", "nvidia-physicsnemo-", "pandas-"))]
-
-    for caller, then in (("tests", "Starting the tests."), ("demo", "Starting the demo.")):
-        again = run_setup(demo_clone, "--for", caller)
-        assert again.stdout.splitlines() == ["sharddbg setup: everything is installed already (the requirement files "
-                                             f"did not change). {then}"], again.stdout
 
 
 def test_no_python_and_bad_arguments_are_refused_at_once(tmp_path):
