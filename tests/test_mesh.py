@@ -1,5 +1,7 @@
 """Mesh validation happens before anything starts: no processes, clear errors."""
 
+import re
+
 import pytest
 
 from sharddbg.cluster.mesh import MeshSpec, resolve_mesh
@@ -34,9 +36,14 @@ def test_valid_meshes(n, mesh, expected):
     (6, {"ddp": 4}, "cannot be split into ddp=4 groups"),
     (0, None, "positive integer"),
     (None, "ddp=2", "give the number of ranks"),
+    (None, {"ddp": -1, "domain": -1}, "gives both axes as -1 (inferred), but at most one axis may be -1"),
+    (4, "ddp=-1,domain=-1", "gives both axes as -1 (inferred), but at most one axis may be -1"),
+    (None, {"ddp": -1, "domain": 4}, "the mesh leaves ddp to be inferred, but the number of ranks is not given"),
+    (4, "ddp=1,domain=4,ddp=2", "mesh 'ddp=1,domain=4,ddp=2' gives axis 'ddp' twice (ddp=1 and ddp=2)"),
+    (4, " domain=4, ddp=1 ,domain =4", "gives axis 'domain' twice (domain=4 and domain=4)"),
 ])
 def test_invalid_meshes_name_the_problem(n, mesh, fragment):
-    with pytest.raises(MeshError, match=fragment.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(MeshError, match=re.escape(fragment)):
         resolve_mesh(n, mesh)
 
 

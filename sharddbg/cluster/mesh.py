@@ -69,6 +69,7 @@ def parse_mesh(mesh) -> dict:
     """Accept ``{"ddp": 1, "domain": 4}``, ``"ddp=1,domain=4"``, ``(1, 4)`` or None; return a dict of axis -> size|None."""
     if mesh is None:
         return {"ddp": None, "domain": None}
+    given = mesh
     if isinstance(mesh, MeshSpec):
         return mesh.as_dict()
     if isinstance(mesh, str):
@@ -77,7 +78,11 @@ def parse_mesh(mesh) -> dict:
             if "=" not in part:
                 raise MeshError(f"mesh entry {part!r} is not NAME=SIZE; write for example ddp=1,domain=4")
             name, _, size = part.partition("=")
-            parsed[name.strip()] = size
+            name = name.strip()
+            if name in parsed:  # a dict keeps the last, silently: the user meant one of the two
+                raise MeshError(f"mesh {mesh!r} gives axis {name!r} twice ({name}={parsed[name].strip()} and "
+                                f"{name}={size.strip()}); give each axis once, e.g. ddp=1,domain=4")
+            parsed[name] = size
         mesh = parsed
     elif isinstance(mesh, (tuple, list)):
         if len(mesh) != 2:
@@ -88,7 +93,14 @@ def parse_mesh(mesh) -> dict:
     unknown = set(mesh) - set(AXES)
     if unknown:
         raise MeshError(f"unknown mesh axis {sorted(unknown)}; the axes are {AXES}")
-    return {axis: _as_size(axis, mesh.get(axis)) for axis in AXES}
+    sizes = {axis: _as_size(axis, mesh.get(axis)) for axis in AXES}
+    # given, yet read as None: written -1, "infer this axis"; only one of two can be inferred from n
+    inferred = [axis for axis in AXES if mesh.get(axis) is not None and sizes[axis] is None]
+    if len(inferred) == len(AXES):
+        raise MeshError(f"mesh {given!r} gives both axes as -1 (inferred), but at most one axis may be -1: give "
+                        f"the other its size, e.g. ddp=1,domain=-1 (or leave the mesh out: ddp=1, every rank in one "
+                        f"domain group)")
+    return sizes
 
 
 def resolve_mesh(n: int | None, mesh=None) -> MeshSpec:
@@ -99,8 +111,12 @@ def resolve_mesh(n: int | None, mesh=None) -> MeshSpec:
     sizes = parse_mesh(mesh)
     ddp, domain = sizes["ddp"], sizes["domain"]
     if n is None:
-        if ddp is None or domain is None:
+        if ddp is None and domain is None:
             raise MeshError("give the number of ranks (-n) or both mesh axes (ddp=..,domain=..)")
+        if ddp is None or domain is None:
+            missing = "ddp" if ddp is None else "domain"
+            raise MeshError(f"the mesh leaves {missing} to be inferred, but the number of ranks is not given: give "
+                            f"the number of ranks (-n), or both mesh axes (ddp=..,domain=..)")
         return MeshSpec(ddp, domain)
     if ddp is None and domain is None:
         return MeshSpec(1, n)  # the common case: one sample sharded over every rank
