@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import warnings
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
@@ -819,8 +820,10 @@ class Trace:
 
         Raises
         ------
+        IsADirectoryError
+            ``path`` is a folder (the message suggests a file name inside it).
         OSError
-            The file cannot be written (no such folder, no permission, disk full).
+            The file cannot be written (no such folder, no permission, disk full); the error names ``path``.
         ValueError
             The trace holds a NaN or an infinite number, which strict JSON cannot hold.
         TypeError
@@ -835,7 +838,8 @@ class Trace:
         True
         """
         doc = self.to_dict()
-        return write_file_atomically(path, lambda f: json.dump(doc, f, allow_nan=False, separators=(",", ":")))
+        return write_file_atomically(path, lambda f: json.dump(doc, f, allow_nan=False, separators=(",", ":")),
+                                     example_name="trace.sdtrace.json")
 
     def to_perfetto(self, path: str | os.PathLike) -> str:
         """Write Chrome trace-event JSON, to open in ui.perfetto.dev or chrome://tracing.
@@ -1021,7 +1025,8 @@ def load_trace(path: str | os.PathLike) -> Trace:
         contradicts itself (a rank listed twice, a payload whose ``"rank"`` is not its ``"ranks"`` entry, a
         negative count or version, a null or unfinished payload whose rank is not in ``"incomplete_ranks"``,
         ...) or holds what no sharddbg writes (integers beyond +-``MAX_ABS_INT``, NaN or infinities, nesting
-        deeper than ``MAX_NESTING``).
+        deeper than ``MAX_NESTING``); or ``path`` is not a regular file (a folder, a FIFO, a device such as
+        ``/dev/zero``, ...), refused before it is read.
     OSError
         The file cannot be opened (``FileNotFoundError``, ``PermissionError``, ...).
 
@@ -1035,8 +1040,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     >>> t.get_errors()[["rank", "op", "exc_type", "location"]]
     """
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = _read_regular_file(path)
     try:
         d = json.loads(raw)
     except RecursionError:
@@ -1063,6 +1067,35 @@ def load_trace(path: str | os.PathLike) -> Trace:
         return _trace_of_file(d)
     except _FileProblem as e:
         raise TraceFileError(f"{path}: corrupt sharddbg trace: {e}") from None
+
+
+def _read_regular_file(path: str) -> bytes:
+    """The bytes of the regular file ``path``; TraceFileError for anything else, before reading it: a FIFO or
+    a terminal would block the read (or the open) until someone writes, a character device such as /dev/zero
+    never ends."""
+    what = _not_a_file(os.stat(path).st_mode)
+    if what:
+        raise TraceFileError(f"{path} is {what}, not a trace file: give the path of a file written by Trace.save() "
+                             f"(e.g. run.sdtrace.json)")
+    # O_NONBLOCK: should the path have been swapped for a FIFO since the stat, the open does not wait for a writer
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        what = _not_a_file(info.st_mode)
+        if what:
+            raise TraceFileError(f"{path} is {what}, not a trace file: give the path of a file written by "
+                                 f"Trace.save() (e.g. run.sdtrace.json)")
+        os.set_blocking(fd, True)
+        return f.read(info.st_size)  # no more than the file held when opened: a growing file cannot run on
+
+
+def _not_a_file(mode: int) -> str | None:
+    """What a file of ``mode`` is, in words, when it is not a regular file; None for a regular file."""
+    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    if stat.S_ISREG(mode):
+        return None
+    return next((words for test, words in kinds if test(mode)), "something other than a regular file")
 
 
 class _FileProblem(Exception):

@@ -5,8 +5,10 @@ one thing corrupted.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import threading
 import re
 import stat
 from pathlib import Path
@@ -389,12 +391,44 @@ def test_failed_save_keeps_the_old_file(tmp_path):
 
 
 def test_failure_after_writing_leaves_no_temp_file(tmp_path):
-    """The rename itself fails (the target is a directory): the written temp file is removed."""
+    """The rename itself fails (the target became a folder while the file was written): the written temp file
+    is removed, and the error names the target, not the temp file."""
     target = tmp_path / "taken"
-    target.mkdir()
-    with pytest.raises(OSError):
-        _golden_trace().save(target)
+
+    def write_then_take_the_name(f):
+        f.write("x")
+        target.mkdir()
+
+    with pytest.raises(IsADirectoryError) as info:
+        write_file_atomically(target, write_then_take_the_name)
     assert [p.name for p in tmp_path.iterdir()] == ["taken"] and list(target.iterdir()) == []
+    assert str(info.value).startswith(f"{os.fspath(target)!r} is a folder, not a file") and ".tmp" not in str(info.value)
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_writing_to_a_folder_is_refused_with_a_file_name_to_use(tmp_path, writer):
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError) as info:
+        WRITERS[writer](_golden_trace(), folder)
+    suggested = {"save": "trace.sdtrace.json", "to_perfetto": "trace.perfetto.json", "to_html": "report.html"}[writer]
+    assert str(info.value) == (f"{os.fspath(folder)!r} is a folder, not a file: give the path of the file to write, "
+                               f"e.g. {os.path.join(folder, suggested)!r}")
+    assert info.value.errno == errno.EISDIR
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"] and list(folder.iterdir()) == []
+
+
+def test_a_failed_write_names_the_target_not_the_temp_file(tmp_path):
+    target = tmp_path / NAME
+
+    def disk_full(f):
+        f.write("half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what a write on a full disk raises: no file name
+
+    with pytest.raises(OSError) as info:
+        write_file_atomically(target, disk_full)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == os.fspath(target)
+    assert os.fspath(target) in str(info.value) and list(tmp_path.iterdir()) == []
 
 
 def test_save_into_a_missing_folder_names_the_target(tmp_path):
@@ -439,3 +473,35 @@ def test_overwrite_keeps_the_existing_files_mode(tmp_path):
     _golden_trace().save(target)
     assert stat.S_IMODE(target.stat().st_mode) == 0o640 and load_trace(target).ranks == [0, 1, 2, 3]
 
+
+
+# ---- what is not a regular file is refused before it is read -----------------------------------------
+def test_a_fifo_is_refused_at_once_naming_it(tmp_path):
+    """Opening a FIFO waits for a writer (forever, when none comes): refused from its stat instead."""
+    fifo = tmp_path / "pipe.sdtrace.json"
+    os.mkfifo(fifo)
+    outcome = []
+
+    def load():
+        try:
+            load_trace(fifo)
+        except Exception as e:  # noqa: BLE001 - what it raised is the outcome
+            outcome.append(e)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # it waits in open(): a writer that comes and goes lets it end
+        os.close(os.open(fifo, os.O_WRONLY))
+        reader.join(10)
+        pytest.fail(f"load_trace({fifo}) waited for a writer instead of refusing")
+    assert isinstance(outcome[0], TraceFileError), outcome
+    assert str(outcome[0]) == (f"{fifo} is a FIFO (named pipe), not a trace file: give the path of a file written by "
+                               f"Trace.save() (e.g. run.sdtrace.json)")
+
+
+@pytest.mark.parametrize("path, what", [("/dev/zero", "a character device"), ("<tmp>", "a folder")])
+def test_what_is_not_a_regular_file_is_refused_before_reading(tmp_path, path, what):
+    path = os.fspath(tmp_path) if path == "<tmp>" else path
+    with pytest.raises(TraceFileError, match=f"^{re.escape(path)} is {what}, not a trace file"):
+        load_trace(path)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
-from ..files import write_file_atomically
+from ..files import refuse_folder, write_file_atomically
 from ..views.comm import plot_comm_by_op
 from ..views.common import (SEVERITY_MARKS, error_entries, fallback_table, json_for_script, module_as_script,
                             path_color, render, static)
@@ -31,7 +31,7 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
     appears whole or not at all (``sharddbg.files.write_file_atomically``)."""
     import plotly.io as pio
 
-    path = os.fspath(path)
+    path = refuse_folder(path, "report.html")  # before the seconds spent making the report
     ops = trace.get_ops()
     title = title or "sharddbg trace report"
     figs = [("timeline", plot_timeline(trace)), ("comm", plot_comm_by_op(trace)), ("imbalance", plot_imbalance(trace))]
@@ -49,4 +49,4 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
                  fallback_rows=fallback_rows, figures=fig_html,
                  explorer_json=json_for_script(explorer_data(trace, max_rows=max_rows)),
                  explorer_js=module_as_script(static("explorer.js"), "_sdExplorer"))
-    return write_file_atomically(path, lambda f: f.write(doc))
+    return write_file_atomically(path, lambda f: f.write(doc), example_name="report.html")

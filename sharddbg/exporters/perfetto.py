@@ -92,4 +92,4 @@ def perfetto_dict(trace: Trace) -> dict:
 def write_perfetto(trace: Trace, path: str | os.PathLike) -> str:
     """Write ``perfetto_dict(trace)`` to ``path`` as strict JSON, whole or not at all. Returns the path."""
     doc = perfetto_dict(trace)
-    return write_file_atomically(path, lambda f: json.dump(doc, f, allow_nan=False))
+    return write_file_atomically(path, lambda f: json.dump(doc, f, allow_nan=False), example_name="trace.perfetto.json")
