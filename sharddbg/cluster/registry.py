@@ -27,6 +27,8 @@ from pathlib import Path
 
 import psutil
 
+from ..errors import ClusterError
+
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 
@@ -58,10 +60,43 @@ def private_dir(path: Path) -> Path:
 
 
 def _state_dir(*parts: str) -> Path:
-    path = private_dir(sharddbg_home())
-    for part in parts:
-        path = private_dir(path / part)
+    """``<home>/<parts...>``, each folder made private; ClusterError naming SHARDDBG_HOME when one cannot be."""
+    home = sharddbg_home()
+    path = home
+    try:
+        private_dir(path)
+        for part in parts:
+            path = path / part
+            private_dir(path)
+    except OSError as e:
+        raise ClusterError(_home_unusable(home, path, e)) from None
     return path
+
+
+def _home_unusable(home: Path, path: Path, error: OSError) -> str:
+    """Why the state folder ``home`` cannot be used, ``path`` (it or a folder in it) having failed with
+    ``error``; and what to do."""
+    value = os.environ.get("SHARDDBG_HOME")
+    named = (f"SHARDDBG_HOME={value!r}" if value else
+             f"sharddbg's state folder {str(home)!r} (the default: SHARDDBG_HOME is not set)")
+    blocker = _file_in_the_way(path)
+    if blocker is not None:
+        what = f"{blocker} is not a folder" + ("" if blocker == path else f", so {path} cannot be one")
+    elif isinstance(error, PermissionError):
+        what = f"no permission to create or use {path}"
+    else:
+        what = f"{path}: {error.strerror or error}"
+    return (f"{named} cannot hold sharddbg's state (cluster records, logs, connection files): {what}. Set "
+            f"SHARDDBG_HOME to a folder of yours (it is created if missing)"
+            + (", or unset it to use ~/.cache/sharddbg." if value else "."))
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest of ``path`` and its parents that exists, when it is not a folder."""
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return None if candidate.is_dir() else candidate
+    return None
 
 
 def clusters_dir() -> Path:
@@ -108,7 +143,7 @@ def write_private(path: Path, text: str) -> None:
 def make_home_private() -> None:
     """Every folder under the state folder 0700 and every file 0600 (a folder left by an older sharddbg
     had 0755 and 0644). Symbolic links are left alone."""
-    home = private_dir(sharddbg_home())
+    home = _state_dir()
     for root, dirs, files in os.walk(home):
         for name, mode in [(d, PRIVATE_DIR_MODE) for d in dirs] + [(f, PRIVATE_FILE_MODE) for f in files]:
             path = os.path.join(root, name)
