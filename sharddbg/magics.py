@@ -23,6 +23,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, cell_magic, magics_class
 
 from . import errors
+from .cluster.arguments import repeated_ranks, variable_name
 from .cluster.execution import GROUPINGS
 from .options import DEFAULT_MAX_EVENTS, RecordingOptions
 
@@ -312,6 +313,11 @@ def parse_targets(text: str | None, n: int | None = None):
         ranks = list(value)
     if n is not None:
         ranks = [r + n if -n <= r < 0 else r for r in ranks]
+    repeated = repeated_ranks(ranks)
+    if repeated:  # each would run the cell twice, one run after the other
+        which = f"rank {repeated[0]}" if len(repeated) == 1 else f"ranks {repeated}"
+        raise UsageError(f"-t {text} names {which} more than once; a cell runs once on each rank: give each rank "
+                         f"once (-t {','.join(map(str, dict.fromkeys(ranks)))})")
     return ranks
 
 
@@ -650,6 +656,7 @@ class ShardMagics(Magics):
         from .cluster import active_cluster
 
         name = " ".join(parse_options(self.shard_inspect, split_words(line, "%shard_inspect"), "%shard_inspect").name)
+        name = variable_name(name)  # as Python binds it: `µ = ...` (MICRO SIGN) is stored as μ (GREEK MU)
         if not name.isidentifier():
             raise UsageError(f"%shard_inspect takes the name of a variable on the engines, got {name!r}")
         return active_cluster().inspect(name)
@@ -699,7 +706,7 @@ class ShardMagics(Magics):
         from .cluster import active_cluster
 
         args = parse_options(self.shard_doctor, split_words(line, "%shard_doctor"), "%shard_doctor")
-        names = [n for word in args.name for n in word.split(",") if n]
+        names = [variable_name(n) for word in args.name for n in word.split(",") if n]
         bad = [n for n in names if not n.isidentifier()]
         if bad:
             raise UsageError(f"%shard_doctor takes names of variables on the engines, got {', '.join(map(repr, bad))}")

@@ -93,8 +93,8 @@ class Cluster:
         The number of ranks. None: the product of the two axes of ``mesh``, which must then give both.
     mesh : dict, str, tuple, MeshSpec or None
         The ``ddp x domain`` mesh: ``{"ddp": 1, "domain": 4}``, ``"ddp=1,domain=4"`` or ``(1, 4)``. One axis
-        may be left out (or given as None or -1) and is inferred from ``n``. None: ``ddp=1``, every rank in one
-        domain group (one sample sharded over every rank).
+        may be left out (or given as None or -1) and is inferred from ``n``; at most one may be -1, and an axis
+        is given once. None: ``ddp=1``, every rank in one domain group (one sample sharded over every rank).
     backend : {"gloo", "nccl"} or None
         torch.distributed's backend. None: chosen at ``start()``, NCCL (one GPU per rank) where the host has
         GPUs, gloo (CPU) where it has none.
@@ -105,7 +105,8 @@ class Cluster:
         Seconds each step of the start-up may take: the controller's start, the fork server's imports of torch
         and physicsnemo, the engines' registration, torch.distributed's start-up on the ranks.
     collective_timeout : float
-        torch.distributed's collective timeout on the ranks, in seconds.
+        torch.distributed's collective timeout on the ranks, in seconds; at least 1, since it also bounds how long
+        the ranks wait for each other while torch.distributed connects them at start.
     threads_per_rank : int
         CPU threads of each engine (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS`` and ``OPENBLAS_NUM_THREADS``).
     env : dict of str to str or None
@@ -117,13 +118,13 @@ class Cluster:
     Raises
     ------
     MeshError
-        ``n`` is not a positive integer, ``mesh`` is malformed, ``ddp * domain`` cannot be ``n``, or neither
-        ``n`` nor both axes of ``mesh`` are given.
+        ``n`` is not a positive integer, ``mesh`` is malformed (an axis given twice, both axes -1, ...),
+        ``ddp * domain`` cannot be ``n``, or neither ``n`` nor both axes of ``mesh`` are given.
     ClusterError
         ``backend`` is not "gloo", "nccl" or None; ``timeout``, ``start_timeout`` or ``collective_timeout`` is
-        not a finite number of seconds above 0; ``threads_per_rank`` is not a whole number of at least 1;
-        ``env`` does not map names to string values; or, without ``force``, ``n`` engines would not fit in the
-        memory available now.
+        not a finite number of seconds above 0, or ``collective_timeout`` is below 1 s; ``threads_per_rank`` is
+        not a whole number of at least 1; ``env`` does not map names to string values; or, without ``force``,
+        ``n`` engines would not fit in the memory available now.
 
     Examples
     --------
@@ -144,7 +145,7 @@ class Cluster:
         self.requested_backend = backend
         self.timeout = arguments.seconds("timeout", timeout)
         self.start_timeout = arguments.seconds("start_timeout", start_timeout)
-        collective_timeout = arguments.seconds("collective_timeout", collective_timeout)
+        collective_timeout = arguments.collective_timeout(collective_timeout)
         self.threads_per_rank = arguments.positive_int("threads_per_rank", threads_per_rank)
         if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                                   for k, v in env.items())):
@@ -334,8 +335,9 @@ class Cluster:
             self._launch_engines(choose_backend(self.requested_backend, int(facts.get("cuda_count", 0)), self.n))
             self.running = True
             _STARTED[:] = [c for c in _STARTED if c is not self and c.running] + [self]
-        except BaseException:
+        except BaseException as exc:
             self._shut_down()
+            _advise_start_again(exc, "start")
             raise
         self.timings["start_s"] = time.perf_counter() - t0
         check_versions(self._group.statuses)
@@ -434,8 +436,9 @@ class Cluster:
             self._close_client()
             self._processes.replace_engines()
             self._launch_engines(self.backend)
-        except BaseException:
+        except BaseException as exc:
             self.stop()
+            _advise_start_again(exc, "restart")
             raise
         self.timings["restart_s"] = time.perf_counter() - t0
         return self
@@ -605,9 +608,9 @@ class Cluster:
         ------
         ClusterError
             The cluster is not running; ``code`` is not a string; ``timeout`` is not a finite number of seconds
-            above 0; ``targets`` names no rank, a rank that does not exist or a dead one; the process group is
-            broken (``recover()`` first); a target still runs an earlier call that timed out, or a ``submit()``
-            cell nothing waited for; or the controller died.
+            above 0; ``targets`` names no rank, a rank twice, a rank that does not exist or a dead one; the
+            process group is broken (``recover()`` first); a target still runs an earlier call that timed out, or a
+            ``submit()`` cell nothing waited for; or the controller died.
         RankError
             A rank raised: the ranks whose own failure started it come first, with their traceback and the line of
             the cell (``errors``, ``causes``, ``released``, ``report``).
@@ -659,9 +662,9 @@ class Cluster:
         ------
         ClusterError
             The cluster is not running; ``code`` is not a string; ``timeout`` is not a finite number of seconds
-            above 0; ``targets`` names no rank, a rank that does not exist or a dead one; the process group is
-            broken; a target still runs an earlier call that timed out, or an earlier cell nothing waited for; or
-            the controller died.
+            above 0; ``targets`` names no rank, a rank twice, a rank that does not exist or a dead one; the
+            process group is broken; a target still runs an earlier call that timed out, or an earlier cell nothing
+            waited for; or the controller died.
 
         Examples
         --------
@@ -710,8 +713,8 @@ class Cluster:
         ------
         ClusterError
             The cluster is not running; ``fn`` is not callable; ``timeout`` is not a finite number of seconds
-            above 0; ``targets`` names no rank, a rank that does not exist or a dead one; a target still runs an
-            earlier call that timed out, or a cell nothing waited for; or the controller died.
+            above 0; ``targets`` names no rank, a rank twice, a rank that does not exist or a dead one; a target
+            still runs an earlier call that timed out, or a cell nothing waited for; or the controller died.
         RankError
             ``fn`` raised on a rank.
         RankTimeoutError
@@ -773,9 +776,9 @@ class Cluster:
         [4, 4]
         """
         __tracebackhide__ = hide_own_frames()
-        if not isinstance(name, str) or not name.isidentifier():
+        if not isinstance(name, str) or not arguments.variable_name(name).isidentifier():
             raise ClusterError(f"pull() takes a variable name, got {name!r}")
-        return self.apply(api.user_value, name, timeout=timeout, targets=targets)
+        return self.apply(api.user_value, arguments.variable_name(name), timeout=timeout, targets=targets)
 
     def eval(self, expression: str, *, timeout: float | None = None, targets=None) -> list:
         """Evaluate a Python expression in every rank's (or ``targets``') namespace; the values in rank order.
@@ -847,7 +850,7 @@ class Cluster:
         ------
         ClusterError
             The cluster is not running; ``timeout`` is not a finite number of seconds above 0; ``ranks`` names no
-            rank, a rank that does not exist or a dead one.
+            rank, a rank twice, a rank that does not exist or a dead one.
 
         Examples
         --------
@@ -858,7 +861,7 @@ class Cluster:
         __tracebackhide__ = hide_own_frames()
         self._require_running()
         timeout = arguments.seconds("timeout", timeout)
-        return self._control.diagnose(self._execution.ranks(ranks), timeout)
+        return self._control.diagnose(self._execution.ranks(arguments.ranks(ranks, self.n, "ranks")), timeout)
 
     def hang_report(self, timeout, finished, unfinished, what="the cell", *,
                     diagnose_timeout: float = 5.0, failures=None) -> hang.HangReport:
@@ -1413,6 +1416,26 @@ class Cluster:
         if self._tracer.last is None and required:
             raise ShardDbgError("nothing was traced on this cluster yet; run a cell with %%shard_trace or cl.trace(code)")
         return self._tracer.last
+
+
+# Where a rank's error starts its advice for a process group that broke on a running cluster (recover(),
+# restart()): after a failed start or restart the cluster is stopped, so that advice cannot be followed.
+_RUNNING_CLUSTER_ADVICE = ("The process group is broken now.", "The kernel is free and the engines are kept.",
+                           "The process group broke at")
+
+
+def _advise_start_again(exc: BaseException, step: str) -> None:
+    """Replace the running-cluster advice in ``exc``'s message (a failed ``step``, after which everything was
+    shut down) with what can be done: start the cluster again."""
+    if not isinstance(exc, ShardDbgError) or not exc.args or not isinstance(exc.args[0], str):
+        return
+    message = exc.args[0]
+    cut = min((at for at in map(message.find, _RUNNING_CLUSTER_ADVICE) if at >= 0), default=-1)
+    if cut < 0:
+        return
+    exc.args = (message[:cut].rstrip() + f"\n\nThe cluster's {step} failed and everything it had started was shut "
+                "down: there is no process group to recover(). Fix the cause above and start() the cluster again "
+                "(%shard_cluster start).",) + exc.args[1:]
 
 
 def _check_code(code) -> None:

@@ -14,6 +14,7 @@ from ..analysis.doctor import (ASYNC_WAITED, BATCH_OF_ONE, CHECKS, DDP_GROUP, FI
 from ..engine import api
 from ..errors import ShardDbgError, hide_own_frames
 from ..trace import Trace
+from . import arguments
 from .execution import RankExecution
 
 __all__ = ["DoctorError", "DoctorReport", "Finding", "run_doctor", "TABLE_COLUMNS", "CHECKS", "STATUSES", "FIXES",
@@ -31,9 +32,10 @@ def run_doctor(execution: RankExecution, names: list[str], *, check=None, trace=
     """``Cluster.doctor`` on the ranks of ``execution``, reading ``check`` (the last CheckResult, or None) and
     ``trace`` (the last Trace, or None): see the module docstring."""
     __tracebackhide__ = hide_own_frames()
-    bad = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
+    bad = [n for n in names if not isinstance(n, str) or not arguments.variable_name(n).isidentifier()]
     if bad:
         raise DoctorError(f"doctor() takes names of variables on the ranks, got {', '.join(map(repr, bad))}")
+    names = [arguments.variable_name(n) for n in names]  # as Python binds them: µ is stored as μ
     if check is not None and not isinstance(check, CheckResult):
         raise DoctorError(f"check= takes the CheckResult of cl.check(...), got {type(check).__name__}")
     if trace is not None and not isinstance(trace, Trace):

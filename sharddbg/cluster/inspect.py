@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..analysis.layout import ShardLayout
 from ..engine import api as engine_api
 from ..errors import InspectError
+from . import arguments
 from .execution import RankExecution
 from .mesh import MeshSpec
 
@@ -19,10 +20,13 @@ __all__ = ["gather_layout", "gather_snapshots", "InspectError"]
 
 def gather_snapshots(execution: RankExecution, name: str, timeout: float | None = None) -> list[dict]:
     """Every rank's snapshot of ``name``, in rank order (no communication between ranks)."""
-    if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
+    if not isinstance(name, str) or not all(part.isidentifier()
+                                            for part in arguments.variable_name(name).split(".")):
         raise InspectError(f"inspect() takes the name of a variable on the ranks (e.g. 'x' or 'model.weight'), "
                            f"got {name!r}")
-    return execution.apply(engine_api.tensor_snapshot, (name,), {}, execution.ranks(None), timeout)
+    # as Python binds names (and attributes): µ is stored as μ
+    return execution.apply(engine_api.tensor_snapshot, (arguments.variable_name(name),), {}, execution.ranks(None),
+                           timeout)
 
 
 def gather_layout(execution: RankExecution, mesh: MeshSpec, name: str, timeout: float | None = None) -> ShardLayout:

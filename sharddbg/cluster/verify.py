@@ -53,6 +53,7 @@ def _names(what: str, value, *, allow_empty: bool) -> list[str] | None:
         value = [v.strip() for v in value.replace(",", " ").split()]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise CheckError(f"{what} must be a name or a list of names of variables on the ranks, got {value!r}")
+    value = [arguments.variable_name(v) for v in value]  # as Python binds them: µ is stored as μ
     bad = [v for v in value if not v.isidentifier()]
     if bad:
         raise CheckError(f"{what}: {', '.join(map(repr, bad))} {'is' if len(bad) == 1 else 'are'} not a variable name")
