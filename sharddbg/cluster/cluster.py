@@ -1112,6 +1112,10 @@ class Cluster:
             A rank did not finish the cell in time (the trace is kept, that rank's events marked incomplete).
         RankDiedError
             A rank's process died (during the cell: the trace is kept with the other ranks' events).
+        TraceInterrupted
+            Ctrl-C ended the wait for the cell (a ``KeyboardInterrupt``): what was recorded until then is kept as
+            a trace marked interrupted (``meta["interrupted"]``; ``last_trace()``, and the exception's
+            ``trace``). Where the cell still runs, the recorder stops as soon as it ends there.
 
         Examples
         --------

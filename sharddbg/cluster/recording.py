@@ -53,6 +53,7 @@ class CellTracer:
         t0 = time.perf_counter()
         failure = None
         interrupted = None  # what Ctrl-C interrupted, when it did
+        running: list[int] = []  # ranks still running the cell when Ctrl-C ended the wait
         payloads: dict[int, dict | None] = {}
         why_incomplete: dict[int, str] = {}
         try:
@@ -102,10 +103,9 @@ class CellTracer:
                   "incomplete_reasons": {str(r): why for r, why in why_incomplete.items()},
                   "replica_differences": differences, "interrupted": interrupted})
         if interrupted is not None:
-            running = sorted(r for r, why in why_incomplete.items() if "interrupted" in why)
             raise TraceInterrupted(
-                f"{interrupted}. What was recorded until then is kept, marked interrupted: cl.last_trace() (also "
-                f"this exception's .trace)." + (
+                f"{interrupted}. What was recorded until then is kept, marked interrupted: cl.last_trace() "
+                f"(sharddbg.last_trace(); also this exception's .trace)." + (
                     f" Ranks {running} still run the cell (their recorder stops when it ends there); new work for "
                     f"them is refused until then: cl.recover() interrupts it." if running else ""),
                 self.last) from None
