@@ -218,8 +218,10 @@ class RankExecution:
         ran: its engines are gone on purpose, nothing sent before can be answered."""
         __tracebackhide__ = hide_own_frames()
         if self.closed:
-            raise ClusterError(f"the cluster was {self.closed_by} while {what} ran: its outcome is lost. "
-                               f"Nothing is wrong with the ranks; start() (after a stop) runs new ones.")
+            then = ("cl.start() starts new engines" if self.closed_by.startswith("stopped")
+                    else "the new engines ran nothing of it")
+            raise ClusterError(f"the cluster was {self.closed_by} while {what} ran: its engines were ended on "
+                               f"purpose and its outcome is lost; {then}.")
 
     def check_controller(self) -> None:
         """Raise ClusterError when the controller process is gone: no call can be answered any more."""
