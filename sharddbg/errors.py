@@ -157,6 +157,17 @@ class RankDiedError(ClusterError):
         self.outputs = list(outputs or [])
 
 
+class TraceInterrupted(KeyboardInterrupt):
+    """Ctrl-C ended the wait for a traced cell. The recorder was stopped where the cell had finished, and is
+    stopped right after it where the cell still runs; what was recorded until then is kept as a Trace marked
+    interrupted (``trace``, also the cluster's ``last_trace()``). A KeyboardInterrupt, so that it ends what
+    waited for the trace as Ctrl-C does."""
+
+    def __init__(self, message, trace=None):
+        super().__init__(message)
+        self.trace = trace
+
+
 class InspectError(ShardDbgError, ValueError):
     """The named value cannot be inspected (missing on some ranks, not a tensor, ...)."""
 

@@ -377,6 +377,9 @@ TRACE_META_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
                                                 "whose replicas differ, gathered on the ranks (recorded with "
                                                 "replicas=True)"),
     "smoke_config": ((str, type(None)), "the smoke matrix configuration whose step this is"),
+    "interrupted": ((str, type(None)), "what Ctrl-C interrupted while the cell was traced ('the wait for the cell "
+                                       "was interrupted (Ctrl-C) after 2.1 s; ranks [1] still ran it'), None "
+                                       "when nothing was"),
 }
 REPLICA_DIFFERENCE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "key": ((str,), "the digest key (REPLICA_FIELDS key) of the tensor"),

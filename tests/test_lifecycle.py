@@ -1,10 +1,12 @@
 """Start/stop/restart, hangs and recovery, orphans: checked by pid, on real processes."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -138,23 +140,52 @@ def test_killed_owner_leaves_nothing_behind_and_the_next_start_reaps_its_record(
         assert cl.eval("dist.get_world_size()") == [1]
 
 
-def test_orphans_whose_fork_server_also_died_are_reaped_by_stop_all():
-    """Worst case: owner and fork server both SIGKILLed; engines and controller must be found and reaped."""
+RELATIVE_HOME_OWNER = """
+import json, os, sys, time
+import sharddbg
+cl = sharddbg.Cluster(n=2)
+os.chdir(sys.argv[1])  # a relative SHARDDBG_HOME still names the folder it named at import
+cl.start()
+print(json.dumps({"cluster_id": cl.cluster_id, "forkserver": cl.fork_server_pid, "engines": cl.pids,
+                  "pids": sorted(p.pid for p in cl.processes())}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_owner_and_fork_server_killed_together_leave_nothing_running_and_stop_all_forgets_the_record(tmp_path):
+    """Worst case: owner and fork server both SIGKILLed. The engines notice that the owner is gone and end the
+    cluster (controller and its child included) without anyone reaping; the record stays for the next start or
+    ``%shard_cluster stop --all``. The owner ran with a relative SHARDDBG_HOME and changed its working folder
+    before the start; a temporary file a killed write left in the records' folder is pruned at the start."""
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
-    proc, info = start_owner()
-    os.kill(info["forkserver"], signal.SIGKILL)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    survivors = [pid for pid in info["pids"] if psutil.pid_exists(pid) and pid != info["forkserver"]]
-    assert survivors, "engines/controller should outlive a SIGKILLed fork server until reaped"
+    home = registry.sharddbg_home()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    stale = registry.clusters_dir() / "sdbg-20000101-000000-stale0.json.tmp"
+    stale.write_text('{"cluster_id": ')
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    env = dict(os.environ, SHARDDBG_HOME=os.path.relpath(home, home.parent))
+    proc = subprocess.Popen([sys.executable, "-c", RELATIVE_HOME_OWNER, str(elsewhere)], stdout=subprocess.PIPE,
+                            text=True, cwd=home.parent, env=env)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert not stale.exists(), "a stale temporary record file is pruned at the start"
+        assert not (elsewhere / env["SHARDDBG_HOME"]).exists(), "a second state folder after os.chdir"
+        assert any(r.cluster_id == info["cluster_id"] for r in registry.all_records())
+        os.kill(info["forkserver"], signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert_all_gone(info["pids"], within_s=20)
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "sharddbg")
     with capture_output() as cap:
         ip.run_line_magic("shard_cluster", "stop --all")
-    assert f"reaped cluster {info['cluster_id']}" in cap.stdout
-    assert_all_gone(info["pids"])
+    assert f"reaped cluster {info['cluster_id']} (0 processes)" in cap.stdout
+    assert not any(r.cluster_id == info["cluster_id"] for r in registry.all_records())
 
 
 def test_untested_versions_warn_once_and_clearly():
@@ -178,22 +209,90 @@ def test_untested_versions_warn_once_and_clearly():
     assert not tested_version("torch", "2.1") and not tested_version("torch", "2.110")
 
 
-def test_a_rank_that_dies_ends_the_wait_at_once_and_restart_recovers():
+def interrupt_after(seconds: float) -> threading.Timer:
+    """Ctrl-C for this process after ``seconds``, as a terminal or a kernel interrupt delivers it (SIGINT: the
+    main thread, waiting for the ranks, raises KeyboardInterrupt)."""
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def wait_idle(cl, within_s: float = 60.0) -> None:
+    deadline = time.monotonic() + within_s
+    while cl.busy_ranks():
+        assert time.monotonic() < deadline, "the ranks did not finish the interrupted cell"
+        time.sleep(0.2)
+
+
+def test_ctrl_c_a_dying_rank_a_dead_controller_and_a_stop_from_another_thread_are_said_at_once():
+    from sharddbg.engine import api
+    from sharddbg.errors import TraceInterrupted
+
     cl = sharddbg.Cluster(n=2, timeout=60)
     cl.start()
     try:
+        # Ctrl-C while cl.run waits: the ranks still run the cell, and the next call says so at once
+        interrupt_after(2.0)
+        with pytest.raises(KeyboardInterrupt):
+            cl.run("import time; time.sleep(5)", display=False)
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError, match=r"ranks \[0, 1\] are still running an earlier cell .*interrupted"):
+            cl.run("print(rank)", timeout=30, display=False)
+        assert time.monotonic() - t0 < 5, "the refusal must not wait for the earlier cell"
+        wait_idle(cl)
+        assert cl.eval("rank") == [0, 1]
+
+        # Ctrl-C while cl.trace waits: what was recorded is kept, marked interrupted, and no recorder stays on
+        interrupt_after(3.0)
+        with pytest.raises(TraceInterrupted, match=r"interrupted \(Ctrl-C\).*cl\.last_trace\(\)") as info:
+            cl.trace("dist.all_reduce(torch.ones(2))\nimport time; time.sleep(5)", display=False)
+        trace = info.value.trace
+        assert trace is cl.last_trace()
+        assert trace.meta["interrupted"].startswith("the wait for the cell was interrupted (Ctrl-C) after")
+        assert "ranks [0, 1] still ran it" in trace.meta["interrupted"]
+        assert set(trace.incomplete_reasons) == {0, 1}
+        assert sorted(trace.get_collectives()["rank"]) == [0, 1], "the all_reduce recorded before Ctrl-C is kept"
+        wait_idle(cl)
+        assert cl.apply(api.is_recording) == [False, False]
+        assert len(cl.trace("dist.all_reduce(torch.ones(2))", display=False).get_collectives()) == 2
+
+        # a rank killed mid-trace while the other runs on: the wait ends at once, naming it; the survivor's
+        # recorder stops when its cell ends
         victim = cl.pids[1]
         t0 = time.monotonic()
-        with pytest.raises(ClusterError) as info:
-            cl.run("import os, signal, time\nif rank == 1: os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(30)",
-                   timeout=60, display=False)
+        with pytest.raises(ClusterError) as died:
+            cl.trace("import os, time\nif rank == 1: os.kill(os.getpid(), 9)\nelse: time.sleep(6)", display=False)
         assert time.monotonic() - t0 < 10, "a dead rank must not cost the whole timeout"
-        assert "rank 1" in str(info.value) and "SIGKILL" in str(info.value) and str(victim) in str(info.value)
+        assert "rank 1" in str(died.value) and "SIGKILL" in str(died.value) and str(victim) in str(died.value)
         assert cl.dead_ranks() == {1: "killed by signal 9 (SIGKILL)"}
+        wait_idle(cl)
+        assert cl._execution.call(api.is_recording, ranks=[0], what="a look at the recorder") == [False]
+
+        # the controller killed: diagnose() says so, instead of answering None for every rank (also when it is
+        # asked before the controller's end shows)
+        os.kill(cl.controller_pid, signal.SIGKILL)
+        with pytest.raises(ClusterError, match=r"the controller \(pid \d+\) died.*cl\.restart\(\)"):
+            cl.diagnose(0, timeout=2)
         cl.restart()
         assert cl.pids[1] != victim and cl.dead_ranks() == {}
         assert cl.eval("dist.get_world_size()") == [2, 2]
+
+        # cl.stop() from another thread while a cell runs: the cell's wait says the cluster was stopped, and
+        # a process the cell started goes with the engines
+        cl.run("import subprocess; child = subprocess.Popen(['sleep', '600'])", display=False)
+        children = set(cl.eval("child.pid"))
+        assert all(psutil.pid_exists(pid) for pid in children)
         pids = processes_of(cl)
+        threading.Timer(2.0, cl.stop).start()
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as stopped:
+            cl.run("import time; time.sleep(30)", display=False)
+        assert time.monotonic() - t0 < 20
+        assert str(stopped.value).startswith("the cluster was stopped (by cl.stop()) while the cell ran"), stopped.value
+        deadline = time.monotonic() + 20
+        while cl.running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert_all_gone(children | pids)
     finally:
-        cl.stop()
-    assert_all_gone(pids)
+        if cl.running:
+            cl.stop()

@@ -200,11 +200,14 @@ def test_reap_all_stops_an_orphan_whose_fork_server_and_controller_were_killed(f
         engines = {ref.pid for ref in refs(record, "engine")}
         children = {c.pid for c in psutil.Process(controller.pid).children(recursive=True)}
         assert len(engines) == 2 and children
-        # Worst case: fork server, then controller, then owner SIGKILLed; nothing ended them.
+        # Worst case: fork server, then controller, then the engines (which would end the rest once the owner
+        # is gone), then owner SIGKILLed; nothing ended the controller's child.
         os.kill(zygote.pid, signal.SIGKILL)
         wait_for(lambda: not running(zygote.pid), 5, "the fork server to die")
         os.kill(controller.pid, signal.SIGKILL)
         wait_for(lambda: not running(controller.pid), 5, "the controller to die")
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait()
     finally:
@@ -213,7 +216,7 @@ def test_reap_all_stops_an_orphan_whose_fork_server_and_controller_were_killed(f
             owner.wait()
     time.sleep(0.5)
     survivors = {pid for pid in engines | children if running(pid)}
-    assert children <= survivors, "the controller's child outlives it (and the engines may) until reaped"
+    assert children <= survivors, "the controller's child outlives it until reaped"
     out = subprocess.run([sys.executable, "-m", "sharddbg.cli", "reap", "--all"], capture_output=True, text=True,
                          timeout=60, check=False)
     assert out.returncode == 0, out.stderr
@@ -330,3 +333,25 @@ def test_the_gpu_count_probe_runs_beside_the_imports_and_never_blocks_past_its_t
     t1 = time.perf_counter()
     assert hung.result() == 0 and time.perf_counter() - t1 < 5
     assert hung.proc.poll() is not None  # killed and reaped
+
+
+FULL_DISK_WRITE = """
+import os, resource, signal
+from sharddbg.cluster import registry
+record = registry.ClusterRecord(cluster_id="sdbg-20000101-000000-full00",
+                                owner=registry.ProcessRef.of(os.getpid(), "owner"), log_dir="")
+record.processes = [registry.ProcessRef(1, 0.0, "engine")] * 500
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    record.save()
+except OSError as exc:
+    print("failed", exc.errno)
+"""
+
+
+def test_a_record_write_that_fails_for_want_of_space_leaves_no_temporary_file(fresh_home):
+    out = subprocess.run([sys.executable, "-c", FULL_DISK_WRITE], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.stdout.split() == ["failed", "27"], out.stderr  # EFBIG
+    assert os.listdir(registry.clusters_dir()) == []

@@ -12,6 +12,8 @@ SIGKILL) the fork server kills its engines and the controller's whole process gr
 controller is its child, started before anything else (so no moment exists in which the controller runs
 and nothing would end it); during the preload a thread watches the pipe, afterwards the command loop.
 When the controller dies, the rest of its process group is killed at once and its exit is reported.
+When the fork server dies with the owner, each engine ends the cluster itself (``_end_cluster_when_owner_gone``).
+Engines lead their own process groups, so that what a cell started (a subprocess) is killed with them.
 
 Fork safety: the process is single-threaded whenever it forks (the preload's watcher thread has ended by
 then; no torch compute, no zmq context) and CUDA is never initialised in it (``_keep_cuda_uninitialised``):
@@ -37,6 +39,8 @@ import traceback
 
 # How long the controller gets to exit after SIGTERM before its process group is killed.
 CONTROLLER_GRACE_S = 1.0
+# How often each engine looks whether the cluster's owner still runs.
+OWNER_POLL_S = 1.0
 
 
 def _reply(out, **payload) -> None:
@@ -269,8 +273,10 @@ class _OwnerWatch:
         os.close(self._stop_w)
 
 
-def _run_engine(rank: int, engine_argv: list[str], env: dict, log_path: str, close_fds: list[int]) -> None:
-    """In the forked child: become rank ``rank``'s ipyparallel engine. Never returns."""
+def _run_engine(rank: int, engine_argv: list[str], env: dict, log_path: str, close_fds: list[int],
+                owner: dict | None = None, cluster_id: str | None = None) -> None:
+    """In the forked child: become rank ``rank``'s ipyparallel engine (ending the cluster when ``owner`` is
+    gone). Never returns."""
     code = 0
     try:
         os.setpgid(0, 0)  # own process group: a signal to the zygote's group does not hit engines
@@ -293,6 +299,8 @@ def _run_engine(rank: int, engine_argv: list[str], env: dict, log_path: str, clo
         from sharddbg.engine import bootstrap
 
         bootstrap.on_fork(rank)
+        if owner and cluster_id:
+            _end_cluster_when_owner_gone(owner, cluster_id)
         from ipyparallel.engine.app import IPEngine
 
         IPEngine.launch_instance(argv=engine_argv)
@@ -316,6 +324,49 @@ def _kill(pids, sig) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _kill_engines(pids, sig) -> None:
+    """``sig`` to each engine's process group (it leads one, with the processes its cells started), or to the
+    engine alone in the moment after its fork, before it made its group. Only engines not yet reaped are
+    given: while a leader is unreaped its group id cannot belong to anyone else."""
+    for pid in pids:
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            _kill([pid], sig)
+
+
+def _end_cluster_when_owner_gone(owner: dict, cluster_id: str) -> None:
+    """In an engine: a thread that ends the whole cluster once its owner is gone, for when the fork server (whose
+    lifeline would do it) was killed with it. The cluster's record names the processes (``registry``); it is
+    left for the next start's reaping, as the fork server leaves it."""
+
+    def owner_alive() -> bool:
+        import psutil
+
+        try:
+            proc = psutil.Process(owner["pid"])
+            return abs(proc.create_time() - owner["create_time"]) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.Error:
+            return True  # not ours to judge
+
+    def watch() -> None:
+        while owner_alive():
+            time.sleep(OWNER_POLL_S)
+        try:
+            from sharddbg.cluster import registry
+
+            record = registry.ClusterRecord.load(registry.clusters_dir() / f"{cluster_id}.json")
+            registry.kill_processes(record.live_processes())  # every process of it but this one
+        except BaseException:  # noqa: BLE001 - no record (stopped meanwhile): nothing else to end
+            traceback.print_exc()
+        finally:
+            os._exit(0)
+
+    threading.Thread(target=watch, name="sharddbg-owner-gone", daemon=True).start()
 
 
 class _ForkServer:
@@ -351,7 +402,7 @@ class _ForkServer:
         _reply(self.out, event="controller_stopped", pid=ctl.pid, returncode=returncode, already_exited=already_exited)
 
     def end_everything(self) -> None:
-        _kill(list(self.engines), signal.SIGKILL)
+        _kill_engines(list(self.engines), signal.SIGKILL)
         if self.controller is not None:
             self.controller.end()
 
@@ -383,14 +434,15 @@ class _ForkServer:
             log_path = os.path.join(cmd["log_dir"], f"engine-rank{rank}.log")
             pid = os.fork()
             if pid == 0:
-                _run_engine(rank, argv, cmd.get("env", {}), log_path, [self._wake_r, self._wake_w])
+                _run_engine(rank, argv, cmd.get("env", {}), log_path, [self._wake_r, self._wake_w],
+                            self.config.get("owner"), self.config.get("cluster_id"))
             self.engines[pid] = rank
             pids[rank] = pid
         _reply(self.out, event="forked", pids=pids, cuda_initialized=_cuda_initialized())
 
     def kill_engines(self) -> None:
         victims = list(self.engines)
-        _kill(victims, signal.SIGKILL)
+        _kill_engines(victims, signal.SIGKILL)
         for pid in victims:
             try:
                 os.waitpid(pid, 0)

@@ -353,9 +353,9 @@ class Cluster:
         self.timings["engines_s"] = time.perf_counter() - t0
         self.timings["dist_init_s"] = self._group.bring_up(self._execution, backend, self.start_timeout)
 
-    def _close_client(self) -> None:
+    def _close_client(self, closed_by: str = "stopped (by cl.stop())") -> None:
         if self._execution is not None:
-            self._execution.close()
+            self._execution.close(closed_by)
         self._execution = self._control = None
 
     def _shut_down(self) -> None:
@@ -433,7 +433,7 @@ class Cluster:
             self.timings["restart_s"] = time.perf_counter() - t0
             return self
         try:
-            self._close_client()
+            self._close_client("restarted (by cl.restart())")
             self._processes.replace_engines()
             self._launch_engines(self.backend)
         except BaseException as exc:
@@ -850,7 +850,8 @@ class Cluster:
         ------
         ClusterError
             The cluster is not running; ``timeout`` is not a finite number of seconds above 0; ``ranks`` names no
-            rank, a rank twice, a rank that does not exist or a dead one.
+            rank, a rank twice, a rank that does not exist or a dead one; or the controller died (nothing can reach the ranks:
+            the message says how it died, and that ``restart()`` rebuilds the cluster).
 
         Examples
         --------
@@ -861,7 +862,10 @@ class Cluster:
         __tracebackhide__ = hide_own_frames()
         self._require_running()
         timeout = arguments.seconds("timeout", timeout)
-        return self._control.diagnose(self._execution.ranks(arguments.ranks(ranks, self.n, "ranks")), timeout)
+        answers = self._control.diagnose(self._execution.ranks(arguments.ranks(ranks, self.n, "ranks")), timeout)
+        if None in answers.values():
+            self._execution.check_controller()  # silent ranks behind a dead controller: say that it died
+        return answers
 
     def hang_report(self, timeout, finished, unfinished, what="the cell", *,
                     diagnose_timeout: float = 5.0, failures=None) -> hang.HangReport:
@@ -1111,6 +1115,10 @@ class Cluster:
             A rank did not finish the cell in time (the trace is kept, that rank's events marked incomplete).
         RankDiedError
             A rank's process died (during the cell: the trace is kept with the other ranks' events).
+        TraceInterrupted
+            Ctrl-C ended the wait for the cell (a ``KeyboardInterrupt``): what was recorded until then is kept as
+            a trace marked interrupted (``meta["interrupted"]``; ``last_trace()``, and the exception's
+            ``trace``). Where the cell still runs, the recorder stops as soon as it ends there.
 
         Examples
         --------

@@ -27,6 +27,7 @@ It uses ipyparallel's public API only; the control channel (answered while a ran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -150,8 +151,10 @@ class RankExecution:
         self._stuck: dict[str, int] = {}  # message id -> rank, of calls that timed out and still run
         self._unwaited: dict[str, int] = {}  # message id -> rank, of cells sent by submit() that still run
         self.closed = False  # the client was closed (stop / restart): nothing sent through it can arrive
+        self.closed_by = ""  # what closed it: "stopped (by cl.stop())", "restarted (by cl.restart())"
 
-    def close(self) -> None:
+    def close(self, closed_by: str = "stopped (by cl.stop())") -> None:
+        self.closed_by = self.closed_by or closed_by
         self.closed = True
         try:
             self.client.close()
@@ -167,6 +170,7 @@ class RankExecution:
         """``targets`` (None: every rank; an int; or ranks) as a checked list of live ranks."""
         __tracebackhide__ = hide_own_frames()
         ranks = arguments.ranks(targets, self.n)
+        self.check_controller()  # a dead controller answers nothing: say so, not that no rank answered
         dead = {r: how for r, how in self.processes.dead_ranks().items() if r in ranks}
         if dead:
             alive = [r for r in range(self.n) if r not in self.processes.dead_ranks()]
@@ -208,6 +212,16 @@ class RankExecution:
         view = self.client.direct_view([self.engine_ids[r] for r in ranks])
         view.block = False
         return view
+
+    def check_open(self, what: str) -> None:
+        """Raise ClusterError when the cluster was stopped or restarted (from another thread) while ``what``
+        ran: its engines are gone on purpose, nothing sent before can be answered."""
+        __tracebackhide__ = hide_own_frames()
+        if self.closed:
+            then = ("cl.start() starts new engines" if self.closed_by.startswith("stopped")
+                    else "the new engines ran nothing of it")
+            raise ClusterError(f"the cluster was {self.closed_by} while {what} ran: its engines were ended on "
+                               f"purpose and its outcome is lost; {then}.")
 
     def check_controller(self) -> None:
         """Raise ClusterError when the controller process is gone: no call can be answered any more."""
@@ -283,7 +297,8 @@ class RankExecution:
         self.check_not_stuck(ranks)
         self.check_controller()
         ar = self.view_of(ranks).execute(code, silent=False, block=False)
-        return self.collect(ar, ranks, timeout, display=display, what="the cell")
+        with self.unwaited_if_interrupted(ar, ranks):
+            return self.collect(ar, ranks, timeout, display=display, what="the cell")
 
     def submit(self, code: str, ranks: list[int], timeout: float | None) -> "PendingCell":
         """Send ``code`` to ``ranks`` and return at once: the cell's handle. Its time limit (``timeout``,
@@ -305,7 +320,8 @@ class RankExecution:
         self.check_controller()
         ar = self.view_of(ranks).apply_async(fn, *args, **kwargs)
         what = what or f"{getattr(fn, '__name__', 'the call')}()"
-        return [o.result for o in self.collect(ar, ranks, timeout, display=display, what=what)]
+        with self.unwaited_if_interrupted(ar, ranks):
+            return [o.result for o in self.collect(ar, ranks, timeout, display=display, what=what)]
 
     def call(self, fn, *, ranks: list[int] | None = None, timeout: float | None = None, what: str, **kwargs) -> list:
         """``fn(**kwargs)`` on ``ranks`` (default: every rank): an engine API call the cluster makes for itself,
@@ -314,7 +330,26 @@ class RankExecution:
         ranks = list(range(self.n)) if ranks is None else ranks
         self.check_controller()
         ar = self.view_of(ranks).apply_async(fn, **kwargs)
-        return [o.result for o in self.collect(ar, ranks, timeout, display=False, what=what)]
+        with self.unwaited_if_interrupted(ar, ranks):
+            return [o.result for o in self.collect(ar, ranks, timeout, display=False, what=what)]
+
+    def queue_behind(self, fn, ranks: list[int], **kwargs) -> None:
+        """``fn(**kwargs)`` on ``ranks``, queued behind what they run now, without waiting for it; remembered as
+        unwaited work (new work for those ranks is refused until it is done, as after ``submit``)."""
+        ar = self.view_of(ranks).apply_async(fn, **kwargs)
+        self._unwaited.update(zip(ar.msg_ids, ranks))
+
+    @contextlib.contextmanager
+    def unwaited_if_interrupted(self, ar, ranks: list[int]):
+        """A wait for ``ar`` that Ctrl-C ends leaves its ranks running it: they are remembered as running a cell
+        nothing waits for, so that new work for them is refused at once (``check_not_stuck``, as after an
+        interrupted ``%px``) instead of queueing behind it and spending its own time limit."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            outstanding = self.client.outstanding
+            self._unwaited.update({msg_id: r for r, msg_id in zip(ranks, ar.msg_ids) if msg_id in outstanding})
+            raise
 
     def collect(self, ar, ranks: list[int], timeout: float | None, display: bool, what: str, *,
                 sent_at: float | None = None, patience: float | None = None,
@@ -339,6 +374,7 @@ class RankExecution:
                 live.poll(ar)
             if finished_in_time:
                 break
+            self.check_open(what)
             self.check_controller()
             dead = {r: how for r, how in self.processes.dead_ranks().items() if r in ranks}
             if dead:
@@ -419,6 +455,7 @@ class RankExecution:
     def _after_death(self, ar, ranks: list[int], dead: dict[int, str], what: str, display: bool) -> None:
         """A rank died: release the survivors from any collective with it, collect what they did, raise."""
         __tracebackhide__ = hide_own_frames()
+        self.check_open(what)  # engines killed by a stop from another thread did not die
         survivors = [r for r in ranks if r not in dead]
         if survivors:
             try:

@@ -95,7 +95,8 @@ class ClusterProcesses:
         self._controller_started_at = time.time()
         self.fork_server = ForkServer(
             {"threads_per_rank": self.threads_per_rank, "backend": self.requested_backend,
-             "cluster_id": self.cluster_id, "controller": self.controller_spec()},
+             "cluster_id": self.cluster_id, "controller": self.controller_spec(),
+             "owner": {"pid": self.record.owner.pid, "create_time": self.record.owner.create_time}},
             self.log_dir, env=self.engine_env())
         self.record.track(self.fork_server.pid, "zygote")
         self._controller_running(self.fork_server.wait_controller(start_timeout))
@@ -109,6 +110,8 @@ class ClusterProcesses:
         env = {
             "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
             "SHARDDBG_LOG_DIR": self.log_dir, "SHARDDBG_CLUSTER_ID": self.cluster_id,
+            # resolved here: a relative value would count from the fork server's working folder
+            "SHARDDBG_HOME": str(registry.sharddbg_home()),
             # Flight Recorder: what each rank's collectives were, for hang reports.
             "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE", "2000"),
             "TORCH_NCCL_TRACE_BUFFER_SIZE": os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),

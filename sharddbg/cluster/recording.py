@@ -7,7 +7,9 @@ incomplete). It then gathers what the Trace is made of, and only then builds it,
 offsets and, with ``replicas``, the largest difference of the first op call whose replicas differ (its
 values gathered on the ranks of each replica group, ``api.replica_differences``: a broadcast from a rank of the
 majority; the ranks' copies are released after). The Trace is kept (``last``) even when the cell failed or
-timed out; the error is raised after.
+timed out; the error is raised after. Ctrl-C during the cell keeps what was recorded until then as a Trace
+marked interrupted (meta ``interrupted``), raised with ``TraceInterrupted``; where the cell still runs, the
+recorder is stopped right after it (``_recorded_so_far``).
 
 Every key of the Trace's meta is one of ``schema.TRACE_META_FIELDS``.
 """
@@ -20,7 +22,7 @@ import uuid
 from .. import schema
 from ..analysis.consistency import first_divergence, replicas_frame
 from ..engine import api
-from ..errors import RankDiedError, RankError, RankTimeoutError, ShardDbgError, hide_own_frames
+from ..errors import RankDiedError, RankError, RankTimeoutError, ShardDbgError, TraceInterrupted, hide_own_frames
 from ..options import RecordingOptions
 from .control import ControlChannel
 from .execution import RankExecution
@@ -42,13 +44,31 @@ class CellTracer:
         every_rank = list(range(execution.n))
         execution.check_not_stuck(every_rank)
         token = uuid.uuid4().hex[:12] if options.preflight else None
-        execution.call(api.recording_start, options=options.as_dict(), preflight_token=token, what="recorder start")
+        try:
+            execution.call(api.recording_start, options=options.as_dict(), preflight_token=token,
+                           what="recorder start")
+        except KeyboardInterrupt:
+            execution.queue_behind(api.recording_stop, every_rank)  # the recorder must not outlive this trace
+            raise
         t0 = time.perf_counter()
         failure = None
+        interrupted = None  # what Ctrl-C interrupted, when it did
+        running: list[int] = []  # ranks still running the cell when Ctrl-C ended the wait
         payloads: dict[int, dict | None] = {}
         why_incomplete: dict[int, str] = {}
         try:
             execution.run(code, every_rank, timeout, display)
+        except KeyboardInterrupt:
+            dead = execution.processes.dead_ranks()
+            running = [r for r in execution.busy_ranks() if r not in dead]
+            interrupted = f"the wait for the cell was interrupted (Ctrl-C) after {time.perf_counter() - t0:.1f} s"
+            if running:
+                interrupted += f"; ranks {running} still ran it"
+            for rank in dead:
+                payloads[rank] = None
+                why_incomplete[rank] = "its process is gone; its events are lost"
+            self._recorded_so_far(execution, control, running, payloads, why_incomplete,
+                                  "still running the cell when its wait was interrupted (Ctrl-C)")
         except RankTimeoutError as exc:
             failure = exc
             for rank in exc.report.unfinished:
@@ -61,10 +81,8 @@ class CellTracer:
                 why_incomplete[rank] = f"its process died ({how}); its events are lost"
             still = [r for r in execution.busy_ranks() if r not in exc.dead]
             if still:  # survivors that could not be released: what they recorded so far
-                diagnoses = control.diagnose(still, 5.0)
-                for rank in still:
-                    payloads[rank] = (diagnoses.get(rank) or {}).get("recording")
-                    why_incomplete[rank] = "still running when a peer died"
+                self._recorded_so_far(execution, control, still, payloads, why_incomplete,
+                                      "still running when a peer died")
         except RankError as exc:
             failure = exc
         wall_s = time.perf_counter() - t0
@@ -74,7 +92,7 @@ class CellTracer:
         offsets = control.clock_offsets(ranks=[r for r in every_rank if r not in execution.processes.dead_ranks()])
         offsets_ns = {r: o["offset_ns"] for r, o in offsets.items()}
         differences = None
-        if options.replicas and failure is None:
+        if options.replicas and failure is None and interrupted is None:
             differences = gather_replica_differences(execution, payloads, offsets_ns, timeout)
             execution.call(api.replica_release, what="replica copies released")
         self.last = Trace.from_payloads(
@@ -83,10 +101,31 @@ class CellTracer:
                   "clock_uncertainty_ns": {str(r): o["uncertainty_ns"] for r, o in offsets.items()},
                   "failed": None if failure is None else f"{type(failure).__name__}: {str(failure).splitlines()[0]}",
                   "incomplete_reasons": {str(r): why for r, why in why_incomplete.items()},
-                  "replica_differences": differences})
+                  "replica_differences": differences, "interrupted": interrupted})
+        if interrupted is not None:
+            raise TraceInterrupted(
+                f"{interrupted}. What was recorded until then is kept, marked interrupted: cl.last_trace() "
+                f"(sharddbg.last_trace(); also this exception's .trace)." + (
+                    f" Ranks {running} still run the cell (their recorder stops when it ends there); new work for "
+                    f"them is refused until then: cl.recover() interrupts it." if running else ""),
+                self.last) from None
         if failure is not None:
             raise failure
         return self.last
+
+    @staticmethod
+    def _recorded_so_far(execution: RankExecution, control: ControlChannel, running: list[int],
+                         payloads: dict[int, dict | None], why_incomplete: dict[int, str], why: str) -> None:
+        """Ranks still running the traced cell, which nothing waits for any more: what each recorded so far
+        (asked of its control thread) into ``payloads``, and its recorder stopped as soon as the cell ends
+        there (a stop queued behind it), so that no recorder outlives the trace."""
+        if not running:
+            return
+        diagnoses = control.diagnose(running, 5.0)
+        for rank in running:
+            payloads[rank] = (diagnoses.get(rank) or {}).get("recording")
+            why_incomplete[rank] = why
+        execution.queue_behind(api.recording_stop, running)
 
 
 def gather_replica_differences(execution: RankExecution, payloads: dict[int, dict | None], offsets_ns: dict[int, int],

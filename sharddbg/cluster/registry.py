@@ -42,13 +42,27 @@ CLUSTER_ID_PREFIX = "sdbg-"
 # the same command line.
 CLUSTER_PROGRAMS = ("sharddbg.cluster._zygote", "ipyparallel.controller")
 
+# write_private writes here first; temporary files older than this are left-overs (prune_temp_files).
+TEMP_SUFFIX = ".tmp"
+STALE_TEMP_S = 60.0
+
 # psutil derives start times from the boot time, which /proc gives in whole seconds.
 START_TIME_SLACK_S = 2.0
 
 
+# SHARDDBG_HOME's value -> the folder it named when first read: a relative value counts from the working
+# folder of that moment (sharddbg's import), so that a later os.chdir does not start a second state folder.
+_RESOLVED_HOMES: dict[str, Path] = {}
+
+
 def sharddbg_home() -> Path:
-    """The state folder's path (not created: see ``private_dir``)."""
-    return Path(os.environ.get("SHARDDBG_HOME") or Path.home() / ".cache" / "sharddbg")
+    """The state folder's absolute path (not created: see ``private_dir``). A relative ``SHARDDBG_HOME`` is
+    resolved once, against the working folder when it was first read (at import)."""
+    raw = os.environ.get("SHARDDBG_HOME") or ""
+    home = _RESOLVED_HOMES.get(raw)
+    if home is None:
+        home = _RESOLVED_HOMES[raw] = (Path(raw) if raw else Path.home() / ".cache" / "sharddbg").expanduser().absolute()
+    return home
 
 
 def private_dir(path: Path) -> Path:
@@ -134,10 +148,28 @@ def open_private(path, flags: int = os.O_WRONLY | os.O_CREAT | os.O_APPEND) -> i
 
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` (0600) through a temporary file: a reader never sees half of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
-        f.write(text)
-    tmp.replace(path)
+    tmp = path.with_name(path.name + TEMP_SUFFIX)
+    try:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+            f.write(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not leave half a file behind
+        raise
+
+
+def prune_temp_files(older_than_s: float = STALE_TEMP_S) -> list[Path]:
+    """Remove the records' temporary files (``write_private``) older than ``older_than_s``: left by a process
+    killed half-way through a write (a younger one may be another owner's write in progress). The removed."""
+    removed = []
+    for path in clusters_dir().glob(f"*{TEMP_SUFFIX}"):
+        try:
+            if time.time() - path.lstat().st_mtime > older_than_s:
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            continue
+    return removed
 
 
 def make_home_private() -> None:
@@ -265,7 +297,7 @@ class ClusterRecord:
             try:
                 proc = psutil.Process(ref.pid)
                 found[proc.pid] = proc
-                if ref.role in ("controller", "zygote"):
+                if ref.role in ("controller", "zygote", "engine"):  # an engine's: processes a cell started
                     for child in proc.children(recursive=True):
                         found[child.pid] = child
             except psutil.NoSuchProcess:
@@ -349,7 +381,9 @@ def reap(record: ClusterRecord) -> list[int]:
 
 
 def reap_orphans(include_live_owners: bool = False, exclude: set[str] | None = None) -> dict[str, list[int]]:
-    """Reap clusters whose owner died (or every sharddbg cluster with ``include_live_owners``)."""
+    """Reap clusters whose owner died (or every sharddbg cluster with ``include_live_owners``); the records'
+    stale temporary files go too."""
+    prune_temp_files()
     reaped = {}
     for record in all_records():
         if exclude and record.cluster_id in exclude:
@@ -357,3 +391,7 @@ def reap_orphans(include_live_owners: bool = False, exclude: set[str] | None = N
         if include_live_owners or not record.owner_alive():
             reaped[record.cluster_id] = reap(record)
     return reaped
+
+
+# resolved at import: a relative SHARDDBG_HOME counts from the folder sharddbg was imported in
+sharddbg_home()
