@@ -311,7 +311,7 @@ def test_a_model_from_a_module_on_the_ranks_own_path(cl, tmp_path):
         assert r.ok and r.tensors() == ["ck_y", "ck_x.grad", "ck_conv.conv.weight.grad", "ck_conv.conv.bias.grad"], \
             r.verdict
         with pytest.raises(CheckError) as info:
-            cl.check("ck_y = ck_bound(ck_x)", inputs=["ck_x"], model="ck_bound")
+            cl.check("ck_y = ck_bound(ck_x)", inputs=["ck_x"], model="ck_bound", grads=False)
         message = str(info.value)
         assert message.startswith(
             f"the unsharded reference could not rebuild ck_bound: importing module 'ck_rank_bound_model' (the ranks "
@@ -321,4 +321,4 @@ def test_a_model_from_a_module_on_the_ranks_own_path(cl, tmp_path):
             in message and "WORLD = dist.get_world_size()" in message
         # the folder gone from the ranks' path after the import: the module travels by value
         cl.run(f"sys.path.remove({folder!r})")
-        assert cl.check("ck_y = ck_conv(ck_x)", inputs=["ck_x"], model="ck_conv").ok
+        assert cl.check("ck_y = ck_conv(ck_x)", inputs=["ck_x"], model="ck_conv", grads=False).ok

@@ -629,7 +629,7 @@ def _write_bundle(state: CheckState, full_inputs: dict, full_of: dict, values: d
         if how == "module" and reference.found_again(value):
             bundle["modules"][name] = value
         elif how == "module":  # a module the reference could not import by its name: it travels by value
-            copied[name] = sys.modules[value]
+            copied[name] = _namespace()[name]
         elif how == "scatter":
             bundle["scatter_names"].append(name)
         elif how == "no_patches":
