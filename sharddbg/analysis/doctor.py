@@ -2,7 +2,8 @@
 
 Every rank answers ``engine.api.doctor_facts`` (what it reads without communicating: digests of the plain
 parameters, the ShardTensors' shapes and autograd flags, unwaited collectives, optimizers' parameter groups,
-FSDP1 and DDP wrappers) and reads the last trace's ops; ``examine`` compares the ranks' answers and turns them into one row per check:
+FSDP1 and DDP wrappers); ``examine`` compares the ranks' answers, with the last check and the last trace's
+ops, and turns them into one row per check:
 
 1. weights synced over the domain axis (plain parameters equal on every rank of a domain group);
 2. samples kept apart in each domain group: a batch larger than 1 per domain group is a warning (right for
