@@ -257,7 +257,8 @@ def _verification_results():
                                    "what to do " * 4, (0, 1, 2, 3)) for i in range(8)], [])
     smoke = pd.DataFrame([{"config": f"ddp{i}", "ok": i != 3, "outcome": "matches the single-device run",
                            "mesh": "ddp=1 x domain=4", "wrapper": "ddp", "compiled": i % 2 == 0, "training": True,
-                           "expected_error": "", "loss_error": 1e-7, "loss_error_step": 2, "grad_error": 1e-6,
+                           "expected_error": "", "loss_off_step": None, "loss_off_error": float("nan"),
+                           "loss_error": 1e-7, "loss_error_step": 2, "grad_error": 1e-6,
                            "grad_error_param": "net.0.weight", "step_ms": 12.5, "first_step_ms": 80.0,
                            "fallbacks": 3.0, "fallback_ops": "", "collectives_per_step": 12.0,
                            "losses": [1.0, 0.9], "reference_losses": [1.0, 0.9], "about": "a configuration"}

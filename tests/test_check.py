@@ -261,3 +261,64 @@ def test_placing_uneven_shards_in_the_global_tensor():
     assert w.offsets == (0, 0, BOUNDARIES[1], 0) and w.inferred and "dim 2 is whole (66)" in w.inferred[0]
     short = [TensorLayout(l.mesh_ranks, l.coordinate, l.placements, l.local_shape, (1, 2, ROWS + 1, 16)) for l in layouts]
     assert "hold 66 of dim 2's 67" in locate(short[0], short).problem
+
+
+LOCAL_MODEL = """
+import torch
+from torch import nn
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+"""
+RANK_BOUND_MODEL = """
+import torch.distributed as dist
+from torch import nn
+
+WORLD = dist.get_world_size()  # at import: only the ranks have a process group
+
+
+class RankBoundNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x)
+"""
+
+
+def test_a_model_from_a_module_on_the_ranks_own_path(cl, tmp_path):
+    """The ranks import the model's class from a folder they put on their own sys.path (the notebook's process
+    and the reference's never did): the reference takes the ranks' path and folder and rebuilds it; a module the
+    path no longer leads to travels by value; one whose import needs the ranks is named, with its file (its fix,
+    ``cloudpickle.register_pickle_by_value`` on the ranks, is the by-value path tested last)."""
+    (tmp_path / "ck_local_model.py").write_text(LOCAL_MODEL)
+    (tmp_path / "ck_rank_bound_model.py").write_text(RANK_BOUND_MODEL)
+    folder = str(tmp_path)
+    with changed_on_ranks(cl, f"import sys\nsys.path.insert(0, {folder!r})\n"
+                              "from ck_local_model import ConvNet\nfrom ck_rank_bound_model import RankBoundNet\n"
+                              "torch.manual_seed(0)\nck_conv = ConvNet()\nck_bound = RankBoundNet()",
+                          f"sys.path[:] = [p for p in sys.path if p != {folder!r}]\n"
+                          "for _m in ('ck_local_model', 'ck_rank_bound_model'):\n    sys.modules.pop(_m, None)\n"
+                          "del ck_conv, ck_bound"):
+        r = cl.check("ck_y = ck_conv(ck_x)", inputs=["ck_x"], model="ck_conv")
+        assert r.ok and r.tensors() == ["ck_y", "ck_x.grad", "ck_conv.conv.weight.grad", "ck_conv.conv.bias.grad"], \
+            r.verdict
+        with pytest.raises(CheckError) as info:
+            cl.check("ck_y = ck_bound(ck_x)", inputs=["ck_x"], model="ck_bound", grads=False)
+        message = str(info.value)
+        assert message.startswith(
+            f"the unsharded reference could not rebuild ck_bound: importing module 'ck_rank_bound_model' (the ranks "
+            f"imported it from {tmp_path / 'ck_rank_bound_model.py'}) raised ValueError: Default process group has "
+            f"not been initialized"), message
+        assert "Nothing was compared" in message and "cloudpickle.register_pickle_by_value(ck_rank_bound_model)" \
+            in message and "WORLD = dist.get_world_size()" in message
+        # the folder gone from the ranks' path after the import: the module travels by value
+        cl.run(f"sys.path.remove({folder!r})")
+        assert cl.check("ck_y = ck_conv(ck_x)", inputs=["ck_x"], model="ck_conv", grads=False).ok

@@ -1,9 +1,10 @@
 """The pitfall doctor (``Cluster.doctor``, ``%shard_doctor``) on a real 4-rank CPU cluster of its own, mesh
 ddp=2 x domain=2 (domain groups [0, 1] and [2, 3], ddp groups [0, 2] and [1, 3]): a sound set-up has no
-pitfall; then each of the eight mistakes is made for real (unsynced weights, a batch of 2 per domain group,
-a requires_grad flag autograd never sees, an unwaited async collective, an optimizer mixing DTensor and plain
+pitfall; then each of the eight mistakes is made for real (unsynced weights, a reshape that merges a batch of 2
+with the sharded dim, a requires_grad flag autograd never sees, an unwaited async collective, an optimizer mixing DTensor and plain
 parameters in foreach kernels, FSDP1, DDP over the whole world, a gradient reduced twice over the domain
-axis) and the doctor names it, the ranks and the fix.
+axis) and the doctor names it, the ranks and the fix; a batch of 2 through a padded conv, which is right, is
+a warning only.
 """
 
 from __future__ import annotations
@@ -69,11 +70,24 @@ def test_weights_not_synced_over_the_domain_axis(cl):
     assert cl.doctor("dk_lin").status(dr.WEIGHTS_SYNCED) == "ok"
 
 
-def test_a_batch_of_two_per_domain_group(cl):
-    cl.run("dk_xb = sharddbg.engine.scatter(torch.randn(2, 3, 16, 8), dim=2, batch_dim=None)", timeout=30)
-    f = cl.doctor("dk_xb").finding(dr.BATCH_OF_ONE)
-    assert f.severity == "fail" and f.ranks == (0, 1, 2, 3)
-    assert f.sentence == "dk_xb: global shape (2, 3, 16, 8), split along dim 2, a batch of 2 per domain group"
+def test_a_batch_of_two_per_domain_group_through_a_padded_conv_is_a_warning(cl):
+    """physicsnemo's own conv test: a batch of 2 sharded along H, through a padded conv: right (cl.check passes on
+    it), so a warning that names the ops where a batch of 2 would matter, not a failure."""
+    cl.run("torch.manual_seed(0)\n"
+           "dk_xb = sharddbg.engine.scatter(torch.randn(2, 3, 16, 8), dim=2, batch_dim=None, requires_grad=True)\n"
+           "dk_padded = nn.Conv2d(3, 4, 3, padding=1)\n"
+           "dk_yb = dk_padded(dk_xb)", timeout=30)
+    report = cl.doctor("dk_xb", "dk_yb")
+    f = report.finding(dr.SAMPLES_APART)
+    assert f.severity == "warn" and f.ranks == (0, 1, 2, 3) and report.ok
+    assert f.sentence == ("dk_xb: global shape (2, 3, 16, 8), split along dim 2, a batch of 2 per domain group, "
+                          "dk_yb: global shape (2, 4, 16, 8), split along dim 2, a batch of 2 per domain group: right "
+                          "where every op keeps the samples apart (convolutions, normalizations, pointwise ops, a "
+                          "linear over the last dim), at that many times the memory and work per rank; a "
+                          "view/reshape that merges dim 0 with a sharded dim (batch x tokens flattened for a linear "
+                          "or attention) would mix them: no trace yet: record a step (%%shard_trace) and run the "
+                          "doctor again to see whether one does")
+    assert "x.reshape(B, -1, C), not x.reshape(B * N, C)" in f.fix
 
 
 def test_a_requires_grad_flag_that_autograd_never_sees(cl):
@@ -182,18 +196,18 @@ def test_every_variable_by_default_and_the_views(cl):
            "dk_ar2 = funcol.all_reduce(torch.ones(4), 'sum', mesh['domain'].get_group())", timeout=60)
     report = cl.doctor()
     statuses = _statuses(report)
-    assert {c for c, s in statuses.items() if s == "fail"} == {dr.WEIGHTS_SYNCED, dr.BATCH_OF_ONE, dr.REQUIRES_GRAD,
-                                                              dr.ASYNC_WAITED, dr.OPTIMIZER_GROUPS, dr.NO_FSDP1,
-                                                              dr.DDP_GROUP}
-    assert report.verdict.startswith(f"doctor: FAILED (1 ok, 7 fail, 1 skip); {dr.WEIGHTS_SYNCED}: ")  # no trace yet
-    assert report.verdict.endswith("; and 6 more") and not report.ok and len(report.failures()) == 7
+    assert {c for c, s in statuses.items() if s == "fail"} == {dr.WEIGHTS_SYNCED, dr.REQUIRES_GRAD, dr.ASYNC_WAITED,
+                                                              dr.OPTIMIZER_GROUPS, dr.NO_FSDP1, dr.DDP_GROUP}
+    assert statuses[dr.SAMPLES_APART] == "warn"  # the batch of 2: no trace shows an op mixing its samples
+    assert report.verdict.startswith(f"doctor: FAILED (1 ok, 1 warn, 6 fail, 1 skip); {dr.WEIGHTS_SYNCED}: ")
+    assert report.verdict.endswith("; and 5 more") and not report.ok and len(report.failures()) == 6
     view = report.show()
     text = view.text()
     assert text.splitlines()[0] == report.verdict
     assert "fix: DDP(model, process_group=mesh['ddp'].get_group())" in text
     html = view.html()
     shown, _ = InteractiveShell.instance().display_formatter.format(report)  # what a notebook shows for it
-    assert html.count('class="sd-doctor-fail"') == 7 and shown["text/html"] == html
+    assert html.count('class="sd-doctor-fail"') == 6 and shown["text/html"] == html
     assert shown["text/plain"] == report.verdict
     cl.run("dk_ar2 = dk_ar2.wait()", timeout=30)
 
@@ -211,3 +225,27 @@ def test_shard_doctor_magic_and_bad_names(cl):
         cl.doctor("dk_x", "dk_nope")
     with pytest.raises(DoctorError, match="takes names of variables on the ranks"):
         cl.doctor("1x")
+
+
+def test_a_reshape_that_merges_the_batch_with_the_sharded_dim_mixes_samples(cl):
+    """Tokens (batch 2, 16 sharded, 8) reshaped to rows (32, 8) for a linear: ShardTensor calls the result a plain
+    shard of the 32 rows, but each rank holds rows of both samples; the doctor names that op from the last trace
+    (this test comes last: the trace stays the cluster's last one)."""
+    cl.run("torch.manual_seed(0)\n"
+           "dk_tokens = sharddbg.engine.scatter(torch.randn(2, 16, 8), dim=1, batch_dim=None)\n"
+           "dk_proj = nn.Linear(8, 4)", timeout=30)
+    cl.trace("dk_out = dk_proj(dk_tokens)", timeout=60)  # a linear over the last dim keeps the samples apart
+    f = cl.doctor("dk_tokens").finding(dr.SAMPLES_APART)
+    assert f.severity == "warn" and f.sentence.endswith("would mix them: the last trace saw no op merge them")
+    cl.trace("dk_rows = dk_tokens.reshape(32, 8)\ndk_out = dk_proj(dk_rows)", timeout=60)
+    report = cl.doctor("dk_tokens")
+    f = report.finding(dr.SAMPLES_APART)
+    assert f.severity == "fail" and f.ranks == (0, 1, 2, 3) and not report.ok
+    assert f.sentence.startswith("in the last trace, Tensor.reshape (cell ["), f.sentence
+    assert f.sentence.endswith(", line 1: `dk_rows = dk_tokens.reshape(32, 8)`) merged the batch (2 samples) with "
+                               "sharded dim 1: (2, 16, 8) S(1) -> (32, 8) S(0) on ranks 0-3; each rank's shard now "
+                               "holds rows of every sample, which the spec places as consecutive rows of one: the "
+                               "samples are mixed (cl.check on that cell shows where)"), f.sentence
+    # the numerical check agrees: the merged rows differ from the unsharded reference's
+    check = cl.check("dk_rows = dk_tokens.reshape(32, 8)", inputs=["dk_tokens"], grads=False)
+    assert not check.ok and check.failures()["tensor"].tolist() == ["dk_rows"] * 4

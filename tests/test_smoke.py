@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 
 from sharddbg.cluster.smoke import (
@@ -192,16 +193,24 @@ def test_a_port_that_runs_but_is_wrong_is_caught(cl):
     wrong = table.loc["domain=4"]
     # the gradient is N times the single device's: its error is N - 1 times its largest value
     assert wrong["grad_error"] == pytest.approx(N - 1, rel=1e-3) and wrong["grad_error_param"].startswith("0.weight")
-    # the first step's loss is right (the weights are the same), the later ones drift
-    assert wrong["loss_error_step"] > 0 and wrong["loss_error"] > 1e-3
-    assert wrong["outcome"] == (f"loss off by {wrong['loss_error']:.1e} (relative) at step "
-                                f"{wrong['loss_error_step']}; gradient of {wrong['grad_error_param']} off by "
-                                f"{wrong['grad_error']:.1e} (relative to its largest value), beyond rtol 0.001")
+    # the first step's loss is right (the weights are the same), the later ones drift: the run departs at step 1
+    # (the first step beyond rtol, named first: where to look), and is worst at step 2
+    errors = [abs(a - b) / abs(b) for a, b in zip(wrong["losses"], wrong["reference_losses"])]
+    assert errors[0] <= 1e-3 < errors[1] < errors[2], errors
+    assert (wrong["loss_off_step"], wrong["loss_error_step"]) == (1, 2)
+    assert wrong["loss_off_error"] == pytest.approx(errors[1]) and wrong["loss_error"] == pytest.approx(errors[2])
+    assert wrong["outcome"] == (f"loss off from step 1 (by {errors[1]:.1e}, relative; worst {errors[2]:.1e} at step "
+                                f"2); gradient of {wrong['grad_error_param']} off by {wrong['grad_error']:.1e} "
+                                f"(relative to its largest value), beyond rtol 0.001")
+    assert table.loc["single-device", "loss_off_step"] is pd.NA
+    # the view names the step where the run departs in its own column
+    assert "loss off from step" in result.show().text().splitlines()[1]
     assert table.loc["domain=4, said to fail", "outcome"] == "should have failed with ScatterError, but ran to the end"
     mesh = table.loc["invalid mesh domain=3"]
     assert mesh["ok"] and mesh["outcome"].startswith("failed as expected: MeshError: ")
     assert math.isnan(mesh["step_ms"]) and mesh["losses"] is None
-    assert result.verdict.startswith("smoke matrix on 4 ranks: 2 of 4 configurations wrong: domain=4: loss off by ")
+    assert result.verdict.startswith("smoke matrix on 4 ranks: 2 of 4 configurations wrong: domain=4: loss off from "
+                                     "step 1 ")
     assert "✖" in result.show().text()
     assert cl.mesh.shape == (1, N)
 
@@ -210,7 +219,7 @@ def test_inference_without_the_halo_is_caught_with_its_fallback(cl):
     result = cl.smoke(setup, step_without_conv_patch, ["domain=4, inference"], steps=2)
     row = result.table.loc["domain=4, inference"]
     assert not result.ok and not row["training"] and math.isnan(row["grad_error"])
-    assert row["loss_error"] > 1e-3 and row["outcome"].startswith("loss off by ")
+    assert row["loss_error"] > 1e-3 and row["outcome"].startswith("loss off from step ")
     # the single-device forward is the reference; the recorded step shows every conv taking the fallback
     assert row["reference_losses"] is not None and len(row["losses"]) == 2
     assert row["fallbacks"] >= 2 and "conv" in row["fallback_ops"]

@@ -883,7 +883,8 @@ def test_every_template_escapes_trace_text(tmp_path):
                            "compared": "local shard", "row_dim": 0, "note": HOSTILE} for r in range(N)],
                          columns=CHECK_COLUMNS)
     smoke = pd.DataFrame([{"config": HOSTILE, "ok": False, "outcome": HOSTILE, "mesh": HOSTILE, "wrapper": "none",
-                           "compiled": False, "training": True, "expected_error": "", "loss_error": 1.0,
+                           "compiled": False, "training": True, "expected_error": "", "loss_off_step": 0,
+                           "loss_off_error": 1.0, "loss_error": 1.0,
                            "loss_error_step": 0, "grad_error": 1.0, "grad_error_param": HOSTILE, "step_ms": 1.0,
                            "first_step_ms": 2.0, "fallbacks": 0.0, "fallback_ops": HOSTILE,
                            "collectives_per_step": 1.0, "losses": [1.0], "reference_losses": [0.5],

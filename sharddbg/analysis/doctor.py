@@ -2,10 +2,13 @@
 
 Every rank answers ``engine.api.doctor_facts`` (what it reads without communicating: digests of the plain
 parameters, the ShardTensors' shapes and autograd flags, unwaited collectives, optimizers' parameter groups,
-FSDP1 and DDP wrappers); ``examine`` compares the ranks' answers and turns them into one row per check:
+FSDP1 and DDP wrappers); ``examine`` compares the ranks' answers, with the last check and the last trace's
+ops, and turns them into one row per check:
 
 1. weights synced over the domain axis (plain parameters equal on every rank of a domain group);
-2. a batch of 1 per domain group;
+2. samples kept apart in each domain group: a batch larger than 1 per domain group is a warning (right for
+   ops that keep the samples apart, at a cost; ops that flatten the batch with a sharded dim would mix
+   them), a failure where the last trace saw an op do it (``sample_mixes``);
 3. ``requires_grad`` of ShardTensor leaves reaching autograd;
 4. async collectives waited;
 5. optimizer parameter groups not mixing distributed and plain parameters in foreach kernels;
@@ -23,6 +26,8 @@ Each row: ``ok``, ``warn`` (a risk, or right here but wrong elsewhere), ``fail``
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -40,7 +45,7 @@ __all__ = ["DoctorReport", "Finding", "examine", "TABLE_COLUMNS", "CHECKS", "STA
 TABLE_COLUMNS = ["check", "status", "found", "fix", "ranks"]
 STATUSES = ("ok", "warn", "fail", "skip")
 WEIGHTS_SYNCED = "weights synced over the domain axis"
-BATCH_OF_ONE = "batch of 1 per domain group"
+SAMPLES_APART = "samples kept apart in each domain group"
 REQUIRES_GRAD = "requires_grad of ShardTensor leaves"
 ASYNC_WAITED = "async collectives waited"
 OPTIMIZER_GROUPS = "optimizer groups by tensor type"
@@ -48,15 +53,16 @@ NO_FSDP1 = "no FSDP1"
 DDP_GROUP = "DDP over the ddp axis only"
 REDUCED_ONCE = "gradients reduced once over the domain axis"
 PLAN_CACHE = "redistribution plan cache without stale entries"
-CHECKS = (WEIGHTS_SYNCED, BATCH_OF_ONE, REQUIRES_GRAD, ASYNC_WAITED, OPTIMIZER_GROUPS, NO_FSDP1, DDP_GROUP,
+CHECKS = (WEIGHTS_SYNCED, SAMPLES_APART, REQUIRES_GRAD, ASYNC_WAITED, OPTIMIZER_GROUPS, NO_FSDP1, DDP_GROUP,
           REDUCED_ONCE, PLAN_CACHE)
 
 FIXES = {
     WEIGHTS_SYNCED: ("broadcast every plain parameter from the domain group's first rank at start-up (before "
                      "wrapping): g = mesh['domain'].get_group(); for p in model.parameters(): "
                      "dist.broadcast(p.data, src=dist.get_process_group_ranks(g)[0], group=g)"),
-    BATCH_OF_ONE: ("keep a batch of 1 per domain group (ops such as linear flatten batch x sequence) and scale the "
-                   "batch over the ddp axis: each ddp rank its own sample"),
+    SAMPLES_APART: ("a batch of 1 per domain group, the batch scaled over the ddp axis (each ddp rank its own "
+                    "sample), avoids the cost and the risk; where a larger batch stays, keep dim 0 out of every "
+                    "view/reshape that merges a sharded dim: x.reshape(B, -1, C), not x.reshape(B * N, C)"),
     REQUIRES_GRAD: ("create the leaf with the flag: sharddbg.engine.scatter(t, dim, requires_grad=True) or "
                     "scatter_tensor(..., requires_grad=True); never set it on the local tensor"),
     ASYNC_WAITED: "call .wait() (or to_local()) on every AsyncCollectiveTensor before dropping or reusing it",
@@ -103,7 +109,7 @@ class DoctorReport:
     >>> rep.table[["check", "status"]]
                                                  check status
     0              weights synced over the domain axis   fail
-    1                      batch of 1 per domain group     ok
+    1          samples kept apart in each domain group     ok
     2              requires_grad of ShardTensor leaves     ok
     3                         async collectives waited     ok
     4                  optimizer groups by tensor type   skip
@@ -243,7 +249,7 @@ class DoctorReport:
         doctor: FAILED (4 ok, 1 fail, 4 skip); weights synced over the domain axis: 2 of 2 plain parameters ...
         ✖ fail  weights synced over the domain axis: 2 of 2 plain parameters differ across the ranks of a ...
                 fix: broadcast every plain parameter from the domain group's first rank at start-up ...
-        ✔ ok    batch of 1 per domain group: every sharded activation has a batch (dim 0) of 1
+        ✔ ok    samples kept apart in each domain group: every sharded activation has a batch (dim 0) of 1
         ...
         """
         return self.show().text()
@@ -270,7 +276,7 @@ class DoctorReport:
 def examine(facts: list[dict], check: CheckResult | None, trace: Trace | None, names: list[str]) -> DoctorReport:
     """Every check over the ranks' ``facts`` (``engine.api.doctor_facts``, one per rank), the last numerical
     ``check`` and the last ``trace`` (either None when there is none); ``names``: the variables examined."""
-    findings = [weights_synced(facts), batch_of_one(facts), requires_grad(facts), async_waited(facts),
+    findings = [weights_synced(facts), samples_apart(facts, trace), requires_grad(facts), async_waited(facts),
                 optimizer_groups(facts), no_fsdp1(facts), ddp_group(facts), reduced_once(check),
                 plan_cache(trace, facts)]
     return DoctorReport(findings, list(names))
@@ -336,9 +342,104 @@ def weights_synced(facts: list[dict]) -> Finding:
                                 f"domain group", FIXES[check])
 
 
-def batch_of_one(facts: list[dict]) -> Finding:
-    """ShardTensors of 3+ dims split along some dim other than 0 whose dim 0 (the batch) is larger than 1."""
-    check = BATCH_OF_ONE
+# view-like ops: they regroup dims without moving data, so the dims they merge can be read off the shapes
+_VIEW_OPS = re.compile(r"(^|\.)(view|reshape|_unsafe_view|_reshape_alias|flatten|view_as|reshape_as)(\.|$)")
+# a plain Shard(d) as the trace writes it ("S(1)", or "Shard(dim=1)" from older torch; a strided shard is
+# "_S(0, 2)"), and each placement of a placements string such as "(S(1), R)"
+_SHARD = re.compile(r"^(?:S\((\d+)\)|Shard\(dim=(\d+)\))$")
+_PLACEMENT = re.compile(r"_?[A-Za-z]+(?:\([^()]*\))?")
+
+
+def _placements(text) -> list[str]:
+    return _PLACEMENT.findall(text) if isinstance(text, str) else []
+
+
+def _shard_dim(placement: str) -> int | None:
+    match = _SHARD.match(placement)
+    return None if match is None else int(match.group(1) or match.group(2))
+
+
+@dataclass
+class SampleMix:
+    """An op call of a trace that merged the batch (dim 0, more than one sample) with a sharded dim and
+    called the result a plain Shard of the merged dim: each rank's shard then holds rows of every sample,
+    which the spec places as consecutive rows of the merged dim (any op along it, and ``full_tensor()``,
+    mixes the samples)."""
+
+    op: str
+    location: str
+    ranks: tuple[int, ...]
+    samples: int
+    sharded_dim: int
+    before: str  # "(2, 16, 8) S(1)": the input's global shape and placements
+    after: str  # "(32, 8) S(0)"
+
+
+def _batch_group(old: list[int], new: list[int]) -> tuple[range, range] | None:
+    """The dims of ``old`` and of ``new`` that a view merges with (or splits from) dim 0: the shortest
+    leading runs whose sizes multiply to the same number; None where the shapes do not correspond."""
+    if not old or not new or 0 in old or 0 in new:
+        return None
+    i = j = 0
+    left, right = old[0], new[0]
+    while left != right:
+        if left < right and i + 1 < len(old):
+            i += 1
+            left *= old[i]
+        elif right < left and j + 1 < len(new):
+            j += 1
+            right *= new[j]
+        else:
+            return None
+    return range(i + 1), range(j + 1)
+
+
+def sample_mixes(ops: pd.DataFrame) -> list[SampleMix]:
+    """The view-like op calls of a trace's ops (``Trace.get_ops()``) that mixed samples (``SampleMix``), one
+    per op and place in the code, with the ranks that made it. A merge whose result DTensor records as a
+    strided shard, or that replicated the tensor first, keeps the samples right (it only costs)."""
+    found: dict[tuple[str, str], SampleMix] = {}
+    if ops is None or ops.empty:
+        return []
+    for row in ops.itertuples(index=False):
+        if not _VIEW_OPS.search(str(row.op)) or not row.in_global_shapes or row.out_global_shape is None:
+            continue
+        old, new = list(row.in_global_shapes[0] or []), list(row.out_global_shape or [])
+        before = _placements((row.in_placements or [None])[0])
+        after = _placements(row.placements)
+        if not before or len(before) != len(after) or len(old) < 2 or old[0] < 2:
+            continue
+        group = _batch_group(old, new)
+        if group is None:
+            continue
+        for p_in, p_out in zip(before, after):  # mesh dim by mesh dim
+            dim, out_dim = _shard_dim(p_in), _shard_dim(p_out)
+            if dim is None or out_dim is None or dim == 0 or dim not in group[0] or out_dim not in group[1]:
+                continue
+            location = row.location if isinstance(row.location, str) else ""
+            mix = found.setdefault((str(row.op), location), SampleMix(
+                str(row.op), location, (), int(old[0]), dim, f"{tuple(old)} {', '.join(before)}",
+                f"{tuple(new)} {', '.join(after)}"))
+            mix.ranks = tuple(sorted(set(mix.ranks) | {int(row.rank)}))
+            break
+    return list(found.values())
+
+
+def samples_apart(facts: list[dict], trace=None) -> Finding:
+    """A batch (dim 0) larger than 1 in the sharded activations of the ranks (ShardTensors of 3+ dims split
+    along a dim other than 0): right for ops that keep the samples apart, so a warning that names the ops
+    where it matters; a failure where the last ``trace`` saw a view-like op merge the batch with a sharded
+    dim into a plain shard (``sample_mixes``): there the samples are mixed."""
+    check = SAMPLES_APART
+    mixes = sample_mixes(trace.get_ops()) if trace is not None else []
+    if mixes:
+        parts = [f"{m.op} ({m.location or 'no place recorded'}) merged the batch ({m.samples} samples) with "
+                 f"sharded dim {m.sharded_dim}: {m.before} -> {m.after} on {ranks_text(m.ranks)}" for m in mixes]
+        ranks = sorted({r for m in mixes for r in m.ranks})
+        return Finding(check, "fail", f"in the last trace, {_listed(parts)}; each rank's shard now holds rows of "
+                                      f"every sample, which the spec places as consecutive rows of one: the "
+                                      f"samples are mixed (cl.check on that cell shows where)", FIXES[check],
+                       tuple(ranks))
     seen: dict[str, tuple[dict, set]] = {}
     any_sharded = False
     for f in facts:
@@ -355,7 +456,13 @@ def batch_of_one(facts: list[dict]) -> Finding:
                  f"{', '.join(map(str, t['sharded_dims']))}, a batch of {t['global_shape'][0]} per domain group"
                  for name, (t, _) in seen.items()]
         ranks = sorted({r for _, rs in seen.values() for r in rs})
-        return Finding(check, "fail", _listed(parts), FIXES[check], tuple(ranks))
+        seen_by_trace = ("the last trace saw no op merge them" if trace is not None else
+                         "no trace yet: record a step (%%shard_trace) and run the doctor again to see whether one does")
+        return Finding(check, "warn", f"{_listed(parts)}: right where every op keeps the samples apart "
+                                      f"(convolutions, normalizations, pointwise ops, a linear over the last dim), "
+                                      f"at that many times the memory and work per rank; a view/reshape that "
+                                      f"merges dim 0 with a sharded dim (batch x tokens flattened for a linear or "
+                                      f"attention) would mix them: {seen_by_trace}", FIXES[check], tuple(ranks))
     return Finding(check, "ok", "every sharded activation has a batch (dim 0) of 1", FIXES[check])
 
 

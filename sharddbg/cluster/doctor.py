@@ -8,7 +8,7 @@ check (``sharddbg.analysis.doctor`` lists them).
 from __future__ import annotations
 
 from ..analysis.check import CheckResult
-from ..analysis.doctor import (ASYNC_WAITED, BATCH_OF_ONE, CHECKS, DDP_GROUP, FIXES, NO_FSDP1, OPTIMIZER_GROUPS,
+from ..analysis.doctor import (ASYNC_WAITED, SAMPLES_APART, CHECKS, DDP_GROUP, FIXES, NO_FSDP1, OPTIMIZER_GROUPS,
                                PLAN_CACHE, REDUCED_ONCE, REQUIRES_GRAD, STATUSES, TABLE_COLUMNS, WEIGHTS_SYNCED,
                                DoctorReport, Finding, examine, ranks_text)
 from ..engine import api
@@ -18,7 +18,7 @@ from . import arguments
 from .execution import RankExecution
 
 __all__ = ["DoctorError", "DoctorReport", "Finding", "run_doctor", "TABLE_COLUMNS", "CHECKS", "STATUSES", "FIXES",
-           "WEIGHTS_SYNCED", "BATCH_OF_ONE", "REQUIRES_GRAD", "ASYNC_WAITED", "OPTIMIZER_GROUPS", "NO_FSDP1", "DDP_GROUP",
+           "WEIGHTS_SYNCED", "SAMPLES_APART", "REQUIRES_GRAD", "ASYNC_WAITED", "OPTIMIZER_GROUPS", "NO_FSDP1", "DDP_GROUP",
            "REDUCED_ONCE", "PLAN_CACHE"]
 
 

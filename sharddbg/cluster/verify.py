@@ -165,6 +165,8 @@ def _run_reference(job_dir: str, job: dict, timeout: float) -> dict[int, float |
         if os.path.exists(error_file):
             with open(error_file) as f:
                 failure = json.load(f)
+            if failure["what"] == reference.REBUILDING:
+                raise CheckError(_rebuild_message(failure))
             where = f" (line {failure['line']} of the statement: `{failure['code']}`)" if failure.get("line") else ""
             if failure["what"] == "the loss":
                 where = f" (the loss: `{job['loss']}`)" if job.get("loss") else ""
@@ -176,6 +178,37 @@ def _run_reference(job_dir: str, job: dict, timeout: float) -> dict[int, float |
                          f"{(done.stderr or '').strip()[-2000:]}")
     with open(os.path.join(job_dir, reference.LOSSES_FILE)) as f:
         return {int(group): loss for group, loss in json.load(f).items()}
+
+
+def _rebuild_message(failure: dict) -> str:
+    """Why the reference could not rebuild what the ranks hold: the module and where the ranks found it, what
+    raised, then what it means and how to fix it."""
+    names = failure.get("names") or []
+    what = ", ".join(names) if names else "the values the statement reads"
+    module = failure.get("module")
+    found = f" (the ranks imported it from {failure['module_file']})" if failure.get("module_file") else ""
+    if module and failure["type"] == "ModuleNotFoundError" and failure["message"].endswith(f"'{module}'"):
+        cause = (f"the unsharded reference could not rebuild {what}: there is no module named {module!r} in its "
+                 f"process{found}, although it ran with the ranks' sys.path and working directory "
+                 f"({failure.get('cwd')})")
+    elif module:
+        cause = f"the unsharded reference could not rebuild {what}: importing module {module!r}{found} raised " \
+                f"{failure['message']}"
+    else:
+        cause = f"the unsharded reference could not rebuild {what}: loading them raised {failure['message']}"
+    target = module or "the module"
+    fix = (f"Nothing was compared. The reference is one process started by the notebook's Python, without "
+           f"torch.distributed or the mesh: make {target} importable there without the ranks (code at its top "
+           f"level that needs them belongs in a function), or have it travel by value instead: on the ranks, "
+           f"`import cloudpickle, {target}; cloudpickle.register_pickle_by_value({target})`"
+           if module else
+           "Nothing was compared. Define the class in a cell (it travels by value) or make its module importable "
+           "in one process started by the notebook's Python")
+    lines = failure.get("traceback", "").rstrip().splitlines()
+    file = failure.get("module_file")
+    start = next((i for i, line in enumerate(lines) if file and line.strip().startswith(f'File "{file}"')),
+                 max(len(lines) - 8, 0))  # from the module's own code on, where it is known
+    return f"{cause.rstrip('.')}. {fix}.\nTraceback (the reference):\n" + "\n".join(lines[start:])
 
 
 def _user_lines(traceback_text: str) -> str:

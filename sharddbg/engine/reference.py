@@ -8,24 +8,38 @@ loss, the names), runs the statement on plain tensors with ``sharddbg.engine.sca
 writes ``group<g>/reference.pt`` (outputs and gradients) for the ranks to compare against. A failure is
 written to ``reference-error.json`` (what raised, where in the statement), and the exit status is 1.
 
+The reference sees what the ranks see: the group's first rank also writes ``group<g>/environment.json``
+(its ``sys.path``, its working directory, and the modules the bundle refers to, with the file each came
+from), and the reference takes that path and directory before it loads the bundle, so a model whose class
+lives in a module the ranks imported from their own path (``sys.path.insert(0, "examples/..."); from model
+import Net``) is rebuilt from the same file. A module that path would not lead back to (made in memory,
+loaded from a file by another name, its folder gone from the path) travels inside the bundle, by value, as
+classes and functions of the user's cells always do. What still cannot be rebuilt (a module whose top-level
+code needs the ranks) is written to ``reference-error.json`` with the module and where the ranks found it.
+
 The same module holds what both sides must agree on: how tensors cross in the bundle (``BundlePickler`` on
-the rank, ``rebuild_tensor`` here), the default loss and the names of the files.
+the rank, ``rebuild_tensor`` here), the environment file, the default loss and the names of the files.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 import os
 import pickle
 import sys
 import traceback
+import types
+from dataclasses import asdict, dataclass, field
 
 JOB_FILE = "job.json"
 BUNDLE_FILE = "bundle.pkl"
+ENVIRONMENT_FILE = "environment.json"  # the ranks' sys.path, working directory and the bundle's modules
 REFERENCE_FILE = "reference.pt"
 ERROR_FILE = "reference-error.json"
 LOSSES_FILE = "reference-losses.json"  # {group: the reference's loss value}
+REBUILDING = "rebuilding the ranks' values"  # the ``what`` of a failure to load the bundle
 STATEMENT_FILENAME = "<statement>"  # what tracebacks of the reference call the user's statement
 LOSS_FILENAME = "<loss>"
 
@@ -69,11 +83,15 @@ def _bundle_pickler_class():
     class BundlePickler(cloudpickle.Pickler):
         """cloudpickle (classes and functions of the user's cells travel by value) where every tensor
         becomes a plain CPU leaf rebuilt by ``rebuild_tensor``: a distributed one by the full tensor
-        gathered for it beforehand (``full_of``: id -> full tensor), any other by its detached data."""
+        gathered for it beforehand (``full_of``: id -> full tensor), any other by its detached data.
+        ``modules`` collects the name of every module whose classes, functions or self the pickle refers
+        to; with ``with_data=False`` tensors carry no data (a scan: what would be pickled, cheaply)."""
 
-        def __init__(self, file, full_of: dict):
+        def __init__(self, file, full_of: dict, with_data: bool = True):
             super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
             self.full_of = full_of
+            self.with_data = with_data
+            self.modules: dict[str, None] = {}  # insertion-ordered set
             self.plain_ids: set[int] = set()
             self.keep: list = []  # the plain copies stay alive while pickling, so no id is reused
 
@@ -82,10 +100,12 @@ def _bundle_pickler_class():
 
             if isinstance(obj, torch.Tensor) and id(obj) not in self.plain_ids:
                 data = self.full_of.get(id(obj))
+                if data is None and is_distributed(obj):
+                    raise pickle.PicklingError(
+                        f"a {type(obj).__name__} of global shape {tuple(obj.shape)} that the check did not gather")
+                if not self.with_data:
+                    return tuple, ()
                 if data is None:
-                    if is_distributed(obj):
-                        raise pickle.PicklingError(
-                            f"a {type(obj).__name__} of global shape {tuple(obj.shape)} that the check did not gather")
                     wait = getattr(obj, "wait", None)  # an AsyncCollectiveTensor: its result
                     data = wait() if callable(wait) and type(obj) is not torch.Tensor else obj
                 data = data.detach().cpu()
@@ -95,16 +115,117 @@ def _bundle_pickler_class():
                 self.plain_ids.add(id(data))
                 self.keep.append(data)
                 return rebuild_tensor, (data, isinstance(obj, torch.nn.Parameter), bool(obj.requires_grad))
+            if isinstance(obj, (type, types.FunctionType)):
+                module = getattr(obj, "__module__", None)
+                if isinstance(module, str):
+                    self.modules.setdefault(module)
+            elif isinstance(obj, types.ModuleType):
+                self.modules.setdefault(obj.__name__)
             return super().reducer_override(obj)
 
     return BundlePickler
 
 
-def dumps_bundle(obj, full_of: dict) -> bytes:
-    """``obj`` as the reference process will load it (see ``BundlePickler``)."""
+@dataclass
+class Pickled:
+    """A value as the bundle carries it: its bytes (empty after a scan) and the modules it refers to."""
+
+    data: bytes
+    modules: list[str]
+
+
+def dumps_bundle(obj, full_of: dict, *, with_data: bool = True) -> Pickled:
+    """``obj`` as the reference process will load it (see ``BundlePickler``); ``with_data=False``: a scan,
+    the modules only (it raises where the real pickle would)."""
     buffer = io.BytesIO()
-    _bundle_pickler_class()(buffer, full_of).dump(obj)
-    return buffer.getvalue()
+    pickler = _bundle_pickler_class()(buffer, full_of, with_data)
+    pickler.dump(obj)
+    return Pickled(buffer.getvalue() if with_data else b"", list(pickler.modules))
+
+
+# ---- the modules a bundle refers to -----------------------------------------------------------------------
+@dataclass
+class ModuleOrigin:
+    """A module the bundle refers to, as the ranks have it."""
+
+    name: str
+    file: str | None  # where the ranks loaded it from (None: built in, or made in memory)
+    by_value: bool  # carried inside the bundle: the ranks' sys.path would not lead a new process back to it
+    names: list[str] = field(default_factory=list)  # the statement's variables (models, values) that reach it
+
+
+@dataclass
+class RankEnvironment:
+    """What the reference process takes from the group's first rank before loading the bundle."""
+
+    sys_path: list[str]
+    cwd: str
+    modules: list[ModuleOrigin]
+
+    @classmethod
+    def read(cls, path: str) -> "RankEnvironment":
+        with open(path) as f:
+            raw = json.load(f)
+        return cls(raw["sys_path"], raw["cwd"], [ModuleOrigin(**m) for m in raw["modules"]])
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f)
+
+    def origin(self, module: str | None) -> ModuleOrigin | None:
+        """The module ``module`` names (or its package, or one of its submodules), as the ranks have it."""
+        if not module:
+            return None
+        for candidate in self.modules:
+            if candidate.name == module:
+                return candidate
+        for candidate in self.modules:
+            if candidate.name.startswith(module + ".") or module.startswith(candidate.name + "."):
+                return candidate
+        return None
+
+
+def _same_place(spec, module) -> bool:
+    """Whether ``spec`` (what a finder found for the module's name) loads ``module``'s own file or folder."""
+    mine = getattr(module, "__file__", None)
+    if spec.origin and mine and spec.has_location:
+        return os.path.realpath(spec.origin) == os.path.realpath(mine)
+    found = {os.path.realpath(p) for p in (spec.submodule_search_locations or ())}
+    return bool(found & {os.path.realpath(p) for p in (getattr(module, "__path__", None) or ())})
+
+
+def found_again(module_name: str) -> bool:
+    """Whether a new process with this process's ``sys.path`` and working directory would import the module
+    ``module_name`` from where this one has it (judged by its top-level package: a built-in one, or one the
+    import system's finders lead back to the same file). ``__main__`` never is (cloudpickle carries its
+    classes and functions by value)."""
+    top = module_name.partition(".")[0]
+    module = sys.modules.get(top)
+    if top == "__main__" or module is None:
+        return False
+    if top in sys.builtin_module_names:
+        return True
+    spec = getattr(module, "__spec__", None)
+    if spec is not None and spec.origin in ("built-in", "frozen"):
+        return True
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        try:
+            found = find_spec(top, None)
+        except Exception:  # noqa: BLE001 - a finder that cannot answer for this name leads nowhere
+            continue
+        if found is not None:
+            return _same_place(found, module)
+    return False
+
+
+def by_value_unit(module_name: str) -> str:
+    """The module to register for pickling by value so that ``module_name`` travels by value: its top-level
+    package where the ranks have it (its submodules refer to each other), else the module itself."""
+    top = module_name.partition(".")[0]
+    return top if top in sys.modules else module_name
 
 
 def is_distributed(tensor) -> bool:
@@ -183,11 +304,43 @@ def _failure(group: int, what: str, exc: BaseException, source: str, filename: s
                              "line": line, "code": text, "traceback": "".join(frames)})
 
 
+def _enter(environment: RankEnvironment) -> None:
+    """The ranks' working directory and ``sys.path`` (theirs first, then this process's own entries), so that
+    the bundle's modules are imported from where the ranks imported them."""
+    if environment.cwd and os.path.isdir(environment.cwd):
+        os.chdir(environment.cwd)
+    sys.path[:] = list(dict.fromkeys(list(environment.sys_path) + sys.path))
+    importlib.invalidate_caches()
+
+
+def _rebuild_failure(group: int, exc: BaseException, environment: RankEnvironment,
+                     variables: list[str] | None = None) -> ReferenceFailure:
+    """Loading the bundle (or importing a module the statement reads) raised: which module, where the ranks
+    found it, and the variables that need it."""
+    origin = None
+    module = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    if module:
+        origin = environment.origin(module)
+    if origin is None:  # raised by a module's top-level code while it was imported: the innermost such frame
+        files = {os.path.realpath(m.file): m for m in environment.modules if m.file}
+        for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+            origin = files.get(os.path.realpath(frame.filename)) if frame.name == "<module>" else None
+            if origin is not None:
+                break
+    if origin is not None:
+        module = origin.name
+    names = variables if variables is not None else (origin.names if origin is not None else [])
+    frames = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    return ReferenceFailure({"group": group, "what": REBUILDING, "type": type(exc).__name__,
+                             "message": f"{type(exc).__name__}: {exc}", "line": None, "code": "",
+                             "module": module, "module_file": origin.file if origin is not None else None,
+                             "by_value": bool(origin is not None and origin.by_value), "names": list(names),
+                             "cwd": environment.cwd, "traceback": "".join(frames)})
+
+
 def run_group(job: dict, job_dir: str, group: int) -> float | None:
     """The statement for one domain group, unsharded; its outputs and gradients to ``reference.pt``; the
     loss value (None without a backward by the check)."""
-    import importlib
-
     import torch
 
     import sharddbg
@@ -196,12 +349,20 @@ def run_group(job: dict, job_dir: str, group: int) -> float | None:
     # in this process only: the statement's scatter is the identity, and there are no patches to remove
     sharddbg.engine.scatter = identity_scatter
     sharddbg.engine.without_patches = _NoPatchesToRemove
-    with open(os.path.join(group_dir(job_dir, group), BUNDLE_FILE), "rb") as f:
-        bundle = pickle.load(f)
+    environment = RankEnvironment.read(os.path.join(group_dir(job_dir, group), ENVIRONMENT_FILE))
+    _enter(environment)
+    try:
+        with open(os.path.join(group_dir(job_dir, group), BUNDLE_FILE), "rb") as f:
+            bundle = pickle.load(f)
+    except Exception as exc:  # noqa: BLE001 - a module the bundle needs: named, with where the ranks had it
+        raise _rebuild_failure(group, exc, environment) from None
     namespace: dict = {"__name__": "__main__", "__builtins__": __builtins__}
     namespace.update(torch=torch, nn=torch.nn, F=torch.nn.functional, sharddbg=sharddbg)
     for name, module_name in bundle["modules"].items():
-        namespace[name] = importlib.import_module(module_name)
+        try:
+            namespace[name] = importlib.import_module(module_name)
+        except Exception as exc:  # noqa: BLE001 - as above
+            raise _rebuild_failure(group, exc, environment, [name]) from None
     for name in bundle["scatter_names"]:
         namespace[name] = identity_scatter
     for name in bundle["no_patches_names"]:

@@ -618,12 +618,18 @@ def _set_grads_aside(state: CheckState) -> None:
 
 
 def _write_bundle(state: CheckState, full_inputs: dict, full_of: dict, values: dict, rng) -> None:
-    """The group's bundle for the reference process (see ``engine.reference``)."""
+    """The group's bundle for the reference process, and what the reference must take from this rank to
+    load it: ``sys.path``, the working directory, the modules the bundle refers to (see ``engine.reference``)."""
+    import cloudpickle
+
     bundle = {"inputs": full_inputs, "models": state.models, "rng": rng, "values": {}, "modules": {},
               "scatter_names": [], "no_patches_names": [], "unavailable": {}}
+    copied: dict = {}
     for name, (how, value) in values.items():
-        if how == "module":
+        if how == "module" and reference.found_again(value):
             bundle["modules"][name] = value
+        elif how == "module":  # a module the reference could not import by its name: it travels by value
+            copied[name] = _namespace()[name]
         elif how == "scatter":
             bundle["scatter_names"].append(name)
         elif how == "no_patches":
@@ -631,21 +637,79 @@ def _write_bundle(state: CheckState, full_inputs: dict, full_of: dict, values: d
         elif how == "unavailable":
             bundle["unavailable"][name] = value
         else:
-            try:
-                reference.dumps_bundle(value, full_of)
-            except Exception as exc:  # noqa: BLE001 - that name stays on the ranks; the reason is kept
-                bundle["unavailable"][name] = f"it cannot be copied ({type(exc).__name__}: {exc})"
-            else:
-                bundle["values"][name] = value
+            copied[name] = value
+    registered: list[str] = []
     try:
-        data = reference.dumps_bundle(bundle, full_of)
-    except Exception as exc:
-        raise CheckSetupError(f"cl.check: the model(s) {', '.join(state.models) or '(none)'} cannot be copied to "
-                              f"the reference process: {type(exc).__name__}: {exc}") from exc
+        reaches = _carry_by_value(state.models, copied, full_of, bundle["unavailable"], registered)
+        bundle["values"] = copied
+        try:
+            pickled = reference.dumps_bundle(bundle, full_of)
+        except Exception as exc:
+            raise CheckSetupError(f"cl.check: the model(s) {', '.join(state.models) or '(none)'} cannot be copied "
+                                  f"to the reference process: {type(exc).__name__}: {exc}") from exc
+        by_value = set(registered) | set(cloudpickle.list_registry_pickle_by_value())
+    finally:
+        for unit in registered:
+            cloudpickle.unregister_pickle_by_value(sys.modules[unit])
+    origins = [reference.ModuleOrigin(m, _module_file(m), m == "__main__" or _within(m, by_value),
+                                      [n for n, modules in reaches.items() if m in modules])
+               for m in pickled.modules if m != "builtins"]
     folder = reference.group_dir(state.job_dir, state.group)
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    environment = reference.RankEnvironment([str(p) for p in sys.path if isinstance(p, (str, os.PathLike))],
+                                            os.getcwd(), origins)
+    environment.write(os.path.join(folder, reference.ENVIRONMENT_FILE))
     with open(os.path.join(folder, reference.BUNDLE_FILE), "wb") as f:
-        f.write(data)
+        f.write(pickled.data)
+
+
+def _within(module: str, units: set[str]) -> bool:
+    """``module`` is one of ``units`` or inside one of them (a submodule of a package)."""
+    return any(module == u or module.startswith(u + ".") for u in units)
+
+
+def _module_file(name: str) -> str | None:
+    file = getattr(sys.modules.get(name), "__file__", None)
+    return os.path.abspath(file) if isinstance(file, str) else None
+
+
+def _carry_by_value(models: dict, copied: dict, full_of: dict, unavailable: dict, registered: list[str]) -> dict:
+    """Scan the models and the values the reference gets (``copied``; one that cannot be copied moves to
+    ``unavailable``) for the modules they refer to; every module that a new process with this rank's
+    ``sys.path`` and working directory would not import from the same file is registered with cloudpickle to
+    travel by value (its name appended to ``registered``: the caller unregisters it), and the scan repeats
+    (a class carried by value brings the globals of its module). Returns each variable's modules."""
+    import cloudpickle
+
+    judged: dict[str, bool] = {}  # top-level name -> found again
+    for _ in range(10):  # each round adds modules reached only through code now carried by value
+        reaches: dict[str, list[str]] = {}
+        for name, value in [*models.items(), *copied.items()]:
+            try:
+                reaches[name] = reference.dumps_bundle(value, full_of, with_data=False).modules
+            except Exception as exc:  # noqa: BLE001 - a value stays on the ranks, the reason kept; a model raises
+                if name in models:
+                    raise CheckSetupError(f"cl.check: the model {name} cannot be copied to the reference process: "
+                                          f"{type(exc).__name__}: {exc}") from exc
+                unavailable[name] = f"it cannot be copied ({type(exc).__name__}: {exc})"
+                del copied[name]
+        carried = set(cloudpickle.list_registry_pickle_by_value())
+        units = set()
+        for module in {m for modules in reaches.values() for m in modules}:
+            top = module.partition(".")[0]
+            if top == "__main__" or _within(module, carried):
+                continue
+            if top not in judged:
+                judged[top] = reference.found_again(top)
+            unit = reference.by_value_unit(module)
+            if not judged[top] and unit in sys.modules:
+                units.add(unit)
+        if not units:
+            return reaches
+        for unit in sorted(units):
+            cloudpickle.register_pickle_by_value(sys.modules[unit])
+            registered.append(unit)
+    return reaches
 
 
 def _require_check() -> CheckState:

@@ -1,8 +1,8 @@
 """The smoke matrix's view: one row per configuration, its verdict first (matches the single-device run,
-failed as expected, or what is wrong), then how far its losses and gradients are from the single-device
-run's, its time per step, its fallbacks and collectives per step. Each takes the result it shows
-(``analysis.smoke.SmokeResult``) and reads its table (a DataFrame indexed by configuration, ``TABLE_COLUMNS``),
-its verdict and its tolerance.
+failed as expected, or what is wrong), then the first step whose loss is beyond the tolerance, how far its
+losses (at the worst step) and gradients are from the single-device run's, its time per step, its fallbacks
+and collectives per step. Each takes the result it shows (``analysis.smoke.SmokeResult``) and reads its
+table (a DataFrame indexed by configuration, ``TABLE_COLUMNS``), its verdict and its tolerance.
 
 The HTML is static (no script), so it reads the same in a saved notebook, nbconvert or GitHub; its colours
 are JupyterLab's theme variables, with light fallbacks (the template ``smoke.html``).
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import html
 import math
+
+import pandas as pd
 
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,7 @@ SHOWN = [
     ("mesh", "mesh", str),
     ("wrapper", "wrapper", lambda v: "" if v == "none" else {"ddp": "DDP", "fsdp2": "FSDP2"}.get(v, str(v))),
     ("compiled", "compiled", lambda v: "yes" if v else ""),
+    ("loss_off_step", "loss off from step", lambda v: _step(v)),  # where the run departs, before the worst
     ("loss_error", "loss error", lambda v: _sci(v)),
     ("grad_error", "grad error", lambda v: _sci(v)),
     ("step_ms", "ms / step", lambda v: _fixed(v)),
@@ -40,6 +43,10 @@ def _missing(v) -> bool:
 
 def _sci(v) -> str:
     return "—" if _missing(v) else f"{v:.1e}"
+
+
+def _step(v) -> str:
+    return "—" if v is None or pd.isna(v) else str(int(v))
 
 
 def _fixed(v, digits: int = 1) -> str:
