@@ -320,8 +320,8 @@ def _coll(seq, gseq, coll, sent, recv, splits_s=None, splits_r=None, **kw):
         "splits_recv": splits_r, "dtype": "float32", "shape": [4], "async": True, "t_issue_ns": 1000 + seq,
         "t_return_ns": 1100 + seq, "t_done_ns": 3000 + seq, "wait_op_seq": None, "waited": True, "op": "torch.conv2d",
         "op_seq": 0, "outer_op": "torch.conv2d", "outer_op_seq": 0, "phase": "forward", "autograd_node": None,
-        "param": None, "device_ms": None, "in_flight": False, "thread": 0, "params": None, "bucket": None,
-        "user_frame": None, "user_cell": None, "user_code": None,
+        "param": None, "device_ms": None, "error": None, "in_flight": False, "thread": 0, "params": None,
+        "bucket": None, "user_frame": None, "user_cell": None, "user_code": None,
     }
     ev.update(kw)
     return ev

@@ -47,9 +47,9 @@ def op(seq, name, path="function_handler", t0=1_000_000, dur=2_000_000, **kw):
     return ev
 
 
-def err(origin, msg="boom", exc="TypeError", unmasked=False):
+def err(origin, msg="boom", exc="TypeError", unmasked=False, handled=None):
     return {"exc_type": exc, "message": msg, "traceback": f"Traceback (most recent call last):\n  ...\n{exc}: {msg}\n",
-            "origin_seq": origin, "unmasked": unmasked}
+            "origin_seq": origin, "unmasked": unmasked, "handled": handled}
 
 
 def payload(rank, events, dropped=0, complete=True, world=2):
@@ -242,7 +242,7 @@ def coll(seq, name, op_seq, t_issue, dur_ms, phase="forward", in_flight=False, *
         "t_done_ns": None if in_flight else t_issue + int(dur_ms * 1e6), "wait_op_seq": None, "waited": not in_flight,
         "op": None, "op_seq": op_seq, "outer_op": None, "outer_op_seq": None, "phase": phase, "autograd_node": None,
         "param": None, "params": None, "bucket": None, "user_frame": None, "user_cell": None, "user_code": None,
-        "device_ms": None, "in_flight": in_flight, "thread": 0,
+        "device_ms": None, "error": None, "in_flight": in_flight, "thread": 0,
     }
     ev.update(kw)
     return ev

@@ -115,7 +115,8 @@ def _build_tables(trace: Trace) -> _Tables:
     ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + ops["occurrence"].astype(str)
     ops["kind"] = "op"
     ops.loc[is_fallback(ops), "kind"] = "fallback"
-    ops.loc[ops["exc_type"].notna(), "kind"] = "error"
+    # an exception the user's code caught is no failure: only the others lead (handled: True / False / None)
+    ops.loc[ops["exc_type"].notna() & ops["error_handled"].map(lambda h: h is not True), "kind"] = "error"
     # the timeline's origin: the trace's first event
     ops["t_start_ms"] = (ops["t_start_ns"] - time_origin_ns(ops, trace.get_collectives())).astype(float) / 1e6
     ops["kind_order"] = ops["kind"].map(KIND_ORDER)
