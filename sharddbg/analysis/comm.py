@@ -87,6 +87,7 @@ def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
     # failed: it raised and never completed (a record before schema 8 has no error: a failed one reads in flight)
     failed = df["error"].notna() & df["t_done_ns"].isna() if len(df) else pd.Series(dtype=bool)
     df["in_flight"] = df["in_flight"] & ~failed
+    df["error"] = df["error"].astype(object).where(df["error"].notna(), None)
     df["state"] = ["failed" if f else "in_flight" if i else "completed" for f, i in zip(failed, df["in_flight"])]
     completed = df["state"] == "completed"
     done = (df["t_done_ns"] - df["t_issue_ns"]).astype("Float64") / 1e6
