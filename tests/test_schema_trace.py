@@ -405,3 +405,35 @@ def test_older_payloads_load_newer_fields_are_required():
         assert "Tensor.backward" not in set(t.get_fallbacks(include_metadata=True)["op"])
         by = t.get_comm_by_op()
         assert (by["comm_share"].dropna() <= 1).all()
+
+
+def cell_error(seq, origin, exc="TypeError", msg="boom"):
+    return {"kind": "error", "seq": seq, "t_ns": 9_000_000, "exc_type": exc, "message": msg,
+            "traceback": f"{exc}: {msg}\n", "origin_seq": origin, "cell_line": 2, "cell_code": "y = x + x", "cell": 3,
+            "thread": 0}
+
+
+def test_schema_7_payloads_read_with_the_defaults_of_schema_8():
+    """Before schema 8 a record says nothing of handled errors or failed collectives: an op error that an error
+    record names ended the cell (handled False), any other is not known (missing, still a failure); a
+    collective has no error (a failed one reads in flight, as it was recorded). The payload stays as written."""
+    def old_error(origin, msg):
+        return {k: v for k, v in err(origin, msg).items() if k != "handled"}
+
+    events = [op(0, "Tensor.add", error=old_error(0, "escaped")), op(1, "Tensor.mul", error=old_error(1, "caught")),
+              cell_error(2, 0, msg="escaped"),
+              {k: v for k, v in coll(3, "all_reduce", None, 10_000_000, 0, in_flight=True).items() if k != "error"}]
+    old = payload(0, events)
+    old["schema_version"] = 7
+    with pytest.raises(schema.SchemaError, match="handled"):  # a record of schema 8 must say it
+        Trace.from_payloads([dict(old, schema_version=8)])
+    t = Trace.from_payloads([old])
+    errs = t.get_errors().set_index("message")
+    escaped = errs.loc["escaped", "handled"]
+    assert not pd.isna(escaped) and not escaped
+    assert pd.isna(errs.loc["caught", "handled"])
+    assert t.overview.errors == 2 and t.overview.handled_errors == 0
+    c = t.get_collectives().iloc[0]
+    assert (c["state"], c["in_flight"], c["error"]) == ("in_flight", True, None)
+    assert "handled" not in events[0]["error"] and "error" not in events[3]  # the payload is left as written
+    assert t.events(0)[0]["error"] == events[0]["error"]
