@@ -264,6 +264,20 @@ except Exception as e:
     raise RuntimeError("pooling failed") from e
 """
 
+WITH_BLOCK_CELL = """
+try:
+    with R.Recorder() as _rec:
+        try:
+            F.max_pool2d(x, 2)
+        except Exception:
+            pass
+        F.max_pool2d(x, 2)
+except Exception:
+    pass
+_handled = [e["error"]["handled"] for e in _rec.events if e["kind"] == "op" and e["error"]
+            and e["error"]["origin_seq"] == e["seq"]]
+"""
+
 
 def test_handled_errors_are_not_failures(cl):
     """An op error the cell caught (try/except, then the cell went on) is recorded as handled: no failure, no
@@ -299,6 +313,10 @@ def test_handled_errors_are_not_failures(cl):
         "RuntimeError", errs["exc_type"][errs["op"] != "<outside recorded ops>"].iloc[0]}
     assert t.overview.errors == N and t.overview.handled_errors == 0
     assert (explorer_frame(t)["kind"] == "error").sum() == N
+
+    # a Recorder used as a with block: the exception that leaves the block was not handled, the caught one was
+    cl.run(WITH_BLOCK_CELL, timeout=60)
+    assert cl.eval("_handled") == [[True, False]] * N
 
 
 def test_hooks_restored_nested_refused_overflow(cl):
