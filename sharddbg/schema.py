@@ -334,10 +334,6 @@ FIELDS_SINCE: dict[str, dict[str, int]] = {
 }
 ERROR_FIELDS_SINCE: dict[str, int] = {"handled": 8}  # an op record's ``error``
 
-# The states of a collective (``Trace.get_collectives()`` column ``state``): its wait returned (or it completed
-# inside its op); it raised (``error`` says what); neither (a hang, or never waited while recording).
-COLLECTIVE_STATES = ("completed", "failed", "in_flight")
-
 # meta["plan_cache"] (since version 6)
 PLAN_CACHE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "entries_start": ((int, type(None)), "entries in the cache when recording started"),

@@ -312,8 +312,8 @@ def _group_text(g) -> str:
     if isinstance(g["placements"], str):
         parts.append(g["placements"])
     parts.append(f"host {_ms_range(g['host_ms_min'], g['host_ms_max'])} ms")
-    if g["kind"] == "error" and isinstance(g["error"], str):
-        parts.append(f"raised {g['error'].splitlines()[0]}")
+    if isinstance(g["error"], str):  # an error that is not the group's kind: the cell caught it
+        parts.append(f"raised {g['error'].splitlines()[0]}" + ("" if g["kind"] == "error" else " (handled)"))
     if g["in_flight"] is True:
         parts.append("still running")
     if isinstance(g["spec_mismatch"], str):
