@@ -293,9 +293,9 @@ def trace_overview(trace: Trace) -> TraceOverview:
 
 def trace_findings(trace: Trace) -> list[Finding]:
     """Every finding of ``trace``, failures first, each severity in ``TRACE_FINDING_KINDS`` order."""
-    found = [*_missing_collectives(trace), *_errors(trace), *_spec_mismatches(trace), *_replicas(trace), *_preflight(trace),
-             *_unfinished_collectives(trace), *_incomplete(trace), *_dropped(trace), *_plan_cache(trace),
-             *_fallbacks(trace)]
+    found = [*_missing_collectives(trace), *_errors(trace), *_spec_mismatches(trace), *_replicas(trace),
+             *_preflight(trace), *_unfinished_collectives(trace), *_incomplete(trace), *_dropped(trace),
+             *_plan_cache(trace), *_fallbacks(trace)]
     order = {k: i for i, k in enumerate(TRACE_FINDING_KINDS)}
     return sorted(found, key=lambda f: (SEVERITIES.index(f.severity), order.get(f.kind, len(order))))
 
@@ -457,18 +457,18 @@ def _missing_collectives(trace: Trace) -> list[Finding]:
         waiters = tuple(sorted(int(r) for r in waiting["rank"]))
         kind = str(first["kind"])
         group = f"'{m.mesh_dim}'" if isinstance(m.mesh_dim, str) else f"process group {m.group_name}"
-        how = {"failed": "waited in until it failed", "in_flight": "waited in"}
-        states = sorted(set(waiting["state"]))
+        failed = set(waiting["state"]) == {"failed"}  # else some still waited when the recording ended (a hang)
         sentence = (f"{ranks_text(absent)} never issued the {kind} {ranks_text(waiters)} "
-                    f"{how['failed'] if states == ['failed'] else how['in_flight']} (group_seq {int(m.group_seq)} "
+                    f"{'waited in until it failed' if failed else 'waited in'} (group_seq {int(m.group_seq)} "
                     f"on {group})")
         if isinstance(first["location"], str):
             sentence += f", issued at {first['location']}"
         elif isinstance(first["op"], str):
             sentence += f", issued in {first['op']}"
         out.append(Finding("collective_missing", "fail", sentence,
-                           fix=f"what {ranks_text(waiters)} raised follows from it: find why {ranks_text(absent)} "
-                               "skipped it (a branch on rank, an exception caught there); "
+                           fix=f"{'what ' + ranks_text(waiters) + ' raised' if failed else 'the hang'} follows from "
+                               f"it: find why {ranks_text(absent)} skipped it (a branch on rank, an exception caught "
+                               "there); "
                                "t.get_collective_mismatches() lists every collective that does not line up",
                            ranks=tuple(absent), op=first["op"] if isinstance(first["op"], str) else None,
                            location=first["location"] if isinstance(first["location"], str) else None))
