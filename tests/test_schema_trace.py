@@ -437,3 +437,19 @@ def test_schema_7_payloads_read_with_the_defaults_of_schema_8():
     assert (c["state"], c["in_flight"], c["error"]) == ("in_flight", True, None)
     assert "handled" not in events[0]["error"] and "error" not in events[3]  # the payload is left as written
     assert t.events(0)[0]["error"] == events[0]["error"]
+
+
+def test_a_rank_that_never_issued_a_collective_is_named_first():
+    """The rank that never issued the collective another waited in is the first finding: before what the waiting
+    rank raised when it failed, or before its hang."""
+    failed = coll(0, "all_reduce", None, 10_000_000, 0, t_done_ns=None, waited=False, error="RuntimeError: Timed out")
+    t = Trace.from_payloads([payload(0, [failed]), payload(1, [])])
+    (first,) = t.findings
+    assert (first.kind, first.severity, first.ranks) == ("collective_missing", "fail", (1,))
+    assert first.sentence == "rank 1 never issued the all_reduce rank 0 waited in until it failed (group_seq 0 on " \
+                             "'domain')" and first.fix.startswith("what rank 0 raised follows from it")
+    hung = coll(0, "all_reduce", None, 10_000_000, 0, in_flight=True)
+    t = Trace.from_payloads([payload(0, [hung], complete=False), payload(1, [])])
+    assert [f.kind for f in t.findings] == ["collective_missing", "collective_unfinished", "incomplete_ranks"]
+    assert t.findings[0].sentence.startswith("rank 1 never issued the all_reduce rank 0 waited in (group_seq 0")
+    assert t.findings[0].fix.startswith("the hang follows from it")
