@@ -80,7 +80,14 @@ from .errors import SchemaError  # what the validators below raise (defined with
 #      (TRACE_META_FIELDS: the code, the cluster, the clock, why ranks are incomplete, the replica differences
 #      gathered). Both are validated; keys not named there are kept and read by nothing. Older payloads and
 #      files read as before.
-SCHEMA_VERSION = 7
+#   8  errors a cell handled are told from those that ended it: an op's ``error`` gains ``handled`` (False: the
+#      exception, or one it was chained into, ended the cell; True: the user's code caught it and the cell went
+#      on; None: not known yet, the cell was still running at the snapshot). A collective record gains
+#      ``error`` (what its issuing call or its wait raised), and its ``in_flight`` means "neither completed nor
+#      failed": a collective that raised is no longer counted as a hang. Older payloads read through
+#      ``current_events``: ``handled`` is False where an error record says the exception ended the cell, else
+#      None (not recorded); a collective's ``error`` is None (a failed one stays ``in_flight``).
+SCHEMA_VERSION = 8
 PAYLOAD_FORMAT = "sharddbg.payload"
 
 KIND_OP = "op"
@@ -164,6 +171,11 @@ ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "traceback": ((str,), "formatted traceback of the original exception"),
     "origin_seq": ((int,), "seq of the innermost op where this exception object was first seen"),
     "unmasked": ((bool,), "the recorder re-raised it as UnmaskedOpError (PyTorch would have hidden it)"),
+    "handled": ((bool, type(None)), "False: this exception, or one it was chained into (raise ... from it, or "
+                                    "raised while handling it), ended the cell; True: the user's code caught it "
+                                    "and the cell went on (pytest.raises, try/except); None: not known, the cell "
+                                    "was still running when the snapshot was taken (since version 8; older "
+                                    "payloads: False where an error record says it ended the cell, else None)"),
 }
 
 PROMOTION_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
@@ -226,8 +238,12 @@ COLLECTIVE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "user_cell": (_INT_OR_NONE, "the IPython cell (execution count on the rank) of user_frame (since version 4)"),
     "user_code": (_STR_OR_NONE, "the text of user_frame's line (since version 4)"),
     "device_ms": ((float, int, type(None)), "CUDA event time from issue to wait; None on CPU or not finished"),
-    "in_flight": ((bool,), "not completed: no wait for it returned while recording (still blocked when the "
-                           "snapshot was taken, or never waited); schema 1-2: the issuing call had not returned"),
+    "error": (_STR_OR_NONE, "'exc_type: message' of what its issuing call or its wait raised (a size gloo "
+                            "refused at once, gloo's own timeout, a peer gone); None: nothing raised (since "
+                            "version 8)"),
+    "in_flight": ((bool,), "neither completed nor failed: no wait for it returned while recording and nothing "
+                           "raised (still blocked when the snapshot was taken, or never waited); schema 3-7: not "
+                           "completed, failed ones included; schema 1-2: the issuing call had not returned"),
     "thread": ((int,), "recorder thread id (0 = the thread that started the recorder)"),
 }
 
@@ -313,9 +329,10 @@ OPTIONAL_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
 # schema version that writes them. Readers see them as None.
 FIELDS_SINCE: dict[str, dict[str, int]] = {
     KIND_OP: {"user_cell": 4, "user_code": 4, "local_ms": 4},
-    KIND_COLLECTIVE: {"params": 4, "bucket": 4, "user_frame": 4, "user_cell": 4, "user_code": 4},
+    KIND_COLLECTIVE: {"params": 4, "bucket": 4, "user_frame": 4, "user_cell": 4, "user_code": 4, "error": 8},
     KIND_ERROR: {"cell": 4},
 }
+ERROR_FIELDS_SINCE: dict[str, int] = {"handled": 8}  # an op record's ``error``
 
 # meta["plan_cache"] (since version 6)
 PLAN_CACHE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
@@ -457,7 +474,7 @@ def validate_event(ev: Any, where: str = "event", version: int = SCHEMA_VERSION)
     if ev["phase"] not in PHASES:
         raise SchemaError(f"{where}: unknown phase {ev['phase']!r}")
     if ev["error"] is not None:
-        _check_fields(ev["error"], ERROR_FIELDS, f"{where} error")
+        _check_fields(ev["error"], ERROR_FIELDS, f"{where} error", ERROR_FIELDS_SINCE, version)
     for p in ev["promotions"]:
         _check_fields(p, PROMOTION_FIELDS, f"{where} promotion")
 
@@ -504,6 +521,32 @@ def validate_payload(p: Any) -> None:
     for i, ev in enumerate(p["events"]):
         validate_event(ev, f"rank {p['rank']} event #{i}", v)
 
+
+def current_events(p: dict) -> list[dict]:
+    """The records of a valid payload as this schema version reads them.
+
+    A record written by an older version gains the fields added since, at what they mean for it: None
+    (``FIELDS_SINCE``, ``ERROR_FIELDS_SINCE``), except an op error's ``handled``, which is False where an error
+    record of the payload names its origin (that exception ended the cell) and None (not recorded) elsewhere.
+    The payload itself is left as written: an upgraded record is a copy, the others are its own.
+    """
+    version = p["schema_version"]
+    events = p["events"]
+    if version >= SCHEMA_VERSION:
+        return events
+    ended = {ev.get("origin_seq") for ev in events if ev.get("kind") == KIND_ERROR} - {None}
+    out = []
+    for ev in events:
+        kind = ev.get("kind")
+        missing = [k for k, since in FIELDS_SINCE.get(kind, {}).items() if since > version and k not in ev]
+        err = ev.get("error") if kind == KIND_OP else None
+        old_error = isinstance(err, dict) and "handled" not in err
+        if missing or old_error:
+            ev = dict(ev, **dict.fromkeys(missing))
+            if old_error:
+                ev["error"] = dict(err, handled=False if err.get("origin_seq") in ended else None)
+        out.append(ev)
+    return out
 
 
 def validate_trace_meta(meta: Any) -> None:

@@ -8,7 +8,7 @@ called.
 
 File format (``save`` / ``load_trace``), JSON::
 
-    {"format": "sharddbg.trace", "version": 1, "schema_version": 7,
+    {"format": "sharddbg.trace", "version": 1, "schema_version": 8,
      "meta": {...}, "clock_offsets_ns": {"0": 0, "1": -1234, ...},
      "incomplete_ranks": [2], "ranks": [0, 1, 2, ...],
      "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
@@ -109,6 +109,7 @@ class Trace:
         schema.validate_trace_meta(meta)
         # read-only: what a trace says about itself is set when it is built (schema.TRACE_META_FIELDS)
         self.meta: Mapping[str, Any] = MappingProxyType(meta)
+        self._current: dict[int, list[dict]] | None = None  # the records as this schema reads them
         self._ops: pd.DataFrame | None = None
         self._collectives: pd.DataFrame | None = None
         self._findings: list[Finding] | None = None  # worked out once: a trace does not change once built
@@ -248,6 +249,13 @@ class Trace:
         p = self.payloads.get(rank)
         return list(p["events"]) if p else []
 
+    def _events_by_rank(self) -> dict[int, list[dict]]:
+        """Rank -> its records as this schema version reads them (``schema.current_events``: an older payload's
+        records gain the fields added since), made once; what the analyses read."""
+        if self._current is None:
+            self._current = {r: schema.current_events(p) if p else [] for r, p in self.payloads.items()}
+        return self._current
+
     def __repr__(self) -> str:
         n = sum(len(p["events"]) for p in self.payloads.values() if p)
         return (f"<sharddbg.Trace ranks={self.ranks} events={n} dropped={self.dropped} "
@@ -288,7 +296,7 @@ class Trace:
         >>> ops.groupby(["path", "phase"])["host_ms"].sum()
         """
         if self._ops is None:
-            self._ops = _ops.ops_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+            self._ops = _ops.ops_frame(self._events_by_rank(),
                                        self.clock_offsets_ns)
         return self._ops.copy()
 
@@ -360,10 +368,16 @@ class Trace:
         return _ops.fallbacks(self.get_ops(), include_metadata)
 
     def get_errors(self, include_propagated: bool = False) -> pd.DataFrame:
-        """Real exceptions per rank: one row per origin (``analysis.ops.errors``).
+        """Real exceptions per rank: one row per origin (``analysis.ops.errors``), those that ended the cell and
+        those the user's code caught (``handled``).
 
         The origin is the innermost recorded op that raised it, or the cell itself for an exception raised
         outside every recorded op (``op`` is ``<outside recorded ops>``, ``user_frame`` the cell's line).
+        ``handled`` is True for an exception the user's code caught (``pytest.raises``, ``try``/``except``)
+        and the cell went on; False for one that ended the cell, itself or chained into the one that did;
+        missing where it is not known (a rank's snapshot taken while the cell still ran, a trace of schema
+        version 7 or older without an error record for it). Only the ones not handled are failures in
+        ``findings``.
         ``message`` whole, ``traceback`` from the user's line down; ``cell_line`` / ``cell_code``: the cell
         statement the exception ended; ``location``: where, as "cell [6], line 5: `y = x + x`".
 
@@ -377,13 +391,13 @@ class Trace:
         pandas.DataFrame
             Sorted by ``rank``, then ``seq``. Columns: ``rank``, ``seq``, ``op``, ``path``, ``exc_type``,
             ``message``, ``traceback``, ``user_frame``, ``phase`` ("cell" for an exception outside every
-            recorded op), ``unmasked`` (re-raised as ``UnmaskedOpError``), ``propagated_to`` (seqs of the
-            enclosing ops it went through), ``cell_line``, ``cell_code``, ``location``. Empty, with these
-            columns, when nothing raised.
+            recorded op), ``unmasked`` (re-raised as ``UnmaskedOpError``), ``handled`` (nullable boolean, see
+            above), ``propagated_to`` (seqs of the enclosing ops it went through), ``cell_line``,
+            ``cell_code``, ``location``. Empty, with these columns, when nothing raised.
 
         Examples
         --------
-        >>> t.get_errors()[["rank", "op", "exc_type", "location"]]
+        >>> t.get_errors()[["rank", "op", "exc_type", "handled", "location"]]
         >>> print(t.get_errors()["traceback"].iloc[0])
         """
         return _ops.errors(self.get_ops(), include_propagated, self.get_cell_errors())
@@ -405,7 +419,7 @@ class Trace:
         --------
         >>> t.get_cell_errors()[["rank", "exc_type", "message", "location"]]
         """
-        return _ops.cell_errors_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+        return _ops.cell_errors_frame(self._events_by_rank(),
                                       self.clock_offsets_ns)
 
     @property
@@ -434,22 +448,27 @@ class Trace:
     def get_collectives(self) -> pd.DataFrame:
         """One row per collective call per rank, times on the reference clock (``analysis.comm``).
 
-        A collective that never completed (``in_flight``) is counted but never timed; one the pre-flight
-        stopped before it was issued moved nothing and is left out (``get_preflight()`` lists it). Built
-        once; each call returns a copy. Empty when nothing was recorded (see ``collectives_recorded``).
+        Each has a ``state``: "completed" (its wait returned), "failed" (its issuing call or its wait raised,
+        e.g. gloo refusing split sizes at once or gloo's own timeout; ``error`` says what) or "in_flight"
+        (neither: still blocked when a hung rank's snapshot was taken, or never waited; the ``in_flight``
+        column). Only a completed one is timed. One the pre-flight stopped before it was issued moved nothing
+        and is left out (``get_preflight()`` lists it). Built once; each call returns a copy. Empty when
+        nothing was recorded (see ``collectives_recorded``).
 
         Returns
         -------
         pandas.DataFrame
             Sorted by ``rank``, then ``seq``. Columns: ``rank``, ``seq``, ``group_seq``, ``kind``,
             ``group_ranks``, ``mesh_dim``, ``bytes_sent``, ``bytes_recv``, ``t_issue_ns``, ``t_done_ns``,
-            ``duration_ms`` (issue to the return of its wait; NaN when ``in_flight``), ``async``, ``op``,
+            ``duration_ms`` (issue to the return of its wait; NaN unless completed), ``async``, ``op``,
             ``op_seq`` (the op it belongs to), ``outer_op``, ``outer_op_seq``, ``phase``,
             ``autograd_node``, ``param``, ``bandwidth_gbps`` (``max(bytes_sent, bytes_recv)`` over
             ``device_ms``, else ``duration_ms``, in GB/s), ``group_name``, ``group_size``, ``peer``,
             ``root``, ``splits_sent``, ``splits_recv``, ``dtype``, ``shape``, ``api``, ``aten_op``,
             ``t_return_ns``, ``issue_ms`` (issue to the return of the issuing call), ``wait_op_seq``,
-            ``waited``, ``device_ms``, ``in_flight``, ``thread``, ``params``, ``bucket``, ``user_frame``,
+            ``waited``, ``device_ms``, ``in_flight``, ``state``, ``error`` ("exc_type: message" of a failed
+            one, else None; a trace of schema 7 or older has none, its failed ones read in flight), ``thread``,
+            ``params``, ``bucket``, ``user_frame``,
             ``user_cell``, ``user_code``, ``location``. The record fields mean what
             ``schema.COLLECTIVE_FIELDS`` says.
 
@@ -457,10 +476,10 @@ class Trace:
         --------
         >>> c = t.get_collectives()
         >>> c.groupby("kind")[["bytes_sent", "duration_ms"]].sum()
-        >>> c[c["in_flight"]][["rank", "kind", "op", "location"]]
+        >>> c[c["state"] != "completed"][["rank", "kind", "state", "error", "location"]]
         """
         if self._collectives is None:
-            self._collectives = _comm.collectives_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+            self._collectives = _comm.collectives_frame(self._events_by_rank(),
                                                         self.clock_offsets_ns)
         return self._collectives.copy()
 
@@ -670,7 +689,7 @@ class Trace:
         >>> per_tensor = d.groupby(["key", "group_ranks"])["digest"].nunique()
         >>> per_tensor[per_tensor > 1]  # tensors whose replicas disagree
         """
-        return _consistency.replicas_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+        return _consistency.replicas_frame(self._events_by_rank(),
                                            self.clock_offsets_ns)
 
     def get_preflight(self) -> pd.DataFrame:
@@ -691,7 +710,7 @@ class Trace:
         >>> pf = t.get_preflight()
         >>> pf[pf["status"] != "ok"][["rank", "kind", "op", "status", "detail"]]
         """
-        return _consistency.preflight_frame({r: p["events"] if p else [] for r, p in self.payloads.items()},
+        return _consistency.preflight_frame(self._events_by_rank(),
                                             self.get_ops())
 
     # ---- performance pitfalls ------------------------------------------------------------------------

@@ -259,6 +259,35 @@ def test_point_to_point_and_c10d(cl, tmp_path):
     assert cl.eval("type(dist.Work.__dict__['wait']).__name__") == ["instancemethod"] * N  # pybind's, not ours
 
 
+A2A_REFUSED = """
+_inp = torch.ones(4)
+_out = torch.empty(4)
+try:
+    dist.all_to_all_single(_out, _inp, output_split_sizes=[1, 1, 1, 1], input_split_sizes=[3, 3, 3, 3])
+except RuntimeError as e:
+    a2a_error = str(e)
+_b = torch.ones(3)
+dist.all_reduce(_b)
+"""
+
+
+def test_collective_that_raised_at_once_is_failed_not_in_flight(cl):
+    """gloo refuses split sizes that do not add up before anything is sent: that collective failed (its state
+    and its error), it is not in flight like a hang; the cell caught it and went on, so nothing is a failure."""
+    t = cl.trace(A2A_REFUSED, timeout=60, display=False)
+    _check_clean(t)
+    messages = cl.eval("a2a_error")
+    c = _colls(t)
+    for r in range(N):
+        a2a, ar = c[c["rank"] == r].itertuples(index=False)
+        assert (a2a.kind, a2a.state, a2a.in_flight) == ("all_to_all_single", "failed", False)
+        assert a2a.error == f"RuntimeError: {messages[r]}" and "Split sizes" in a2a.error
+        assert pd.isna(a2a.duration_ms)
+        assert (ar.kind, ar.state, ar.in_flight, ar.error) == ("all_reduce", "completed", False, None)
+    assert (t.get_comm_by_rank()["n_in_flight"] == 0).all()
+    assert not [f for f in t.findings if f.severity == "fail"], t.findings
+
+
 def test_clock_offset_recovered(cl):
     shift = 5_000_000_000  # rank 2's clock 5 s ahead
     cl.run(f"from sharddbg.engine import clock as _clk\nif crank == 2: _clk.set_offset_ns({shift})", timeout=30)
@@ -320,8 +349,8 @@ def _coll(seq, gseq, coll, sent, recv, splits_s=None, splits_r=None, **kw):
         "splits_recv": splits_r, "dtype": "float32", "shape": [4], "async": True, "t_issue_ns": 1000 + seq,
         "t_return_ns": 1100 + seq, "t_done_ns": 3000 + seq, "wait_op_seq": None, "waited": True, "op": "torch.conv2d",
         "op_seq": 0, "outer_op": "torch.conv2d", "outer_op_seq": 0, "phase": "forward", "autograd_node": None,
-        "param": None, "device_ms": None, "in_flight": False, "thread": 0, "params": None, "bucket": None,
-        "user_frame": None, "user_cell": None, "user_code": None,
+        "param": None, "device_ms": None, "error": None, "in_flight": False, "thread": 0, "params": None,
+        "bucket": None, "user_frame": None, "user_cell": None, "user_code": None,
     }
     ev.update(kw)
     return ev

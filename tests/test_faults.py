@@ -106,10 +106,14 @@ def test_raise_inside_collective_traced(healthy):
     errors = t.get_errors()
     assert sorted(errors["rank"]) == [0, 1, 2, 3] and set(errors["op"]) == {"torch.conv2d"}
     assert "index_select" in errors[errors["rank"] == 3]["message"].iloc[0]
-    # the collective ranks 0-2 waited in never completed: in flight, and rank 3 never issued it
+    # the collective ranks 0-2 waited in never completed: it failed when they were released (not a hang in
+    # flight), and rank 3 never issued it
     colls = t.get_collectives()
-    stuck = colls[colls["in_flight"]]
-    assert sorted(stuck["rank"]) == [0, 1, 2] and set(stuck["kind"]) == {"all_to_all_single"}
+    failed = colls[colls["state"] == "failed"]
+    assert sorted(failed["rank"]) == [0, 1, 2] and set(failed["kind"]) == {"all_to_all_single"}
+    assert not colls["in_flight"].any() and failed["error"].map(lambda e: e.startswith("RuntimeError: ")).all()
+    # rank 3 skipped it because it raised: its exception is the cause, no finding says it never issued it
+    assert "collective_missing" not in {f.kind for f in t.findings}
     missing = t.get_collective_mismatches()
     missing = missing[missing["problem"] == "missing"]
     assert len(missing) == 1 and "rank 3 never issued group_seq" in missing["detail"].iloc[0]
@@ -176,13 +180,27 @@ def test_broken_group_refused_and_status_says_why(healthy):
 
 
 def test_collective_timeout_inside_gloo():
-    """gloo's own collective timeout (short here) fails the waiting rank: the group is broken and said so."""
+    """gloo's own collective timeout (short here) fails the waiting rank: the group is broken and said so. The
+    trace names the cause first (the rank that never issued the collective), then rank 0's timeout, and counts
+    the timed-out collective as failed, not in flight."""
     with sharddbg.Cluster(n=2, timeout=60, collective_timeout=3) as cl2:
         t0 = time.monotonic()
         with pytest.raises(RankError) as info:
-            cl2.run("t = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(t)\n")
+            cl2.trace("t = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(t)\n", display=False)
         assert time.monotonic() - t0 < 30
         _expect("collective_timeout", info.value)
+        t = cl2.last_trace()
+        (coll,) = t.get_collectives().itertuples(index=False)
+        assert (coll.rank, coll.kind, coll.state, coll.in_flight) == (0, "all_reduce", "failed", False)
+        assert "Timed out" in coll.error
+        first, second = t.findings[:2]
+        assert (first.kind, first.severity, first.ranks) == ("collective_missing", "fail", (1,))
+        assert first.sentence.startswith(f"rank 1 never issued the all_reduce rank 0 waited in until it failed "
+                                         f"(group_seq {coll.group_seq} on '{coll.mesh_dim}')"), first.sentence
+        assert "`dist.all_reduce(t)`" in first.sentence and "what rank 0 raised follows from it" in first.fix
+        assert (second.kind, second.ranks) == ("error", (0,)) and "raised RuntimeError: " in second.sentence
+        assert "Timed out" in second.sentence
+        assert "collective_unfinished" not in {f.kind for f in t.findings}
         assert cl2.broken is not None
         with pytest.raises(ClusterError, match="The process group broke at"):
             cl2.run("print(1)")

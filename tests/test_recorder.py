@@ -250,6 +250,75 @@ def test_real_error_recorded_per_rank(cl):
         assert e["op"].iloc[0] == "torch.nn.functional.boolean_dispatch.<locals>.fn"
 
 
+HANDLED_CELL = """
+try:
+    F.max_pool2d(x, 2)
+except Exception as e:
+    pool_error = str(e)
+y = x * 2
+"""
+ESCAPED_CELL = """
+try:
+    F.max_pool2d(x, 2)
+except Exception as e:
+    raise RuntimeError("pooling failed") from e
+"""
+
+WITH_BLOCK_CELL = """
+try:
+    with R.Recorder() as _rec:
+        try:
+            F.max_pool2d(x, 2)
+        except Exception:
+            pass
+        F.max_pool2d(x, 2)
+except Exception:
+    pass
+_handled = [e["error"]["handled"] for e in _rec.events if e["kind"] == "op" and e["error"]
+            and e["error"]["origin_seq"] == e["seq"]]
+"""
+
+
+def test_handled_errors_are_not_failures(cl):
+    """An op error the cell caught (try/except, then the cell went on) is recorded as handled: no failure, no
+    "raised" in the headline, no error mark in the explorer; one that escapes the cell, chained into the
+    exception that ended it, is a failure."""
+    from sharddbg.errors import RankError
+    from sharddbg.views.explorer import explorer_frame
+
+    t = cl.trace(HANDLED_CELL, display=False)
+    errs = t.get_errors()
+    assert sorted(errs["rank"]) == list(range(N)) and errs["handled"].tolist() == [True] * N
+    assert set(errs["op"]) == {"torch.nn.functional.boolean_dispatch.<locals>.fn"}
+    assert [f for f in t.findings if f.severity == "fail"] == []
+    handled = [f for f in t.findings if f.kind == "error_handled"]
+    assert len(handled) == 1 and handled[0].severity == "info", t.findings
+    assert handled[0].sentence.startswith(f"{N} op calls raised and the cell handled them: ")
+    assert "UndeterminedShardingError: Sharded dimension 2 with local size 17" in handled[0].sentence
+    assert t.overview.errors == 0 and t.overview.handled_errors == N
+    assert f", 0 raised ({N} more raised and handled), " in t.overview.headline()
+    assert "error" not in set(explorer_frame(t)["kind"])
+    for p in t.payloads.values():  # recorded on the rank, in the record
+        (err,) = [e["error"] for e in p["events"] if e["kind"] == "op" and e["error"]]
+        assert err["handled"] is True
+
+    with pytest.raises(RankError):
+        cl.trace(ESCAPED_CELL, display=False)
+    t = cl.last_trace()
+    errs = t.get_errors()
+    assert sorted(errs["rank"]) == sorted(list(range(N)) * 2)  # the op's exception and the one it became
+    assert errs["handled"].tolist() == [False] * (2 * N)
+    assert t.findings[0].kind == "error" and t.findings[0].severity == "fail"
+    assert {f.sentence.split(" raised ")[1].split(":")[0] for f in t.findings if f.kind == "error"} == {
+        "RuntimeError", errs["exc_type"][errs["op"] != "<outside recorded ops>"].iloc[0]}
+    assert t.overview.errors == N and t.overview.handled_errors == 0
+    assert (explorer_frame(t)["kind"] == "error").sum() == N
+
+    # a Recorder used as a with block: the exception that leaves the block was not handled, the caught one was
+    cl.run(WITH_BLOCK_CELL, timeout=60)
+    assert cl.eval("_handled") == [[True, False]] * N
+
+
 def test_hooks_restored_nested_refused_overflow(cl):
     cl.run("""
 s0 = _hook_state()

@@ -47,9 +47,9 @@ def op(seq, name, path="function_handler", t0=1_000_000, dur=2_000_000, **kw):
     return ev
 
 
-def err(origin, msg="boom", exc="TypeError", unmasked=False):
+def err(origin, msg="boom", exc="TypeError", unmasked=False, handled=None):
     return {"exc_type": exc, "message": msg, "traceback": f"Traceback (most recent call last):\n  ...\n{exc}: {msg}\n",
-            "origin_seq": origin, "unmasked": unmasked}
+            "origin_seq": origin, "unmasked": unmasked, "handled": handled}
 
 
 def payload(rank, events, dropped=0, complete=True, world=2):
@@ -242,7 +242,7 @@ def coll(seq, name, op_seq, t_issue, dur_ms, phase="forward", in_flight=False, *
         "t_done_ns": None if in_flight else t_issue + int(dur_ms * 1e6), "wait_op_seq": None, "waited": not in_flight,
         "op": None, "op_seq": op_seq, "outer_op": None, "outer_op_seq": None, "phase": phase, "autograd_node": None,
         "param": None, "params": None, "bucket": None, "user_frame": None, "user_cell": None, "user_code": None,
-        "device_ms": None, "in_flight": in_flight, "thread": 0,
+        "device_ms": None, "error": None, "in_flight": in_flight, "thread": 0,
     }
     ev.update(kw)
     return ev
@@ -405,3 +405,51 @@ def test_older_payloads_load_newer_fields_are_required():
         assert "Tensor.backward" not in set(t.get_fallbacks(include_metadata=True)["op"])
         by = t.get_comm_by_op()
         assert (by["comm_share"].dropna() <= 1).all()
+
+
+def cell_error(seq, origin, exc="TypeError", msg="boom"):
+    return {"kind": "error", "seq": seq, "t_ns": 9_000_000, "exc_type": exc, "message": msg,
+            "traceback": f"{exc}: {msg}\n", "origin_seq": origin, "cell_line": 2, "cell_code": "y = x + x", "cell": 3,
+            "thread": 0}
+
+
+def test_schema_7_payloads_read_with_the_defaults_of_schema_8():
+    """Before schema 8 a record says nothing of handled errors or failed collectives: an op error that an error
+    record names ended the cell (handled False), any other is not known (missing, still a failure); a
+    collective has no error (a failed one reads in flight, as it was recorded). The payload stays as written."""
+    def old_error(origin, msg):
+        return {k: v for k, v in err(origin, msg).items() if k != "handled"}
+
+    events = [op(0, "Tensor.add", error=old_error(0, "escaped")), op(1, "Tensor.mul", error=old_error(1, "caught")),
+              cell_error(2, 0, msg="escaped"),
+              {k: v for k, v in coll(3, "all_reduce", None, 10_000_000, 0, in_flight=True).items() if k != "error"}]
+    old = payload(0, events)
+    old["schema_version"] = 7
+    with pytest.raises(schema.SchemaError, match="handled"):  # a record of schema 8 must say it
+        Trace.from_payloads([dict(old, schema_version=8)])
+    t = Trace.from_payloads([old])
+    errs = t.get_errors().set_index("message")
+    escaped = errs.loc["escaped", "handled"]
+    assert not pd.isna(escaped) and not escaped
+    assert pd.isna(errs.loc["caught", "handled"])
+    assert t.overview.errors == 2 and t.overview.handled_errors == 0
+    c = t.get_collectives().iloc[0]
+    assert (c["state"], c["in_flight"], c["error"]) == ("in_flight", True, None)
+    assert "handled" not in events[0]["error"] and "error" not in events[3]  # the payload is left as written
+    assert t.events(0)[0]["error"] == events[0]["error"]
+
+
+def test_a_rank_that_never_issued_a_collective_is_named_first():
+    """The rank that never issued the collective another waited in is the first finding: before what the waiting
+    rank raised when it failed, or before its hang."""
+    failed = coll(0, "all_reduce", None, 10_000_000, 0, t_done_ns=None, waited=False, error="RuntimeError: Timed out")
+    t = Trace.from_payloads([payload(0, [failed]), payload(1, [])])
+    (first,) = t.findings
+    assert (first.kind, first.severity, first.ranks) == ("collective_missing", "fail", (1,))
+    assert first.sentence == "rank 1 never issued the all_reduce rank 0 waited in until it failed (group_seq 0 on " \
+                             "'domain')" and first.fix.startswith("what rank 0 raised follows from it")
+    hung = coll(0, "all_reduce", None, 10_000_000, 0, in_flight=True)
+    t = Trace.from_payloads([payload(0, [hung], complete=False), payload(1, [])])
+    assert [f.kind for f in t.findings] == ["collective_missing", "collective_unfinished", "incomplete_ranks"]
+    assert t.findings[0].sentence.startswith("rank 1 never issued the all_reduce rank 0 waited in (group_seq 0")
+    assert t.findings[0].fix.startswith("the hang follows from it")

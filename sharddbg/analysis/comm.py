@@ -6,8 +6,9 @@ under ``NO_OP`` everywhere (a DDP gradient bucket's all_reduce under ``schema.DD
 
 Definitions used throughout:
 - ``duration_ms``: ``t_done_ns - t_issue_ns`` on the host (issue to the return of its wait, or to its
-  completion for work C++ waits on); NaN for a collective that never completed (``in_flight``): it is
-  counted (``n_in_flight``) but never timed as done.
+  completion for work C++ waits on); NaN for a collective that never completed: one still waiting or never
+  waited (``in_flight``, counted in ``n_in_flight``) or one that raised (``state`` "failed", its ``error``);
+  neither is timed as done.
 - ``bandwidth_gbps``: effective bandwidth in GB/s (10^9 bytes per second) =
   ``max(bytes_sent, bytes_recv) / duration`` (``device_ms`` when measured, else ``duration_ms``).
 - ``wait_ms`` (imbalance): how long this rank waited for the last rank of the group to arrive at the
@@ -31,7 +32,7 @@ COLLECTIVE_COLUMNS = [
 ]
 COLLECTIVE_EXTRA_COLUMNS = [
     "group_name", "group_size", "peer", "root", "splits_sent", "splits_recv", "dtype", "shape", "api", "aten_op",
-    "t_return_ns", "issue_ms", "wait_op_seq", "waited", "device_ms", "in_flight", "thread",
+    "t_return_ns", "issue_ms", "wait_op_seq", "waited", "device_ms", "in_flight", "state", "error", "thread",
     "params", "bucket", "user_frame", "user_cell", "user_code", "location",
 ]
 COMM_BY_OP_COLUMNS = ["op", "rank", "calls", "n_collectives", "kinds", "bytes_sent", "bytes_recv", "comm_ms", "op_ms",
@@ -56,14 +57,15 @@ _SAME_SIZE = {"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "a
 _P2P = {"send", "recv"}
 
 assert {c for c in COLLECTIVE_COLUMNS[1:] + COLLECTIVE_EXTRA_COLUMNS
-        if c not in ("kind", "duration_ms", "bandwidth_gbps", "issue_ms", "location")} <= set(COLLECTIVE_FIELDS)
+        if c not in ("kind", "duration_ms", "bandwidth_gbps", "issue_ms", "state", "location")} <= set(COLLECTIVE_FIELDS)
 
 
 def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -> pd.DataFrame:
-    """One row per collective record per rank; times on the reference clock (t - offset). A collective that
-    never completed (``in_flight``) has no ``duration_ms``: it is never counted as done. One that the
-    pre-flight stopped before it was issued (``preflight`` status "mismatch") moved nothing and is left out
-    (``Trace.get_preflight()`` lists it)."""
+    """One row per collective record per rank; times on the reference clock (t - offset). ``state``: "completed"
+    (its wait returned), "failed" (its issuing call or its wait raised: ``error`` says what) or "in_flight"
+    (neither: a hang, or never waited while recording; the ``in_flight`` column). Only a completed one has a
+    ``duration_ms``. One that the pre-flight stopped before it was issued (``preflight`` status "mismatch")
+    moved nothing and is left out (``Trace.get_preflight()`` lists it)."""
     rows = []
     for rank in sorted(rows_by_rank):
         off = int(offsets_ns.get(rank, 0))
@@ -82,10 +84,16 @@ def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
               "group_size", "bucket", "user_cell"):
         df[c] = df[c].astype("Int64")
     df["in_flight"] = df["in_flight"].fillna(False).astype(bool)
+    # failed: it raised and never completed (a record before schema 8 has no error: a failed one reads in flight)
+    failed = df["error"].notna() & df["t_done_ns"].isna() if len(df) else pd.Series(dtype=bool)
+    df["in_flight"] = df["in_flight"] & ~failed
+    df["error"] = df["error"].astype(object).where(df["error"].notna(), None)
+    df["state"] = ["failed" if f else "in_flight" if i else "completed" for f, i in zip(failed, df["in_flight"])]
+    completed = df["state"] == "completed"
     done = (df["t_done_ns"] - df["t_issue_ns"]).astype("Float64") / 1e6
-    df["duration_ms"] = done.astype(float).where(~df["in_flight"])
+    df["duration_ms"] = done.astype(float).where(completed)
     df["issue_ms"] = ((df["t_return_ns"] - df["t_issue_ns"]).astype("Float64") / 1e6).astype(float)
-    df["device_ms"] = pd.to_numeric(df["device_ms"], errors="coerce").astype(float).where(~df["in_flight"])
+    df["device_ms"] = pd.to_numeric(df["device_ms"], errors="coerce").astype(float).where(completed)
     t_ms = df["device_ms"].where(df["device_ms"].notna(), df["duration_ms"])
     vol = df[["bytes_sent", "bytes_recv"]].max(axis=1).astype(float) if len(df) else pd.Series(dtype=float)
     df["bandwidth_gbps"] = (vol / (t_ms / 1e3) / 1e9).where(t_ms > 0)

@@ -1,10 +1,12 @@
 """What a recording says is wrong, in the order to read it: one list of typed findings for every front end.
 
 ``trace_findings(trace)`` decides which findings a trace has, what each says and in which order they come:
-failures first (exceptions, results whose spec disagrees with their data, replicas that diverge, a collective
-the pre-flight stopped, collectives never completed, ranks whose recording is incomplete), then warnings
+failures first (ranks that never issued a collective the others waited in, exceptions that ended the cell,
+results whose spec disagrees with their data, replicas that diverge, a collective the pre-flight stopped,
+collectives neither completed nor failed, ranks whose recording is incomplete), then warnings
 (events dropped, stale entries in DTensor's redistribution plan cache, ops computed through a DTensor
-fallback), then what is merely so (metadata reads through the fallback, the checks that found nothing).
+fallback), then what is merely so (metadata reads through the fallback, exceptions the user's code caught, the
+checks that found nothing).
 ``trace_overview(trace)`` holds the counts a header shows. The ``%%shard_trace`` summary line, the explorer, the
 HTML report (and anything else that shows a trace) render these two and decide nothing themselves.
 
@@ -36,7 +38,8 @@ __all__ = ["Finding", "TraceOverview", "SEVERITIES", "TRACE_FINDING_KINDS", "FIN
 SEVERITIES = ("fail", "warn", "info", "ok", "skip")
 # A trace's findings, each kind in this order within its severity.
 TRACE_FINDING_KINDS = (
-    "error",  # an exception, per distinct (type, message, op); the ranks that raised it, where
+    "collective_missing",  # ranks of a group never issued a collective others waited in: the cause, said first
+    "error",  # an exception that ended the cell, per distinct (type, message, op); the ranks that raised it, where
     "spec_mismatch",  # ShardTensor results whose spec disagrees with their local tensor (recorded spec check)
     "replica_divergence",  # tensors claiming Replicate whose ranks hold different values (replicas=True)
     "preflight_mismatch",  # a collective the pre-flight stopped: its group disagreed on shapes (preflight=True)
@@ -46,6 +49,7 @@ TRACE_FINDING_KINDS = (
     "plan_cache",  # stale entries left in DTensor's redistribution plan cache: each step gets slower
     "fallback",  # ops computed through a DTensor fallback
     "metadata_fallback",  # metadata reads (shape, ndim, ...) through the fallback
+    "error_handled",  # op calls that raised and the user's code caught (pytest.raises, try/except)
     "preflight_ok",  # the pre-flight compared every collective (some may have been late)
     "replicas_agree",  # every digested replica agreed
 )
@@ -161,7 +165,8 @@ class TraceOverview:
     op_calls : int
         Op calls of every rank, forward and backward, nested ones included (the rows of ``get_ops()``).
     errors : int
-        Op calls that raised; an exception counts once for every recorded op it went through.
+        Op calls that raised an exception that was not handled (it ended the cell, or it is not known that it
+        did not); an exception counts once for every recorded op it went through.
     fallback_calls : int
         Op calls, forward and backward, that took a compute fallback (metadata reads and calls that enter
         the autograd engine left out).
@@ -181,6 +186,8 @@ class TraceOverview:
         Ranks whose recording is incomplete.
     dropped : int
         Events lost to a full buffer, all ranks together.
+    handled_errors : int, default 0
+        Op calls that raised an exception the user's code caught (the cell went on), counted like ``errors``.
 
     Examples
     --------
@@ -204,13 +211,16 @@ class TraceOverview:
     comm_wall_ms: float  # the slowest rank's wall time in collectives
     incomplete_ranks: tuple[int, ...]
     dropped: int
+    handled_errors: int = 0  # op calls that raised and the user's code caught
 
     def headline(self) -> str:
         """The counts in one line: what every header says first.
 
         "42 op calls on 4 ranks, 4 raised, 9 through a DTensor fallback, 8 collectives (at most 2 per rank,
-        0.9 ms in collectives on the slowest rank)". The part in parentheses only when there are
-        collectives; ", N results whose spec disagrees with their data" added when there are such results.
+        0.9 ms in collectives on the slowest rank)". "N raised" counts the calls whose exception was not
+        handled; " (N more raised and handled)" follows it when the user's code caught some. The part about
+        collectives in parentheses only when there are collectives; ", N results whose spec disagrees with their
+        data" added when there are such results.
 
         Returns
         -------
@@ -223,7 +233,9 @@ class TraceOverview:
         """
         n = len(self.ranks)
         text = (f"{self.op_calls} op call{'s' if self.op_calls != 1 else ''} on {n} rank{'s' if n != 1 else ''}, "
-                f"{self.errors} raised, {self.fallback_calls} "
+                f"{self.errors} raised"
+                + (f" ({self.handled_errors} more raised and handled)" if self.handled_errors else "")
+                + f", {self.fallback_calls} "
                 f"through a DTensor fallback, {self.collectives} collectives")
         if self.collectives:
             text += (f" (at most {self.collectives_per_rank} per rank, {self.comm_wall_ms:.1f} ms in collectives on "
@@ -241,7 +253,7 @@ class TraceOverview:
             Every field (``ranks`` and ``incomplete_ranks`` as lists), then ``headline``: ``ranks``,
             ``op_calls``, ``errors``, ``fallback_calls``, ``fallback_ops``, ``spec_mismatches``,
             ``collectives``, ``collectives_recorded``, ``collectives_per_rank``, ``comm_wall_ms``,
-            ``incomplete_ranks``, ``dropped``, ``headline``.
+            ``incomplete_ranks``, ``dropped``, ``handled_errors``, ``headline``.
 
         Examples
         --------
@@ -254,7 +266,7 @@ class TraceOverview:
                 "spec_mismatches": self.spec_mismatches, "collectives": self.collectives,
                 "collectives_recorded": self.collectives_recorded, "collectives_per_rank": self.collectives_per_rank,
                 "comm_wall_ms": self.comm_wall_ms, "incomplete_ranks": list(self.incomplete_ranks),
-                "dropped": self.dropped, "headline": self.headline()}
+                "dropped": self.dropped, "handled_errors": self.handled_errors, "headline": self.headline()}
 
 
 def trace_overview(trace: Trace) -> TraceOverview:
@@ -266,9 +278,11 @@ def trace_overview(trace: Trace) -> TraceOverview:
     per_rank = trace.get_comm_by_rank() if trace.collectives_recorded else pd.DataFrame()
     issued = int(per_rank["n_collectives"].max()) if len(per_rank) else 0
     wall = float(per_rank["comm_wall_ms"].max()) if len(per_rank) and issued else 0.0
+    raised = ops["exc_type"].notna() if has_ops else pd.Series(dtype=bool)
+    handled = raised & (ops["error_handled"] == True) if has_ops else raised  # noqa: E712 - None is not True
     return TraceOverview(
         ranks=tuple(int(r) for r in trace.ranks), op_calls=len(ops),
-        errors=int(ops["exc_type"].notna().sum()) if has_ops else 0,
+        errors=int((raised & ~handled).sum()), handled_errors=int(handled.sum()),
         fallback_calls=int(is_fallback(ops).sum()) if has_ops else 0,
         fallback_ops=len(trace.get_fallbacks()),
         spec_mismatches=int(ops["spec_mismatch"].notna().sum()) if has_ops else 0,
@@ -279,9 +293,9 @@ def trace_overview(trace: Trace) -> TraceOverview:
 
 def trace_findings(trace: Trace) -> list[Finding]:
     """Every finding of ``trace``, failures first, each severity in ``TRACE_FINDING_KINDS`` order."""
-    found = [*_errors(trace), *_spec_mismatches(trace), *_replicas(trace), *_preflight(trace),
-             *_unfinished_collectives(trace), *_incomplete(trace), *_dropped(trace), *_plan_cache(trace),
-             *_fallbacks(trace)]
+    found = [*_missing_collectives(trace), *_errors(trace), *_spec_mismatches(trace), *_replicas(trace),
+             *_preflight(trace), *_unfinished_collectives(trace), *_incomplete(trace), *_dropped(trace),
+             *_plan_cache(trace), *_fallbacks(trace)]
     order = {k: i for i, k in enumerate(TRACE_FINDING_KINDS)}
     return sorted(found, key=lambda f: (SEVERITIES.index(f.severity), order.get(f.kind, len(order))))
 
@@ -298,6 +312,34 @@ def _first_line(message) -> str:
 
 def _errors(trace: Trace) -> list[Finding]:
     errs = trace.get_errors()
+    if errs.empty:
+        return []
+    handled = errs["handled"].fillna(False).astype(bool)  # not known: shown as a failure, as it may be one
+    return [*_escaped_errors(errs[~handled]), *_handled_errors(errs[handled])]
+
+
+def _handled_errors(errs: pd.DataFrame) -> list[Finding]:
+    """One info finding for the exceptions the user's code caught: what each was, where, on which ranks."""
+    if errs.empty:
+        return []
+    parts = []
+    distinct = list(errs.groupby(["exc_type", "message", "op"], sort=False))
+    for (exc, message, op), g in distinct[:MAX_ERROR_FINDINGS]:
+        ranks = tuple(sorted(int(r) for r in g["rank"].unique()))
+        where = next((w for w in g["location"] if isinstance(w, str)), None)
+        parts.append(f"{exc}: {_first_line(message)} in {op} on {ranks_text(ranks)}" + (f" ({where})" if where else ""))
+    if len(distinct) > MAX_ERROR_FINDINGS:
+        parts.append(f"{len(distinct) - MAX_ERROR_FINDINGS} more distinct exception(s)")
+    n = len(errs)
+    first = errs.iloc[0]
+    ranks = tuple(sorted(int(r) for r in errs["rank"].unique()))
+    return [Finding("error_handled", "info", f"{n} op call{'s' if n != 1 else ''} raised and the cell handled "
+                    f"{'them' if n != 1 else 'it'}: " + "; ".join(parts), fix="t.get_errors() lists each (handled=True)",
+                    ranks=ranks, op=str(first["op"]),
+                    location=first["location"] if isinstance(first["location"], str) else None)]
+
+
+def _escaped_errors(errs: pd.DataFrame) -> list[Finding]:
     if errs.empty:
         return []
     out = []
@@ -372,6 +414,8 @@ def _preflight(trace: Trace) -> list[Finding]:
 
 
 def _unfinished_collectives(trace: Trace) -> list[Finding]:
+    """Collectives neither completed nor failed (a hang, or never waited); a failed one is not among them: the
+    exception it raised is an error finding."""
     if not trace.collectives_recorded:
         return []
     colls = trace.get_collectives()
@@ -381,6 +425,56 @@ def _unfinished_collectives(trace: Trace) -> list[Finding]:
     ranks = tuple(sorted({int(r) for r in stuck["rank"]}))
     return [Finding("collective_unfinished", "fail", f"{len(stuck)} collective(s) never completed, on "
                     f"{ranks_text(ranks)}", ranks=ranks)]
+
+
+def _missing_collectives(trace: Trace) -> list[Finding]:
+    """Ranks of a group that never issued a collective the others issued and did not complete (they waited in
+    it until it failed, gloo's own timeout say, or until the recording ended): the cause of what those ranks
+    raised, so said before it. A rank that skipped it because it raised is left out: its exception is the cause,
+    an error finding of its own. One finding per such collective, the first few."""
+    if not trace.collectives_recorded:
+        return []
+    missing = trace.get_collective_mismatches()
+    missing = missing[missing["problem"] == "missing"] if len(missing) else missing
+    if not len(missing):
+        return []
+    colls = trace.get_collectives()
+    errs = trace.get_errors()
+    raised = {int(r) for r in errs.loc[~errs["handled"].fillna(False).astype(bool), "rank"]} if len(errs) else set()
+    out = []
+    for m in missing.itertuples(index=False):
+        issued = colls[(colls["group_name"] == m.group_name) & (colls["group_seq"] == m.group_seq)
+                       & colls["rank"].isin(m.ranks)]
+        waiting = issued[issued["state"] != "completed"]
+        if not len(waiting):
+            continue  # the others completed it: a recording that lost the rank's record, not a rank that skipped it
+        members = issued["group_ranks"].iloc[0]
+        members = [int(r) for r in members] if isinstance(members, (list, tuple)) else []
+        absent = sorted((set(members) - {int(r) for r in m.ranks} - raised) & {int(r) for r in trace.ranks})
+        if not absent:
+            continue
+        first = waiting.iloc[0]
+        waiters = tuple(sorted(int(r) for r in waiting["rank"]))
+        kind = str(first["kind"])
+        group = f"'{m.mesh_dim}'" if isinstance(m.mesh_dim, str) else f"process group {m.group_name}"
+        failed = set(waiting["state"]) == {"failed"}  # else some still waited when the recording ended (a hang)
+        sentence = (f"{ranks_text(absent)} never issued the {kind} {ranks_text(waiters)} "
+                    f"{'waited in until it failed' if failed else 'waited in'} (group_seq {int(m.group_seq)} "
+                    f"on {group})")
+        if isinstance(first["location"], str):
+            sentence += f", issued at {first['location']}"
+        elif isinstance(first["op"], str):
+            sentence += f", issued in {first['op']}"
+        out.append(Finding("collective_missing", "fail", sentence,
+                           fix=f"{'what ' + ranks_text(waiters) + ' raised' if failed else 'the hang'} follows from "
+                               f"it: find why {ranks_text(absent)} skipped it (a branch on rank, an exception caught "
+                               "there); "
+                               "t.get_collective_mismatches() lists every collective that does not line up",
+                           ranks=tuple(absent), op=first["op"] if isinstance(first["op"], str) else None,
+                           location=first["location"] if isinstance(first["location"], str) else None))
+        if len(out) >= MAX_ERROR_FINDINGS:
+            break
+    return out
 
 
 def _incomplete(trace: Trace) -> list[Finding]:

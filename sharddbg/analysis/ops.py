@@ -64,11 +64,12 @@ OPS_COLUMNS = [
 ]
 OPS_EXTRA_COLUMNS = ["fwd_seq", "in_placements", "fallback", "not_implemented", "in_flight", "thread",
                      "exc_type", "traceback", "error_origin_seq", "unmasked", "promotions",
-                     "user_cell", "user_code", "location", "local_ms", "message", "spec_mismatches", "spec_mismatch"]
+                     "user_cell", "user_code", "location", "local_ms", "message", "spec_mismatches", "spec_mismatch",
+                     "error_handled"]
 FALLBACK_COLUMNS = ["op", "path", "calls", "ranks", "host_ms_total", "user_frames", "via_handler", "bwd_host_ms_total",
                     "category", "locations"]
 ERROR_COLUMNS = ["rank", "seq", "op", "path", "exc_type", "message", "traceback", "user_frame", "phase", "unmasked",
-                 "propagated_to", "cell_line", "cell_code", "location"]
+                 "handled", "propagated_to", "cell_line", "cell_code", "location"]
 CELL_ERROR_COLUMNS = ["rank", "seq", "t_ns", "exc_type", "message", "traceback", "origin_seq", "cell_line", "cell_code",
                       "cell", "location"]
 
@@ -99,6 +100,7 @@ def ops_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -
             r["traceback"] = err["traceback"] if err else None
             r["error_origin_seq"] = err["origin_seq"] if err else None
             r["unmasked"] = bool(err["unmasked"]) if err else False
+            r["error_handled"] = err.get("handled") if err else None
             r["location"] = format_location(ev["user_frame"], ev.get("user_cell"), ev.get("user_code"))
             r["spec_mismatch"] = spec_mismatch_text(r["spec_mismatches"])
             rows.append(r)
@@ -208,6 +210,9 @@ def errors(ops: pd.DataFrame, include_propagated: bool = False, cell_errors: pd.
     an exception raised outside every recorded op (``cell_errors`` rows whose ``origin_seq`` is None), the
     cell itself (``op`` is ``NO_OP``, ``user_frame`` the cell's line).
 
+    ``handled``: True when the user's code caught it and the cell went on, False when it (or an exception it
+    was chained into) ended the cell, missing when not known (a rank's snapshot while the cell ran, a trace of
+    schema version 7 or older that has no error record for it).
     ``propagated_to``: seqs of the enclosing ops the same exception went through.
     ``include_propagated=True`` keeps those rows too. ``cell_line`` / ``cell_code``: the statement of the
     cell the exception ended (when the trace recorded it).
@@ -228,6 +233,7 @@ def errors(ops: pd.DataFrame, include_propagated: bool = False, cell_errors: pd.
                 prop[(rank, o)] = sorted(int(s) for s in g["seq"])
             sel = e if include_propagated else e[origin]
             sel = sel.assign(
+                handled=sel["error_handled"],
                 propagated_to=[prop.get((r, s), []) for r, s in zip(sel["rank"], sel["seq"])],
                 cell_line=[where.get((int(r), int(o)), (None, None))[0] for r, o in zip(sel["rank"], sel["error_origin_seq"])],
                 cell_code=[where.get((int(r), int(o)), (None, None))[1] for r, o in zip(sel["rank"], sel["error_origin_seq"])])
@@ -240,13 +246,14 @@ def errors(ops: pd.DataFrame, include_propagated: bool = False, cell_errors: pd.
                 "exc_type": own["exc_type"].to_numpy(), "message": own["message"].to_numpy(),
                 "traceback": own["traceback"].to_numpy(),
                 "user_frame": [f"line {int(n)} of the cell" if not pd.isna(n) else "the cell" for n in own["cell_line"]],
-                "phase": "cell", "unmasked": False, "propagated_to": [[] for _ in range(len(own))],
+                "phase": "cell", "unmasked": False, "handled": False, "propagated_to": [[] for _ in range(len(own))],
                 "cell_line": own["cell_line"].to_numpy(), "cell_code": own["cell_code"].to_numpy(),
                 "location": own["location"].to_numpy()}))
     if not parts:
         return pd.DataFrame(columns=ERROR_COLUMNS)
     out = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
     out["cell_line"] = out["cell_line"].astype("Int64")
+    out["handled"] = out["handled"].astype("boolean")  # missing: not known (a snapshot, an older trace)
     return out.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True)
 
 

@@ -145,15 +145,17 @@ def table_cells(df, cols: list[str]) -> list[list[str]]:
 
 def error_entries(trace) -> list[dict]:
     """The trace's exceptions as the error blocks show them: one per distinct (type, message, op), with the
-    ranks that raised it, the first call's source line and traceback, and whether the recorder unmasked it."""
+    ranks that raised it, the first call's source line and traceback, whether the recorder unmasked it and
+    whether the user's code handled it (``handled``: those come last)."""
     errs = trace.get_errors()
     entries = []
     for (exc, msg, op), g in (errs.groupby(["exc_type", "message", "op"], sort=False) if len(errs) else ()):
         r0 = g.iloc[0]
         entries.append({"exc_type": exc, "message": msg, "op": op, "ranks": str(sorted(int(r) for r in g["rank"])),
                         "user_frame": r0["user_frame"], "unmasked": bool(g["unmasked"].any()),
+                        "handled": bool(g["handled"].fillna(False).astype(bool).all()),
                         "traceback": r0["traceback"]})
-    return entries
+    return sorted(entries, key=lambda e: e["handled"])
 
 
 def fallback_table(trace) -> tuple[list[tuple[str, str]], list[list[str]]]:

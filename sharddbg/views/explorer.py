@@ -115,7 +115,8 @@ def _build_tables(trace: Trace) -> _Tables:
     ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + ops["occurrence"].astype(str)
     ops["kind"] = "op"
     ops.loc[is_fallback(ops), "kind"] = "fallback"
-    ops.loc[ops["exc_type"].notna(), "kind"] = "error"
+    # an exception the user's code caught is no failure: only the others lead (handled: True / False / None)
+    ops.loc[ops["exc_type"].notna() & ops["error_handled"].map(lambda h: h is not True), "kind"] = "error"
     # the timeline's origin: the trace's first event
     ops["t_start_ms"] = (ops["t_start_ns"] - time_origin_ns(ops, trace.get_collectives())).astype(float) / 1e6
     ops["kind_order"] = ops["kind"].map(KIND_ORDER)
@@ -311,8 +312,8 @@ def _group_text(g) -> str:
     if isinstance(g["placements"], str):
         parts.append(g["placements"])
     parts.append(f"host {_ms_range(g['host_ms_min'], g['host_ms_max'])} ms")
-    if g["kind"] == "error" and isinstance(g["error"], str):
-        parts.append(f"raised {g['error'].splitlines()[0]}")
+    if isinstance(g["error"], str):  # an error that is not the group's kind: the cell caught it
+        parts.append(f"raised {g['error'].splitlines()[0]}" + ("" if g["kind"] == "error" else " (handled)"))
     if g["in_flight"] is True:
         parts.append("still running")
     if isinstance(g["spec_mismatch"], str):

@@ -4,7 +4,9 @@ A cell can fail outside every recorded op (an IndexError in the user's own code,
 in a plain ``dist.all_reduce``): no op hook sees that. IPython reports every exception that ends a cell
 through ``shell.showtraceback``; while a recording started by ``recorder.start()`` runs, that method is
 wrapped (on the shell instance, put back at stop) to record a ``CellErrorEvent`` first: the exception, the
-line of the cell where it surfaced, and the recorded op where it was first seen, if any.
+line of the cell where it surfaced, and the recorded op where it was first seen, if any. The op errors in
+that exception's chain escaped the cell; every other op error the recording saw was handled by the user's code
+(``RecordingState.escaped_origins``).
 """
 
 from __future__ import annotations
@@ -34,8 +36,27 @@ def cell_position(exc: BaseException) -> tuple[int | None, int | None, str | Non
     return None, None, None
 
 
+def mark_escaped(rec: RecordingState, exc: BaseException) -> None:
+    """``exc`` left the user's code (it ended the cell, or the recording's ``with`` block): every recorded op
+    error in its chain (``exc``, what it was raised from or while handling, and so on) escaped; the others
+    were handled."""
+    seen_ids: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen_ids:
+            continue
+        seen_ids.add(id(e))
+        seen = rec.errors_seen.get(id(e))
+        if seen is not None and seen.exception is e:
+            rec.escaped_origins.add(seen.record["origin_seq"])
+        todo += [e.__cause__, e.__context__]
+
+
 def record(rec: RecordingState, exc: BaseException) -> None:
-    """Keep a CellErrorEvent for ``exc`` (once per exception object)."""
+    """Keep a CellErrorEvent for ``exc`` (once per exception object) and mark the op errors it carries as
+    escaped."""
+    mark_escaped(rec, exc)
     seen = rec.errors_seen.get(id(exc))
     origin = seen.record["origin_seq"] if seen is not None and seen.exception is exc else None
     if any(type(ev) is CellErrorEvent and ev.exception is exc for ev in rec.buffer[-8:]):

@@ -314,8 +314,12 @@ class PacketWrapper:
         if rec.running:
             s = self._spec
             if s is WAIT:  # what handle() does for a wait, without its layers: a wait is half of every call
-                with torch._C._ExcludeDispatchKeyGuard(_ADIOV_SET):
-                    res = self._packet(*args, **kwargs)
+                try:
+                    with torch._C._ExcludeDispatchKeyGuard(_ADIOV_SET):
+                        res = self._packet(*args, **kwargs)
+                except Exception as e:
+                    hooks.wait_failed(args, kwargs, e)
+                    raise
                 hooks.wait_returned(args, kwargs)
                 return res
             if s is WRAP:  # makes an AsyncCollectiveTensor: nothing below to hide from the kernels
@@ -373,11 +377,18 @@ class CollectiveHooks:
 
         state = self.rec.collectives
         done = self.done
+        failed = self.failed
         original = dist.Work.__dict__["wait"]
 
         def wait(self, *a, **k):
             __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
-            res = original(self, *a, **k)
+            try:
+                res = original(self, *a, **k)
+            except Exception as e:  # gloo's own timeout, a peer gone: the collective failed
+                ev = state.pending_works.get(id(self)) if state.pending_works else None
+                if ev is not None and ev.waiting_on is self:
+                    failed(ev, e)
+                raise
             if state.pending_works:
                 ev = state.pending_works.pop(id(self), None)
                 if ev is not None:
@@ -523,7 +534,11 @@ class CollectiveHooks:
         if not rec.running:
             return func(*args, **kwargs)
         if s is WAIT:  # dispatches nothing else: no depth to keep
-            res = func(*args, **kwargs)
+            try:
+                res = func(*args, **kwargs)
+            except Exception as e:
+                self.wait_failed(args, kwargs, e)
+                raise
             self.wait_returned(args, kwargs)
             return res
         if s is WRAP:
@@ -546,6 +561,9 @@ class CollectiveHooks:
         st.collective_depth += 1  # what this op dispatches (a funcol kernel's c10d op) is not another collective
         try:
             res = func(*args, **kwargs)
+        except Exception as e:  # refused at once (gloo: split sizes that do not add up): failed, not in flight
+            ev.error = error_text(e)
+            raise
         finally:
             st.collective_depth -= 1
         ev.t_return_ns = clock.now_ns()
@@ -569,7 +587,9 @@ class CollectiveHooks:
             st.busy = False
         if ev.preflight is not None and ev.preflight.status == "mismatch":
             ev.t_issue_ns = clock.now_ns()  # when it would have been issued; it never completes
-            raise CollectiveMismatchError(mismatch_message(ev, ev.preflight.detail))
+            mismatch = CollectiveMismatchError(mismatch_message(ev, ev.preflight.detail))
+            ev.error = error_text(mismatch)
+            raise mismatch
 
     def wrapped(self, args: tuple, res) -> None:
         """``_wrap_tensor_autograd`` put a pending output into an AsyncCollectiveTensor: its wait closes it."""
@@ -718,6 +738,19 @@ class CollectiveHooks:
                 return
         self.done(ev)  # returned nothing to wait on (monitored_barrier): complete on return
 
+    def wait_failed(self, args: tuple, kwargs: dict, exc: BaseException) -> None:
+        """A ``wait_tensor`` raised: the collective it waited for failed."""
+        pending = self.rec.collectives.pending_tensors
+        if not pending:
+            return
+        t = args[0] if args else kwargs.get("tensor")
+        ev = pending.get(id(t))
+        if ev is None:
+            el = getattr(t, "elem", None)  # an AsyncCollectiveTensor handed to wait_tensor directly
+            ev = pending.get(id(el)) if el is not None else None
+        if ev is not None:
+            self.failed(ev, exc)
+
     def wait_returned(self, args: tuple, kwargs: dict) -> None:
         """A ``wait_tensor`` returned: the collective it waited for is done."""
         if self.rec.collectives.pending_tensors:
@@ -738,8 +771,8 @@ class CollectiveHooks:
 
     def _on_completion(self, ev: CollectiveEvent, work: Any) -> None:
         """Stamp ``t_done_ns`` when ``work`` completes without error, on whichever thread completes it (a
-        Python wait that returns later stamps its own time). A failed collective (a peer gone, released) is
-        not done: it stays in flight."""
+        Python wait that returns later stamps its own time). A failed collective (a peer gone, released, gloo's
+        own timeout) is not done: its error is kept."""
         rec = self.rec
 
         def completed(future):
@@ -747,7 +780,9 @@ class CollectiveHooks:
                 return
             try:
                 future.value()  # raises the collective's error
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
+                if ev.error is None:
+                    ev.error = error_text(e)
                 return
             ev.t_done_ns = clock.now_ns()
 
@@ -755,6 +790,17 @@ class CollectiveHooks:
             work.get_future().then(completed)
         except Exception:  # noqa: BLE001 - a backend without futures: it stays unfinished unless waited
             pass
+
+    def failed(self, ev: CollectiveEvent, exc: BaseException) -> None:
+        """Its wait raised: keep the error (the first one seen), forget what it waited on."""
+        if ev.error is None:
+            ev.error = error_text(exc)
+        pending = self.rec.collectives.pending_tensors
+        for k in ev.pending_keys or ():
+            pending.pop(k, None)
+        self.rec.collectives.pending_works.pop(id(ev.waiting_on), None)
+        ev.pending_keys = None
+        ev.waiting_on = None
 
     def done(self, ev: CollectiveEvent) -> None:
         """Its wait returned (or the op completed inside): stamp it, forget what it waited on."""
@@ -769,6 +815,12 @@ class CollectiveHooks:
             pending.pop(k, None)
         ev.pending_keys = None
         ev.waiting_on = None
+
+
+def error_text(exc: BaseException) -> str:
+    """'exc_type: message' of a collective's failure (schema COLLECTIVE_FIELDS ``error``): the message whole."""
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    return f"{name}: {exc}"
 
 
 # ---- attribution ----------------------------------------------------------------------------------------

@@ -158,6 +158,7 @@ class CollectiveEvent:
         "waiting_on",  # the outputs (funcol) or the Work (c10d) whose wait completes it; None once done
         "pending_keys",  # ids under which it is pending (funcol outputs)
         "preflight",  # preflight.PreflightResult when the group compared it before it was issued
+        "error",  # "exc_type: message" of what its issuing call or its wait raised (it failed), else None
     )
 
     # the defaults (immutable values only: they are shared by every instance until it sets its own)
@@ -188,6 +189,7 @@ class CollectiveEvent:
     waiting_on = None
     pending_keys = None
     preflight = None
+    error = None
 
     def __init__(self, seq: int, group_seq: int, spec: Any, group: Any, thread: int) -> None:
         self.seq = seq

@@ -60,10 +60,23 @@ def replica_records(ev: OpEvent, op: str) -> list[dict]:
             for d in list(ev.replicas) if d.call is not None]
 
 
-def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshes: dict | None = None) -> dict:
+def error_handled(rec: RecordingState, ev: OpEvent) -> bool | None:
+    """schema.ERROR_FIELDS ``handled`` of an op event that raised: False when its exception (or one it was
+    chained into) ended a cell, True when it did not and the recording has stopped (every cell it ran in has
+    ended), None while it still runs (the exception may yet end the cell)."""
+    err = ev.error
+    if err is None:
+        return None
+    if err["origin_seq"] in rec.escaped_origins:
+        return False
+    return None if rec.running else True
+
+
+def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshes: dict | None = None,
+              handled: bool | None = None) -> dict:
     """The schema record of an op event (``in_flight``: it had not returned when the record was made;
     ``local_ms``: what local_timing measured for it; ``meshes``: check its results' specs, with this cache
-    of mesh coordinates (``spec_findings``); None: not checked)."""
+    of mesh coordinates (``spec_findings``); None: not checked; ``handled``: its error's, ``error_handled``)."""
     ins = ev.inputs or []
     out = ev.output
     first = out if out is not None else (ins[0] if ins else None)
@@ -109,7 +122,7 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshe
         "device_ms": dev_ms,
         "mem_delta_bytes": mem,
         "local_ms": local_ms,
-        "error": dict(err) if err is not None else None,
+        "error": dict(err, handled=handled) if err is not None else None,
         "fwd_seq": fwd.seq if fwd is not None else None,
         "in_placements": [placements_str(i.placements) for i in ins],
         "fallback": bool(src.fallback),
@@ -202,6 +215,7 @@ def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState)
         if not ranks:
             group_size = int(args.get("group_size") or 0) or None
     cell, code = cell_and_code(ev.frame)
+    failed = ev.error is not None and ev.t_done_ns is None
     dtype = ev.dtype
     if dtype is not None and not isinstance(dtype, str):
         dtype = str(dtype).removeprefix("torch.")
@@ -244,8 +258,11 @@ def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState)
         "user_code": code,
         "thread": ev.thread,
         "device_ms": ev.cuda.device_ms() if ev.cuda is not None else None,
-        # not completed: never waited for, or (CUDA) its kernel has not finished, whatever the host saw
-        "in_flight": bool(in_flight or ev.t_done_ns is None or (ev.cuda is not None and not ev.cuda.device_done())),
+        "error": ev.error,
+        # neither completed nor failed: never waited for, or (CUDA) its kernel has not finished, whatever the
+        # host saw; one that raised is not counted as in flight (it is not a hang)
+        "in_flight": bool(not failed and (in_flight or ev.t_done_ns is None
+                                          or (ev.cuda is not None and not ev.cuda.device_done()))),
     }
     pf = ev.preflight
     if pf is not None:
@@ -277,7 +294,7 @@ def error_record(ev: CellErrorEvent) -> dict:
 def _record(ev, rec: RecordingState, meshes: dict | None) -> dict:
     kind = type(ev)
     if kind is OpEvent:
-        return op_record(ev, False, rec.local_ms.get(ev.seq), meshes)
+        return op_record(ev, False, rec.local_ms.get(ev.seq), meshes, error_handled(rec, ev))
     if kind is CollectiveEvent:
         return collective_record(ev, False, rec)
     return error_record(ev)

@@ -88,7 +88,12 @@ class Recorder(RecordingState):
         _active = self
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and self.running:
+            try:
+                cell_errors.mark_escaped(self, exc)  # it leaves the recorded block: its op errors were not handled
+            except Exception:  # noqa: BLE001 - recording must never hide the user's exception
+                self.internal_errors.append(traceback.format_exc())
         self.close()
         return False
 

@@ -128,6 +128,9 @@ class RecordingState:
         self.ddp_bucket_cache: dict[int, list] = {}  # id(DDP module) -> its buckets, read at export
         # ---- errors: id(exception) -> where it was first recorded
         self.errors_seen: dict[int, SeenError] = {}
+        # origin seqs of the op errors whose exception (or one it was chained into) ended a cell or left the
+        # recording's ``with`` block; every other op error was handled by the user's code once recording stops
+        self.escaped_origins: set[int] = set()
         # ---- backward
         self.backward_handles: list[Any] = []  # hooks left on autograd nodes, removed at stop
         # every hook of one backward pass is called from the same Python frame: that frame and its user

@@ -82,7 +82,8 @@ export function renderExplorer(model, el) {
   if (data.left_out) root.insertBefore(h("div", { class: "sd-warning", text: `${data.left_out} ordinary op calls left out of the list (max_rows); errors and fallbacks are all here, and the op summary counts every call` }), status);
 
   const pill = (p) => h("span", { class: "sd-path", style: `background:${data.path_colors[p] || "#777"}`, text: p });
-  // an op call that raised: marked as an error first, its dispatch path after
+  // an op call that raised: marked as an error first, its dispatch path after; one whose exception the user's
+  // code caught is marked so, without the error's mark
   // a result whose spec disagrees with its local tensor (a call: its text; a summary row: how many calls)
   const specChip = (r) => {
     const text = r.spec_mismatch || (r.spec_mismatches ? `${r.spec_mismatches} call(s) made a result whose spec disagrees with its local tensor` : null);
@@ -90,10 +91,12 @@ export function renderExplorer(model, el) {
   };
   const chips = (r) => {
     const spec = specChip(r);
-    if (r.kind !== "error" && !spec) return pill(r.path);
+    const handled = r.kind !== "error" && r.exc_type;
+    if (r.kind !== "error" && !spec && !handled) return pill(r.path);
     const out = h("span", { class: "sd-chips" });
     if (spec) out.append(spec, " ");
     if (r.kind === "error") out.append(h("span", { class: "sd-chip-error", text: "✖ raised" }), " ");
+    if (handled) out.append(h("span", { class: "sd-chip-handled", title: "it raised; the user's code caught it and the cell went on", text: "raised, handled" }), " ");
     out.append(pill(r.path));
     return out;
   };
