@@ -41,8 +41,8 @@ COMM_BY_OP_COLUMNS = ["op", "rank", "calls", "own_calls", "nested_calls", "n_col
 COMM_BY_OP_KIND_COLUMNS = ["op", "kind", "calls", "bytes", "comm_ms", "comm_ms_rank_max", "comm_ms_rank_mean",
                            "n_in_flight"]
 COMM_BY_CALL_COLUMNS = ["rank", "op_seq", "op", "path", "module", "nested", "n_collectives", "kinds", "bytes_sent",
-                        "bytes_recv", "comm_ms", "op_ms", "comm_share", "user_frame", "bwd_n_collectives", "bwd_comm_ms",
-                        "bwd_op_ms", "n_in_flight", "location"]
+                        "bytes_recv", "comm_ms", "op_ms", "comm_share", "user_frame", "bwd_n_collectives",
+                        "bwd_comm_ms", "bwd_op_ms", "n_in_flight", "location"]
 COMM_BY_RANK_COLUMNS = ["rank", "n_collectives", "n_in_flight", "bytes_sent", "bytes_recv", "comm_ms", "comm_wall_ms",
                         "span_ms"]
 COMM_BY_PEER_COLUMNS = ["rank", "peer", "kind", "n_collectives", "bytes_sent", "bytes_recv", "local"]
@@ -205,7 +205,7 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
         return _comm_by_call(attributed(colls, ops, inclusive), ops)
     c = attributed(colls[["rank", "op", "op_seq", "kind", "bytes_sent", "bytes_recv", "duration_ms", "phase",
                           "in_flight"]], ops[["rank", "seq", "op", "parent_seq"]], inclusive)
-    # one pass over the collectives and one over the ops (the table is built for every trace, keep it lean)
+    # one pass over the collectives and one over the ops: pandas per (op, rank) costs far more than the sums
     depth = {(int(r), int(s)): int(d) for r, s, d in zip(ops["rank"], ops["seq"], ops["depth"])} if len(ops) else {}
     acc: dict[tuple, _OpComm] = {}
     for op, r, s, kind, sent, recv, ms, ph, fl in zip(c["op"], c["rank"], c["op_seq"], c["kind"], c["bytes_sent"],
@@ -243,7 +243,8 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
     for (op, rank), a in sorted(acc.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         op_ms = a.op_ms if a.calls else math.nan
         rows.append({
-            "op": op, "rank": rank, "calls": a.calls, "own_calls": int(a.own_calls), "nested_calls": int(a.nested_calls),
+            "op": op, "rank": rank, "calls": a.calls, "own_calls": int(a.own_calls),
+            "nested_calls": int(a.nested_calls),
             "n_collectives": a.n_collectives, "own_n_collectives": int(a.own_n_collectives),
             "nested_n_collectives": int(a.nested_n_collectives), "kinds": dict(sorted(a.kinds.items())),
             "bytes_sent": a.bytes_sent, "bytes_recv": a.bytes_recv, "comm_ms": a.comm_ms, "op_ms": op_ms,

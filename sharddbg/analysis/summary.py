@@ -4,11 +4,12 @@ Pure function of ``get_ops()`` and ``get_collectives()``; no torch, no cluster.
 
 Definitions:
 - The calls of a forward row are the user's own calls (depth 0: called by the user's code or a module's
-  forward, not from inside another recorded op); ``nested=True`` adds every nested call (``ShardTensor.redistribute``
-  inside ``full_tensor``), in rows of their own. ``nested_calls``: how many of a row's calls were made from inside
-  another recorded op (on forward rows 0 unless ``nested=True``). Backward rows are the backward events (and
-  forward-path ops the autograd engine called), nested or not. ``Trace.get_comm_by_op()`` counts every call of an
-  op and says which were the user's own (``own_calls``, ``own_n_collectives``) and which nested.
+  forward, not from inside another recorded op); ``nested=True`` adds every nested call (the
+  ``ShardTensor.redistribute`` inside ``full_tensor``), in rows of their own. ``nested_calls``: how many of a
+  row's calls were made from inside another recorded op (on forward rows 0 unless ``nested=True``). Backward
+  rows are the backward events (and forward-path ops the autograd engine called), nested or not.
+  ``Trace.get_comm_by_op()`` counts every call of an op and says which were the user's own (``own_calls``,
+  ``own_n_collectives``) and which nested.
 - First call: the first call of that op on that rank with those local input shapes (what a first call pays:
   caches, sharding propagation, allocations); ``first_ms_median`` over those. ``steady_*``: every other call.
 - ``n_collectives`` / ``comm_ms`` / ``bytes``: self (exclusive), the collectives attributed to the calls
@@ -27,7 +28,8 @@ Definitions:
 - ``local_ms_median``: the local computation of one call: ``device_ms`` on CUDA, ``local_ms`` on CPU (the same
   function timed on plain tensors of the call's local shapes after recording; NaN where not measured).
   ``dispatch_ms_median``: median over the steady calls (all calls when there are none) of host time minus the
-  communication within it (``comm_ms_within_host``) minus that local time: what ShardTensor's host dispatch adds.
+  communication within it (``comm_ms_within_host``) minus that local time: what ShardTensor's host dispatch
+  adds.
   ``dispatch_bound``: even the least dispatch time of those calls exceeds the local computation (host time is
   more than twice what the device, or the plain local op, needs). The least, not the median: a busy host only
   ever adds time, and ``local_ms`` is itself the least of a few runs.
@@ -46,13 +48,14 @@ from .ops import AUTOGRAD_ENTRY_OPS, FALLBACK_PATHS, is_metadata_op
 SUMMARY_COLUMNS = [
     "op", "path", "phase", "calls", "nested_calls", "ranks", "first_calls", "first_ms_median", "steady_calls",
     "steady_ms_median", "steady_ms_p95", "host_ms_total", "device_ms_median", "local_ms_median", "dispatch_ms_median",
-    "dispatch_bound", "n_collectives", "comm_ms", "bytes", "n_collectives_inclusive", "comm_ms_inclusive", "bytes_inclusive",
-    "comm_ms_within_host", "comm_ms_outside_host", "n_in_flight", "errors", "fallback", "category", "locations",
+    "dispatch_bound", "n_collectives", "comm_ms", "bytes", "n_collectives_inclusive", "comm_ms_inclusive",
+    "bytes_inclusive", "comm_ms_within_host", "comm_ms_outside_host", "n_in_flight", "errors", "fallback", "category", "locations",
 ]
 
 # the columns of get_ops() the summary reads
 _INPUT_COLUMNS = ["rank", "seq", "op", "path", "phase", "depth", "fwd_seq", "in_local_shapes", "host_ms", "device_ms",
                   "local_ms", "fallback", "exc_type", "location"]
+
 
 def _nanmedian(values: np.ndarray) -> float:
     known = values[~np.isnan(values)]
@@ -116,7 +119,8 @@ def _timed_spans(ops: pd.DataFrame) -> dict[tuple, list[tuple[int, float]]]:
 def _comm_per_call(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[dict[tuple, _CallComm], dict[tuple, _CallComm]]:
     """(rank, forward seq, phase) -> the communication of that call: its own (exclusive) and with its nested
     ops' (inclusive), as ``comm.attributed`` attributes them (a collective counts once for each op name on its
-    chain of enclosing calls). Plain Python over the rows: the summary is built for every trace."""
+    chain of enclosing calls). Plain Python over the rows: on tables of a trace's size it is many times faster
+    than pandas."""
     exclusive: dict[tuple, _CallComm] = {}
     inclusive: dict[tuple, _CallComm] = {}
     if colls.empty:
@@ -164,7 +168,7 @@ def op_summary(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool = False) -> 
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     excl, incl = _comm_per_call(colls, ops)
     none = _CallComm()
-    # plain Python over the calls: the summary is built for every trace, pandas per group would dominate
+    # plain Python over the calls: pandas per group costs far more than the sums themselves
     groups: dict[tuple, list[_Call]] = {}
     shared_seen: set = set()  # (rank, forward call, phase) whose communication a row already counts
     first_seen: set = set()  # (rank, op, path, phase, local input shapes) already called
