@@ -23,6 +23,8 @@ def check_comm_tables_add_up(trace) -> None:
     Called on every trace the test session builds (``_every_trace_is_checked``); cheap: the two tables, built in
     plain Python, and a few groupbys.
     """
+    import pandas as pd
+
     from sharddbg.analysis.ops import NO_OP
     from sharddbg.schema import DDP_BUCKET_OP
 
@@ -31,8 +33,9 @@ def check_comm_tables_add_up(trace) -> None:
     by_op = trace.get_comm_by_op()
     recorded = set(zip(ops["rank"].astype(int), ops["seq"].astype(int)))
     named = colls[colls["op_seq"].notna()]
-    in_record = [(int(r), int(s)) in recorded for r, s in zip(named["rank"], named["op_seq"])]
-    inside, orphans = named[in_record], named[[not k for k in in_record]]
+    in_record = pd.Series([(int(r), int(s)) in recorded for r, s in zip(named["rank"], named["op_seq"])],
+                          index=named.index, dtype=bool)
+    inside, orphans = named[in_record], named[~in_record]
     no_call = by_op[by_op["op"].isin([NO_OP, DDP_BUCKET_OP]) & (by_op["calls"] == 0)]
     summed = int(nested["n_collectives"].sum())
     assert summed == len(inside) == len(colls) - int(no_call["n_collectives"].sum()) - len(orphans), (
