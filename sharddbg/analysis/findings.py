@@ -4,7 +4,8 @@
 failures first (exceptions, results whose spec disagrees with their data, replicas that diverge, a collective
 the pre-flight stopped, collectives never completed, ranks whose recording is incomplete), then warnings
 (events dropped, stale entries in DTensor's redistribution plan cache, ops computed through a DTensor
-fallback), then what is merely so (metadata reads through the fallback, the checks that found nothing).
+fallback), then what is merely so (metadata reads through the fallback, a trace without op records and why, the
+checks that found nothing).
 ``trace_overview(trace)`` holds the counts a header shows. The ``%%shard_trace`` summary line, the explorer, the
 HTML report (and anything else that shows a trace) render these two and decide nothing themselves.
 
