@@ -304,10 +304,12 @@ class Trace:
         """The table to read first: one row per (op, dispatch path, phase), all ranks together.
 
         Calls, ranks, first-call and steady-state host time (median, p95), device / local time, what host
-        dispatch adds (and whether it dominates), communication exclusive and inclusive, collectives in
-        flight, errors, where in the code (``analysis.summary.op_summary``; its module docstring defines
-        every column). Forward rows are the user's own calls (depth 0); backward rows are the backward
-        events (and forward-path ops the autograd engine called).
+        dispatch adds (and whether it dominates), communication self and total (exclusive and inclusive) and
+        split by what it stands against, collectives in flight, errors, where in the code
+        (``analysis.summary.op_summary``; its module docstring defines every column). Forward rows are the
+        user's own calls (depth 0) unless ``nested``; backward rows are the backward events (and forward-path
+        ops the autograd engine called). ``get_comm_by_op()`` counts every call of an op instead, its own and
+        nested calls apart.
 
         Parameters
         ----------
@@ -318,20 +320,29 @@ class Trace:
         -------
         pandas.DataFrame
             Largest ``host_ms_total`` first (then most ``calls``; NaN last). Columns: ``op``, ``path``,
-            ``phase``, ``calls``, ``ranks`` (list), ``first_calls`` / ``first_ms_median`` (the first call
-            on a rank with given local input shapes), ``steady_calls`` / ``steady_ms_median`` /
-            ``steady_ms_p95`` (every other call), ``host_ms_total``, ``device_ms_median``,
-            ``local_ms_median`` (``device_ms`` on CUDA, ``local_ms`` on CPU), ``dispatch_ms_median`` (host
-            time minus own communication minus local time), ``dispatch_bound`` (even the least dispatch time
-            exceeds the local computation), ``n_collectives`` / ``comm_ms`` / ``bytes`` (the collectives of
-            the calls themselves) and ``n_collectives_inclusive`` / ``comm_ms_inclusive`` /
-            ``bytes_inclusive`` (with those of the recorded ops they ran), ``n_in_flight``, ``errors``
-            (calls that raised), ``fallback`` (bool), ``category`` ("compute", "metadata" or "autograd"),
+            ``phase``, ``calls``, ``nested_calls`` (of ``calls``, those made from inside another recorded
+            op: 0 on forward rows unless ``nested``), ``ranks`` (list), ``first_calls`` /
+            ``first_ms_median`` (the first call on a rank with given local input shapes), ``steady_calls`` /
+            ``steady_ms_median`` / ``steady_ms_p95`` (every other call), ``host_ms_total``,
+            ``device_ms_median``, ``local_ms_median`` (``device_ms`` on CUDA, ``local_ms`` on CPU),
+            ``dispatch_ms_median`` (host time minus the communication within it minus local time),
+            ``dispatch_bound`` (even the least dispatch time exceeds the local computation),
+            ``n_collectives`` / ``comm_ms`` / ``bytes`` (self: the collectives of the calls themselves; with
+            ``nested`` every collective issued inside a recorded op is in exactly one row) and
+            ``n_collectives_inclusive`` / ``comm_ms_inclusive`` / ``bytes_inclusive`` (total: with those of
+            the recorded ops they ran), ``comm_ms_within_host`` (of ``comm_ms_inclusive``, the collectives
+            issued while one of the row's timed calls ran: part of ``host_ms_total``, compare the two) and
+            ``comm_ms_outside_host`` (the rest: on a backward row the collectives of the op's other autograd
+            nodes, waits for the other ranks included, which run beside the rest of the backward pass and
+            stand against its time, not against ``host_ms_total``), ``n_in_flight``, ``errors`` (calls
+            that raised), ``fallback`` (bool), ``category`` ("compute", "metadata" or "autograd"),
             ``locations`` (list). Empty, with these columns, when no op was recorded.
 
         Examples
         --------
         >>> t.get_op_summary().query("dispatch_bound")[["op", "path", "steady_ms_median", "local_ms_median"]]
+        >>> t.get_op_summary().query("phase == 'backward'")[["op", "host_ms_total", "comm_ms_within_host",
+        ...                                                  "comm_ms_outside_host"]]
         >>> int(t.get_op_summary(nested=True)["calls"].sum()) == len(t.get_ops())
         True
         """
@@ -487,7 +498,9 @@ class Trace:
         """Communication per op name and rank, or per op call; forward and backward apart.
 
         A collective counts for the op it is attributed to (the innermost recorded op at issue; in backward,
-        the forward op whose autograd node issued it). ``comm_ms`` (the forward collectives' time) stands
+        the forward op whose autograd node issued it). Every call of an op counts, nested ones included
+        (``get_op_summary()`` counts the user's own): ``own_calls`` / ``nested_calls`` and
+        ``own_n_collectives`` / ``nested_n_collectives`` say which is which. ``comm_ms`` (the forward collectives' time) stands
         against ``op_ms`` (the host time of the forward calls), ``comm_share`` = comm_ms / op_ms; the
         backward's ``bwd_*`` are not a share (a backward event times the op's output node only).
         Collectives outside every recorded op appear under ``<outside recorded ops>``
@@ -505,11 +518,16 @@ class Trace:
         -------
         pandas.DataFrame
             ``by="op"``, largest communication (forward and backward) first: ``op``, ``rank``, ``calls``
-            (forward calls), ``n_collectives``, ``kinds`` ({kind: count}), ``bytes_sent``, ``bytes_recv``
-            (these three over both phases), ``comm_ms``, ``op_ms``, ``comm_share``,
-            ``bwd_n_collectives``, ``bwd_comm_ms``, ``bwd_op_ms``, ``n_in_flight`` (never completed, not
-            timed). ``by="call"``, sorted by ``rank`` and ``op_seq``: ``rank``, ``op_seq``, ``op``,
-            ``path``, ``module``, ``n_collectives``, ``kinds``, ``bytes_sent``, ``bytes_recv``, ``comm_ms``,
+            (forward calls, nested ones included), ``own_calls`` (the user's own, depth 0), ``nested_calls``
+            (made from inside another recorded op), ``n_collectives`` (of every call, both phases),
+            ``own_n_collectives`` / ``nested_n_collectives`` (those of the own / nested calls; neither for
+            ``<outside recorded ops>``), ``kinds`` ({kind: count}), ``bytes_sent``, ``bytes_recv`` (both
+            phases), ``comm_ms`` (forward collectives), ``op_ms`` (host time of the forward calls),
+            ``comm_share``, ``bwd_n_collectives``, ``bwd_comm_ms`` (the collectives of all the op's
+            autograd nodes, waits included), ``bwd_op_ms`` (the backward events: the output node only),
+            ``n_in_flight`` (never completed, not timed). ``by="call"``, sorted by ``rank`` and ``op_seq``:
+            ``rank``, ``op_seq``, ``op``, ``path``, ``module``, ``nested`` (made from inside another recorded
+            op; missing for collectives of no call), ``n_collectives``, ``kinds``, ``bytes_sent``, ``bytes_recv``, ``comm_ms``,
             ``op_ms``, ``comm_share``, ``user_frame``, ``bwd_n_collectives``, ``bwd_comm_ms``,
             ``bwd_op_ms``, ``n_in_flight``, ``location``.
 

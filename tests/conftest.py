@@ -9,6 +9,83 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def check_comm_tables_add_up(trace) -> None:
+    """The communication tables of ``trace`` count every collective once and agree with each other.
+
+    - The self (exclusive) collectives of ``get_op_summary(nested=True)`` add up to the collectives issued inside
+      recorded ops: the trace's collectives less those of no recorded op, which ``get_comm_by_op()`` lists
+      under ``<outside recorded ops>`` (or as DDP buckets), and less any whose op record the trace lacks (a
+      hand-made trace, or events dropped).
+    - ``get_comm_by_op()`` counts each collective once; per op, its ``n_collectives`` over the ranks are the
+      nested summary's (both phases), its ``own_calls`` the user's own forward calls (depth 0, what
+      ``get_op_summary()`` counts), and ``own_calls + nested_calls == calls``.
+
+    Called on every trace the test session builds (``_every_trace_is_checked``); cheap: the two tables, built in
+    plain Python, and a few groupbys.
+    """
+    import pandas as pd
+
+    from sharddbg.analysis.ops import NO_OP
+    from sharddbg.schema import DDP_BUCKET_OP
+
+    colls, ops = trace.get_collectives(), trace.get_ops()
+    nested = trace.get_op_summary(nested=True)
+    by_op = trace.get_comm_by_op()
+    recorded = set(zip(ops["rank"].astype(int), ops["seq"].astype(int)))
+    named = colls[colls["op_seq"].notna()]
+    in_record = pd.Series([(int(r), int(s)) in recorded for r, s in zip(named["rank"], named["op_seq"])],
+                          index=named.index, dtype=bool)
+    inside, orphans = named[in_record], named[~in_record]
+    no_call = by_op[by_op["op"].isin([NO_OP, DDP_BUCKET_OP]) & (by_op["calls"] == 0)]
+    summed = int(nested["n_collectives"].sum())
+    assert summed == len(inside) == len(colls) - int(no_call["n_collectives"].sum()) - len(orphans), (
+        f"get_op_summary(nested=True) counts {summed} self collectives; of {len(colls)}, "
+        f"{int(no_call['n_collectives'].sum())} are under {NO_OP!r} / DDP buckets, {len(orphans)} name an op "
+        f"record the trace lacks, {len(inside)} were issued inside recorded ops")
+    assert int(by_op["n_collectives"].sum()) == len(colls), "get_comm_by_op() must count every collective once"
+    if len(by_op):
+        assert (by_op["own_calls"] + by_op["nested_calls"] == by_op["calls"]).all()
+        per_op = by_op.groupby("op")[["n_collectives", "own_calls"]].sum()
+        orphans_per_op = orphans.groupby("op").size()
+        for op, n in nested.groupby("op")["n_collectives"].sum().items():
+            expected = int(n) + int(orphans_per_op.get(op, 0))
+            assert int(per_op["n_collectives"].get(op, 0)) == expected, f"{op}: the tables disagree on its collectives"
+        # the user's own forward calls (depth 0), what get_op_summary() counts, from the op records themselves
+        own = ops[(ops["phase"] == "forward") & (ops["depth"] == 0)].groupby("op").size()
+        fwd_ops = per_op[per_op["own_calls"] > 0]["own_calls"]
+        assert {k: int(v) for k, v in own.items()} == {k: int(v) for k, v in fwd_ops.items()}, \
+            "get_comm_by_op()'s own_calls are the forward calls get_op_summary() counts"
+
+
+_BUILT_TRACES: list = []  # every Trace built since the last check
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _traces_are_remembered():
+    """Every Trace the session builds (``Trace.__init__``: from payloads, from a file, from a cluster) is
+    remembered for ``_every_trace_is_checked``."""
+    from sharddbg.trace import Trace
+
+    built = Trace.__init__
+
+    def remembering_init(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        _BUILT_TRACES.append(self)
+
+    Trace.__init__ = remembering_init
+    yield
+    Trace.__init__ = built
+
+
+@pytest.fixture(autouse=True)
+def _every_trace_is_checked(_traces_are_remembered):
+    """After each test: ``check_comm_tables_add_up`` on every trace built since the last check (the test's
+    own, and those of the fixtures set up for it)."""
+    yield
+    while _BUILT_TRACES:
+        check_comm_tables_add_up(_BUILT_TRACES.pop())
+
+
 def _start(**kwargs):
     import sharddbg
 

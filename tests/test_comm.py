@@ -220,6 +220,101 @@ def test_full_tensor_uneven_and_redistribute(cl):
         assert counts == {"all_to_all_single": 1}
 
 
+def test_own_and_nested_calls_of_one_op_are_named_in_both_tables(cl):
+    """``redistribute`` called by the user (its all_to_all) and inside ``full_tensor`` (its all_gather): the op
+    summary counts the user's own call, get_comm_by_op every call; each table says which it counts."""
+    t = cl.trace("cf = cx.full_tensor()\ncz = cx.redistribute(cmesh, (Shard(3),))", timeout=60, display=False)
+    _check_clean(t)
+    c = _colls(t)
+    by_op = t.get_comm_by_op().set_index(["op", "rank"])
+    for r in range(N):
+        red = by_op.loc[("ShardTensor.redistribute", r)]
+        assert (red["calls"], red["own_calls"], red["nested_calls"]) == (2, 1, 1)
+        # the collectives of each call, as get_collectives() attributes them
+        cr = c[(c["rank"] == r) & (c["op"] == "ShardTensor.redistribute")]
+        nested = cr[cr["outer_op"] == "ShardTensor.full_tensor"]
+        assert (red["n_collectives"], red["own_n_collectives"], red["nested_n_collectives"]) == (
+            len(cr), len(cr) - len(nested), len(nested)) == (2, 1, 1)
+        ft = by_op.loc[("ShardTensor.full_tensor", r)]
+        assert (ft["own_calls"], ft["nested_calls"], ft["n_collectives"]) == (1, 0, 0)
+    calls = t.get_comm_by_op(by="call")
+    assert sorted(calls[calls["op"] == "ShardTensor.redistribute"]["nested"]) == [False] * N + [True] * N
+    # the op summary: the user's own call only (what own_calls / own_n_collectives say), every call when nested
+    own = t.get_op_summary().set_index(["op", "phase"]).loc[("ShardTensor.redistribute", "forward")]
+    assert (own["calls"], own["nested_calls"], own["n_collectives"]) == (N, 0, N)
+    every = t.get_op_summary(nested=True).set_index(["op", "phase"]).loc[("ShardTensor.redistribute", "forward")]
+    assert (every["calls"], every["nested_calls"], every["n_collectives"]) == (2 * N, N, 2 * N)
+    # self counts over every call add up to every collective issued inside a recorded op (here: all of them)
+    assert t.get_op_summary(nested=True)["n_collectives"].sum() == len(c) == c["op_seq"].notna().sum()
+
+
+def test_backward_comm_stands_apart_from_the_backward_events_host_time(cl):
+    """A conv's backward collectives run in autograd nodes of their own (weight and bias reductions, the halo's
+    gradient), outside the backward event timed at its output node: the op summary puts them in a column of
+    their own, and the explorer shows them apart from the host time they are not part of."""
+    from sharddbg.views import explorer
+
+    t = cl.trace("cy = cnet(cx)\ncy.backward(cgy)", timeout=60, display=False)
+    cl.run("cnet.zero_grad(); cx.grad = None", timeout=30)
+    _check_clean(t)
+    c, ops = _colls(t), t.get_ops()
+    summary = explorer.summary_frame(t).set_index(["op", "phase"])  # what the explorer shows
+    for phase in ("forward", "backward"):
+        row = summary.loc[("torch.conv2d", phase)]
+        mine = c[(c["op"] == "torch.conv2d") & ((c["phase"] == "backward") == (phase == "backward"))]
+        events = ops[(ops["op"] == "torch.conv2d") & (ops["phase"] == phase)]
+        # issued while one of the row's timed events ran on that rank (a backward event times its forward call's
+        # output node): the part of the communication that lies within host_ms_total
+        within = [any(e.t_start_ns <= x.t_issue_ns <= e.t_end_ns for e in events.itertuples()
+                      if e.rank == x.rank and (e.seq if phase == "forward" else e.fwd_seq) == x.op_seq)
+                  for x in mine.itertuples()]
+        inside, outside = mine[within], mine[[not w for w in within]]
+        assert row["comm_ms_within_host"] == pytest.approx(inside["duration_ms"].sum())
+        assert row["comm_ms_outside_host"] == pytest.approx(outside["duration_ms"].sum())
+        assert row["comm_ms_within_host"] + row["comm_ms_outside_host"] == pytest.approx(row["comm_ms_inclusive"])
+        assert row["comm_ms_inclusive"] == pytest.approx(mine["duration_ms"].sum())
+        assert row["host_ms_total"] == pytest.approx(events["host_ms"].sum())
+    fwd, bwd = summary.loc[("torch.conv2d", "forward")], summary.loc[("torch.conv2d", "backward")]
+    assert fwd["comm_ms_outside_host"] == 0 and fwd["comm_ms_within_host"] > 0  # the halo, inside each call
+    # the weight and bias reductions and the halo's gradient, 3 per rank: none in the timed output node
+    assert bwd["n_collectives"] == 3 * N and bwd["comm_ms_within_host"] == 0 and bwd["comm_ms_outside_host"] > 0
+    # the explorer's headers say which is which, and what each stands against
+    heads = {c[0]: c for c in explorer.SUMMARY_LIST_COLUMNS}
+    assert heads["comm_ms_within_host"][1] == "comm ms in host" and "part of host ms" in heads["comm_ms_within_host"][3]
+    assert "other autograd nodes" in heads["comm_ms_outside_host"][3]
+    assert "comm_ms_inclusive" not in heads
+    html = explorer.explorer_html(t)
+    assert ">bwd comm ms, other nodes</th>" in html and "outside host ms" in html
+    assert "bwd comm other nodes" in explorer.explorer_text(t)
+
+
+def test_plain_dtensor_trace_says_why_it_has_no_ops(cl):
+    """Plain torch DTensor code (its own DeviceMesh on gloo, distribute_tensor, a matmul and a sum, full_tensor):
+    no op is recorded, so the findings say why, with its collectives counted from the trace."""
+    from sharddbg.magics import trace_summary
+    from sharddbg.views import explorer
+
+    cl.run("from torch.distributed.device_mesh import init_device_mesh\n"
+           "from torch.distributed.tensor import Replicate, distribute_tensor\n"
+           f"_pmesh = init_device_mesh('cpu', ({N},))", timeout=60)
+    t = cl.trace("_pa = distribute_tensor(torch.arange(64.0).reshape(8, 8), _pmesh, [Shard(0)])\n"
+                 "_pw = distribute_tensor(torch.ones(8, 2), _pmesh, [Replicate()])\n"
+                 "_pfull = (_pa @ _pw).sum().full_tensor()", timeout=60, display=False)
+    _check_clean(t)
+    assert cl.eval("float(_pfull)") == [2.0 * sum(range(64))] * N  # it computed, on every rank
+    assert t.get_ops().empty
+    c = _colls(t)
+    per_rank = c.groupby("rank").size()
+    assert len(c) > 0 and c["op"].isna().all() and set(per_rank) == {len(c) // N}
+    (found,) = [f for f in t.findings if f.kind == "no_recorded_ops"]
+    assert found.severity == "info" and found.ranks == tuple(range(N))
+    assert found.sentence == (f"no ShardTensor op was called: {len(c)} collectives ({len(c) // N} per rank) ran "
+                              "outside recorded ops (plain DTensor or torch.distributed calls are not recorded as "
+                              "ops yet)")
+    assert found.sentence in trace_summary(t) and found.text() in explorer.explorer_text(t)
+    assert t.overview.op_calls == 0 and t.overview.collectives == len(c)
+
+
 P2P = """
 _n = dist.get_world_size()
 _send = torch.full((7,), float(crank))

@@ -18,6 +18,7 @@ Definitions used throughout:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import pandas as pd
 
@@ -35,13 +36,14 @@ COLLECTIVE_EXTRA_COLUMNS = [
     "t_return_ns", "issue_ms", "wait_op_seq", "waited", "device_ms", "in_flight", "state", "error", "thread",
     "params", "bucket", "user_frame", "user_cell", "user_code", "location",
 ]
-COMM_BY_OP_COLUMNS = ["op", "rank", "calls", "n_collectives", "kinds", "bytes_sent", "bytes_recv", "comm_ms", "op_ms",
-                      "comm_share", "bwd_n_collectives", "bwd_comm_ms", "bwd_op_ms", "n_in_flight"]
+COMM_BY_OP_COLUMNS = ["op", "rank", "calls", "own_calls", "nested_calls", "n_collectives", "own_n_collectives",
+                      "nested_n_collectives", "kinds", "bytes_sent", "bytes_recv", "comm_ms", "op_ms", "comm_share",
+                      "bwd_n_collectives", "bwd_comm_ms", "bwd_op_ms", "n_in_flight"]
 COMM_BY_OP_KIND_COLUMNS = ["op", "kind", "calls", "bytes", "comm_ms", "comm_ms_rank_max", "comm_ms_rank_mean",
                            "n_in_flight"]
-COMM_BY_CALL_COLUMNS = ["rank", "op_seq", "op", "path", "module", "n_collectives", "kinds", "bytes_sent", "bytes_recv",
-                        "comm_ms", "op_ms", "comm_share", "user_frame", "bwd_n_collectives", "bwd_comm_ms",
-                        "bwd_op_ms", "n_in_flight", "location"]
+COMM_BY_CALL_COLUMNS = ["rank", "op_seq", "op", "path", "module", "nested", "n_collectives", "kinds", "bytes_sent",
+                        "bytes_recv", "comm_ms", "op_ms", "comm_share", "user_frame", "bwd_n_collectives",
+                        "bwd_comm_ms", "bwd_op_ms", "n_in_flight", "location"]
 COMM_BY_RANK_COLUMNS = ["rank", "n_collectives", "n_in_flight", "bytes_sent", "bytes_recv", "comm_ms", "comm_wall_ms",
                         "span_ms"]
 COMM_BY_PEER_COLUMNS = ["rank", "peer", "kind", "n_collectives", "bytes_sent", "bytes_recv", "local"]
@@ -132,10 +134,15 @@ def attributed(colls: pd.DataFrame, ops: pd.DataFrame, inclusive: bool) -> pd.Da
     collective). Columns: the collective's, with ``op``/``op_seq`` replaced."""
     c = colls.copy()
     c["op"] = c["op"].where(c["op"].notna(), NO_OP)
-    if not inclusive or c.empty or ops.empty:
+    if c.empty or ops.empty:
+        return c
+    names = {(int(r), int(s)): o for r, s, o in zip(ops["rank"], ops["seq"], ops["op"])}
+    # the name of the op record a collective names (the record is the one source of an op's name)
+    c["op"] = [c_op if pd.isna(s) else names.get((int(r), int(s)), c_op)
+               for r, s, c_op in zip(c["rank"], c["op_seq"], c["op"])]
+    if not inclusive:
         return c
     chains = op_chains(ops)
-    names = {(int(r), int(s)): o for r, s, o in zip(ops["rank"], ops["seq"], ops["op"])}
     rows, idx = [], []
     for i, (r, seq) in enumerate(zip(c["rank"], c["op_seq"])):
         if pd.isna(seq):
@@ -156,6 +163,27 @@ def attributed(colls: pd.DataFrame, ops: pd.DataFrame, inclusive: bool) -> pd.Da
     return out
 
 
+@dataclass
+class _OpComm:
+    """One row of ``comm_by_op(by="op")`` while it is summed up: an op on a rank."""
+
+    calls: int = 0
+    own_calls: int = 0
+    nested_calls: int = 0
+    n_collectives: int = 0
+    own_n_collectives: int = 0
+    nested_n_collectives: int = 0
+    kinds: dict = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    comm_ms: float = 0.0
+    op_ms: float = 0.0
+    bwd_n_collectives: int = 0
+    bwd_comm_ms: float = 0.0
+    bwd_op_ms: float = 0.0
+    n_in_flight: int = 0
+
+
 def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive: bool = False) -> pd.DataFrame:
     """Communication per op name and rank (``by="op"``) or per op call (``by="call"``), forward and backward
     apart.
@@ -163,12 +191,17 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
     A collective counts for the op it is attributed to (``op``: innermost recorded op at issue; in backward
     the forward op whose autograd node issued it); with ``inclusive=True`` also for every recorded op it ran
     inside (``ShardTensor.full_tensor`` then owns the all_gather of the ``redistribute`` it calls; inclusive
-    rows overlap, so they do not add up to the trace's total). ``calls``: forward calls of the op on that rank.
-    ``n_collectives`` / ``kinds`` / ``bytes_*``: both phases. Like with like: ``comm_ms`` (sum of the forward
-    collectives' ``duration_ms``) against ``op_ms`` (host time of the forward calls), ``comm_share`` =
-    comm_ms / op_ms, so a share above 1 can only come from async collectives overlapping each other or
-    outlasting the call; ``bwd_comm_ms`` / ``bwd_op_ms``: the same for the backward collectives and events
-    (a backward event times the op's output node only, so the two are not a share). ``n_in_flight``:
+    rows overlap, so they do not add up to the trace's total). ``calls``: every forward call of the op on that
+    rank, nested ones included: ``own_calls`` (the user's own, depth 0: what ``get_op_summary()`` counts) plus
+    ``nested_calls`` (made from inside another recorded op, e.g. the ``redistribute`` of a ``full_tensor``).
+    ``n_collectives`` / ``kinds`` / ``bytes_*``: both phases, of every call; ``own_n_collectives`` /
+    ``nested_n_collectives``: those of the own / nested calls (a row of collectives outside every recorded op
+    has neither); ``by="call"``: ``nested`` says the same of each call. Like with like: ``comm_ms`` (sum of
+    the forward collectives' ``duration_ms``) against ``op_ms`` (host time of the forward calls),
+    ``comm_share`` = comm_ms / op_ms, so a share above 1 can only come from async collectives overlapping each
+    other or outlasting the call; ``bwd_comm_ms`` / ``bwd_op_ms``: the same for the backward collectives and
+    events (a backward event times the op's output node only, while ``bwd_comm_ms`` holds the collectives of
+    all the op's autograd nodes, waits for the other ranks included: the two are not a share). ``n_in_flight``:
     collectives that never completed (counted, never timed). Collectives outside every recorded op appear
     under ``NO_OP`` (a DDP bucket under ``schema.DDP_BUCKET_OP``).
     """
@@ -176,30 +209,56 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
         raise ValueError(f"by must be 'op' or 'call', got {by!r}")
     if not isinstance(inclusive, bool):
         raise ValueError(f"inclusive must be True or False, got {inclusive!r}")
-    c = attributed(colls, ops, inclusive)
     if by == "call":
-        return _comm_by_call(c, ops)
+        return _comm_by_call(attributed(colls, ops, inclusive), ops)
+    c = attributed(colls[["rank", "op", "op_seq", "kind", "bytes_sent", "bytes_recv", "duration_ms", "phase",
+                          "in_flight"]], ops[["rank", "seq", "op", "parent_seq"]], inclusive)
+    # one pass over the collectives and one over the ops: pandas per (op, rank) costs far more than the sums
+    depth = {(int(r), int(s)): int(d) for r, s, d in zip(ops["rank"], ops["seq"], ops["depth"])} if len(ops) else {}
+    acc: dict[tuple, _OpComm] = {}
+    for op, r, s, kind, sent, recv, ms, ph, fl in zip(c["op"], c["rank"], c["op_seq"], c["kind"], c["bytes_sent"],
+                                                      c["bytes_recv"], c["duration_ms"], c["phase"], c["in_flight"]):
+        a = acc.setdefault((op, int(r)), _OpComm())
+        a.n_collectives += 1
+        call_depth = None if pd.isna(s) else depth.get((int(r), int(s)))
+        if call_depth is not None:
+            a.own_n_collectives += call_depth == 0
+            a.nested_n_collectives += call_depth > 0
+        a.kinds[str(kind)] = a.kinds.get(str(kind), 0) + 1
+        a.bytes_sent += 0 if pd.isna(sent) else int(sent)
+        a.bytes_recv += 0 if pd.isna(recv) else int(recv)
+        done = 0.0 if pd.isna(ms) else float(ms)
+        if ph == "backward":
+            a.bwd_n_collectives += 1
+            a.bwd_comm_ms += done
+        else:
+            a.comm_ms += done
+        a.n_in_flight += bool(fl)
+    if len(ops):
+        calls = list(zip(ops["op"], ops["rank"], ops["phase"], ops["depth"], ops["host_ms"]))
+        for op, r, ph, d, ms in calls:
+            if ph == "forward":
+                a = acc.setdefault((op, int(r)), _OpComm())
+                a.calls += 1
+                a.own_calls += d == 0
+                a.nested_calls += d > 0
+                a.op_ms += 0.0 if pd.isna(ms) else float(ms)
+        for op, r, ph, _d, ms in calls:
+            a = acc.get((op, int(r))) if ph == "backward" else None
+            if a is not None:
+                a.bwd_op_ms += 0.0 if pd.isna(ms) else float(ms)
     rows = []
-    fwd = ops[ops["phase"] == "forward"] if len(ops) else ops
-    keys = set(zip(c["op"], c["rank"]))
-    keys |= set(zip(fwd["op"], fwd["rank"])) if len(fwd) else set()
-    for op, rank in sorted(keys, key=lambda k: (str(k[0]), int(k[1]))):
-        g = c[(c["op"] == op) & (c["rank"] == rank)]
-        gf, gb = g[g["phase"] != "backward"], g[g["phase"] == "backward"]
-        o = ops[(ops["op"] == op) & (ops["rank"] == rank)] if len(ops) else ops
-        of = o[o["phase"] == "forward"] if len(o) else o
-        ob = o[o["phase"] == "backward"] if len(o) else o
-        calls = int(len(of))
-        op_ms = _sum_ms(of["host_ms"]) if len(of) else math.nan
-        comm = _sum_ms(gf["duration_ms"])
+    for (op, rank), a in sorted(acc.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        op_ms = a.op_ms if a.calls else math.nan
         rows.append({
-            "op": op, "rank": int(rank), "calls": calls, "n_collectives": int(len(g)), "kinds": _kinds(g["kind"]),
-            "bytes_sent": int(g["bytes_sent"].sum()), "bytes_recv": int(g["bytes_recv"].sum()),
-            "comm_ms": comm, "op_ms": op_ms,
-            "comm_share": comm / op_ms if op_ms and not math.isnan(op_ms) and op_ms > 0 else math.nan,
-            "bwd_n_collectives": int(len(gb)), "bwd_comm_ms": _sum_ms(gb["duration_ms"]),
-            "bwd_op_ms": _sum_ms(ob["host_ms"]) if len(ob) else 0.0,
-            "n_in_flight": int(g["in_flight"].sum()),
+            "op": op, "rank": rank, "calls": a.calls, "own_calls": int(a.own_calls),
+            "nested_calls": int(a.nested_calls),
+            "n_collectives": a.n_collectives, "own_n_collectives": int(a.own_n_collectives),
+            "nested_n_collectives": int(a.nested_n_collectives), "kinds": dict(sorted(a.kinds.items())),
+            "bytes_sent": a.bytes_sent, "bytes_recv": a.bytes_recv, "comm_ms": a.comm_ms, "op_ms": op_ms,
+            "comm_share": a.comm_ms / op_ms if a.calls and op_ms > 0 else math.nan,
+            "bwd_n_collectives": a.bwd_n_collectives, "bwd_comm_ms": a.bwd_comm_ms, "bwd_op_ms": a.bwd_op_ms,
+            "n_in_flight": int(a.n_in_flight),
         })
     df = pd.DataFrame(rows, columns=COMM_BY_OP_COLUMNS)
     df["total_ms"] = df["comm_ms"] + df["bwd_comm_ms"]
@@ -233,7 +292,8 @@ def _comm_by_call(c: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
             "rank": int(rank), "op_seq": int(seq),
             "op": o.op if o is not None else (g["op"].iloc[0] if len(g) else None),
             "path": o.path if o is not None else None, "module": o.module if o is not None else None,
-            "n_collectives": int(len(g)), "kinds": _kinds(g["kind"]),
+            "nested": bool(o.depth > 0) if o is not None else None, "n_collectives": int(len(g)),
+            "kinds": _kinds(g["kind"]),
             "bytes_sent": int(g["bytes_sent"].sum()), "bytes_recv": int(g["bytes_recv"].sum()),
             "comm_ms": comm, "op_ms": op_ms, "comm_share": comm / op_ms if op_ms > 0 else math.nan,
             "user_frame": o.user_frame if o is not None else None,
@@ -245,7 +305,7 @@ def _comm_by_call(c: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
     for (rank, op), g in nc.groupby(["rank", "op"]):
         gf, gb = g[g["phase"] != "backward"], g[g["phase"] == "backward"]
         locs = [x for x in g["location"] if isinstance(x, str)]
-        rows.append({"rank": int(rank), "op_seq": None, "op": op, "path": None, "module": None,
+        rows.append({"rank": int(rank), "op_seq": None, "op": op, "path": None, "module": None, "nested": None,
                      "n_collectives": int(len(g)), "kinds": _kinds(g["kind"]),
                      "bytes_sent": int(g["bytes_sent"].sum()), "bytes_recv": int(g["bytes_recv"].sum()),
                      "comm_ms": _sum_ms(gf["duration_ms"]), "op_ms": math.nan, "comm_share": math.nan,

@@ -5,8 +5,8 @@ failures first (ranks that never issued a collective the others waited in, excep
 results whose spec disagrees with their data, replicas that diverge, a collective the pre-flight stopped,
 collectives neither completed nor failed, ranks whose recording is incomplete), then warnings
 (events dropped, stale entries in DTensor's redistribution plan cache, ops computed through a DTensor
-fallback), then what is merely so (metadata reads through the fallback, exceptions the user's code caught, the
-checks that found nothing).
+fallback), then what is merely so (metadata reads through the fallback, exceptions the user's code caught, a
+trace without op records and why, the checks that found nothing).
 ``trace_overview(trace)`` holds the counts a header shows. The ``%%shard_trace`` summary line, the explorer, the
 HTML report (and anything else that shows a trace) render these two and decide nothing themselves.
 
@@ -50,6 +50,7 @@ TRACE_FINDING_KINDS = (
     "fallback",  # ops computed through a DTensor fallback
     "metadata_fallback",  # metadata reads (shape, ndim, ...) through the fallback
     "error_handled",  # op calls that raised and the user's code caught (pytest.raises, try/except)
+    "no_recorded_ops",  # no op was recorded: why the tables are empty (plain DTensor / torch.distributed code)
     "preflight_ok",  # the pre-flight compared every collective (some may have been late)
     "replicas_agree",  # every digested replica agreed
 )
@@ -295,7 +296,7 @@ def trace_findings(trace: Trace) -> list[Finding]:
     """Every finding of ``trace``, failures first, each severity in ``TRACE_FINDING_KINDS`` order."""
     found = [*_missing_collectives(trace), *_errors(trace), *_spec_mismatches(trace), *_replicas(trace),
              *_preflight(trace), *_unfinished_collectives(trace), *_incomplete(trace), *_dropped(trace),
-             *_plan_cache(trace), *_fallbacks(trace)]
+             *_plan_cache(trace), *_fallbacks(trace), *_no_recorded_ops(trace)]
     order = {k: i for i, k in enumerate(TRACE_FINDING_KINDS)}
     return sorted(found, key=lambda f: (SEVERITIES.index(f.severity), order.get(f.kind, len(order))))
 
@@ -498,26 +499,63 @@ def _dropped(trace: Trace) -> list[Finding]:
 
 def plan_cache_finding(frame: pd.DataFrame, growth: pd.DataFrame) -> Finding | None:
     """The plan cache finding of ``get_plan_cache()`` / ``get_plan_cache_growth()`` rows when stale entries were
-    left in the cache: where, which spec field, how many on which ranks, what it costs; None otherwise."""
+    left in the cache: where, which spec field, on which ranks, how many on each rank (every rank has a cache of
+    its own: no count is summed over ranks), what it costs; None otherwise."""
     stale = stale_left(frame)
     if not len(stale):
         return None
     site = main_stale_site(stale)
-    others = int(stale["kept"].sum()) - site.kept
+    # every rank has a cache of its own: counts are per rank, never summed over ranks
+    others = {r: k - site.kept_per_rank.get(r, 0) for r, k in stale.groupby("rank")["kept"].sum().items()}
+    others = {r: k for r, k in others.items() if k}
     fields = " and ".join(f"its {c.split('.')[0]} spec's {c.split('.', 1)[1]}" for c in site.changed.split(", "))
     entries = growth.dropna(subset=["entries_end"])
-    now = f" ({int(entries['entries_end'].max()):,} entries now)" if len(entries) else ""
+    now = (f" ({_per_rank(entries['entries_end'], 'entries', 'in the cache')} now)" if len(entries) else "")
     sentence = (f"{ranks_text(site.ranks)}: {site.where}, {site.source} -> {site.target}, changed {fields} after "
-                f"DTensor's redistribution plan cache had stored it, {site.kept} time{'s' if site.kept != 1 else ''}"
-                + (f" ({others} more stale entries from other calls)" if others else "")
+                f"DTensor's redistribution plan cache had stored it, "
+                f"{_per_rank(site.kept_per_rank.values(), 'times')}"
+                + (f" ({_per_rank(others.values(), 'more stale entries')} from other calls)" if others else "")
                 + ": those entries are never hit again, each call adds one and every lookup compares against all of "
                 f"them (they share one hash), so each step gets slower{now}")
     return Finding("plan_cache", "warn", sentence, fix=PLAN_CACHE_FIX, ranks=tuple(site.ranks), op=site.where)
 
 
+def _per_rank(counts, noun: str, where: str = "") -> str:
+    """Counts of each rank's own, as one phrase: '3 times on each rank', '30 to 36 entries in the cache per rank'
+    ('1 time', '1 more stale entry')."""
+    counts = sorted(int(c) for c in counts)
+    lo, hi = counts[0], counts[-1]
+    if hi == 1:
+        noun = noun.replace("times", "time").replace("entries", "entry")
+    place = f" {where}" if where else ""
+    return f"{lo:,} {noun}{place} on each rank" if lo == hi else f"{lo:,} to {hi:,} {noun}{place} per rank"
+
+
 def _plan_cache(trace: Trace) -> list[Finding]:
     found = plan_cache_finding(trace.get_plan_cache(), trace.get_plan_cache_growth())
     return [found] if found is not None else []
+
+
+# why a trace without op records has none: only ShardTensor's dispatch is hooked
+NOT_RECORDED_AS_OPS = "plain DTensor or torch.distributed calls are not recorded as ops yet"
+
+
+def _no_recorded_ops(trace: Trace) -> list[Finding]:
+    if len(trace.get_ops()) or trace.incomplete_ranks:  # a rank that died or hung says why itself
+        return []
+    colls = trace.get_collectives()
+    if not len(colls):
+        what = "no collective ran" if trace.collectives_recorded else "collectives were not recorded"
+        return [Finding("no_recorded_ops", "info", f"no ShardTensor op was called and {what} "
+                        f"({NOT_RECORDED_AS_OPS})")]
+    per_rank = colls.groupby("rank").size()
+    ranks = tuple(sorted(int(r) for r in per_rank.index))
+    each = (f"{int(per_rank.iloc[0])} per rank" if per_rank.nunique() == 1 and len(ranks) == len(trace.ranks)
+            else f"at most {int(per_rank.max())} per rank")
+    return [Finding("no_recorded_ops", "info",
+                    f"no ShardTensor op was called: {len(colls)} collectives ({each}) ran outside recorded ops "
+                    f"({NOT_RECORDED_AS_OPS})", fix="t.get_collectives() lists them, with bytes, times and where "
+                    "in the cell", ranks=ranks)]
 
 
 def _fallbacks(trace: Trace) -> list[Finding]:

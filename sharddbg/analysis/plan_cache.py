@@ -67,8 +67,9 @@ class StaleSite(NamedTuple):
     source: str
     target: str
     changed: str
-    kept: int
+    kept: int  # all ranks together
     ranks: list[int]
+    kept_per_rank: dict[int, int]  # each rank's own cache holds its own entries
 
 
 def main_stale_site(stale: pd.DataFrame) -> StaleSite:
@@ -78,4 +79,5 @@ def main_stale_site(stale: pd.DataFrame) -> StaleSite:
     where = op if isinstance(op, str) else "outside every recorded op"
     if isinstance(outer, str) and outer != op:
         where += f" (in {outer})"
-    return StaleSite(where, src, dst, changed, int(g["kept"].sum()), sorted(int(r) for r in g["rank"].unique()))
+    per_rank = {int(r): int(k) for r, k in g.groupby("rank")["kept"].sum().items()}
+    return StaleSite(where, src, dst, changed, int(g["kept"].sum()), sorted(per_rank), per_rank)

@@ -58,16 +58,27 @@ DEFAULT_MAX_ROWS = 20_000
 STATIC_ROWS = 200  # summary rows, and op calls, in the static rendering (errors and fallbacks first)
 STATIC_GROUPS = 8  # call groups under each summary row in the static renderings
 TEXT_SUMMARY_ROWS = 30  # summary rows in the text
-# The tables' columns: (field, title, width in px or None). Short columns have fixed widths, the others share
-# the rest of the box, so a table never grows wider than its box (a long cell ends in "…").
+# The tables' columns: (field, title, width in px or None[, the header's tooltip]). Short columns have fixed widths,
+# the others share the rest of the box, so a table never grows wider than its box (a long cell ends in "…").
 LIST_COLUMNS = [("kind", "", 100), ("rank", "rank", 54), ("seq", "seq", 58), ("op", "op", None), ("path", "path", None),
                 ("phase", "phase", 82), ("module", "module", None), ("out_local_shape", "output (local)", None),
                 ("host_ms", "host ms", 78), ("user_frame", "source", None)]
-SUMMARY_LIST_COLUMNS = [("kind", "", 100), ("op", "op", None), ("path", "path", None), ("phase", "phase", 82),
-                        ("calls", "calls", 56), ("ranks", "ranks", 76), ("first_ms_median", "first ms", 80),
-                        ("steady_ms_median", "steady ms", 96), ("host_ms_total", "total ms", 84),
-                        ("comm_ms_inclusive", "comm ms", 90), ("dispatch_bound", "dispatch", 80),
-                        ("locations", "source", None)]
+# The op summary's columns, each with what its header's tooltip says. Communication is shown against what it is
+# part of: "comm ms in host" lies within "host ms" (compare them); a backward row's collectives of the op's other
+# autograd nodes lie outside that time, in a column of their own.
+SUMMARY_LIST_COLUMNS = [
+    ("kind", "", 100), ("op", "op", None), ("path", "path", None), ("phase", "phase", 82),
+    ("calls", "calls", 56, "your own calls (forward), or the backward events"), ("ranks", "ranks", 76),
+    ("first_ms_median", "first ms", 80, "median host time of the first call with given input shapes"),
+    ("steady_ms_median", "steady ms", 96, "median host time of every other call"),
+    ("host_ms_total", "host ms", 84, "host time of the row's calls, all ranks together (a backward event: the "
+                                     "node behind the op's output only)"),
+    ("comm_ms_within_host", "comm ms in host", 110, "collectives issued while the row's calls ran (those of the "
+                                                     "ops they called included): part of host ms"),
+    ("comm_ms_outside_host", "bwd comm ms, other nodes", 120,
+     "backward: collectives of the op's other autograd nodes, outside host ms; they include waiting for the other "
+     "ranks and run beside the rest of the backward pass: compare with the backward pass's time"),
+    ("dispatch_bound", "dispatch", 80), ("locations", "source", None)]
 GROUP_LIST_COLUMNS = [("kind", "", 100), ("ranks_text", "ranks", 110), ("calls", "calls", 56),
                       ("in_local_shapes", "inputs (local)", None), ("out_local_shape", "output (local)", None),
                       ("placements", "placements", None), ("host_ms", "host ms", 150), ("location", "source", None)]
@@ -329,13 +340,16 @@ def _summary_text(tables: _Tables, max_rows: int = TEXT_SUMMARY_ROWS, max_groups
         return ["  op summary: no op calls"]
     lines = [f"  op summary ({len(summary)} rows, one per op, path and phase; errors and fallbacks first; "
              "under each its calls, identical ones on several ranks as one line):",
+             "    (host ms: the calls' host time, all ranks; comm in host: collectives within it; bwd comm other "
+             "nodes: a backward row's collectives of the op's other autograd nodes, outside host ms, waits for the "
+             "other ranks included)",
              f"    {'':10} {'op':28} {'path':26} {'phase':8} {'calls':>5} {'ranks':8} {'first ms':>9} "
-             f"{'steady ms':>9} {'total ms':>9} {'comm ms':>9}"]
+             f"{'steady ms':>9} {'host ms':>9} {'comm in host':>12} {'bwd comm other nodes':>20}"]
     groups = {k: g for k, g in tables.groups.groupby("summary_row", sort=False)} if len(tables.groups) else {}
     for i, r in enumerate(summary.head(max_rows).itertuples(index=False)):
         lines.append(f"    {_flag(r.kind, None):10} {r.op:28} {r.path:26} {r.phase:8} {r.calls:>5} "
                      f"{ranks_text(r.ranks).split(' ', 1)[1]:8} {_ms(r.first_ms_median):>9} {_ms(r.steady_ms_median):>9} "
-                     f"{_ms(r.host_ms_total):>9} {_ms(r.comm_ms_inclusive):>9}"
+                     f"{_ms(r.host_ms_total):>9} {_ms(r.comm_ms_within_host):>12} {_ms(r.comm_ms_outside_host):>20}"
                      + (f"  {r.errors} raised" if r.errors else "") + ("  dispatch-bound" if r.dispatch_bound else "")
                      + (f"  {r.spec_mismatches} spec mismatch(es)" if r.spec_mismatches else ""))
         g = groups.get(i)
@@ -387,7 +401,8 @@ def _summary_cells(tables: _Tables, max_rows: int, max_groups: int = STATIC_GROU
             "kind": r.kind, "flag": _flag(r.kind, None), "op": r.op, "path": r.path, "path_color": path_color(r.path),
             "spec": _spec_count(r.spec_mismatches), "phase": r.phase, "calls": int(r.calls),
             "ranks": ranks_text(r.ranks).split(" ", 1)[1], "first_ms": _ms(r.first_ms_median),
-            "steady_ms": _ms(r.steady_ms_median), "total_ms": _ms(r.host_ms_total), "comm_ms": _ms(r.comm_ms_inclusive),
+            "steady_ms": _ms(r.steady_ms_median), "host_ms": _ms(r.host_ms_total), "comm_ms_in_host": _ms(r.comm_ms_within_host),
+            "comm_ms_other_nodes": _ms(r.comm_ms_outside_host),
             "dispatch": "bound" if r.dispatch_bound else "", "locations": "\n".join(r.locations),
             "where": r.locations[0] if r.locations else "",
             "groups": [{"kind": gr["kind"], "flag": _flag(gr["kind"], gr["in_flight"]), "ranks_text": gr["ranks_text"],

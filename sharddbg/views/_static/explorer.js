@@ -151,7 +151,8 @@ export function renderExplorer(model, el) {
                   ["in_global_shapes", "inputs (global)"], ["out_local_shape", "output (local)"],
                   ["out_global_shape", "output (global)"], ["placements", "placements"], ["host_ms", "host ms"],
                   ["in_bytes", "bytes in"], ["out_bytes", "bytes out"], ["error", "error"]];
-    t.append(h("thead", {}, h("tr", {}, ...cols.map(([, l]) => h("th", { text: l })))));
+    // a column's fourth entry, where it has one, says what it counts and against what (the header's tooltip)
+    t.append(h("thead", {}, h("tr", {}, ...cols.map(([, l, , help]) => h("th", help ? { text: l, title: help } : { text: l })))));
     const tb = h("tbody");
     for (const x of same) {
       const tr = h("tr", { "data-rank": x.rank, class: x.kind === "error" ? "sd-kind-error" : "" });
@@ -204,7 +205,8 @@ export function renderExplorer(model, el) {
     // short columns have fixed widths, the others share the rest of the box equally: the table never grows
     // wider than its box; a long cell ends in "…" (its full text on hover)
     t.append(h("colgroup", {}, ...cols.map(([, , w]) => h("col", w ? { style: `width:${w}px` } : {}))));
-    t.append(h("thead", {}, h("tr", {}, ...cols.map(([, l]) => h("th", { text: l })))));
+    // a column's fourth entry, where it has one, says what it counts and against what (the header's tooltip)
+    t.append(h("thead", {}, h("tr", {}, ...cols.map(([, l, , help]) => h("th", help ? { text: l, title: help } : { text: l })))));
     return t;
   }
 
