@@ -15,7 +15,7 @@ import pytest
 
 import sharddbg
 from sharddbg.cluster.hang import ordinal
-from sharddbg.errors import ClusterError, RankDiedError, RankError, RankTimeoutError
+from sharddbg.errors import ClusterError, RankDiedError, RankError, RankLostError, RankTimeoutError
 
 from fault_cases import FAULTS, TABLE_END, TABLE_START, starts_with, table
 
@@ -175,19 +175,108 @@ def test_broken_group_refused_and_status_says_why(healthy):
     assert cl.eval("rank") == [0, 1, 2, 3]
 
 
-def test_collective_timeout_inside_gloo():
-    """gloo's own collective timeout (short here) fails the waiting rank: the group is broken and said so."""
-    with sharddbg.Cluster(n=2, timeout=60, collective_timeout=3) as cl2:
-        t0 = time.monotonic()
-        with pytest.raises(RankError) as info:
-            cl2.run("t = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(t)\n")
+@pytest.fixture(scope="module")
+def short_cluster2():
+    """2 ranks of the module's own, with a short collective timeout (3 s): for the faults that break ranks, one
+    after the other, each leaving the cluster sound (recover() or restart())."""
+    cl2 = sharddbg.Cluster(n=2, timeout=60, collective_timeout=3)
+    cl2.start()
+    yield cl2
+    if cl2.running:
+        cl2.stop()
+
+
+def test_collective_timeout_inside_gloo(short_cluster2):
+    """gloo's own collective timeout fails the waiting rank: the error leads with the rank that never issued the
+    collective (the ranks' Flight Recorders say so), then the timeout; the group is broken and said so."""
+    cl2 = short_cluster2
+    code = "t = torch.ones(3)\nif rank == 0:\n    out = [torch.zeros(3) for _ in range(2)]\n    dist.all_gather(out, t)\n"
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cl2.run(code)
+    assert time.monotonic() - t0 < 30
+    _expect("collective_timeout", info.value)
+    text = str(info.value)
+    assert re.match(r"rank 1 never issued the all_gather rank 0 waited in \(the \d+(st|nd|rd|th) collective on "
+                    r"process group 'domain' since it was created\)\.\n\nThen rank 0 raised RuntimeError: Timed out "
+                    r"waiting 3000ms", text), text[:400]
+    assert cl2.broken is not None and "rank 1 never issued the all_gather" in cl2.broken
+    with pytest.raises(ClusterError, match="The process group broke at"):
+        cl2.run("print(1)")
+    cl2.recover()
+    # in a trace, the collective is named by the trace's own group_seq, as get_collective_mismatches() names it
+    with pytest.raises(RankError) as info:
+        cl2.trace(code, display=False)
+    missing = cl2.last_trace().get_collective_mismatches()
+    [seq] = missing.loc[missing["problem"] == "missing", "group_seq"]
+    assert _first_line(info.value) == f"rank 1 never issued the all_gather rank 0 waited in (group_seq {seq} of this trace on 'domain')."
+    cl2.recover()
+    assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
+
+
+def test_status_names_a_process_group_destroyed_on_one_rank(short_cluster2):
+    cl2 = short_cluster2
+    cl2.run("if rank == 1:\n    dist.destroy_process_group()\n")
+    status = cl2.status(full=True)
+    assert list(status["dist_initialized"]) == [True, False]
+    assert set(status["process_group"]) == {"broken: torch.distributed is not initialized on rank 1 (its process "
+                                            "group was destroyed there); cl.recover() brings it up again"}
+    assert list(cl2.status()["state"]) == ["idle", "idle"]
+    cl2.recover()
+    assert set(cl2.status()["process_group"]) == {"ok"}
+
+
+def test_exit_in_a_cell_ends_the_rank_and_says_so(short_cluster2):
+    cl2 = short_cluster2
+    # sys.exit() does not end an engine: IPython catches SystemExit, and the rank goes on
+    with pytest.raises(RankError, match="rank 1 raised SystemExit: 3"):
+        cl2.run("import sys\nsys.exit(3)", targets=[1])
+    assert list(cl2.status()["state"]) == ["idle", "idle"]
+    # exit() does: the cell that called it says so, and status() shows the rank dead at once
+    pid = cl2.pids[1]
+    with pytest.raises(RankDiedError) as info:
+        cl2.run("print('bye')\nexit()", targets=[1])
+    _expect("exit_in_cell", info.value)
+    assert f"rank 1 (pid {pid}) ended its engine" in str(info.value) and "cl.restart()" in str(info.value)
+    assert list(info.value.dead) == [1]
+    assert cl2.status().loc[1, "state"].startswith("dead: exited with status")
+    with pytest.raises(ClusterError, match=r"rank 1 \(pid \d+\) exited with status"):
+        cl2.eval("rank")
+    cl2.restart()
+    assert cl2.eval("rank") == [0, 1]
+
+
+def test_a_stalled_rank_is_named_and_restart_replaces_it(short_cluster2):
+    """A rank stopped (SIGSTOP; in life a debugger, swapping) longer than ipyparallel's heartbeat allows is
+    unregistered while its process lives: the cell names it, status() shows it, every call that needs it
+    raises one RankLostError (not KeyError), also once its process goes on; restart() replaces it."""
+    cl2 = short_cluster2
+    pid = cl2.pids[1]
+    t0 = time.monotonic()
+    with pytest.raises(RankLostError) as info:
+        cl2.run("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n")
+    try:
         assert time.monotonic() - t0 < 30
-        _expect("collective_timeout", info.value)
-        assert cl2.broken is not None
-        with pytest.raises(ClusterError, match="The process group broke at"):
-            cl2.run("print(1)")
-        cl2.recover()
-        assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
+        _expect("rank_stalled", info.value)
+        assert list(info.value.lost) == [1] and "cl.restart()" in str(info.value)
+        status = cl2.status()
+        assert status.loc[0, "state"] == "idle"
+        assert status.loc[1, "state"].startswith("lost: it stopped answering ipyparallel's heartbeat")
+        for call in (lambda: cl2.run("print(1)"), lambda: cl2.eval("rank"), cl2.recover):
+            with pytest.raises(RankLostError) as lost:
+                call()
+            _expect("call_needs_lost_rank", lost.value)
+        assert cl2.eval("rank", targets=[0]) == [0]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # going on does not bring it back: ipyparallel never re-registers an engine it unregistered
+    time.sleep(2)
+    with pytest.raises(RankLostError, match="its process is alive"):
+        cl2.eval("rank")
+    assert cl2.status().loc[1, "state"].startswith("lost:")
+    cl2.restart()
+    assert cl2.pids[1] != pid and not sharddbg.cluster.processes.pid_alive(pid)
+    assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
 
 
 def test_rank_killed_then_calls(healthy):
