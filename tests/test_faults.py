@@ -1,7 +1,8 @@
 """The fault matrix: every case of ``tests/fault_cases.py`` FAULTS on a real 4-rank cluster (gloo), with the
 collective timeout at 300 s so that nothing here ends by waiting it out. Each case asserts the first line
 the user reads (cause first: which rank, what it raised, where in the cell), the time it took (bounded:
-nothing hangs), that the recorded events were kept, and the state the cluster is left in."""
+nothing hangs), that the recorded events were kept, and the state the cluster is left in. The faults that need
+a short collective timeout or that stop or end a rank run last, on a 2-rank cluster of the module's own."""
 
 from __future__ import annotations
 
@@ -175,110 +176,6 @@ def test_broken_group_refused_and_status_says_why(healthy):
     assert cl.eval("rank") == [0, 1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def short_cluster2():
-    """2 ranks of the module's own, with a short collective timeout (3 s): for the faults that break ranks, one
-    after the other, each leaving the cluster sound (recover() or restart())."""
-    cl2 = sharddbg.Cluster(n=2, timeout=60, collective_timeout=3)
-    cl2.start()
-    yield cl2
-    if cl2.running:
-        cl2.stop()
-
-
-def test_collective_timeout_inside_gloo(short_cluster2):
-    """gloo's own collective timeout fails the waiting rank: the error leads with the rank that never issued the
-    collective (the ranks' Flight Recorders say so), then the timeout; the group is broken and said so."""
-    cl2 = short_cluster2
-    code = "t = torch.ones(3)\nif rank == 0:\n    out = [torch.zeros(3) for _ in range(2)]\n    dist.all_gather(out, t)\n"
-    t0 = time.monotonic()
-    with pytest.raises(RankError) as info:
-        cl2.run(code)
-    assert time.monotonic() - t0 < 30
-    _expect("collective_timeout", info.value)
-    text = str(info.value)
-    assert re.match(r"rank 1 never issued the all_gather rank 0 waited in \(the \d+(st|nd|rd|th) collective on "
-                    r"process group 'domain' since it was created\)\.\n\nThen rank 0 raised RuntimeError: Timed out "
-                    r"waiting 3000ms", text), text[:400]
-    assert cl2.broken is not None and "rank 1 never issued the all_gather" in cl2.broken
-    with pytest.raises(ClusterError, match="The process group broke at"):
-        cl2.run("print(1)")
-    cl2.recover()
-    # in a trace, the collective is named by the trace's own group_seq, as get_collective_mismatches() names it
-    with pytest.raises(RankError) as info:
-        cl2.trace(code, display=False)
-    missing = cl2.last_trace().get_collective_mismatches()
-    [seq] = missing.loc[missing["problem"] == "missing", "group_seq"]
-    assert _first_line(info.value) == f"rank 1 never issued the all_gather rank 0 waited in (group_seq {seq} of this trace on 'domain')."
-    cl2.recover()
-    assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
-
-
-def test_status_names_a_process_group_destroyed_on_one_rank(short_cluster2):
-    cl2 = short_cluster2
-    cl2.run("if rank == 1:\n    dist.destroy_process_group()\n")
-    status = cl2.status(full=True)
-    assert list(status["dist_initialized"]) == [True, False]
-    assert set(status["process_group"]) == {"broken: torch.distributed is not initialized on rank 1 (its process "
-                                            "group was destroyed there); cl.recover() brings it up again"}
-    assert list(cl2.status()["state"]) == ["idle", "idle"]
-    cl2.recover()
-    assert set(cl2.status()["process_group"]) == {"ok"}
-
-
-def test_exit_in_a_cell_ends_the_rank_and_says_so(short_cluster2):
-    cl2 = short_cluster2
-    # sys.exit() does not end an engine: IPython catches SystemExit, and the rank goes on
-    with pytest.raises(RankError, match="rank 1 raised SystemExit: 3"):
-        cl2.run("import sys\nsys.exit(3)", targets=[1])
-    assert list(cl2.status()["state"]) == ["idle", "idle"]
-    # exit() does: the cell that called it says so, and status() shows the rank dead at once
-    pid = cl2.pids[1]
-    with pytest.raises(RankDiedError) as info:
-        cl2.run("print('bye')\nexit()", targets=[1])
-    _expect("exit_in_cell", info.value)
-    assert f"rank 1 (pid {pid}) ended its engine" in str(info.value) and "cl.restart()" in str(info.value)
-    assert list(info.value.dead) == [1]
-    assert cl2.status().loc[1, "state"].startswith("dead: exited with status")
-    with pytest.raises(ClusterError, match=r"rank 1 \(pid \d+\) exited with status"):
-        cl2.eval("rank")
-    cl2.restart()
-    assert cl2.eval("rank") == [0, 1]
-
-
-def test_a_stalled_rank_is_named_and_restart_replaces_it(short_cluster2):
-    """A rank stopped (SIGSTOP; in life a debugger, swapping) longer than ipyparallel's heartbeat allows is
-    unregistered while its process lives: the cell names it, status() shows it, every call that needs it
-    raises one RankLostError (not KeyError), also once its process goes on; restart() replaces it."""
-    cl2 = short_cluster2
-    pid = cl2.pids[1]
-    t0 = time.monotonic()
-    with pytest.raises(RankLostError) as info:
-        cl2.run("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n")
-    try:
-        assert time.monotonic() - t0 < 30
-        _expect("rank_stalled", info.value)
-        assert list(info.value.lost) == [1] and "cl.restart()" in str(info.value)
-        status = cl2.status()
-        assert status.loc[0, "state"] == "idle"
-        assert status.loc[1, "state"].startswith("lost: it stopped answering ipyparallel's heartbeat")
-        for call in (lambda: cl2.run("print(1)"), lambda: cl2.eval("rank"), cl2.recover):
-            with pytest.raises(RankLostError) as lost:
-                call()
-            _expect("call_needs_lost_rank", lost.value)
-        assert cl2.eval("rank", targets=[0]) == [0]
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    # going on does not bring it back: ipyparallel never re-registers an engine it unregistered
-    time.sleep(2)
-    with pytest.raises(RankLostError, match="its process is alive"):
-        cl2.eval("rank")
-    assert cl2.status().loc[1, "state"].startswith("lost:")
-    cl2.restart()
-    assert cl2.pids[1] != pid and not sharddbg.cluster.processes.pid_alive(pid)
-    assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
-
-
 def test_rank_killed_then_calls(healthy):
     cl = healthy
     t0 = time.monotonic()
@@ -408,3 +305,125 @@ def test_an_error_outside_every_op_is_in_the_trace(healthy):
     with tempfile.TemporaryDirectory() as d:
         again = sharddbg.load_trace(t.save(os.path.join(d, "t.sdtrace.json")))
     assert again.get_errors().equals(errors)
+
+
+@pytest.fixture(scope="module")
+def short_cluster2():
+    """2 ranks of the module's own, with a short collective timeout (3 s): for the faults that break ranks, one
+    after the other, each leaving the cluster sound (recover() or restart()). Its tests come last: once it has
+    started, it is the active cluster (the magics' one)."""
+    cl2 = sharddbg.Cluster(n=2, timeout=60, collective_timeout=3)
+    cl2.start()
+    yield cl2
+    if cl2.running:
+        cl2.stop()
+
+
+@pytest.fixture
+def healthy2(short_cluster2):
+    """The 2-rank cluster with both ranks alive and a working process group (restored after each case)."""
+    _restore(short_cluster2)
+    yield short_cluster2
+    _restore(short_cluster2)
+
+
+def _restore(cl) -> None:
+    unregistered = set(cl.engine_ids) - set(cl.client.ids)  # engines ipyparallel let go
+    if cl.dead_ranks() or unregistered or not _controller_alive(cl):
+        cl.restart()
+    elif cl.broken or cl.busy_ranks():
+        cl.recover()
+
+
+def test_collective_timeout_inside_gloo(healthy2):
+    """gloo's own collective timeout fails the waiting rank: the error leads with the rank that never issued the
+    collective (the ranks' Flight Recorders say so), then the timeout; the group is broken and said so."""
+    cl2 = healthy2
+    code = "t = torch.ones(3)\nif rank == 0:\n    out = [torch.zeros(3) for _ in range(2)]\n    dist.all_gather(out, t)\n"
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cl2.run(code)
+    assert time.monotonic() - t0 < 30
+    _expect("collective_timeout", info.value)
+    text = str(info.value)
+    assert re.match(r"rank 1 never issued the all_gather rank 0 waited in \(the \d+(st|nd|rd|th) collective on "
+                    r"process group 'domain' since it was created\)\.\n\nThen rank 0 raised RuntimeError: Timed out "
+                    r"waiting 3000ms", text), text[:400]
+    assert cl2.broken is not None and "rank 1 never issued the all_gather" in cl2.broken
+    with pytest.raises(ClusterError, match="The process group broke at"):
+        cl2.run("print(1)")
+    cl2.recover()
+    # in a trace, the collective is named by the trace's own group_seq, as get_collective_mismatches() names it
+    with pytest.raises(RankError) as info:
+        cl2.trace(code, display=False)
+    missing = cl2.last_trace().get_collective_mismatches()
+    [seq] = missing.loc[missing["problem"] == "missing", "group_seq"]
+    assert _first_line(info.value) == f"rank 1 never issued the all_gather rank 0 waited in (group_seq {seq} of this trace on 'domain')."
+    cl2.recover()
+    assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
+
+
+def test_status_names_a_process_group_destroyed_on_one_rank(healthy2):
+    cl2 = healthy2
+    cl2.run("if rank == 1:\n    dist.destroy_process_group()\n")
+    status = cl2.status(full=True)
+    assert list(status["dist_initialized"]) == [True, False]
+    assert set(status["process_group"]) == {"broken: torch.distributed is not initialized on rank 1 (its process "
+                                            "group was destroyed there); cl.recover() brings it up again"}
+    assert list(cl2.status()["state"]) == ["idle", "idle"]
+    cl2.recover()
+    assert set(cl2.status()["process_group"]) == {"ok"}
+
+
+def test_exit_in_a_cell_ends_the_rank_and_says_so(healthy2):
+    cl2 = healthy2
+    # sys.exit() does not end an engine: IPython catches SystemExit, and the rank goes on
+    with pytest.raises(RankError, match="rank 1 raised SystemExit: 3"):
+        cl2.run("import sys\nsys.exit(3)", targets=[1])
+    assert list(cl2.status()["state"]) == ["idle", "idle"]
+    # exit() does: the cell that called it says so, and status() shows the rank dead at once
+    pid = cl2.pids[1]
+    with pytest.raises(RankDiedError) as info:
+        cl2.run("print('bye')\nexit()", targets=[1])
+    _expect("exit_in_cell", info.value)
+    assert f"rank 1 (pid {pid}) ended its engine" in str(info.value) and "cl.restart()" in str(info.value)
+    assert list(info.value.dead) == [1]
+    assert cl2.status().loc[1, "state"].startswith("dead: exited with status")
+    with pytest.raises(ClusterError, match=r"rank 1 \(pid \d+\) exited with status"):
+        cl2.eval("rank")
+    cl2.restart()
+    assert cl2.eval("rank") == [0, 1]
+
+
+def test_a_stalled_rank_is_named_and_restart_replaces_it(healthy2):
+    """A rank stopped (SIGSTOP; in life a debugger, swapping) longer than ipyparallel's heartbeat allows is
+    unregistered while its process lives: the cell names it, status() shows it, every call that needs it
+    raises one RankLostError (not KeyError), also once its process goes on; restart() replaces it."""
+    cl2 = healthy2
+    pid = cl2.pids[1]
+    t0 = time.monotonic()
+    with pytest.raises(RankLostError) as info:
+        cl2.run("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n")
+    try:
+        assert time.monotonic() - t0 < 30
+        _expect("rank_stalled", info.value)
+        assert list(info.value.lost) == [1] and "cl.restart()" in str(info.value)
+        assert cl2.lost_ranks() == {1: "stopped (SIGSTOP, or a debugger holds it)"}
+        status = cl2.status()
+        assert status.loc[0, "state"] == "idle"
+        assert status.loc[1, "state"].startswith("lost: it stopped answering ipyparallel's heartbeat")
+        for call in (lambda: cl2.run("print(1)"), lambda: cl2.eval("rank"), cl2.recover):
+            with pytest.raises(RankLostError) as lost:
+                call()
+            _expect("call_needs_lost_rank", lost.value)
+        assert cl2.eval("rank", targets=[0]) == [0]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # going on does not bring it back: ipyparallel never re-registers an engine it unregistered
+    time.sleep(2)
+    with pytest.raises(RankLostError, match="its process is alive"):
+        cl2.eval("rank")
+    assert cl2.status().loc[1, "state"].startswith("lost:")
+    cl2.restart()
+    assert cl2.pids[1] != pid and not sharddbg.cluster.processes.pid_alive(pid)
+    assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]

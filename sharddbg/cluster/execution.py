@@ -10,9 +10,16 @@ sent), and whose ranks take no new work meanwhile. Between slices it looks for w
 - the controller died: nothing can arrive any more (``ClusterError`` saying how it died);
 - a rank's process died: the surviving ranks are released from any collective they wait in with it, and
   ``RankDiedError`` says which rank died and how, with what the others printed and raised;
+- the controller unregistered a rank whose process lives (it missed the heartbeat: stopped, or starved):
+  the others are released as for a dead rank, and ``RankLostError`` names it and the state of its process;
+  every later call that needs it is refused with the same words (ipyparallel would raise ``KeyError``);
 - a rank raised while others still run: if they wait for it in a collective (their Flight Recorder says
   so), they are released at once instead of waiting out the collective timeout, and the ``RankError``
   leads with the rank that raised, its exception and the line of the cell, then who waited where.
+
+A cell that called ``exit()`` on a rank raises ``RankDiedError`` once that rank's process is gone. When every
+rank that raised failed in a collective by itself (gloo's own timeout), the ranks' Flight Recorders name the
+ranks that never issued it, and the ``RankError`` leads with them.
 
 A rank still running at the timeout gives a ``RankTimeoutError`` whose hang report leads with the ranks
 that raised, if any; its call is remembered so that new work for it is refused instead of queueing
@@ -424,7 +431,7 @@ class RankExecution:
                     f"without raising")
         if finished_in_time:
             # an unregistered engine's call ends at once, with ipyparallel's "Engine 1 died"
-            self._check_lost(ar, ranks, what, display)
+            self._check_lost(ar, ranks, what, display, finished=True)
             ar.wait_for_output(OUTPUT_GRACE_S)
         outputs = self._outputs(ar, ranks, finished_in_time)
         if display:
@@ -448,9 +455,15 @@ class RankExecution:
         return outputs
 
     # ------------------------------------------------------------------ failures
-    def _check_lost(self, ar, ranks: list[int], what: str, display: bool) -> None:
+    def _check_lost(self, ar, ranks: list[int], what: str, display: bool, finished: bool = False) -> None:
+        """Raise RankLostError when a rank of ``ar`` was unregistered before it answered (``finished``: only a rank
+        whose answer is ipyparallel's own EngineError; one that answered first will be refused at the next call)."""
         __tracebackhide__ = hide_own_frames()
         lost = {r: state for r, state in self.lost_ranks().items() if r in ranks}
+        if finished:
+            stranded = {r for r, value in zip(ranks, ar.get(0, return_exceptions=True))
+                        if isinstance(value, Exception) and _failure(value).type_name == "EngineError"}
+            lost = {r: state for r, state in lost.items() if r in stranded}
         if lost:
             self._after_loss(ar, ranks, lost, what, display)
 
