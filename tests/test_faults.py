@@ -403,12 +403,16 @@ def test_a_stalled_rank_is_named_and_restart_replaces_it(healthy2):
     pid = cl2.pids[1]
     t0 = time.monotonic()
     with pytest.raises(RankLostError) as info:
-        cl2.run("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n")
+        cl2.trace("x = sharddbg.engine.scatter(torch.randn(1, 3, 8, 8), dim=2)\ny = x * 2\nimport os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n")
     try:
         assert time.monotonic() - t0 < 30
         _expect("rank_stalled", info.value)
         assert list(info.value.lost) == [1] and "cl.restart()" in str(info.value)
         assert cl2.lost_ranks() == {1: "stopped (SIGSTOP, or a debugger holds it)"}
+        # the trace keeps the other rank's events
+        t = cl2.last_trace()
+        assert t.incomplete_ranks == [1] and "ipyparallel unregistered its engine" in t.incomplete_reasons[1]
+        assert set(t.get_ops()["rank"]) == {0}
         status = cl2.status()
         assert status.loc[0, "state"] == "idle"
         assert status.loc[1, "state"].startswith("lost: it stopped answering ipyparallel's heartbeat")
