@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 import sharddbg
+from sharddbg.cluster import hang
 from sharddbg.cluster.hang import ordinal
 from sharddbg.errors import ClusterError, RankDiedError, RankError, RankLostError, RankTimeoutError
 
@@ -342,13 +343,14 @@ def test_collective_timeout_inside_gloo(healthy2):
     code = "t = torch.ones(3)\nif rank == 0:\n    out = [torch.zeros(3) for _ in range(2)]\n    dist.all_gather(out, t)\n"
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:
-        cl2.run(code)
+        cl2.run("for _ in range(3):\n    dist.all_reduce(torch.ones(3))\n" + code)
     assert time.monotonic() - t0 < 30
     _expect("collective_timeout", info.value)
     text = str(info.value)
-    assert re.match(r"rank 1 never issued the all_gather rank 0 waited in \(the \d+(st|nd|rd|th) collective on "
-                    r"process group 'domain' since it was created\)\.\n\nThen rank 0 raised RuntimeError: Timed out "
-                    r"waiting 3000ms", text), text[:400]
+    found = re.match(r"rank 1 never issued the all_gather rank 0 waited in \(the (\d+)(st|nd|rd|th) collective on "
+                     r"process group 'domain' since it was created\)\.\n\nThen rank 0 raised RuntimeError: Timed out "
+                     r"waiting 3000ms", text)
+    assert found, text[:400]
     assert cl2.broken is not None and "rank 1 never issued the all_gather" in cl2.broken
     with pytest.raises(ClusterError, match="The process group broke at"):
         cl2.run("print(1)")
@@ -359,6 +361,9 @@ def test_collective_timeout_inside_gloo(healthy2):
     missing = cl2.last_trace().get_collective_mismatches()
     [seq] = missing.loc[missing["problem"] == "missing", "group_seq"]
     assert _first_line(info.value) == f"rank 1 never issued the all_gather rank 0 waited in (group_seq {seq} of this trace on 'domain')."
+    # the Flight Recorder still holds the destroyed group's entries under the same name: only the new group's count
+    [unissued] = hang.unissued_collectives(cl2.diagnose(), [0])
+    assert unissued.seq == int(found.group(1)) - 3 and unissued.missing_ranks == [1]
     cl2.recover()
     assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
 
