@@ -536,7 +536,8 @@ class Cluster:
         """Ranks whose engine is still running (or has queued) work.
 
         The controller is asked, unless every request this client sent has its reply (then no rank is busy). Dead
-        ranks are not listed (``dead_ranks()`` has them). Only for a running cluster.
+        and lost ranks are not listed (``dead_ranks()`` and ``lost_ranks()`` have them). Only for a running
+        cluster.
 
         Returns
         -------
