@@ -168,6 +168,18 @@ class TraceInterrupted(KeyboardInterrupt):
         self.trace = trace
 
 
+class RankLostError(ClusterError):
+    """ipyparallel unregistered a rank's engine while its process still exists: it stopped answering the
+    controller's heartbeat (stopped by SIGSTOP or a debugger, swapped out, ...). Nothing can reach it any more,
+    even once it goes on. ``lost`` maps rank -> the state of its process; ``outputs``: what the other ranks
+    printed and raised (``RankOutput`` per rank, in rank order)."""
+
+    def __init__(self, message, lost, outputs=None):
+        super().__init__(message)
+        self.lost = dict(lost)
+        self.outputs = list(outputs or [])
+
+
 class InspectError(ShardDbgError, ValueError):
     """The named value cannot be inspected (missing on some ranks, not a tensor, ...)."""
 

@@ -34,8 +34,8 @@ FAULTS = [
     Case("sizes_disagree", "ranks issue one collective with different sizes",
          "3 of 4 ranks did not finish the cell within 3 s: ranks [0, 2, 3] still running; ranks [1] finished.",
          "RankTimeoutError"),
-    Case("collective_timeout", "a collective times out inside gloo (collective timeout reached)",
-         "rank 0 raised RuntimeError: Timed out waiting", "RankError"),
+    Case("collective_timeout", "a collective times out inside gloo (collective timeout reached): a peer never "
+         "issued it", "rank 1 never issued the all_gather rank 0 waited in", "RankError"),
     Case("broken_group_refused", "the next cell after a broken process group",
          "The process group broke at the cell: ", "ClusterError"),
     Case("rank_killed", "a rank is killed (SIGKILL) during a cell",
@@ -47,6 +47,15 @@ FAULTS = [
     Case("call_needs_dead_rank", "a call that needs a dead rank (`run`, `eval`, `recover`)",
          "rank 2 (pid <n>) killed by signal 9 (SIGKILL): its engine is gone. cl.restart() (%shard_cluster restart) "
          "starts new engines for every rank.", "ClusterError"),
+    Case("exit_in_cell", "a cell calls `exit()` on a rank",
+         "rank 1 (pid <n>) ended its engine: the cell called exit() or quit() there; its process exited with status <n>",
+         "RankDiedError"),
+    Case("rank_stalled", "a rank stops answering ipyparallel's heartbeat during a cell (SIGSTOP, a debugger, "
+         "swapping)", "rank 1 (pid <n>) stopped answering ipyparallel's heartbeat for 5.5 s while running the cell; "
+         "its process is stopped", "RankLostError"),
+    Case("call_needs_lost_rank", "a call that needs a rank ipyparallel unregistered (`run`, `eval`, `recover`), "
+         "also once its process goes on", "rank 1 (pid <n>) stopped answering ipyparallel's heartbeat for 5.5 s; its "
+         "process is ", "RankLostError"),
     Case("controller_killed", "the controller is killed (every call after it: `status`, `run`, `recover`, ...)",
          "the controller (pid <n>) died: killed by signal 9 (SIGKILL).", "ClusterError"),
 ]

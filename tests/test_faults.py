@@ -1,7 +1,8 @@
 """The fault matrix: every case of ``tests/fault_cases.py`` FAULTS on a real 4-rank cluster (gloo), with the
 collective timeout at 300 s so that nothing here ends by waiting it out. Each case asserts the first line
 the user reads (cause first: which rank, what it raised, where in the cell), the time it took (bounded:
-nothing hangs), that the recorded events were kept, and the state the cluster is left in."""
+nothing hangs), that the recorded events were kept, and the state the cluster is left in. The faults that need
+a short collective timeout or that stop or end a rank run last, on a 2-rank cluster of the module's own."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import psutil
 import pytest
 
 import sharddbg
+from sharddbg.cluster import hang
 from sharddbg.cluster.hang import ordinal
-from sharddbg.errors import ClusterError, RankDiedError, RankError, RankTimeoutError
+from sharddbg.errors import ClusterError, RankDiedError, RankError, RankLostError, RankTimeoutError
 
 from fault_cases import FAULTS, TABLE_END, TABLE_START, starts_with, table
 
@@ -179,35 +181,6 @@ def test_broken_group_refused_and_status_says_why(healthy):
     assert cl.eval("rank") == [0, 1, 2, 3]
 
 
-def test_collective_timeout_inside_gloo():
-    """gloo's own collective timeout (short here) fails the waiting rank: the group is broken and said so. The
-    trace names the cause first (the rank that never issued the collective), then rank 0's timeout, and counts
-    the timed-out collective as failed, not in flight."""
-    with sharddbg.Cluster(n=2, timeout=60, collective_timeout=3) as cl2:
-        t0 = time.monotonic()
-        with pytest.raises(RankError) as info:
-            cl2.trace("t = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(t)\n", display=False)
-        assert time.monotonic() - t0 < 30
-        _expect("collective_timeout", info.value)
-        t = cl2.last_trace()
-        (coll,) = t.get_collectives().itertuples(index=False)
-        assert (coll.rank, coll.kind, coll.state, coll.in_flight) == (0, "all_reduce", "failed", False)
-        assert "Timed out" in coll.error
-        first, second = t.findings[:2]
-        assert (first.kind, first.severity, first.ranks) == ("collective_missing", "fail", (1,))
-        assert first.sentence.startswith(f"rank 1 never issued the all_reduce rank 0 waited in until it failed "
-                                         f"(group_seq {coll.group_seq} on '{coll.mesh_dim}')"), first.sentence
-        assert "`dist.all_reduce(t)`" in first.sentence and "what rank 0 raised follows from it" in first.fix
-        assert (second.kind, second.ranks) == ("error", (0,)) and "raised RuntimeError: " in second.sentence
-        assert "Timed out" in second.sentence
-        assert "collective_unfinished" not in {f.kind for f in t.findings}
-        assert cl2.broken is not None
-        with pytest.raises(ClusterError, match="The process group broke at"):
-            cl2.run("print(1)")
-        cl2.recover()
-        assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
-
-
 def test_rank_killed_then_calls(healthy):
     cl = healthy
     t0 = time.monotonic()
@@ -337,3 +310,146 @@ def test_an_error_outside_every_op_is_in_the_trace(healthy):
     with tempfile.TemporaryDirectory() as d:
         again = sharddbg.load_trace(t.save(os.path.join(d, "t.sdtrace.json")))
     assert again.get_errors().equals(errors)
+
+
+@pytest.fixture(scope="module")
+def short_cluster2():
+    """2 ranks of the module's own, with a short collective timeout (3 s): for the faults that break ranks, one
+    after the other, each leaving the cluster sound (recover() or restart()). Its tests come last: once it has
+    started, it is the active cluster (the magics' one)."""
+    cl2 = sharddbg.Cluster(n=2, timeout=60, collective_timeout=3)
+    cl2.start()
+    yield cl2
+    if cl2.running:
+        cl2.stop()
+
+
+@pytest.fixture
+def healthy2(short_cluster2):
+    """The 2-rank cluster with both ranks alive and a working process group (restored after each case)."""
+    _restore(short_cluster2)
+    yield short_cluster2
+    _restore(short_cluster2)
+
+
+def _restore(cl) -> None:
+    unregistered = set(cl.engine_ids) - set(cl.client.ids)  # engines ipyparallel let go
+    if cl.dead_ranks() or unregistered or not _controller_alive(cl):
+        cl.restart()
+    elif cl.broken or cl.busy_ranks():
+        cl.recover()
+
+
+def test_collective_timeout_inside_gloo(healthy2):
+    """gloo's own collective timeout fails the waiting rank: the error leads with the rank that never issued the
+    collective (the ranks' Flight Recorders say so), then the timeout; the group is broken and said so."""
+    cl2 = healthy2
+    code = "t = torch.ones(3)\nif rank == 0:\n    out = [torch.zeros(3) for _ in range(2)]\n    dist.all_gather(out, t)\n"
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        cl2.run("for _ in range(3):\n    dist.all_reduce(torch.ones(3))\n" + code)
+    assert time.monotonic() - t0 < 30
+    _expect("collective_timeout", info.value)
+    text = str(info.value)
+    found = re.match(r"rank 1 never issued the all_gather rank 0 waited in \(the (\d+)(st|nd|rd|th) collective on "
+                     r"process group 'domain' since it was created\)\.\n\nThen rank 0 raised RuntimeError: Timed out "
+                     r"waiting 3000ms", text)
+    assert found, text[:400]
+    assert cl2.broken is not None and "rank 1 never issued the all_gather" in cl2.broken
+    with pytest.raises(ClusterError, match="The process group broke at"):
+        cl2.run("print(1)")
+    cl2.recover()
+    # in a trace, the collective is named by the trace's own group_seq, as get_collective_mismatches() names it
+    with pytest.raises(RankError) as info:
+        cl2.trace(code, display=False)
+    t = cl2.last_trace()
+    missing = t.get_collective_mismatches()
+    [seq] = missing.loc[missing["problem"] == "missing", "group_seq"]
+    assert _first_line(info.value) == f"rank 1 never issued the all_gather rank 0 waited in (group_seq {seq} of this trace on 'domain')."
+    # the trace says the same, cause first, and counts the timed-out collective as failed, not in flight
+    (coll,) = t.get_collectives().itertuples(index=False)
+    assert (coll.rank, coll.kind, coll.state, coll.in_flight) == (0, "all_gather", "failed", False)
+    assert "Timed out" in coll.error
+    first, second = t.findings[:2]
+    assert (first.kind, first.severity, first.ranks) == ("collective_missing", "fail", (1,))
+    assert first.sentence.startswith(f"rank 1 never issued the all_gather rank 0 waited in until it failed "
+                                     f"(group_seq {seq} on 'domain')"), first.sentence
+    assert "`dist.all_gather(out, t)`" in first.sentence and "what rank 0 raised follows from it" in first.fix
+    assert (second.kind, second.ranks) == ("error", (0,)) and "raised RuntimeError: " in second.sentence
+    assert "Timed out" in second.sentence
+    assert "collective_unfinished" not in {f.kind for f in t.findings}
+    # the Flight Recorder still holds the destroyed group's entries under the same name: only the new group's count
+    [unissued] = hang.unissued_collectives(cl2.diagnose(), [0])
+    assert unissued.seq == int(found.group(1)) - 3 and unissued.missing_ranks == [1]
+    cl2.recover()
+    assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]
+
+
+def test_status_names_a_process_group_destroyed_on_one_rank(healthy2):
+    cl2 = healthy2
+    cl2.run("if rank == 1:\n    dist.destroy_process_group()\n")
+    status = cl2.status(full=True)
+    assert list(status["dist_initialized"]) == [True, False]
+    assert set(status["process_group"]) == {"broken: torch.distributed is not initialized on rank 1 (its process "
+                                            "group was destroyed there); cl.recover() brings it up again"}
+    assert list(cl2.status()["state"]) == ["idle", "idle"]
+    cl2.recover()
+    assert set(cl2.status()["process_group"]) == {"ok"}
+
+
+def test_exit_in_a_cell_ends_the_rank_and_says_so(healthy2):
+    cl2 = healthy2
+    # sys.exit() does not end an engine: IPython catches SystemExit, and the rank goes on
+    with pytest.raises(RankError, match="rank 1 raised SystemExit: 3"):
+        cl2.run("import sys\nsys.exit(3)", targets=[1])
+    assert list(cl2.status()["state"]) == ["idle", "idle"]
+    # exit() does: the cell that called it says so, and status() shows the rank dead at once
+    pid = cl2.pids[1]
+    with pytest.raises(RankDiedError) as info:
+        cl2.run("print('bye')\nexit()", targets=[1])
+    _expect("exit_in_cell", info.value)
+    assert f"rank 1 (pid {pid}) ended its engine" in str(info.value) and "cl.restart()" in str(info.value)
+    assert list(info.value.dead) == [1]
+    assert cl2.status().loc[1, "state"].startswith("dead: exited with status")
+    with pytest.raises(ClusterError, match=r"rank 1 \(pid \d+\) exited with status"):
+        cl2.eval("rank")
+    cl2.restart()
+    assert cl2.eval("rank") == [0, 1]
+
+
+def test_a_stalled_rank_is_named_and_restart_replaces_it(healthy2):
+    """A rank stopped (SIGSTOP; in life a debugger, swapping) longer than ipyparallel's heartbeat allows is
+    unregistered while its process lives: the cell names it, status() shows it, every call that needs it
+    raises one RankLostError (not KeyError), also once its process goes on; restart() replaces it."""
+    cl2 = healthy2
+    pid = cl2.pids[1]
+    t0 = time.monotonic()
+    with pytest.raises(RankLostError) as info:
+        cl2.trace("x = sharddbg.engine.scatter(torch.randn(1, 3, 8, 8), dim=2)\ny = x * 2\nimport os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGSTOP)\n")
+    try:
+        assert time.monotonic() - t0 < 30
+        _expect("rank_stalled", info.value)
+        assert list(info.value.lost) == [1] and "cl.restart()" in str(info.value)
+        assert cl2.lost_ranks() == {1: "stopped (SIGSTOP, or a debugger holds it)"}
+        # the trace keeps the other rank's events
+        t = cl2.last_trace()
+        assert t.incomplete_ranks == [1] and "ipyparallel unregistered its engine" in t.incomplete_reasons[1]
+        assert set(t.get_ops()["rank"]) == {0}
+        status = cl2.status()
+        assert status.loc[0, "state"] == "idle"
+        assert status.loc[1, "state"].startswith("lost: it stopped answering ipyparallel's heartbeat")
+        for call in (lambda: cl2.run("print(1)"), lambda: cl2.eval("rank"), cl2.recover):
+            with pytest.raises(RankLostError) as lost:
+                call()
+            _expect("call_needs_lost_rank", lost.value)
+        assert cl2.eval("rank", targets=[0]) == [0]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # going on does not bring it back: ipyparallel never re-registers an engine it unregistered
+    time.sleep(2)
+    with pytest.raises(RankLostError, match="its process is alive"):
+        cl2.eval("rank")
+    assert cl2.status().loc[1, "state"].startswith("lost:")
+    cl2.restart()
+    assert cl2.pids[1] != pid and not sharddbg.cluster.processes.pid_alive(pid)
+    assert cl2.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()))") == [2.0, 2.0]

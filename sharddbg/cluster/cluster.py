@@ -400,7 +400,8 @@ class Cluster:
         The fork server (torch and physicsnemo already imported) is kept, so this is quicker than a start: the
         client is closed, the engines are killed, the controller is started again, new engines are forked and
         torch.distributed comes up on them with the same backend (``timings["restart_s"]``). Everything the old
-        ranks held is gone (variables, ShardTensors, a broken process group). When the cluster is not running, or
+        ranks held is gone (variables, ShardTensors, a broken process group); a rank ipyparallel unregistered
+        (``lost_ranks()``) is killed like the others and replaced. When the cluster is not running, or
         its fork server is gone, what is left of it is stopped and it is started from scratch (``start()``). When
         replacing the engines fails, the cluster is stopped and the error raised.
 
@@ -462,8 +463,9 @@ class Cluster:
         Raises
         ------
         ClusterError
-            The cluster is not running; ``timeout`` is not a finite number of seconds above 0; a rank is dead; a
-            rank is still busy after it was released and interrupted; or the controller died.
+            The cluster is not running; ``timeout`` is not a finite number of seconds above 0; a rank is dead or
+            lost (``RankLostError``: ipyparallel unregistered it); a rank is still busy after it was released and
+            interrupted; or the controller died.
         RankError
             A rank raised while tearing the old group down or joining the new one.
         RankTimeoutError
@@ -537,7 +539,8 @@ class Cluster:
         """Ranks whose engine is still running (or has queued) work.
 
         The controller is asked, unless every request this client sent has its reply (then no rank is busy). Dead
-        ranks are not listed (``dead_ranks()`` has them). Only for a running cluster.
+        and lost ranks are not listed (``dead_ranks()`` and ``lost_ranks()`` have them). Only for a running
+        cluster.
 
         Returns
         -------
@@ -576,6 +579,27 @@ class Cluster:
         {}
         """
         return self._processes.dead_ranks() if self._processes else {}
+
+    def lost_ranks(self) -> dict[int, str]:
+        """Ranks whose engine ipyparallel unregistered while its process still exists, with the state of that process.
+
+        The controller unregisters an engine that misses its heartbeat for about 5.5 s (its process stopped by
+        SIGSTOP or a debugger, or starved); ipyparallel never takes it back, even once the process goes on, so
+        every call that needs it raises ``RankLostError`` until ``restart()`` replaces every engine. Empty while
+        the cluster does not run.
+
+        Returns
+        -------
+        dict of int to str
+            Rank -> the state of its process, e.g. ``{1: "stopped (SIGSTOP, or a debugger holds it)"}`` or
+            ``{1: "alive (sleeping)"}``; empty while every engine is registered.
+
+        Examples
+        --------
+        >>> cl.lost_ranks()
+        {}
+        """
+        return self._execution.lost_ranks() if self._execution is not None else {}
 
     def run(self, code: str, *, timeout: float | None = None, targets=None, display: bool = True) -> list[RankOutput]:
         """Execute ``code`` on every rank (or ``targets``); wait at most ``timeout`` seconds.
@@ -618,7 +642,11 @@ class Cluster:
             A rank did not finish in time; its ``report`` says where each unfinished rank waits. Ranks left waiting
             in a collective leave the process group broken.
         RankDiedError
-            A rank's process died meanwhile (a ``ClusterError``): how, and what the other ranks printed and raised.
+            A rank's process died meanwhile (a ``ClusterError``): how, and what the other ranks printed and raised;
+            also when the cell called ``exit()`` on a rank (once that rank's process is gone).
+        RankLostError
+            A target stopped answering ipyparallel's heartbeat (stopped by SIGSTOP or a debugger) and was
+            unregistered, meanwhile or before (a ``ClusterError``): nothing reaches it until ``restart()``.
 
         Examples
         --------
@@ -972,8 +1000,10 @@ class Cluster:
         pandas.DataFrame
             Indexed by ``rank``; columns ``pid``, ``device``, ``backend``, ``ddp`` and ``domain`` (the mesh
             coordinate), ``patch_mode`` (registered-by-physicsnemo, registered-by-sharddbg or none), ``state``
-            (``idle``, ``busy``, or ``dead: `` and how it died) and ``process_group`` (``ok``, or ``broken at`` and
-            why); with ``full``, every column of ``group.STATUS_COLUMNS`` in that order.
+            (``idle``, ``busy``, ``dead: `` and how it died, or ``lost: `` when ipyparallel unregistered its engine
+            while its process lives) and ``process_group`` (``ok``, ``broken at`` and why, or ``broken: `` where
+            torch.distributed is not initialized on some ranks); with ``full``, every column of
+            ``group.STATUS_COLUMNS`` in that order (one no rank could fill holds None).
 
         Raises
         ------

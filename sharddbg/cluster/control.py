@@ -36,10 +36,13 @@ class ControlChannel:
     def __init__(self, client, engine_ids: list[int]):
         self.client = client
         self.engine_ids = engine_ids
+        # each engine's routing identity, kept: the client forgets an engine the controller unregistered (it
+        # stopped answering the heartbeat), and a request to it must time out, not raise KeyError
+        self._idents = client._build_targets(list(engine_ids))[0]
 
     def _send(self, rank: int, message_type: str, content: dict | None):
         """Send; a future of the reply message."""
-        ident = self.client._build_targets([self.engine_ids[rank]])[0][0]  # the engine's routing identity
+        ident = self._idents[rank]
         return self.client._send(self.client._control_stream, message_type, content=content or {}, ident=ident)
 
     def request(self, rank: int, message_type: str, content: dict | None = None, timeout: float = 5.0) -> dict:

@@ -10,9 +10,16 @@ sent), and whose ranks take no new work meanwhile. Between slices it looks for w
 - the controller died: nothing can arrive any more (``ClusterError`` saying how it died);
 - a rank's process died: the surviving ranks are released from any collective they wait in with it, and
   ``RankDiedError`` says which rank died and how, with what the others printed and raised;
+- the controller unregistered a rank whose process lives (it missed the heartbeat: stopped, or starved):
+  the others are released as for a dead rank, and ``RankLostError`` names it and the state of its process;
+  every later call that needs it is refused with the same words (ipyparallel would raise ``KeyError``);
 - a rank raised while others still run: if they wait for it in a collective (their Flight Recorder says
   so), they are released at once instead of waiting out the collective timeout, and the ``RankError``
   leads with the rank that raised, its exception and the line of the cell, then who waited where.
+
+A cell that called ``exit()`` on a rank raises ``RankDiedError`` once that rank's process is gone. When every
+rank that raised failed in a collective by itself (gloo's own timeout), the ranks' Flight Recorders name the
+ranks that never issued it, and the ``RankError`` leads with them.
 
 A rank still running at the timeout gives a ``RankTimeoutError`` whose hang report leads with the ranks
 that raised, if any; its call is remembered so that new work for it is refused instead of queueing
@@ -21,8 +28,8 @@ process group broken (``broken``): cells are refused until ``Cluster.recover()``
 rank's output is collected as a ``RankOutput`` and shown in rank order (``show``: grouped as ipyparallel's
 ``--group-outputs``), or line by line as it arrives (``LiveOutput``, ``%px --stream``).
 
-It uses ipyparallel's public API only; the control channel (answered while a rank is blocked) is
-``control``.
+It uses ipyparallel's public API only, except for a cell's reply content (where IPython says that the cell
+called ``exit()``); the control channel (answered while a rank is blocked) is ``control``.
 """
 
 from __future__ import annotations
@@ -37,13 +44,13 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine import api
-from ..errors import (ClusterError, RankDiedError, RankError, RankFailure, RankTimeoutError, ShardDbgError,
-                      hide_own_frames, short_message)
+from ..errors import (ClusterError, RankDiedError, RankError, RankFailure, RankLostError, RankTimeoutError,
+                      ShardDbgError, hide_own_frames, short_message)
 from . import arguments
 from . import hang
 from .control import ControlChannel
 from .hang import RECOVERY_HINT, HangReport, format_failures
-from .processes import ClusterProcesses
+from .processes import HEARTBEAT_LIMIT_S, ClusterProcesses
 
 # How often a wait looks for dead ranks, a dead controller and failed ranks.
 WAIT_SLICE_S = 0.25
@@ -53,6 +60,8 @@ PROBE_EVERY_S = 0.5
 RELEASE_WAIT_S = 5.0
 # Results can arrive before the ranks' last printed lines (iopub is a separate stream): wait this long for them.
 OUTPUT_GRACE_S = 5.0
+# How long a rank whose cell called exit() gets to end its process before the cell's error says so.
+EXIT_WAIT_S = 10.0
 # A question to the controller (which ranks are busy) must come back within this.
 CONTROLLER_ANSWER_S = 10.0
 
@@ -176,6 +185,7 @@ class RankExecution:
             alive = [r for r in range(self.n) if r not in self.processes.dead_ranks()]
             raise ClusterError(self.dead_message(dead) + (f" Ranks {alive} still answer (targets={alive})."
                                                            if alive else ""))
+        self.refuse_lost(ranks)
         return ranks
 
     def dead_message(self, dead: dict[int, str]) -> str:
@@ -183,13 +193,69 @@ class RankExecution:
         return (f"{who}: its engine is gone. cl.restart() (%shard_cluster restart) starts new engines for every "
                 f"rank.")
 
+    # ------------------------------------------------------------------ ranks the controller let go
+    def lost_ranks(self) -> dict[int, str]:
+        """Ranks whose engine the controller unregistered while its process still exists (it stopped answering
+        the heartbeat: stopped, or starved): rank -> the state of its process. One whose process ended is dead
+        (``processes.dead_ranks``), not lost."""
+        if self.closed:
+            return {}
+        registered = set(self.client.ids)
+        lost = {}
+        for rank, engine_id in enumerate(self.engine_ids):
+            if engine_id not in registered:
+                state = process_state(self.processes.pids.get(rank))
+                if state is not None:
+                    lost[rank] = state
+        return lost
+
+    def lost_message(self, lost: dict[int, str], what: str | None = None) -> str:
+        """What happened to the ``lost`` ranks (``what``: while running it), and what ``restart()`` will do."""
+        during = f" while running {what}" if what else ""
+        who = "; ".join(f"rank {r} (pid {self.processes.pids.get(r)}) stopped answering ipyparallel's heartbeat "
+                        f"for {HEARTBEAT_LIMIT_S:g} s{during}; its process is {state}" for r, state in sorted(lost.items()))
+        return (f"{who}. The controller unregistered its engine, and ipyparallel never takes an unregistered engine "
+                f"back, even once its process goes on: nothing can be sent to it any more. cl.restart() "
+                f"(%shard_cluster restart) kills every engine, this one included, and starts new ones for every rank "
+                f"(what the ranks held is lost).")
+
+    def refuse_lost(self, ranks) -> None:
+        """Raise RankLostError when one of ``ranks`` is lost (its engine cannot be reached any more)."""
+        __tracebackhide__ = hide_own_frames()
+        lost = {r: state for r, state in self.lost_ranks().items() if r in ranks}
+        if lost:
+            others = [r for r in range(self.n) if r not in lost and r not in self.processes.dead_ranks()]
+            raise RankLostError(self.lost_message(lost) + (f" Ranks {others} still answer (targets={others})."
+                                                           if others else ""), lost)
+
+    def _after_loss(self, ar, ranks: list[int], lost: dict[int, str], what: str, display: bool) -> None:
+        """A rank was unregistered while running ``ar``: release the others from any collective with it, collect
+        what they did, raise RankLostError."""
+        __tracebackhide__ = hide_own_frames()
+        survivors = [r for r in ranks if r not in lost]
+        if survivors:
+            self.release(survivors)
+        end = time.monotonic() + RELEASE_WAIT_S
+        while time.monotonic() < end and any(r in survivors for r in self._unfinished(ar, ranks)):
+            ar.wait(WAIT_SLICE_S)
+        self.broken = BrokenGroup(f"{what}: " + "; ".join(f"rank {r} stopped answering ipyparallel's heartbeat"
+                                                          for r in sorted(lost)))
+        outputs = [o for o in self._outputs(ar, ranks, finished=False, partial=True) if o.rank not in lost]
+        if display:
+            show(outputs)
+        message = self.lost_message(lost, what)
+        failed = {o.rank: o.error for o in outputs if o.error}
+        if failed:
+            message += "\n\nWhat the other ranks raised:\n" + format_failures(failed, tracebacks=0)
+        raise RankLostError(message, lost, outputs)
+
     def hang_report(self, timeout, finished, unfinished, what: str = "the cell", *, diagnose_timeout: float = 5.0,
                     failures=None) -> HangReport:
         """Where the ``unfinished`` ranks wait, after ``timeout`` seconds of ``what``, from each live rank's
         diagnosis (answered by its control thread within ``diagnose_timeout``); ``failures``: the ranks that
         raised meanwhile (rank -> RankFailure), which the report leads with."""
-        dead = self.processes.dead_ranks()
-        diagnoses = self.control.diagnose([r for r in range(self.n) if r not in dead], diagnose_timeout)
+        gone = {**self.processes.dead_ranks(), **self.lost_ranks()}
+        diagnoses = self.control.diagnose([r for r in range(self.n) if r not in gone], diagnose_timeout)
         return hang.build_report(timeout, finished, unfinished, diagnoses, self.processes.pids, what=what,
                                  failures=failures)
 
@@ -197,10 +263,10 @@ class RankExecution:
         """Every rank of ``ranks`` (None: every live rank) ends the collectives it waits in, answered by its
         control thread: its TCP connections to the other ranks shut, its NCCL communicators aborted. Rank ->
         what its control thread answered."""
-        dead = self.processes.dead_ranks()
+        gone = {**self.processes.dead_ranks(), **self.lost_ranks()}
         pids = self.processes.pids
         answers = {}
-        for rank in [r for r in (range(self.n) if ranks is None else ranks) if r not in dead]:
+        for rank in [r for r in (range(self.n) if ranks is None else ranks) if r not in gone]:
             peers = [pid for r, pid in pids.items() if r != rank]
             try:
                 answers[rank] = self.control.request(rank, api.RELEASE_REQUEST, {"peer_pids": peers}, timeout=5.0)
@@ -209,6 +275,8 @@ class RankExecution:
         return answers
 
     def view_of(self, ranks):
+        __tracebackhide__ = hide_own_frames()
+        self.refuse_lost(ranks)  # ipyparallel would raise KeyError for an unregistered engine
         view = self.client.direct_view([self.engine_ids[r] for r in ranks])
         view.block = False
         return view
@@ -235,8 +303,8 @@ class RankExecution:
         """Live ranks whose engine is still running (or queued) work."""
         __tracebackhide__ = hide_own_frames()
         self.check_controller()
-        dead = self.processes.dead_ranks()
-        live = [r for r in range(self.n) if r not in dead]
+        gone = {**self.processes.dead_ranks(), **self.lost_ranks()}
+        live = [r for r in range(self.n) if r not in gone]
         if not live:
             return []
         if not self.client.outstanding:
@@ -379,6 +447,7 @@ class RankExecution:
             dead = {r: how for r, how in self.processes.dead_ranks().items() if r in ranks}
             if dead:
                 self._after_death(ar, ranks, dead, what, display)
+            self._check_lost(ar, ranks, what, display)
             now = time.monotonic()
             if now >= deadline:
                 break
@@ -397,10 +466,14 @@ class RankExecution:
                     f"{deadline - now:.1f} s): {state}. get() waits again, up to that limit; wait(seconds) waits "
                     f"without raising")
         if finished_in_time:
+            # an unregistered engine's call ends at once, with ipyparallel's "Engine 1 died"
+            self._check_lost(ar, ranks, what, display, finished=True)
             ar.wait_for_output(OUTPUT_GRACE_S)
         outputs = self._outputs(ar, ranks, finished_in_time)
         if display:
             show(outputs)
+        if finished_in_time:
+            self._check_exited(ar, ranks, what, outputs)
         if not finished_in_time:
             unfinished = self._unfinished(ar, ranks)
             finished = [r for r in ranks if r not in unfinished]
@@ -418,6 +491,44 @@ class RankExecution:
         return outputs
 
     # ------------------------------------------------------------------ failures
+    def _check_lost(self, ar, ranks: list[int], what: str, display: bool, finished: bool = False) -> None:
+        """Raise RankLostError when a rank of ``ar`` was unregistered before it answered (``finished``: only a rank
+        whose answer is ipyparallel's own EngineError; one that answered first will be refused at the next call)."""
+        __tracebackhide__ = hide_own_frames()
+        lost = {r: state for r, state in self.lost_ranks().items() if r in ranks}
+        if finished:
+            stranded = {r for r, value in zip(ranks, ar.get(0, return_exceptions=True))
+                        if isinstance(value, Exception) and _failure(value).type_name == "EngineError"}
+            lost = {r: state for r, state in lost.items() if r in stranded}
+        if lost:
+            self._after_loss(ar, ranks, lost, what, display)
+
+    def _check_exited(self, ar, ranks: list[int], what: str, outputs: list[RankOutput]) -> None:
+        """Ranks whose cell ended their kernel (``exit()`` / ``quit()``: the reply asks the client to let the
+        kernel go, and the engine's process ends a moment later): wait for their processes to end, then raise
+        RankDiedError, so that the cell itself says so and ``status()`` shows them dead at once."""
+        __tracebackhide__ = hide_own_frames()
+        exiting = [r for r, value in zip(ranks, ar.get(0, return_exceptions=True)) if _asked_to_exit(value)]
+        if not exiting:
+            return
+        end = time.monotonic() + EXIT_WAIT_S
+        dead = self.processes.dead_ranks()
+        while any(r not in dead for r in exiting) and time.monotonic() < end:
+            time.sleep(WAIT_SLICE_S)
+            dead = self.processes.dead_ranks()
+        lines = []
+        for r in exiting:
+            how = (f"its process {dead[r]}" if r in dead else
+                   f"its process still runs {EXIT_WAIT_S:g} s later, shutting down")
+            lines.append(f"rank {r} (pid {self.processes.pids.get(r)}) ended its engine: {what} called exit() or "
+                         f"quit() there; {how}")
+        self.broken = BrokenGroup(f"{what}: " + "; ".join(f"rank {r} exited (exit() in the cell)" for r in exiting))
+        message = ("\n".join(lines) + f".\n\nIts engine is gone: cl.restart() (%shard_cluster restart) starts new "
+                   f"engines for every rank. (To stop the cell's work on a rank without ending it, raise an exception "
+                   f"instead.)")
+        raise RankDiedError(message, {r: dead.get(r, "shutting down after exit()") for r in exiting},
+                            [o for o in outputs if o.rank not in exiting])
+
     def _unfinished(self, ar, ranks: list[int]) -> list[int]:
         outstanding = self.client.outstanding
         return [r for r, msg_id in zip(ranks, ar.msg_ids) if msg_id in outstanding]
@@ -481,7 +592,12 @@ class RankExecution:
         comm = {r for r, f in errors.items() if is_comm_failure(f)}
         causes = {r: f for r, f in errors.items() if r not in comm} or errors
         released = release[1] if release is not None else []
+        # every rank that raised failed in a collective by itself (gloo's own timeout): the cause is a rank that
+        # never issued it, which the ranks' Flight Recorders tell
+        unissued = self._unissued_collectives(errors) if release is None and comm == set(errors) else []
         lines = [format_failures(causes)]
+        if unissued:
+            lines = [".\n".join(u.describe() for u in unissued) + ".", "Then " + lines[0]]
         if release is not None:
             report, waited, elapsed = release
             where = []
@@ -501,11 +617,18 @@ class RankExecution:
         n_failed = len(errors)
         lines.append(f"({n_failed} of {len(ranks)} ranks raised in {what}.)")
         if comm and self.broken is None:
-            self.broken = BrokenGroup(f"{what}: {_first_failure(causes)}")
+            self.broken = BrokenGroup(f"{what}: {unissued[0].describe() if unissued else _first_failure(causes)}")
         if self.broken is not None:
             lines.append("The process group is broken now. " + RECOVERY_HINT)
         return RankError("\n\n".join(lines), errors, causes=causes, released=released,
                          report=release[0] if release is not None else None)
+
+    def _unissued_collectives(self, errors: dict[int, RankFailure]) -> list[hang.UnissuedCollective]:
+        """The collectives the ranks of ``errors`` failed in that other ranks never issued, from every live rank's
+        Flight Recorder (answered by its control thread)."""
+        gone = {**self.processes.dead_ranks(), **self.lost_ranks()}
+        diagnoses = self.control.diagnose([r for r in range(self.n) if r not in gone], 2.0)
+        return hang.unissued_collectives(diagnoses, errors)
 
     def _outputs(self, ar, ranks: list[int], finished: bool, partial: bool = False) -> list[RankOutput]:
         """Each rank's printed output, and its result or error where it finished (``partial``: some ranks
@@ -814,6 +937,32 @@ class LiveOutput:
                     self.printed[(rank, name)] = end
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+def process_state(pid: int | None) -> str | None:
+    """How the process ``pid`` is, in words ("stopped (SIGSTOP, or a debugger holds it)", "alive (sleeping)");
+    None when it no longer runs."""
+    import psutil
+
+    if pid is None:
+        return None
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return None
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return None
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "stopped (SIGSTOP, or a debugger holds it)"
+    return f"alive ({status})"
+
+
+def _asked_to_exit(value) -> bool:
+    """The reply of a cell that called exit() or quit(): IPython's "ask_exit" payload (ipyparallel keeps the
+    reply's content, payload included, in its ExecuteReply)."""
+    content = getattr(value, "_content", None)
+    return isinstance(content, dict) and any(isinstance(p, dict) and p.get("source") == "ask_exit"
+                                             for p in content.get("payload") or [])
 
 
 def _failure(error) -> RankFailure:

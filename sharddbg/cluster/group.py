@@ -16,6 +16,7 @@ import pandas as pd
 from ..engine import api
 from ..errors import ClusterError, ShardDbgError
 from .execution import BrokenGroup, RankExecution
+from .hang import ranks_words
 from .mesh import MeshSpec
 from .processes import free_port
 
@@ -64,6 +65,7 @@ class DistributedGroup:
         dead = execution.processes.dead_ranks()
         if dead:
             raise ClusterError(execution.dead_message(dead))
+        execution.refuse_lost(range(execution.n))
         busy = execution.busy_ranks()
         if busy:
             execution.release_blocked(busy, timeout)
@@ -85,18 +87,32 @@ class DistributedGroup:
         group's health; ``STATUS_BRIEF`` columns, or with ``full`` every one of ``STATUS_COLUMNS``."""
         execution.check_controller()
         dead = execution.processes.dead_ranks()
+        lost = execution.lost_ranks()
         busy = execution.busy_ranks()
-        idle = [r for r in range(execution.n) if r not in busy and r not in dead]
+        idle = [r for r in range(execution.n) if r not in busy and r not in dead and r not in lost]
         fresh = dict(zip(idle, execution.call(api.status, ranks=idle, what="status()"))) if idle else {}
         broken = execution.broken
+        # a rank that answered without torch.distributed (destroy_process_group in a cell) breaks the group too
+        torn_down = sorted(r for r, row in fresh.items() if not row.get("dist_initialized", True))
+        if broken is not None:
+            group_state = f"broken at {broken.cause}"
+        elif torn_down:
+            group_state = (f"broken: torch.distributed is not initialized on {ranks_words(torn_down)} (its process "
+                           f"group was destroyed there); cl.recover() brings it up again")
+        else:
+            group_state = "ok"
         rows = []
         for rank in range(execution.n):
             known = self.statuses[rank] if rank < len(self.statuses) else {"rank": rank}
             row = dict(fresh.get(rank) or known)
             row["engine_id"] = execution.engine_ids[rank]
-            row["state"] = f"dead: {dead[rank]}" if rank in dead else "busy" if rank in busy else "idle"
-            row["process_group"] = "ok" if broken is None else f"broken at {broken.cause}"
+            row["state"] = (f"dead: {dead[rank]}" if rank in dead else
+                            f"lost: it stopped answering ipyparallel's heartbeat and was unregistered; its process "
+                            f"is {lost[rank]}; cl.restart() replaces it" if rank in lost else
+                            "busy" if rank in busy else "idle")
+            row["process_group"] = group_state
             rows.append(row)
         frame = pd.DataFrame(rows)
         shown = STATUS_COLUMNS if full else STATUS_BRIEF
-        return frame[[c for c in shown if c in frame.columns]].set_index("rank")
+        # every column, also one no row could fill (ranks busy, dead or lost since before the group came up)
+        return frame.reindex(columns=list(shown)).set_index("rank")

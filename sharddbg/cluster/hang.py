@@ -231,6 +231,78 @@ def _same_collective_elsewhere(diagnoses: dict, rank: int, entry: dict) -> dict[
     return out
 
 
+@dataclass
+class UnissuedCollective:
+    """A collective that ranks waited in until it failed (gloo's own collective timeout, say), and that other
+    ranks of its group never issued: the cause of that failure."""
+
+    waiting_ranks: list[int]  # the ranks that issued it (and failed in it)
+    missing_ranks: list[int]  # ranks of its group whose Flight Recorder holds fewer collectives on the group
+    name: str  # e.g. "gloo:all_gather"
+    group: str  # process-group name
+    seq: int  # the Flight Recorder's count: the seq-th collective on this group since it was created
+    mesh_dim: str | None = None  # "ddp" / "domain" when the group is a mesh dim's
+    trace_group_seq: int | None = None  # its group_seq in the running trace, when one runs
+
+    @property
+    def kind(self) -> str:
+        return self.name.split(":", 1)[-1]
+
+    def describe(self) -> str:
+        """ "rank 1 never issued the all_gather rank 0 waited in (group_seq 3 of this trace on 'domain')" """
+        where = f"'{self.mesh_dim}'" if self.mesh_dim else f"'{self.group}'"
+        if self.trace_group_seq is not None:
+            which = f"group_seq {self.trace_group_seq} of this trace on {where}"
+        else:
+            which = f"the {ordinal(self.seq)} collective on process group {where} since it was created"
+        return (f"{ranks_words(self.missing_ranks)} never issued the {self.kind} {ranks_words(self.waiting_ranks)} "
+                f"waited in ({which})")
+
+
+def ranks_words(ranks) -> str:
+    """ "rank 1", "ranks 1, 2, 3" """
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def unissued_collectives(diagnoses: dict[int, dict | None], failed) -> list[UnissuedCollective]:
+    """For each rank of ``failed`` (they raised in a collective that failed for want of a peer), the last
+    collective it issued on each of its groups that other ranks of the group never issued, from every rank's
+    Flight Recorder in ``diagnoses`` (rank -> the engine's diagnosis; a rank without one is not counted
+    missing). Ranks that waited in the same collective are together."""
+    last_by_rank = {r: last_seq_by_group(d.get("flight_recorder", {})) for r, d in diagnoses.items() if d}
+    found: dict[tuple, UnissuedCollective] = {}
+    for rank in sorted(failed):
+        diag = diagnoses.get(rank)
+        fr = (diag or {}).get("flight_recorder", {})
+        if not fr.get("available"):
+            continue
+        last: dict[str, dict] = {}  # group -> the last collective this rank issued on it
+        for entry in fr.get("entries", []):
+            if not entry.get("is_p2p") and entry["seq"] >= last.get(entry["group"], {"seq": -1})["seq"]:
+                last[entry["group"]] = entry
+        for group, entry in last.items():
+            members = diag.get("groups", {}).get(group, [])
+            missing = sorted(r for r in members if r in last_by_rank and last_by_rank[r].get(group, 0) < entry["seq"])
+            if not missing:
+                continue
+            key = (group, entry["seq"], entry["name"])
+            if key not in found:
+                found[key] = UnissuedCollective(
+                    waiting_ranks=[], missing_ranks=missing, name=entry["name"], group=group, seq=entry["seq"],
+                    mesh_dim=diag.get("mesh_dims", {}).get(group),
+                    trace_group_seq=_last_trace_group_seq(diag.get("recording"), group))
+            found[key].waiting_ranks.append(rank)
+    return list(found.values())
+
+
+def _last_trace_group_seq(recording: dict | None, group: str) -> int | None:
+    """The group_seq, in a running recording, of the last collective on ``group`` (completed or not)."""
+    seqs = [ev.get("group_seq") for ev in (recording or {}).get("events", [])
+            if ev.get("kind") == "collective" and ev.get("group_name") == group]
+    return seqs[-1] if seqs else None
+
+
 def build_report(timeout_s: float, finished: list[int], unfinished: list[int], diagnoses: dict[int, dict | None],
                  pids: dict[int, int], what: str = "the cell",
                  failures: dict[int, RankFailure] | None = None) -> HangReport:

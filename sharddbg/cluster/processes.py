@@ -32,6 +32,12 @@ LOG_TAIL_LINES = 12
 # How often the start-up waits look at the controller and the engines while waiting for them.
 POLL_S = 0.05
 
+# The controller's heartbeat: it pings every engine each period and unregisters one that misses more than
+# HEARTBEAT_MISSES pings in a row (its process stopped or starved), for good: nothing reaches it after that.
+HEARTBEAT_PERIOD_MS = 500
+HEARTBEAT_MISSES = 10
+HEARTBEAT_LIMIT_S = HEARTBEAT_PERIOD_MS * (HEARTBEAT_MISSES + 1) / 1000
+
 
 def free_port() -> int:
     """A TCP port free on the loopback interface now (every torch.distributed start takes a fresh one)."""
@@ -132,7 +138,8 @@ class ClusterProcesses:
                 registry.cluster_id_arg(self.cluster_id), "--ip=127.0.0.1",
                 # Schedulers as threads, not processes: faster start, fewer processes to reap. A short
                 # heartbeat period: engines count as registered only after their first heartbeat.
-                "--usethreads", "--HeartMonitor.period=500"]
+                "--usethreads", f"--HeartMonitor.period={HEARTBEAT_PERIOD_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
         return {"argv": argv, "log": self.controller_log, "env": {}}
 
     @property

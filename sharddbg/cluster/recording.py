@@ -22,7 +22,8 @@ import uuid
 from .. import schema
 from ..analysis.consistency import first_divergence, replicas_frame
 from ..engine import api
-from ..errors import RankDiedError, RankError, RankTimeoutError, ShardDbgError, TraceInterrupted, hide_own_frames
+from ..errors import (RankDiedError, RankError, RankLostError, RankTimeoutError, ShardDbgError, TraceInterrupted,
+                      hide_own_frames)
 from ..options import RecordingOptions
 from .control import ControlChannel
 from .execution import RankExecution
@@ -74,12 +75,15 @@ class CellTracer:
             for rank in exc.report.unfinished:
                 payloads[rank] = (exc.report.diagnoses.get(rank) or {}).get("recording")
                 why_incomplete[rank] = f"did not finish within {exc.report.timeout_s:g} s"
-        except RankDiedError as exc:
+        except (RankDiedError, RankLostError) as exc:
             failure = exc
-            for rank, how in exc.dead.items():
-                payloads[rank] = None  # its events died with it
-                why_incomplete[rank] = f"its process died ({how}); its events are lost"
-            still = [r for r in execution.busy_ranks() if r not in exc.dead]
+            gone = exc.dead if isinstance(exc, RankDiedError) else exc.lost
+            for rank, how in gone.items():
+                payloads[rank] = None  # its events died with it, or cannot be reached any more
+                why_incomplete[rank] = (f"its process died ({how}); its events are lost" if isinstance(exc, RankDiedError)
+                                        else f"ipyparallel unregistered its engine (it stopped answering the "
+                                             f"heartbeat; its process is {how}); its events are lost")
+            still = [r for r in execution.busy_ranks() if r not in gone]
             if still:  # survivors that could not be released: what they recorded so far
                 self._recorded_so_far(execution, control, still, payloads, why_incomplete,
                                       "still running when a peer died")
@@ -89,7 +93,8 @@ class CellTracer:
         done = [r for r in every_rank if r not in payloads]
         if done:
             payloads.update(zip(done, execution.call(api.recording_stop, ranks=done, what="recorder stop")))
-        offsets = control.clock_offsets(ranks=[r for r in every_rank if r not in execution.processes.dead_ranks()])
+        unreachable = {**execution.processes.dead_ranks(), **execution.lost_ranks()}
+        offsets = control.clock_offsets(ranks=[r for r in every_rank if r not in unreachable])
         offsets_ns = {r: o["offset_ns"] for r, o in offsets.items()}
         differences = None
         if options.replicas and failure is None and interrupted is None:

@@ -128,6 +128,7 @@ def init_rank(world_size: int, mesh_shape, backend: str, master_port: int, colle
     else:
         local_rank = rank
         device = torch.device("cpu")
+    STATE.group_created_ns = time.time_ns()
     # No device_id: NCCL communicators are then made at the first collective (on the current device, set
     # above) instead of eagerly, and the mesh's subgroups are their own communicators rather than splits of
     # the world's. Split communicators crash the process (SIGSEGV, seen on 2 H200s with torch 2.11) when

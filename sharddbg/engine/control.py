@@ -86,8 +86,9 @@ _FR_DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 
 
 def flight_recorder() -> dict:
-    """torch's Flight Recorder entries for this rank (every backend's buffer), reduced to what a hang report
-    needs: per collective its group, sequence number on that group, name, sizes and whether it completed."""
+    """torch's Flight Recorder entries for this rank (every backend's buffer) of its current process group,
+    reduced to what a hang report needs: per collective its group, sequence number on that group, name, sizes
+    and whether it completed."""
     try:
         from torch._C import _distributed_c10d as c10d_ext
     except ImportError:
@@ -108,6 +109,8 @@ def flight_recorder() -> dict:
     entries = []
     for data in dumps:
         for e in data.get("entries", []):
+            if (e.get("time_created_ns") or 0) < STATE.group_created_ns:
+                continue  # a collective of a process group destroyed since (the names are used again)
             group = e.get("process_group") or ["", ""]
             entries.append({
                 "group": str(group[0]),

@@ -33,6 +33,9 @@ class RankState:
     mesh: Any = None  # the ("ddp", "domain") DeviceMesh
     collective_timeout_s: float | None = None
     dist_inits: int = 0  # how many times torch.distributed was set up in this process
+    # when the current process group was made (time.time_ns(), the Flight Recorder's clock): the recorder's
+    # buffer outlives a destroyed group, whose entries (made before) carry the same group names
+    group_created_ns: int = 0
     store_listener: Any = None  # the rendezvous store's socket on rank 0 (kept open with the store)
     patches: PatchFacts | None = None  # None until physicsnemo was imported by the set-up
 
