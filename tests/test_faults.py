@@ -191,6 +191,8 @@ def test_rank_killed_then_calls(healthy):
     _expect("rank_killed", info.value)
     assert info.value.dead == {2: "killed by signal 9 (SIGKILL)"}
     assert "rank 2 (pid " in str(info.value) and "killed by signal 9 (SIGKILL)" in str(info.value)
+    # the advice is restart(), not recover(): a dead rank cannot join a re-created group
+    assert "cl.recover() cannot re-create the group: run cl.restart()" in str(info.value)
     # the survivors were released from the collective with the dead rank, not left waiting
     assert cl.busy_ranks() == []
     status = cl.status()
@@ -203,6 +205,10 @@ def test_rank_killed_then_calls(healthy):
         _expect("call_needs_dead_rank", dead.value)
         assert "killed by signal 9 (SIGKILL)" in str(dead.value) and "restart()" in str(dead.value)
     assert cl.eval("rank", targets=[0, 1, 3]) == [0, 1, 3]
+    with pytest.raises(ClusterError, match=r"(?s)The process group broke at .*Rank 2 cannot take part any more "
+                                           r"\(rank 2: dead, killed by signal 9 \(SIGKILL\)\), so cl.recover\(\) "
+                                           r"cannot re-create the group: run cl.restart\(\)"):
+        cl.run("print(1)", targets=[0, 1, 3])
     cl.restart()
     _works(cl)
 

@@ -112,7 +112,14 @@ class BrokenGroup:
 
     cause: str  # one line: what broke it, rank first
 
-    def refusal(self) -> str:
+    def refusal(self, gone: dict[int, str] | None = None) -> str:
+        """Why a cell is refused, and what goes on from here: ``recover()`` while every rank lives, only
+        ``restart()`` once a rank is ``gone`` (rank -> dead or lost, and how)."""
+        if gone:
+            return (f"The process group broke at {self.cause}. {_ranks_text(gone).capitalize()} cannot take part "
+                    f"any more ({'; '.join(f'rank {r}: {how}' for r, how in sorted(gone.items()))}), so "
+                    f"cl.recover() cannot re-create the group: run cl.restart() (%shard_cluster restart) for new "
+                    f"engines on every rank")
         return (f"The process group broke at {self.cause}. Its collectives would fail or hang: run cl.recover() "
                 f"(%shard_cluster recover) to re-create it (ShardTensors made before must be made again), "
                 f"or cl.restart() for new engines")
@@ -194,6 +201,15 @@ class RankExecution:
                 f"rank.")
 
     # ------------------------------------------------------------------ ranks the controller let go
+    def gone_ranks(self) -> dict[int, str]:
+        """Ranks that can take no part in a process group any more: dead (how it ended) or lost (ipyparallel
+        unregistered it; the state of its process)."""
+        if self.closed:
+            return {}
+        gone = {r: f"dead, {how}" for r, how in self.processes.dead_ranks().items()}
+        gone.update({r: f"lost to ipyparallel's heartbeat, its process {state}" for r, state in self.lost_ranks().items()})
+        return gone
+
     def lost_ranks(self) -> dict[int, str]:
         """Ranks whose engine the controller unregistered while its process still exists (it stopped answering
         the heartbeat: stopped, or starved): rank -> the state of its process. One whose process ended is dead
@@ -344,7 +360,7 @@ class RankExecution:
         """Refuse a cell while the process group is broken."""
         __tracebackhide__ = hide_own_frames()
         if self.broken is not None:
-            raise ClusterError(self.broken.refusal())
+            raise ClusterError(self.broken.refusal(self.gone_ranks()))
 
     def forget_stuck(self) -> None:
         """The calls that timed out are over (their ranks were released)."""
@@ -584,7 +600,7 @@ class RankExecution:
         failed = {o.rank: o.error for o in outputs if o.error}
         if failed:
             message += "\n\nWhat the other ranks raised:\n" + format_failures(failed, tracebacks=0)
-        message += "\n\n" + self.broken.refusal() + "."
+        message += "\n\n" + self.broken.refusal(self.gone_ranks()) + "."
         raise RankDiedError(message, dead, outputs)
 
     def _rank_error(self, errors: dict[int, RankFailure], ranks: list[int], what: str, release) -> RankError:
@@ -619,7 +635,8 @@ class RankExecution:
         if comm and self.broken is None:
             self.broken = BrokenGroup(f"{what}: {unissued[0].describe() if unissued else _first_failure(causes)}")
         if self.broken is not None:
-            lines.append("The process group is broken now. " + RECOVERY_HINT)
+            gone = self.gone_ranks()
+            lines.append(self.broken.refusal(gone) + "." if gone else "The process group is broken now. " + RECOVERY_HINT)
         return RankError("\n\n".join(lines), errors, causes=causes, released=released,
                          report=release[0] if release is not None else None)
 
