@@ -634,6 +634,9 @@ def plan_cache(trace, facts: list[dict]) -> Finding:
     stale = plan_cache_finding(trace.get_plan_cache(), growth)
     if stale is not None:
         return Finding(name, "warn", f"in the last trace, {stale.sentence}{now}", stale.fix, stale.ranks, stale.op)
-    misses = int(growth["misses"].sum())
-    return Finding(name, "ok", f"the last trace left no stale entry ({misses} miss{'es' if misses != 1 else ''} while "
-                               f"recording){now}", FIXES[name])
+    # every rank has a cache of its own: its misses are counted per rank, never summed over ranks
+    misses = sorted(int(m) for m in growth["misses"])
+    lo, hi = misses[0], misses[-1]
+    counted = (f"{lo} miss{'es' if lo != 1 else ''} on each rank" if lo == hi
+               else f"{lo} to {hi} misses per rank")
+    return Finding(name, "ok", f"the last trace left no stale entry ({counted} while recording){now}", FIXES[name])
