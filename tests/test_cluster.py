@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sharddbg
-from sharddbg.errors import ClusterError, RankError, RankFailure
+from sharddbg.errors import ClusterError
 
 pytestmark = pytest.mark.cluster
 
