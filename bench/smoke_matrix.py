@@ -1,6 +1,6 @@
 """The whole smoke matrix (``Cluster.smoke``) on a CPU cluster: every configuration of the ShardTensor checklist
 (single device; ddp=N; domain=N; ddp x domain with DDP and with FSDP2; FSDP2 with ddp=1; each with and without
-torch.compile; inference only; the invalid mesh and the per-domain batch of 2 that must fail), on a small
+torch.compile; inference only; a batch of 2 per domain group; the invalid mesh that must fail), on a small
 3-conv net, against the same net trained on a single device. CI runs the reduced matrix (tests/test_smoke.py);
 this runs the whole one by hand.
 

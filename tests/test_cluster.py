@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sharddbg
-from sharddbg.errors import ClusterError, RankError, RankFailure
+from sharddbg.errors import ClusterError
 
 pytestmark = pytest.mark.cluster
 
@@ -79,18 +79,29 @@ def test_patches_really_registered_on_cpu(cluster4):
     assert found == [True] * 4
 
 
-def test_batch_of_two_is_refused_on_every_rank(cluster4):
-    with pytest.raises(RankError) as info:
-        cluster4.run("sharddbg.engine.scatter(torch.randn(2, 3, 66, 64), dim=2)", display=False)
-    assert sorted(info.value.errors) == [0, 1, 2, 3]
-    for failure in info.value.errors.values():
-        assert isinstance(failure, RankFailure) and failure.type_name == "ScatterError"
-        assert "batch size per domain group must be 1" in failure.message and "'ddp'" in failure.message
-        assert "scatter" in failure.traceback and "ipyparallel/engine/kernel.py" not in failure.traceback
-    assert str(info.value).startswith("ranks [0, 1, 2, 3] raised ScatterError: sharddbg.engine.scatter: ")
-    assert info.value.causes == [0, 1, 2, 3] and info.value.released == []
-    # nobody was left waiting in a collective: the cluster still answers
-    assert cluster4.eval("1", timeout=10) == [1] * 4
+BATCH_CELL = """
+torch.manual_seed(3)
+bx_full = torch.randn(2, 3, 66, 5)
+bx = sharddbg.engine.scatter(bx_full, dim=2)
+"""
+
+
+def test_batch_of_two_is_sharded_like_one_sample_with_a_warning_once(cluster4):
+    outs = cluster4.run(BATCH_CELL, display=False)
+    # every rank says once what a batch of 2 per domain group costs and risks, pointing at the doctor
+    for out in outs:
+        assert "BatchPerDomainGroupWarning: sharddbg.engine.scatter: a batch of 2 per domain group (dim 0 of " \
+               "shape (2, 3, 66, 5)), sharded along dim 2 like one sample. It costs 2 times the memory" in out.stderr
+        assert "mixes the samples" in out.stderr and "cl.doctor()" in out.stderr, out.stderr
+    # each rank holds its rows of both samples, 66 rows split 17, 17, 16, 16; the whole is the input
+    assert cluster4.eval("tuple(bx._local_tensor.shape)") == [(2, 3, 17, 5), (2, 3, 17, 5), (2, 3, 16, 5),
+                                                              (2, 3, 16, 5)]
+    assert cluster4.eval("[s[2] for s in bx._spec._sharding_shapes[0]]") == [[17, 17, 16, 16]] * 4
+    assert cluster4.eval("bool((bx.full_tensor() == bx_full).all())") == [True] * 4
+    # the rows of each sample are the input's own: rank 2 holds rows 34..49 of both
+    assert cluster4.eval("bool((bx._local_tensor == bx_full[:, :, 34:50]).all())", targets=[2]) == [True]
+    # the same shape again: nothing more is said
+    assert all("BatchPerDomainGroupWarning" not in out.stderr for out in cluster4.run(BATCH_CELL, display=False))
 
 
 def test_scatter_without_batch_axis_and_replicate(cluster4):

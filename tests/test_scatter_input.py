@@ -143,3 +143,9 @@ def test_requires_grad_is_the_same_on_every_rank_and_backward_works(cl, source_g
     # the result is a leaf of its own: nothing flows back into the tensor the source passed in
     assert cl.pull("source_grad_untouched") == [True] * N
 
+
+
+def test_an_empty_batch_is_refused_on_every_rank(cl):
+    message = scatter_error(cl, "sharddbg.engine.scatter(torch.randn(0, 3, 66, 64), dim=2)")
+    assert message == ("sharddbg.engine.scatter: the batch axis (dim 0) has size 0: there is no sample to scatter "
+                       "(shape (0, 3, 66, 64)); pass batch_dim=None for inputs without a batch axis (point clouds)")

@@ -1,8 +1,8 @@
 """The smoke matrix (``Cluster.smoke``) on a real 4-rank CPU cluster: the reduced matrix CI runs (single
-device, domain=4, ddp=2 x domain=2 with DDP and with FSDP2, domain=4 compiled, a per-domain batch of 2 that
-must fail), a port that runs but is wrong (the conv2d patch removed) caught by its loss and gradients, the
-invalid mesh refused, the mesh rebuilt on the same engines and restored, and bad arguments refused before
-anything runs."""
+device, domain=4, ddp=2 x domain=2 with DDP and with FSDP2, domain=4 compiled, a batch of 2 per domain group
+against the single device taking the same 2 samples at once), a port that runs but is wrong (the conv2d patch
+removed) caught by its loss and gradients, the invalid mesh refused, the mesh rebuilt on the same engines and
+restored, and bad arguments refused before anything runs."""
 
 from __future__ import annotations
 
@@ -61,6 +61,24 @@ def step_without_conv_patch(model, ctx):
         return model(x).pow(2).mean()
 
 
+def setup_tokens():
+    from torch import nn
+
+    return nn.Linear(8, 8)
+
+
+def step_merging_batch_and_tokens(model, ctx):
+    """Tokens sharded along N through a linear over rows: ``x.reshape(B * N, C)`` merges the batch with the
+    sharded dim, right for a batch of 1 and mixing the samples of a larger one."""
+    import torch
+
+    x = ctx.shard(torch.randn(1, 16, 8), 1)
+    weight = ctx.shard(torch.linspace(0.0, 1.0, 16 * 8).reshape(1, 16, 8), 1)
+    b, n, c = x.shape
+    y = model(x.reshape(b * n, c)).reshape(b, n, c)
+    return (y * weight).pow(2).mean()
+
+
 @pytest.fixture(scope="module")
 def cl():
     import sharddbg
@@ -87,7 +105,8 @@ def test_full_matrix_holds_every_configuration_of_the_checklist():
     assert by["ddp=2 x domain=2, FSDP2"].wrapper == "fsdp2" and by["ddp=4, DDP"].wrapper == "ddp"
     assert by["domain=4, inference"].training is False
     assert by["invalid mesh domain=3"].expect_error == "MeshError"
-    assert by["domain=4, 2 samples per domain group"].expect_error == "ScatterError"
+    batch2 = by["domain=4, 2 samples per domain group"]
+    assert batch2.expect_error is None and batch2.samples_per_domain == 2 and (batch2.ddp, batch2.domain) == (1, N)
     assert sum(c.compiled for c in rows) == 6
     # a prime number of ranks has no ddp x domain split: those rows are left out, the rest stays
     assert [c.name for c in full_matrix(3) if "x domain" in c.name] == []
@@ -131,9 +150,10 @@ def test_reduced_matrix_matches_the_single_device_run(cl):
     assert list(table.columns) == TABLE_COLUMNS
     assert list(table.index) == [c.name for c in reduced_matrix(N)]
     assert result.ok, result.show().text()
-    assert repr(result) == ("smoke matrix on 4 ranks: all 6 configurations as expected (5 match the single-device "
-                            "run within rtol 0.001, 1 failed as expected)")
-    for name in ["domain=4", "ddp=2 x domain=2, DDP", "ddp=2 x domain=2, FSDP2", "domain=4, compiled"]:
+    assert repr(result) == "smoke matrix on 4 ranks: all 6 configurations as expected (6 match the single-device " \
+                           "run within rtol 0.001)"
+    for name in ["domain=4", "ddp=2 x domain=2, DDP", "ddp=2 x domain=2, FSDP2", "domain=4, compiled",
+                 "domain=4, 2 samples per domain group"]:
         row = table.loc[name]
         assert row["outcome"] == "matches the single-device run"
         # fp32, the same data and weights: only the reduction order differs
@@ -145,8 +165,13 @@ def test_reduced_matrix_matches_the_single_device_run(cl):
     assert len(set(table.loc["single-device", "losses"])) == 3
     # ddp=2 takes two samples per step; its reference is the single device taking both
     assert table.loc["ddp=2 x domain=2, DDP", "reference_losses"] != table.loc["domain=4", "reference_losses"]
+    # a batch of 2 per domain group: its reference is the single device taking the same 2 samples at once (the
+    # drawn one and another made from it), not the one sample domain=4 is compared with
+    assert table.loc["domain=4, 2 samples per domain group", "reference_losses"] != \
+        table.loc["domain=4", "reference_losses"]
     # the recorded step: the halo exchange of each conv and the domain all_reduce of the weight gradients
-    for name in ["domain=4", "ddp=2 x domain=2, DDP", "ddp=2 x domain=2, FSDP2"]:
+    for name in ["domain=4", "ddp=2 x domain=2, DDP", "ddp=2 x domain=2, FSDP2",
+                 "domain=4, 2 samples per domain group"]:
         assert table.loc[name, "collectives_per_step"] > 4, name
         trace = result.trace(name)
         assert trace.ranks == list(range(N))
@@ -161,21 +186,21 @@ def test_reduced_matrix_matches_the_single_device_run(cl):
         result.trace("domain=4, compiled")
     with pytest.raises(SmokeError, match=r"there is no configuration 'domain=2' in this result"):
         result.trace("domain=2")
-    batch2 = table.loc["domain=4, 2 samples per domain group"]
-    assert batch2["ok"] and batch2["expected_error"] == "ScatterError"
-    assert batch2["outcome"].startswith("failed as expected: ranks [0, 1, 2, 3] raised ScatterError: ")
-    assert "batch size per domain group must be 1" in batch2["outcome"]
+    # the batch of 2 was sharded, not refused: each rank held both samples' rows
+    batch2_ops = result.trace("domain=4, 2 samples per domain group").get_ops()
+    assert any(tuple(shape) == (2, 3, ROWS // N, 8) for shapes in batch2_ops["in_local_shapes"] for shape in shapes)
     # the view: text and static HTML, the verdict first; the loss error per step as a figure
     view = result.show()
     text = view.text()
     assert text.splitlines()[0] == repr(result)
-    assert "✔ failed as expected: ranks [0, 1, 2, 3] raised ScatterError" in text
+    assert "failed as expected" not in text
     html = view.html()
-    assert html.count('class="sd-smoke-ok"') == 5 and html.count('class="sd-smoke-expected"') == 1
+    assert html.count('class="sd-smoke-ok"') == 6 and 'class="sd-smoke-expected"' not in html
     assert "<script" not in html
     fig = result.plot_losses()
     assert [t.name for t in fig.data] == ["single-device", "domain=4", "ddp=2 x domain=2, DDP",
-                                          "ddp=2 x domain=2, FSDP2", "domain=4, compiled"]
+                                          "ddp=2 x domain=2, FSDP2", "domain=4, compiled",
+                                          "domain=4, 2 samples per domain group"]
     # the mesh was rebuilt on the same engines and is back as it was: a collective on it works
     assert cl.mesh.shape == (1, N)
     cl.run("import torch, sharddbg\n_s = sharddbg.engine.scatter(torch.arange(8.).reshape(1, 8), 1)\n"
@@ -212,6 +237,16 @@ def test_a_port_that_runs_but_is_wrong_is_caught(cl):
     assert result.verdict.startswith("smoke matrix on 4 ranks: 2 of 4 configurations wrong: domain=4: loss off from "
                                      "step 1 ")
     assert "✖" in result.show().text()
+    assert result.show().html().count('class="sd-smoke-expected"') == 1  # the invalid mesh
+    assert cl.mesh.shape == (1, N)
+
+
+def test_the_batch_of_2_catches_a_reshape_that_merges_the_batch_with_the_sharded_dim(cl):
+    result = cl.smoke(setup_tokens, step_merging_batch_and_tokens, ["domain=4", "domain=4, 2 samples per domain group"],
+                      steps=2)
+    assert result.table.loc["domain=4", "ok"]  # one sample per domain group: the reshape is right
+    assert result.failed == ["domain=4, 2 samples per domain group"]
+    assert result.table.loc["domain=4, 2 samples per domain group", "outcome"].startswith("ranks [0, 1, 2, 3] raised ")
     assert cl.mesh.shape == (1, N)
 
 

@@ -1192,8 +1192,8 @@ class Cluster:
             hands it to the ranks with ``ctx.shard(t, dim)`` (split over the domain group) or ``ctx.replicate(t)``.
         configs : None, str or list
             None or ``"full"``: the whole matrix (single device; ddp=N; domain=N; ddp x domain with DDP and with
-            FSDP2; FSDP2 with ddp=1; each with and without torch.compile; inference only; an invalid mesh and a
-            per-domain batch of 2, which must fail). ``"reduced"``: the matrix CI runs. Or a non-empty list of
+            FSDP2; FSDP2 with ddp=1; each with and without torch.compile; inference only; a batch of 2 per domain
+            group; an invalid mesh, which must fail). ``"reduced"``: the matrix CI runs. Or a non-empty list of
             ``SmokeConfig`` or names of the matrix's configurations.
         steps : int
             SGD steps per configuration, 2 to 100.

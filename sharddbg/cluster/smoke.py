@@ -5,12 +5,12 @@ Each configuration is a :class:`SmokeConfig`. The client rebuilds the mesh on th
 (``Cluster.remesh``; configurations are run grouped by mesh, so it is rebuilt as few times as possible), asks
 every rank to run it (``engine.api.smoke_run``) and compares: each step's loss with the single-device run's
 (same seed, same data, the same global batch: ddp=2 takes two samples per step, so the single-device run
-takes those two one after the other and averages), the first step's gradients, and from one more step run
+takes those two one after the other and averages; a domain group handed 2 samples at once is compared with
+the single device taking the same 2 at once), the first step's gradients, and from one more step run
 under the recorder, the fallbacks and collectives per step (not for a compiled configuration: dynamo
 re-traces the model under the recorder's modes and fails inside ShardTensor's dispatch, and the compiled
 graph would run below the recorder anyway). Expected failures pass when they raise the
-error named (an invalid mesh factorization is refused before anything runs; a domain group handed two
-samples at once is refused by ``scatter`` on every rank).
+error named (an invalid mesh factorization is refused before anything runs).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class _MatrixRunner:
         self.group = group
         self.setup, self.step = setup, step
         self.steps, self.seed, self.lr, self.rtol, self.timeout = steps, seed, lr, rtol, timeout
-        self.references: dict[tuple[int, bool], Reference] = {}
+        self.references: dict[tuple[int, int, bool], Reference] = {}  # (samples, at once, training)
 
     def plan(self, config: SmokeConfig, *, single_device: bool, samples: int, record: bool,
              return_grads: bool) -> dict:
@@ -137,19 +137,23 @@ class _MatrixRunner:
                 "samples_per_domain": config.samples_per_domain, "steps": self.steps, "seed": self.seed,
                 "lr": self.lr, "record": record, "return_grads": return_grads}
 
-    def reference(self, samples: int, training: bool) -> Reference:
-        """The eager single-device run with ``samples`` per step (run once, kept)."""
+    def reference(self, samples: int, training: bool, at_once: int = 1) -> Reference:
+        """The eager single-device run with ``samples`` per step, one after the other, each handed as
+        ``at_once`` samples stacked on the batch axis, as a domain group of the configuration gets them (run
+        once, kept)."""
         __tracebackhide__ = hide_own_frames()
-        key = (samples, training)
+        key = (samples, at_once, training)
         if key not in self.references:
-            config = SmokeConfig("single-device" if samples == 1 else f"single-device, {samples} samples per step",
+            what = f"{samples} sample{'s' if samples > 1 else ''} per step" + \
+                (f", {at_once} at once" if at_once > 1 else "")
+            config = SmokeConfig("single-device" if samples == at_once == 1 else f"single-device, {what}",
                                  single_device=True, training=training)
             plan = self.plan(config, single_device=True, samples=samples, record=False, return_grads=training)
+            plan["samples_per_domain"] = at_once  # the same batch the configuration's domain group is handed
             try:
                 (out,) = self.execution.apply(api.smoke_run, (self.setup, self.step, plan, None), {}, [0],
                                               self.timeout, display=False,
-                                              what=f"the single-device reference run ({samples} sample"
-                                                   f"{'s' if samples > 1 else ''} per step)")
+                                              what=f"the single-device reference run ({what})")
             except (RankError, RankTimeoutError) as exc:
                 raise SmokeError(f"the single-device reference run failed, so nothing can be compared: "
                                  f"{_first_line(exc)}") from exc
@@ -200,7 +204,8 @@ class _MatrixRunner:
             except MeshError as exc:
                 return ConfigOutcome(config, error_type="MeshError", error=f"MeshError: {exc}")
         expected_to_run = config.expect_error is None
-        ref = self.reference(config.samples, config.training) if expected_to_run else None
+        ref = self.reference(config.samples, config.training, config.samples_per_domain) if expected_to_run \
+            else None
         plan = self.plan(config, single_device=config.single_device, samples=config.samples,
                          record=not config.single_device and not config.compiled, return_grads=False)
         ranks = [0] if config.single_device else list(range(self.execution.n))

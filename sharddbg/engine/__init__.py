@@ -6,6 +6,7 @@ Attributes are loaded on first use so that importing the client side never impor
 _LAZY = {
     "scatter": ("_scatter", "scatter"),
     "ScatterError": ("_scatter", "ScatterError"),
+    "BatchPerDomainGroupWarning": ("_scatter", "BatchPerDomainGroupWarning"),
     "domain_mesh": ("_scatter", "domain_mesh"),
     "without_patches": ("patches", "without_patches"),
     "Recorder": ("recorder", "Recorder"),

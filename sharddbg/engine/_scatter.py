@@ -1,17 +1,20 @@
-"""``scatter``: one sample in, one ShardTensor on the "domain" sub-mesh out (runs on every rank).
+"""``scatter``: one sample (or a batch of them) in, one ShardTensor on the "domain" sub-mesh out (runs on every
+rank).
 
 Every rank checks its own arguments, then the ranks of the domain group exchange, in one collective,
 each rank's arguments and verdict together with the source's tensor metadata. From that same list every
 rank decides the same way, so a bad request raises the same ``ScatterError`` on every rank and no rank is
-left waiting in a collective its peers never join.
+left waiting in a collective its peers never join. A batch larger than 1 is sharded like one sample, with a
+``BatchPerDomainGroupWarning`` (once per process and shape) naming its cost and its risk.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import ShardDbgError
+from ..errors import ShardDbgError, ShardDbgWarning
 from .rank_state import STATE, current_rank
 
 if TYPE_CHECKING:
@@ -20,6 +23,15 @@ if TYPE_CHECKING:
 
 class ScatterError(ShardDbgError, ValueError):
     """The tensor cannot be scattered as asked (raised on every rank alike, so none is left waiting)."""
+
+
+class BatchPerDomainGroupWarning(ShardDbgWarning):
+    """A domain group was handed a batch larger than 1: right for ops that keep the samples apart, at that many
+    times the memory and work per rank, and wrong after a view/reshape that merges the batch with a sharded dim."""
+
+
+# (global shape, batch axis, sharded axis) already warned about in this process: the warning is said once
+_BATCH_WARNED: set[tuple[tuple[int, ...], int, int]] = set()
 
 
 def domain_mesh():
@@ -129,10 +141,9 @@ def _shape_problem(src: SourceTensor, dim, batch_dim, replicate, group_ranks: li
         if not -ndim <= batch_dim < ndim:
             return f"batch_dim={batch_dim} is out of range for a {ndim}-d tensor of shape {tuple(shape)}"
         b = batch_dim % ndim
-        if shape[b] != 1:
-            return (f"the batch axis (dim {b}) has size {shape[b]}, but each domain group holds one sample: "
-                    f"batch size per domain group must be 1. Scale the batch over the 'ddp' mesh axis instead, "
-                    f"or pass batch_dim=None for inputs without a batch axis (point clouds)")
+        if shape[b] == 0:
+            return (f"the batch axis (dim {b}) has size 0: there is no sample to scatter (shape {tuple(shape)}); "
+                    f"pass batch_dim=None for inputs without a batch axis (point clouds)")
     if replicate:
         return None
     if dim is None:
@@ -151,6 +162,23 @@ def _shape_problem(src: SourceTensor, dim, batch_dim, replicate, group_ranks: li
     return None
 
 
+def _warn_batch(shape: tuple[int, ...], batch_axis: int, axis: int) -> None:
+    """Say once per process and shape what a batch larger than 1 per domain group costs and risks (the same
+    cost and risk ``cl.doctor()``'s "samples kept apart" check names)."""
+    key = (tuple(shape), batch_axis, axis)
+    if key in _BATCH_WARNED:
+        return
+    _BATCH_WARNED.add(key)
+    samples = shape[batch_axis]
+    warnings.warn(
+        f"sharddbg.engine.scatter: a batch of {samples} per domain group (dim {batch_axis} of shape {tuple(shape)}), "
+        f"sharded along dim {axis} like one sample. It costs {samples} times the memory and work per rank; a "
+        f"view/reshape that merges dim {batch_axis} with the sharded dim (x.reshape(B * N, C)) mixes the samples "
+        f"in every shard. cl.doctor() checks the last trace for ops that do; a batch of 1 per domain group with "
+        f"the batch over the 'ddp' mesh axis has neither cost nor risk",
+        BatchPerDomainGroupWarning, stacklevel=3)
+
+
 def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replicate: bool = False,
             requires_grad: bool = False) -> ShardTensor:
     """Shard ``tensor`` along ``dim`` over this rank's domain group (or replicate it with ``replicate=True``).
@@ -165,18 +193,27 @@ def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replic
     that accumulates its gradient on every rank; it is never part of the source tensor's graph (the data is
     detached and moved to the rank's device first).
 
+    A batch of B samples (the batch axis of size B above 1) is sharded like one sample: every rank holds its
+    rows of each sample. That is right for ops that keep the samples apart (convolutions, normalizations,
+    pointwise ops, a linear over the last dim), at B times the memory and work per rank, and wrong after a
+    view/reshape that merges the batch axis with the sharded dim (``x.reshape(B * N, C)``): the samples are
+    mixed. Each rank says so once per process and shape with a ``BatchPerDomainGroupWarning``;
+    ``cl.doctor()`` checks the last trace for the ops that mix samples. A batch of 1 per domain group, the
+    batch scaled over the ``ddp`` mesh axis, has neither the cost nor the risk.
+
     Before any data moves, the ranks exchange their arguments and the source's shape in one collective,
     and every rank raises the same ``ScatterError`` when any rank's request is wrong.
 
     Parameters
     ----------
     tensor : torch.Tensor or None
-        The whole sample, on the domain group's first rank; ignored (and may be None) on the others.
+        The whole sample (or batch of samples), on the domain group's first rank; ignored (and may be None)
+        on the others.
     dim : int or None, default None
         The dim to shard along (negative counts from the end). None only with ``replicate=True``.
     batch_dim : int or None, default 0
-        The batch axis: it must have size 1 (a domain group holds one sample; scale the batch over the
-        ``ddp`` mesh axis) and cannot be ``dim``. None for inputs without a batch axis (point clouds).
+        The batch axis: it cannot be ``dim`` nor of size 0; above 1, a ``BatchPerDomainGroupWarning``.
+        None for inputs without a batch axis (point clouds).
     replicate : bool, default False
         Put the whole tensor on every rank of the domain group (a Replicate ShardTensor, for targets)
         instead of sharding it; ``dim`` is then not used.
@@ -195,11 +232,17 @@ def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replic
         On every rank of the domain group alike, when any rank's request is wrong: an argument of the wrong
         type (``dim`` or ``batch_dim`` not an int or None, ``replicate`` or ``requires_grad`` not a bool),
         ranks passing different values, a source rank holding no ``torch.Tensor``, a 0-d tensor,
-        ``batch_dim`` out of range or its size not 1, no ``dim`` without ``replicate``, ``dim`` out of range
+        ``batch_dim`` out of range or its size 0, no ``dim`` without ``replicate``, ``dim`` out of range
         or equal to the batch axis, fewer rows along ``dim`` than ranks. The message names the ranks.
     ShardDbgError
         torch.distributed is not set up on this engine (it is not a rank of a ``sharddbg.Cluster``);
         raised before any exchange.
+
+    Warns
+    -----
+    BatchPerDomainGroupWarning
+        The tensor is sharded with a batch axis of size above 1: once per process and (shape, batch axis,
+        dim), on every rank of the domain group.
 
     Examples
     --------
@@ -212,10 +255,10 @@ def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replic
     >>> target = sharddbg.engine.scatter(torch.randn(1, 4, 66, 64), replicate=True)
     >>> tuple(target._local_tensor.shape)
     (1, 4, 66, 64)
-    >>> sharddbg.engine.scatter(torch.randn(2, 3, 66, 64), dim=2)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    sharddbg.engine._scatter.ScatterError: sharddbg.engine.scatter: the batch axis (dim 0) has size 2, but ...
+    >>> xb = sharddbg.engine.scatter(torch.randn(2, 3, 66, 64), dim=2)  # doctest: +SKIP
+    BatchPerDomainGroupWarning: sharddbg.engine.scatter: a batch of 2 per domain group (dim 0 of shape ...
+    >>> tuple(xb._local_tensor.shape)  # on rank 3
+    (2, 3, 16, 64)
     """
     import torch
     import torch.distributed as dist
@@ -249,6 +292,9 @@ def scatter(tensor, dim: int | None = None, *, batch_dim: int | None = 0, replic
         raise ScatterError("sharddbg.engine.scatter: " + "; ".join(problems))
 
     shape = src.shape
+    if not replicate and batch_dim is not None and shape[batch_dim % len(shape)] > 1:
+        # decided from the gathered requests: every rank warns alike
+        _warn_batch(shape, batch_dim % len(shape), dim % len(shape))
     if me != source_rank:
         tensor = None
     else:

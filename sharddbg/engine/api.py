@@ -624,8 +624,7 @@ def smoke_run(setup, step, plan: dict, reference_grads: dict | None = None) -> d
     ShardDbgError
         torch.distributed is not set up on this engine and the configuration is not the single device.
     ScatterError
-        ``ctx.shard`` / ``ctx.replicate`` refused the data (a configuration that hands a domain group 2
-        samples fails so, as expected).
+        ``ctx.shard`` / ``ctx.replicate`` refused the data.
     TypeError
         ``plan`` lacks a field of ``RunPlan`` or has one it does not know.
     Exception

@@ -37,7 +37,7 @@ class RunPlan:
     training: bool  # False: forward only, under torch.no_grad()
     single_device: bool  # plain tensors in one process, no collective (the reference)
     samples: int  # samples per step: the single-device run takes them one after the other
-    samples_per_domain: int  # samples a domain group is handed at once (above 1: must be refused)
+    samples_per_domain: int  # samples a domain group is handed at once (the single device takes as many)
     steps: int
     seed: int
     lr: float
@@ -53,6 +53,10 @@ class SmokeContext:
     sample. Pass each whole tensor through ``ctx.shard(t, dim)`` (split along ``dim`` over this rank's
     domain group) or ``ctx.replicate(t)`` (the whole tensor on every rank of it, for targets): both give the
     tensor itself back where there is nothing to split (a single device, a domain group of one rank).
+
+    A configuration that hands a domain group several samples at once (``samples_per_domain``) stacks them on
+    the batch axis: the drawn sample, then copies of it rolled by 1, 2, ... along its last axis (other samples,
+    so that a port mixing them shows), the same in the single-device run it is compared with.
     """
 
     def __init__(self, config: str, step: int, sample: int, training: bool, mesh, domain_size: int,
@@ -83,14 +87,23 @@ class SmokeContext:
         import torch
 
         if self.samples_per_domain > 1 and batch_dim is not None:
-            # the configuration hands a domain group several samples at once, stacked on the batch axis
-            tensor = torch.cat([tensor] * self.samples_per_domain, dim=batch_dim)
+            tensor = torch.cat(_batch_of(tensor, self.samples_per_domain, batch_dim), dim=batch_dim)
         if self.domain_size == 1:
             tensor = tensor.detach()
             return tensor.requires_grad_(True) if requires_grad else tensor
         from ._scatter import scatter
 
         return scatter(tensor, dim, batch_dim=batch_dim, replicate=replicate, requires_grad=requires_grad)
+
+
+def _batch_of(tensor, count: int, batch_dim: int) -> list:
+    """``count`` samples made from ``tensor``: itself, then copies rolled by 1, 2, ... along its last axis
+    (when that is not the batch axis). Identical copies would hide a port that swaps or mixes the samples;
+    rolled ones differ and stay a sample of the same kind (the same values, dtype and range)."""
+    last = tensor.dim() - 1
+    if last < 0 or last == batch_dim % tensor.dim():
+        return [tensor] * count
+    return [tensor if k == 0 else tensor.roll(k, dims=last) for k in range(count)]
 
 
 def run(setup, step, plan: dict, reference_grads: dict | None) -> dict:
