@@ -19,7 +19,7 @@ import math
 
 from typing import TYPE_CHECKING
 
-from .common import StaticView, empty_figure, render
+from .common import FIGURE_LINE, StaticView, empty_figure, figure_template, render
 
 if TYPE_CHECKING:
     from ..analysis.check import CheckResult
@@ -158,7 +158,7 @@ def plot_row_errors(result: CheckResult, tensor: str | None = None, group: int =
 
     def layout_for(t: str) -> dict:
         shapes = [{"type": "line", "x0": b - 0.5, "x1": b - 0.5, "yref": "paper", "y0": 0, "y1": 1,
-                   "line": {"dash": "dash", "color": "#555", "width": 1}} for b in boundaries.get(t, [])]
+                   "line": {"dash": "dash", "color": FIGURE_LINE, "width": 1}} for b in boundaries.get(t, [])]
         atol = tolerances.get(t)
         if atol and atol > 0:
             shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": atol, "y1": atol,
@@ -175,7 +175,7 @@ def plot_row_errors(result: CheckResult, tensor: str | None = None, group: int =
         buttons.append({"label": html.escape(t) + (" ✖" if t in failing else ""), "method": "update",
                         "args": [{"visible": visible}, layout_for(t)]})
     first = layout_for(shown)
-    fig.update_layout(template="plotly_white", height=360, shapes=first["shapes"],
+    fig.update_layout(template=figure_template(), height=360, shapes=first["shapes"],
                       title={"text": first["title.text"], "x": 0.01, "font": {"size": 13}},
                       xaxis={"title": {"text": "row along the sharded dim"}},
                       yaxis={"title": {"text": "max |sharded - reference|"}, "type": "log"},

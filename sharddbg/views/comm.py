@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..analysis.comm import comm_by_op_kind
-from .common import collective_colors, empty_figure, esc
+from .common import collective_colors, empty_figure, esc, figure_template
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -36,7 +36,7 @@ def plot_comm_by_op(trace: Trace):
         fig.add_trace(go.Bar(y=names, x=part["comm_ms"].fillna(0), orientation="h", name=esc(kind), marker_color=color,
                              legendgroup=kind, showlegend=False,
                              hovertemplate="%{y}<br>" + esc(kind) + ": %{x:.3f} ms<extra></extra>"), 1, 2)
-    fig.update_layout(barmode="stack", template="plotly_white", height=max(260, 120 + 28 * len(ops)),
+    fig.update_layout(barmode="stack", template=figure_template(), height=max(260, 120 + 28 * len(ops)),
                       title={"text": "Communication per op (all ranks)", "x": 0.01, "font": {"size": 14}},
                       yaxis={"autorange": "reversed"}, legend={"title": {"text": "collective"}},
                       margin={"l": 10, "r": 20, "t": 70, "b": 40})

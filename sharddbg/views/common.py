@@ -45,6 +45,52 @@ COLLECTIVE_KIND_COLORS = {
 OTHER_COLLECTIVE_COLORS = ["#46628a", "#5a4e9c", "#3f7f5f", "#2f7f9f"]
 
 
+# Plotly figures on any background. A figure reaches JupyterLab through plotly's own renderer (no script of
+# ours runs there to read the theme), the standalone report, nbconvert and GitHub: so one look for light and
+# dark pages alike. Backgrounds are transparent (the page's own shows through); text, axes and grid are mid
+# greys (#777 reads at about 4.5:1 on white and 4:1 on JupyterLab Dark's #111); lines drawn over the plot
+# (rank separators, links) are translucent greys; menus are light buttons with dark text, readable on both.
+FIGURE_BACKGROUND = "rgba(0,0,0,0)"
+FIGURE_TEXT = "#777777"
+FIGURE_GRID = "rgba(128,128,128,0.25)"
+FIGURE_LINE = "rgba(128,128,128,0.7)"
+FIGURE_ALERT = "#d62728"  # a red that reads on white (5:1) and on #111 (4:1)
+FIGURE_TEMPLATE_NAME = "sharddbg"
+
+
+@lru_cache(maxsize=1)
+def figure_template():
+    """The plotly template of every sharddbg figure, readable on light and dark pages alike: plotly's
+    ``plotly_white`` with transparent paper and plot backgrounds, mid-grey text, axes and grid.
+
+    Returns
+    -------
+    plotly.graph_objects.layout.Template
+        Pass it as ``template=`` to ``Figure.update_layout``.
+
+    Examples
+    --------
+    >>> import plotly.graph_objects as go
+    >>> fig = go.Figure(layout={"template": figure_template()})
+    >>> fig.layout.template.layout.paper_bgcolor
+    'rgba(0,0,0,0)'
+    """
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    template = go.layout.Template(pio.templates["plotly_white"])
+    axis = {"gridcolor": FIGURE_GRID, "linecolor": FIGURE_LINE, "zerolinecolor": FIGURE_LINE, "tickcolor": FIGURE_LINE,
+            "title": {"font": {"color": FIGURE_TEXT}}, "tickfont": {"color": FIGURE_TEXT}}
+    template.layout.update(
+        paper_bgcolor=FIGURE_BACKGROUND, plot_bgcolor=FIGURE_BACKGROUND, font={"color": FIGURE_TEXT},
+        title={"font": {"color": FIGURE_TEXT}}, xaxis=axis, yaxis=axis,
+        legend={"bgcolor": FIGURE_BACKGROUND, "font": {"color": FIGURE_TEXT}},
+        modebar={"bgcolor": FIGURE_BACKGROUND, "color": FIGURE_TEXT, "activecolor": "#4e79a7"},
+        updatemenudefaults={"bgcolor": "#ececec", "bordercolor": "#999999", "font": {"color": "#222222"}},
+        annotationdefaults={"font": {"color": FIGURE_TEXT}})
+    return template
+
+
 def path_color(path: str) -> str:
     return PATH_COLORS.get(path, "#7f7f7f")
 
@@ -89,10 +135,10 @@ def empty_figure(title: str, message: str):
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 14}}, template="plotly_white", height=260,
+    fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 14}}, template=figure_template(), height=260,
                       xaxis={"visible": False}, yaxis={"visible": False})
     fig.add_annotation(text=message, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
-                       font={"size": 13, "color": "#555"})
+                       font={"size": 13, "color": FIGURE_TEXT})
     return fig
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .common import empty_figure, esc
+from .common import empty_figure, esc, figure_template
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -52,7 +52,7 @@ def plot_imbalance(trace: Trace, op: str | None = None):
         visible[k * n_per:(k + 1) * n_per] = [True] * n_per
         buttons.append({"label": esc(choice), "method": "update", "args": [{"visible": visible},
                         {"title.text": f"Imbalance per rank · {esc(choice)}"}]})
-    fig.update_layout(barmode="group", template="plotly_white", height=340,
+    fig.update_layout(barmode="group", template=figure_template(), height=340,
                       title={"text": f"Imbalance per rank · {esc(choices[active])}", "x": 0.01, "font": {"size": 14}},
                       updatemenus=[{"buttons": buttons, "active": active,
                                     "x": 1.0, "xanchor": "right", "y": 1.22, "yanchor": "top"}],

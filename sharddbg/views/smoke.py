@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import html
 import math
+from dataclasses import dataclass
 
 import pandas as pd
 
 from typing import TYPE_CHECKING
 
-from .common import StaticView, render
+from .common import FIGURE_ALERT, FIGURE_LINE, StaticView, figure_template, render
 
 if TYPE_CHECKING:
     from ..analysis.smoke import SmokeResult
@@ -110,29 +111,68 @@ class SmokeView(StaticView):
         return plot_smoke_losses(self.result)
 
 
+# Each configuration's line in its own dash and marker, the first drawn widest and the later ones narrower on
+# top: two identical lines (DDP and FSDP2 often match the single device exactly) both stay visible.
+DASHES = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"]
+SYMBOLS = ["circle", "square", "diamond", "triangle-up", "x", "cross", "star", "hexagon"]
+
+
+@dataclass(frozen=True)
+class LossErrorFloor:
+    """Where a log axis draws an error of 0 (an exact match): ``value``, a decade below the smallest error
+    that is not 0 and below the tolerance."""
+
+    value: float
+
+    @classmethod
+    def of(cls, errors: list[float], rtol: float) -> LossErrorFloor:
+        """The floor for these errors (all configurations' together) and this tolerance."""
+        positive = [e for e in errors if e > 0]
+        low = min(positive + [rtol]) if positive else rtol
+        return cls(10.0 ** (math.floor(math.log10(low)) - 1))
+
+
+def _relative_error(loss: float, reference: float) -> float:
+    return abs(loss - reference) / max(abs(reference), 1e-30)
+
+
 def plot_smoke_losses(result: SmokeResult):
-    """Each configuration's loss error against the single-device run, per step, on a log scale, with the
-    tolerance as a dashed line: a configuration that is right stays far below it."""
+    """Each configuration's loss error against the single-device run, per step, on a log axis whose floor
+    (a dotted line) draws the errors of 0, with the tolerance as a dashed line labelled on it: a
+    configuration that is right stays far below it. Each line has its own dash and marker."""
     import plotly.graph_objects as go
 
     table, rtol = result.table, result.rtol
     fig = go.Figure()
-    floor = 1e-12  # an exact match (error 0) is drawn here: a log axis has no 0
-    shown = 0
-    for name, row in table.iterrows():
-        losses, reference = row["losses"], row["reference_losses"]
-        if not losses or not reference:
-            continue
-        errors = [max(abs(a - b) / max(abs(b), 1e-30), floor) for a, b in zip(losses, reference)]
-        fig.add_trace(go.Scatter(x=list(range(len(errors))), y=errors, mode="lines+markers", name=str(name),
-                                 hovertemplate=f"{html.escape(str(name))}<br>step %{{x}}: %{{y:.2e}}<extra></extra>"))
-        shown += 1
-    fig.add_hline(y=rtol, line_dash="dash", line_color="#b00020", annotation_text=f"rtol {rtol:g}",
-                  annotation_position="top left")
+    runs = [(str(name), [_relative_error(a, b) for a, b in zip(row["losses"], row["reference_losses"])])
+            for name, row in table.iterrows() if row["losses"] and row["reference_losses"]]
+    floor = LossErrorFloor.of([e for _, errors in runs for e in errors], rtol).value
+    for k, (name, errors) in enumerate(runs):
+        label = html.escape(name)
+        hover = [f"{label}<br>step {s}: " + (f"{e:.2e}" if e > 0 else f"0 (exact, drawn at the floor {floor:.0e})")
+                 for s, e in enumerate(errors)]
+        fig.add_trace(go.Scatter(
+            x=list(range(len(errors))), y=[max(e, floor) for e in errors], mode="lines+markers", name=name,
+            line={"dash": DASHES[k % len(DASHES)], "width": max(5.0 - 0.9 * k, 1.2)},
+            marker={"symbol": SYMBOLS[k % len(SYMBOLS)], "size": max(14 - 2 * k, 5)},
+            hovertext=hover, hoverinfo="text"))
+    top = max([e for _, errors in runs for e in errors] + [rtol])
+    # Shapes take data values on a log axis, annotations its log10: the label sits on its line.
+    fig.add_shape(type="line", xref="paper", x0=0, x1=1, y0=rtol, y1=rtol,
+                  line={"dash": "dash", "color": FIGURE_ALERT, "width": 1.5})
+    fig.add_annotation(text=f"rtol {rtol:g}", xref="paper", x=0, xanchor="left", y=math.log10(rtol), yanchor="bottom",
+                       showarrow=False, font={"color": FIGURE_ALERT})
+    fig.add_shape(type="line", xref="paper", x0=0, x1=1, y0=floor, y1=floor,
+                  line={"dash": "dot", "color": FIGURE_LINE, "width": 1})
+    fig.add_annotation(text=f"0 (exact) drawn at {floor:.0e}", xref="paper", x=1, xanchor="right",
+                       y=math.log10(floor), yanchor="bottom", showarrow=False)
     fig.update_layout(title="loss error against the single-device run, per step", xaxis_title="step",
-                      yaxis_title="relative error", yaxis_type="log", height=360, margin={"l": 60, "r": 20, "t": 50, "b": 40},
-                      xaxis={"dtick": 1}, template="plotly_white")
-    if not shown:
+                      yaxis_title="relative error", height=360, margin={"l": 60, "r": 20, "t": 50, "b": 40},
+                      xaxis={"dtick": 1, "zeroline": False},
+                      yaxis={"type": "log", "range": [math.log10(floor) - 0.3, math.log10(top) + 0.5],
+                             "exponentformat": "e"},
+                      template=figure_template())
+    if not runs:
         fig.add_annotation(text="no configuration ran to compare", showarrow=False, xref="paper", yref="paper",
                            x=0.5, y=0.5)
     return fig

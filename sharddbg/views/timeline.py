@@ -23,7 +23,8 @@ from ..analysis.ops import AUTOGRAD_ENTRY_OPS
 from ..analysis.formatting import format_bytes, format_shape
 from ..analysis.timeline import (ERROR_CATEGORY, collective_span_frame, in_window, op_span_frame,
                                  time_origin_ns, timeline_overview)
-from .common import ERROR_COLOR, PATH_COLORS, collective_colors, esc, path_color
+from .common import (ERROR_COLOR, FIGURE_ALERT, FIGURE_GRID, FIGURE_LINE, PATH_COLORS, collective_colors, esc,
+                     figure_template, path_color)
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -320,7 +321,7 @@ def _link_trace(links: pd.DataFrame, coll: pd.DataFrame, gl: bool):
         xs += list(link.start_ms) + [None]
         ys += [r + COLL_LANE for r in link.ranks] + [None]
     cls = go.Scattergl if gl else go.Scatter
-    return cls(x=xs, y=ys, mode="lines", line={"color": "rgba(110, 110, 110, 0.75)", "width": 1, "dash": "dot"},
+    return cls(x=xs, y=ys, mode="lines", line={"color": FIGURE_LINE, "width": 1, "dash": "dot"},
                name="same collective on every rank", legendgroup="links", hoverinfo="skip", connectgaps=False)
 
 
@@ -402,7 +403,7 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
     lanes = _lanes(ranks, ops, coll)
     fig.update_layout(
         title={"text": title, "x": 0.01, "font": {"size": 14}},
-        height=height or max(300, 110 + BAND_PX * len(ranks)), template="plotly_white", hovermode="closest",
+        height=height or max(300, 110 + BAND_PX * len(ranks)), template=figure_template(), hovermode="closest",
         barmode="overlay", bargap=0, uniformtext={"minsize": 8, "mode": "hide"},
         margin={"l": 90, "r": 20, "t": 60, "b": 45}, legend={"orientation": "v", "groupclick": "toggleitem"},
         modebar={"remove": CLOUD_BUTTONS},
@@ -414,8 +415,8 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
                "showgrid": False, "zeroline": False},
     )
     for r in ranks[1:]:
-        fig.add_hline(y=r - 0.5, line={"color": "#d5d5d5", "width": 1})
+        fig.add_hline(y=r - 0.5, line={"color": FIGURE_GRID, "width": 1})
     if r_inc := [r for r in ranks if r in trace.incomplete_ranks]:
         fig.add_annotation(text=f"incomplete ranks (timed out or sent nothing): {r_inc}", xref="paper", yref="paper",
-                           x=1, y=1.08, showarrow=False, font={"color": "#b00020"})
+                           x=1, y=1.08, showarrow=False, font={"color": FIGURE_ALERT})
     return fig
