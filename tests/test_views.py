@@ -1052,3 +1052,93 @@ def test_the_explorer_builds_its_tables_once_per_trace(trace, monkeypatch):
     mine = ex.summary_frame(fresh)
     mine.loc[0, "op"] = "changed"
     assert ex.summary_frame(fresh).loc[0, "op"] != "changed"
+
+
+# ---- light and dark pages -------------------------------------------------------------------------------
+def _rgba(color: str) -> tuple[float, float, float, float]:
+    """A CSS colour (#rrggbb, rgb(...) or rgba(...)) as (r, g, b, alpha), channels 0-255."""
+    color = {"white": "#ffffff", "black": "#000000"}.get(color, color)
+    if color.startswith("#"):
+        return (*(int(color[i:i + 2], 16) for i in (1, 3, 5)), 1.0)
+    parts = [float(v) for v in re.findall(r"[\d.]+", color)]
+    return (*parts[:3], parts[3] if len(parts) > 3 else 1.0)
+
+
+def _contrast(color: str, background: tuple[int, int, int]) -> float:
+    """WCAG contrast ratio of an opaque colour on a background."""
+    def lum(rgb):
+        c = [v / 255 for v in rgb]
+        c = [v / 12.92 if v <= 0.03928 else ((v + 0.055) / 1.055) ** 2.4 for v in c]
+        return 0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2]
+    a, b = lum(_rgba(color)[:3]), lum(background)
+    return (max(a, b) + 0.05) / (min(a, b) + 0.05)
+
+
+def _smoke_result(rows: dict[str, list[float]], reference: list[float], rtol: float = 1e-3):
+    from sharddbg.analysis.smoke import SmokeResult
+
+    table = pd.DataFrame({"losses": list(rows.values()), "reference_losses": [reference] * len(rows), "ok": True},
+                         index=pd.Index(list(rows), name="config"))
+    return SmokeResult(table, [], {}, rtol, len(reference), N)
+
+
+def test_figures_read_on_light_and_dark_pages(trace):
+    from sharddbg.views.common import empty_figure
+
+    reference = [2.0, 1.5, 1.2]
+    figures = {"timeline": tl.plot_timeline(trace), "comm": plot_comm_by_op(trace), "imbalance": plot_imbalance(trace),
+               "empty": empty_figure("nothing", "nothing to draw"),
+               "losses": _smoke_result({"single-device": reference}, reference).plot_losses()}
+    for name, fig in figures.items():
+        layout = fig.to_dict()["layout"]["template"]["layout"]
+        # the page's own background shows through: white in a light theme, #111 in JupyterLab Dark
+        assert _rgba(layout["paper_bgcolor"])[3] == 0 and _rgba(layout["plot_bgcolor"])[3] == 0, name
+        for color in (layout["font"]["color"], layout["xaxis"]["tickfont"]["color"], layout["title"]["font"]["color"]):
+            assert _contrast(color, (255, 255, 255)) >= 4 and _contrast(color, (17, 17, 17)) >= 4, (name, color)
+        grid = _rgba(layout["xaxis"]["gridcolor"])
+        assert grid[:3] == (128, 128, 128) and 0 < grid[3] < 0.5, (name, grid)  # mid grey, faint on both
+        for ann in fig.layout.annotations:  # no annotation in a colour that disappears on one of them
+            if ann.font.color:
+                assert _contrast(ann.font.color, (255, 255, 255)) >= 3 and _contrast(ann.font.color, (17, 17, 17)) >= 3
+
+
+def test_loss_plot_has_a_floor_a_labelled_tolerance_and_lines_apart():
+    reference = [2.0, 1.5, 1.2]
+    same = [2.0, 1.5 * (1 + 3e-7), 1.2 * (1 + 1e-7)]
+    result = _smoke_result({"single-device": reference, "domain=4": [2.0, 1.5 * (1 + 2e-6), 1.2],
+                            "ddp=2 x domain=2, DDP": same, "ddp=2 x domain=2, FSDP2": list(same)}, reference)
+    fig = result.plot_losses()
+    assert [t.name for t in fig.data] == ["single-device", "domain=4", "ddp=2 x domain=2, DDP", "ddp=2 x domain=2, FSDP2"]
+    # a log axis with a floor: the errors of 0 drawn on it (a decade below the smallest error that is not 0),
+    # the axis starting below it, and the hover saying they are exact
+    floor = 1e-8
+    assert fig.layout.yaxis.type == "log"
+    assert list(fig.data[0].y) == [floor] * 3 and fig.data[2].y[0] == floor
+    assert fig.layout.yaxis.range[0] < math.log10(floor) < math.log10(1e-7) < fig.layout.yaxis.range[1]
+    assert all("0 (exact, drawn at the floor 1e-08)" in h for h in fig.data[0].hovertext)
+    assert "3.00e-07" in fig.data[2].hovertext[1]
+    floor_line = [s for s in fig.layout.shapes if s.y0 == floor]
+    assert floor_line and any("0 (exact) drawn at 1e-08" in a.text and a.y == pytest.approx(-8) for a in fig.layout.annotations)
+    # the tolerance's label on its line: annotations on a log axis take log10 of the value (y=rtol put it at 1)
+    (rtol_line,) = [s for s in fig.layout.shapes if s.y0 == 1e-3]
+    (label,) = [a for a in fig.layout.annotations if a.text == "rtol 0.001"]
+    assert rtol_line.y1 == 1e-3 and label.y == pytest.approx(-3) and label.yref in (None, "y")
+    # identical lines both visible: each its own dash and marker, the later ones narrower, drawn on top
+    assert len({t.line.dash for t in fig.data}) == len({t.marker.symbol for t in fig.data}) == len(fig.data)
+    widths, sizes = [t.line.width for t in fig.data], [t.marker.size for t in fig.data]
+    assert widths == sorted(widths, reverse=True) and len(set(widths)) == len(widths)
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+
+
+def test_report_light_and_dark_by_the_readers_preference(trace, tmp_path):
+    html = Path(trace.to_html(tmp_path / "report.html")).read_text()
+    head = html[:html.index("</style>")]
+    dark = re.search(r"@media \(prefers-color-scheme: dark\) \{(.*?)\n\}", head, re.S)
+    assert dark, "no dark block"
+    for var in ("--jp-layout-color0", "--jp-ui-font-color1", "--jp-border-color2"):
+        value = re.search(var + r": (#[0-9a-f]{6})", dark.group(1)).group(1)
+        light = re.search(r":root \{.*?" + var + r": (#[0-9a-f]{6})", head, re.S).group(1)
+        assert value != light, var
+    assert _contrast(re.search(r"--jp-layout-color0: (#[0-9a-f]{6})", dark.group(1)).group(1), (0, 0, 0)) < 1.5
+    assert "color-scheme: light dark" in head
+    assert re.search(r"body \{[^}]*background: var\(--jp-layout-color0\)", head)
