@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
@@ -541,6 +542,65 @@ def test_dark_theme(session):
         assert sum(int(v) for v in re.findall(r"\d+", head)[:3]) < 300, head  # table headers dark too
     page.locator(".sd-explorer").first.screenshot(path=str(ARTIFACTS / "browser_explorer_dark.png"))
     _inspector(page, "x").screenshot(path=str(ARTIFACTS / "browser_inspector_dark.png"))
+    # native dropdowns follow the theme: their open list drawn dark, the closed one on the view's background
+    select = page.locator(".sd-explorer select").first
+    assert select.evaluate("e => getComputedStyle(e).colorScheme") == "dark"
+    assert select.evaluate("e => getComputedStyle(e).backgroundColor") == background
+    # the plotly figure (plotly's own renderer) on the page's dark background, its text readable there
+    plot = page.locator(".js-plotly-plot")
+    plot.scroll_into_view_if_needed()
+    png = ARTIFACTS / "browser_timeline_dark.png"
+    plot.screenshot(path=str(png))
+    shares = _pixel_shares(png)
+    assert shares.bright < 0.05 and shares.dark > 0.6, shares  # not a white slab: mostly the page's dark background
+    tick = plot.locator(".ytick text").first.evaluate("e => getComputedStyle(e).fill")
+    assert sum(int(v) for v in re.findall(r"\d+", tick)[:3]) > 3 * 90, tick  # light enough to read on #111
+
+
+@dataclass(frozen=True)
+class PixelShares:
+    """How much of a screenshot is near white (every channel above 230) and how much near black (below 50)."""
+
+    bright: float
+    dark: float
+
+
+def _pixel_shares(png: Path) -> PixelShares:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(png).convert("RGB"))
+    return PixelShares(bright=float((pixels.min(axis=2) > 230).mean()), dark=float((pixels.max(axis=2) < 50).mean()))
+
+
+def test_report_light_and_dark(tmp_path):
+    """The standalone report by the reader's preference (no cluster: the golden trace): light on a light
+    page, dark on a dark one, its figures on the page's background either way."""
+    import sharddbg
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    report = sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json").to_html(tmp_path / "report.html")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for scheme in ("light", "dark"):
+                page = browser.new_page(viewport={"width": 1200, "height": 900}, color_scheme=scheme)
+                page.goto(Path(report).as_uri())
+                page.wait_for_selector("#sd-fig-timeline .main-svg")
+                page.screenshot(path=str(ARTIFACTS / f"report_{scheme}.png"), full_page=True)
+                body = page.evaluate("getComputedStyle(document.body).backgroundColor")
+                for name in ("timeline", "comm", "imbalance"):
+                    png = ARTIFACTS / f"report_{name}_{scheme}.png"
+                    page.locator(f"#sd-fig-{name}").screenshot(path=str(png))
+                    shares = _pixel_shares(png)
+                    if scheme == "light":
+                        assert body == "rgb(255, 255, 255)" and shares.bright > 0.5, (name, shares)
+                    else:
+                        assert body == "rgb(17, 17, 17)" and shares.bright < 0.05 and shares.dark > 0.6, (name, shares)
+                page.close()
+        finally:
+            browser.close()
 
 
 def test_saved_notebook(session):
