@@ -573,36 +573,6 @@ def _pixel_shares(png: Path) -> PixelShares:
     return PixelShares(bright=float((pixels.min(axis=2) > 230).mean()), dark=float((pixels.max(axis=2) < 50).mean()))
 
 
-def test_report_light_and_dark(tmp_path):
-    """The standalone report by the reader's preference (no cluster: the golden trace): light on a light
-    page, dark on a dark one, its figures on the page's background either way."""
-    import sharddbg
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    report = sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json").to_html(tmp_path / "report.html")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            for scheme in ("light", "dark"):
-                page = browser.new_page(viewport={"width": 1200, "height": 900}, color_scheme=scheme)
-                page.goto(Path(report).as_uri())
-                page.wait_for_selector("#sd-fig-timeline .main-svg")
-                page.screenshot(path=str(ARTIFACTS / f"report_{scheme}.png"), full_page=True)
-                body = page.evaluate("getComputedStyle(document.body).backgroundColor")
-                for name in ("timeline", "comm", "imbalance"):
-                    png = ARTIFACTS / f"report_{name}_{scheme}.png"
-                    page.locator(f"#sd-fig-{name}").screenshot(path=str(png))
-                    shares = _pixel_shares(png)
-                    if scheme == "light":
-                        assert body == "rgb(255, 255, 255)" and shares.bright > 0.5, (name, shares)
-                    else:
-                        assert body == "rgb(17, 17, 17)" and shares.bright < 0.05 and shares.dark > 0.6, (name, shares)
-                page.close()
-        finally:
-            browser.close()
-
-
 def test_saved_notebook(session):
     """Save, shut the kernel down, reopen: the owner's JupyterLab draws the widgets from the state saved with
     the notebook (no kernel); another JupyterLab (another signing key: the notebook is not trusted there)
@@ -667,3 +637,29 @@ def test_saved_notebook(session):
         for name, view in (("inspector", page.locator(".sd-static.sd-inspector").first), ("explorer", static_exp)):
             view.scroll_into_view_if_needed()
             page.screenshot(path=str(ARTIFACTS / f"browser_saved_static_{name}.png"))
+
+
+def test_report_light_and_dark(session, tmp_path):
+    """The standalone report (of the golden trace) by the reader's preference: light for a light one, dark for
+    a dark one, its figures on the page's background either way. Last: it opens pages of its own."""
+    import sharddbg
+
+    report = sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json").to_html(tmp_path / "report.html")
+    browser = session[0].context.browser  # the session's chromium (one Playwright per process)
+    for scheme in ("light", "dark"):
+        page = browser.new_page(viewport={"width": 1200, "height": 900}, color_scheme=scheme)
+        try:
+            page.goto(Path(report).as_uri())
+            page.wait_for_selector("#sd-fig-timeline .main-svg")
+            page.screenshot(path=str(ARTIFACTS / f"report_{scheme}.png"), full_page=True)
+            body = page.evaluate("getComputedStyle(document.body).backgroundColor")
+            for name in ("timeline", "comm", "imbalance"):
+                png = ARTIFACTS / f"report_{name}_{scheme}.png"
+                page.locator(f"#sd-fig-{name}").screenshot(path=str(png))
+                shares = _pixel_shares(png)
+                if scheme == "light":
+                    assert body == "rgb(255, 255, 255)" and shares.bright > 0.5, (name, shares)
+                else:
+                    assert body == "rgb(17, 17, 17)" and shares.bright < 0.05 and shares.dark > 0.6, (name, shares)
+        finally:
+            page.close()
