@@ -646,13 +646,18 @@ def test_report_light_and_dark(session, tmp_path):
 
     report = sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json").to_html(tmp_path / "report.html")
     browser = session[0].context.browser  # the session's chromium (one Playwright per process)
-    for scheme in ("light", "dark"):
-        page = browser.new_page(viewport={"width": 1200, "height": 900}, color_scheme=scheme)
-        try:
-            page.goto(Path(report).as_uri())
-            page.wait_for_selector("#sd-fig-timeline .main-svg")
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    try:
+        page.goto(Path(report).as_uri())
+        page.wait_for_selector("#sd-fig-imbalance .main-svg")
+        for scheme in ("light", "dark"):
+            page.emulate_media(color_scheme=scheme)
             page.screenshot(path=str(ARTIFACTS / f"report_{scheme}.png"), full_page=True)
             body = page.evaluate("getComputedStyle(document.body).backgroundColor")
+            # the explorer's dropdowns on the page's background, their open list in the same scheme
+            select = page.locator("#sd-explorer select").first
+            assert select.evaluate("e => getComputedStyle(e).backgroundColor") == body
+            assert "dark" in select.evaluate("e => getComputedStyle(e).colorScheme")
             for name in ("timeline", "comm", "imbalance"):
                 png = ARTIFACTS / f"report_{name}_{scheme}.png"
                 page.locator(f"#sd-fig-{name}").screenshot(path=str(png))
@@ -661,5 +666,5 @@ def test_report_light_and_dark(session, tmp_path):
                     assert body == "rgb(255, 255, 255)" and shares.bright > 0.5, (name, shares)
                 else:
                     assert body == "rgb(17, 17, 17)" and shares.bright < 0.05 and shares.dark > 0.6, (name, shares)
-        finally:
-            page.close()
+    finally:
+        page.close()

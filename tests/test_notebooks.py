@@ -229,3 +229,8 @@ def test_05_verify():
     losses = cell_with(nb, "smoke.plot_losses()").outputs[0]["data"]["application/vnd.plotly.v1+json"]
     assert [d["name"] for d in losses["data"]] == ["single-device", "domain=4", "ddp=2 x domain=2, DDP",
                                                    "ddp=2 x domain=2, FSDP2", "domain=4, 2 samples per domain group"]
+    # a log axis with a floor for the exact matches, the tolerance labelled on its line (annotations on a log
+    # axis take log10), each line in its own dash (DDP's and FSDP2's identical lines both show)
+    assert losses["layout"]["yaxis"]["type"] == "log" and losses["layout"]["yaxis"]["range"][0] > -12
+    assert [a["y"] for a in losses["layout"]["annotations"] if a["text"] == "rtol 0.001"] == [-3]
+    assert len({d["line"]["dash"] for d in losses["data"]}) == 5

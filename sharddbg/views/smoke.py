@@ -127,7 +127,7 @@ class LossErrorFloor:
     @classmethod
     def of(cls, errors: list[float], rtol: float) -> LossErrorFloor:
         """The floor for these errors (all configurations' together) and this tolerance."""
-        positive = [e for e in errors if e > 0]
+        positive = [e for e in errors if e > 0 and math.isfinite(e)]
         low = min(positive + [rtol]) if positive else rtol
         return cls(10.0 ** (math.floor(math.log10(low)) - 1))
 
@@ -149,14 +149,16 @@ def plot_smoke_losses(result: SmokeResult):
     floor = LossErrorFloor.of([e for _, errors in runs for e in errors], rtol).value
     for k, (name, errors) in enumerate(runs):
         label = html.escape(name)
-        hover = [f"{label}<br>step {s}: " + (f"{e:.2e}" if e > 0 else f"0 (exact, drawn at the floor {floor:.0e})")
+        hover = [f"{label}<br>step {s}: " + (f"{e:.2e}" if e > 0 or not math.isfinite(e)
+                                             else f"0 (exact, drawn at the floor {floor:.0e})")
                  for s, e in enumerate(errors)]
         fig.add_trace(go.Scatter(
-            x=list(range(len(errors))), y=[max(e, floor) for e in errors], mode="lines+markers", name=name,
+            x=list(range(len(errors))), y=[max(e, floor) if math.isfinite(e) else None for e in errors],
+            mode="lines+markers", name=name,
             line={"dash": DASHES[k % len(DASHES)], "width": max(5.0 - 0.9 * k, 1.2)},
             marker={"symbol": SYMBOLS[k % len(SYMBOLS)], "size": max(14 - 2 * k, 5)},
             hovertext=hover, hoverinfo="text"))
-    top = max([e for _, errors in runs for e in errors] + [rtol])
+    top = max([e for _, errors in runs for e in errors if math.isfinite(e)] + [rtol])
     # Shapes take data values on a log axis, annotations its log10: the label sits on its line.
     fig.add_shape(type="line", xref="paper", x0=0, x1=1, y0=rtol, y1=rtol,
                   line={"dash": "dash", "color": FIGURE_ALERT, "width": 1.5})
