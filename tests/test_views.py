@@ -1128,6 +1128,10 @@ def test_loss_plot_has_a_floor_a_labelled_tolerance_and_lines_apart():
     widths, sizes = [t.line.width for t in fig.data], [t.marker.size for t in fig.data]
     assert widths == sorted(widths, reverse=True) and len(set(widths)) == len(widths)
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    # ... and moved a little apart along the steps (the hover still names the step)
+    firsts = [t.x[0] for t in fig.data]
+    assert len(set(firsts)) == len(firsts) and all(abs(x) < 0.1 for x in firsts)
+    assert fig.data[3].hovertext[1].startswith("ddp=2 x domain=2, FSDP2<br>step 1: ")
 
 
 def test_report_light_and_dark_by_the_readers_preference(trace, tmp_path):

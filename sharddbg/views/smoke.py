@@ -111,9 +111,11 @@ class SmokeView(StaticView):
         return plot_smoke_losses(self.result)
 
 
-# Each configuration's line in its own dash and marker, the first drawn widest and the later ones narrower on
-# top: two identical lines (DDP and FSDP2 often match the single device exactly) both stay visible.
-DASHES = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"]
+# Each configuration's line in its own dash and marker, the first drawn widest and densest, the later ones
+# narrower and sparser on top, each moved a little along the step axis (DODGE, in steps, like grouped bars):
+# two identical lines (DDP and FSDP2 often match the single device exactly) both stay visible.
+DASHES = ["solid", "longdash", "dash", "longdashdot", "dashdot", "dot"]
+DODGE = 0.03
 SYMBOLS = ["circle", "square", "diamond", "triangle-up", "x", "cross", "star", "hexagon"]
 
 
@@ -153,7 +155,7 @@ def plot_smoke_losses(result: SmokeResult):
                                              else f"0 (exact, drawn at the floor {floor:.0e})")
                  for s, e in enumerate(errors)]
         fig.add_trace(go.Scatter(
-            x=list(range(len(errors))), y=[max(e, floor) if math.isfinite(e) else None for e in errors],
+            x=[step + DODGE * (k - (len(runs) - 1) / 2) for step in range(len(errors))], y=[max(e, floor) if math.isfinite(e) else None for e in errors],
             mode="lines+markers", name=name,
             line={"dash": DASHES[k % len(DASHES)], "width": max(5.0 - 0.9 * k, 1.2)},
             marker={"symbol": SYMBOLS[k % len(SYMBOLS)], "size": max(14 - 2 * k, 5)},
