@@ -59,29 +59,53 @@ STATIC_ROWS = 200  # summary rows, and op calls, in the static rendering (errors
 STATIC_GROUPS = 8  # call groups under each summary row in the static renderings
 TEXT_SUMMARY_ROWS = 30  # summary rows in the text
 # The tables' columns: (field, title, width in px or None[, the header's tooltip]). Short columns have fixed widths,
-# the others share the rest of the box, so a table never grows wider than its box (a long cell ends in "…").
-LIST_COLUMNS = [("kind", "", 100), ("rank", "rank", 54), ("seq", "seq", 58), ("op", "op", None), ("path", "path", None),
-                ("phase", "phase", 82), ("module", "module", None), ("out_local_shape", "output (local)", None),
-                ("host_ms", "host ms", 78), ("user_frame", "source", None)]
+# the others share the rest of the box but never get less than FLEXIBLE_MIN_PX: in a narrow output the list
+# scrolls sideways rather than cutting op names short (the flag and the op come first, always in view).
+FLEXIBLE_MIN_PX = 120
+LIST_COLUMNS = [("kind", "", 84), ("rank", "rank", 48), ("seq", "seq", 52), ("op", "op", None), ("path", "path", None),
+                ("phase", "phase", 76), ("module", "module", None), ("out_local_shape", "output (local)", None),
+                ("host_ms", "host ms", 70), ("user_frame", "source", None)]
 # The op summary's columns, each with what its header's tooltip says. Communication is shown against what it is
 # part of: "comm ms in host" lies within "host ms" (compare them); a backward row's collectives of the op's other
 # autograd nodes lie outside that time, in a column of their own.
 SUMMARY_LIST_COLUMNS = [
-    ("kind", "", 100), ("op", "op", None), ("path", "path", None), ("phase", "phase", 82),
-    ("calls", "calls", 56, "your own calls (forward), or the backward events"), ("ranks", "ranks", 76),
-    ("first_ms_median", "first ms", 80, "median host time of the first call with given input shapes"),
-    ("steady_ms_median", "steady ms", 96, "median host time of every other call"),
-    ("host_ms_total", "host ms", 84, "host time of the row's calls, all ranks together (a backward event: the "
+    ("kind", "", 84), ("op", "op", None), ("path", "path", None), ("phase", "phase", 76),
+    ("calls", "calls", 52, "your own calls (forward), or the backward events"), ("ranks", "ranks", 64),
+    ("first_ms_median", "first ms", 70, "median host time of the first call with given input shapes"),
+    ("steady_ms_median", "steady ms", 76, "median host time of every other call"),
+    ("host_ms_total", "host ms", 72, "host time of the row's calls, all ranks together (a backward event: the "
                                      "node behind the op's output only)"),
-    ("comm_ms_within_host", "comm ms in host", 110, "collectives issued while the row's calls ran (those of the "
-                                                     "ops they called included): part of host ms"),
-    ("comm_ms_outside_host", "bwd comm ms, other nodes", 120,
+    ("comm_ms_within_host", "comm ms in host", 84, "collectives issued while the row's calls ran (those of the "
+                                                    "ops they called included): part of host ms"),
+    ("comm_ms_outside_host", "bwd comm ms, other nodes", 96,
      "backward: collectives of the op's other autograd nodes, outside host ms; they include waiting for the other "
      "ranks and run beside the rest of the backward pass: compare with the backward pass's time"),
-    ("dispatch_bound", "dispatch", 80), ("locations", "source", None)]
-GROUP_LIST_COLUMNS = [("kind", "", 100), ("ranks_text", "ranks", 110), ("calls", "calls", 56),
+    ("dispatch_bound", "dispatch", 70), ("locations", "source", None)]
+GROUP_LIST_COLUMNS = [("kind", "", 84), ("ranks_text", "ranks", 90), ("calls", "calls", 52),
                       ("in_local_shapes", "inputs (local)", None), ("out_local_shape", "output (local)", None),
-                      ("placements", "placements", None), ("host_ms", "host ms", 150), ("location", "source", None)]
+                      ("placements", "placements", None), ("host_ms", "host ms", 130), ("location", "source", None)]
+
+
+def table_min_width(columns: list) -> int:
+    """The least width in px a table of ``columns`` takes: its fixed widths plus ``FLEXIBLE_MIN_PX`` for each
+    flexible column.
+
+    Parameters
+    ----------
+    columns : list
+        Column entries (field, title, width in px or None[, tooltip]).
+
+    Returns
+    -------
+    int
+        The table's min-width in px.
+
+    Examples
+    --------
+    >>> table_min_width([("kind", "", 84), ("op", "op", None)])
+    204
+    """
+    return sum(c[2] or FLEXIBLE_MIN_PX for c in columns)
 
 
 @dataclass(frozen=True)
@@ -272,6 +296,7 @@ def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
         "list_columns": [list(c) for c in LIST_COLUMNS],
         "summary_columns": [list(c) for c in SUMMARY_LIST_COLUMNS],
         "group_columns": [list(c) for c in GROUP_LIST_COLUMNS],
+        "flexible_min_px": FLEXIBLE_MIN_PX,
     }
 
 
@@ -437,7 +462,8 @@ def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
                   summary_total=len(tables.summary), summary_rows=_summary_cells(tables, max_rows),
                   calls_total=len(tables.calls), calls=_call_cells(tables.calls, max_rows),
                   errors=error_entries(trace), fallback_columns=fallback_columns, fallback_rows=fallback_rows,
-                  summary_columns=SUMMARY_LIST_COLUMNS, group_columns=GROUP_LIST_COLUMNS, list_columns=LIST_COLUMNS)
+                  summary_columns=SUMMARY_LIST_COLUMNS, group_columns=GROUP_LIST_COLUMNS, list_columns=LIST_COLUMNS,
+                  summary_min_px=table_min_width(SUMMARY_LIST_COLUMNS), list_min_px=table_min_width(LIST_COLUMNS))
 
 
 def decode_rows(data: dict) -> list[dict]:
