@@ -495,6 +495,91 @@ def test_explorer(session):
     expect(listing.locator("tr.sd-call-group.sd-selected")).to_have_attribute("data-op", "Tensor.add")
 
 
+NARROW = {"width": 900, "height": 1100}  # a JupyterLab window with its file browser open leaves outputs as narrow
+WIDE = {"width": 1500, "height": 1100}
+# elements whose text is cut: wider than their box (an ellipsis, or clipped)
+CUT = """(els) => els.filter((e) => e.scrollWidth > e.clientWidth + 1).map((e) => e.textContent)"""
+
+
+def _show_html(page, html: str, cls: str):
+    """``html`` shown in a notebook output (under the x22 inspector), as a static view is: its box is the output area's."""
+    out = _cell(page, 'sharddbg.inspect("x22")').locator(".jp-OutputArea-output").first
+    out.evaluate("(o, [html, cls]) => { o.querySelectorAll('.' + cls).forEach((e) => e.remove());"
+                 " const d = document.createElement('div'); d.className = cls; d.innerHTML = html; o.append(d); }", [html, cls])
+    return out, out.locator("." + cls)
+
+
+def _inside(inner: dict, outer: dict) -> bool:
+    return inner["x"] >= outer["x"] - 1 and inner["x"] + inner["width"] <= outer["x"] + outer["width"] + 1
+
+
+def test_narrow_output(session):
+    """In a narrow output (900 px window): explorer op names whole (wrapped, never cut), backward rows marked
+    "bwd", path chips never narrower than their text; the smoke and check tables' verdict column inside the
+    output; the inspector's verdict (its warnings) above its drawing."""
+    from playwright.sync_api import expect
+    from test_views import long_smoke_and_check
+
+    from sharddbg.views.check import check_html
+    from sharddbg.views.smoke import smoke_html
+
+    page = session[0]
+    page.set_viewport_size(NARROW)
+    try:
+        page.wait_for_timeout(300)
+        exp = page.locator(".sd-explorer")
+        exp.locator("select.sd-f-view").select_option("summary")
+        listing = exp.locator(".sd-list")
+        ops = listing.locator("tr.sd-summary-row td.sd-col-op")
+        assert ops.count() > 0
+        assert not ops.evaluate_all(CUT), ops.evaluate_all(CUT)
+        # forward and backward rows of the same op read apart
+        bwd = listing.locator("tr.sd-summary-row[data-op='torch.conv2d'][data-phase='backward'] td.sd-col-op")
+        fwd = listing.locator("tr.sd-summary-row[data-op='torch.conv2d'][data-phase='forward'] td.sd-col-op")
+        expect(bwd.locator(".sd-chip-phase")).to_have_text("bwd")
+        expect(fwd.locator(".sd-chip-phase")).to_have_count(0)
+        # path chips whole, inside their cells
+        chips = listing.locator("tr.sd-summary-row .sd-path")
+        assert not chips.evaluate_all(CUT), chips.evaluate_all(CUT)
+        assert chips.evaluate_all("""cs => cs.filter((c) => { const a = c.getBoundingClientRect(),
+            b = c.closest('td').getBoundingClientRect(); return a.right > b.right + 1; }).map((c) => c.textContent)""") == []
+        exp.scroll_into_view_if_needed()
+        exp.screenshot(path=str(ARTIFACTS / "browser_narrow_explorer.png"))
+        # the list of every call: its op names whole too
+        exp.locator("select.sd-f-view").select_option("calls")
+        ops = listing.locator("tr.sd-op td.sd-col-op")
+        assert ops.count() > 0 and not ops.evaluate_all(CUT), ops.evaluate_all(CUT)[:5]
+        exp.locator("select.sd-f-view").select_option("summary")
+
+        # the smoke matrix and the numerical check: the column that says pass/fail within the output
+        smoke_result, check_result = long_smoke_and_check()
+        for cls, html, verdict_cells in (("sd-test-smoke", smoke_html(smoke_result), "td.sd-smoke-verdict"),
+                                         ("sd-test-check", check_html(check_result), "tbody tr td:first-child")):
+            out, shown = _show_html(page, html, cls)
+            box = out.bounding_box()
+            cells = shown.locator(verdict_cells)
+            assert cells.count() > 0
+            for k in range(cells.count()):
+                assert _inside(cells.nth(k).bounding_box(), box), (cls, cells.nth(k).bounding_box(), box)
+            assert _inside(shown.locator(".sd-scroll").bounding_box(), box), cls
+            shown.scroll_into_view_if_needed()
+            shown.screenshot(path=str(ARTIFACTS / f"browser_narrow_{cls.split('-')[-1]}.png"))
+
+        # the inspector: its verdict first (the warnings), then the drawing
+        fb = _inspector(page, "y_fb")
+        warning = fb.locator(".sd-warning").first
+        expect(warning).to_contain_text("tensor dim 2 is not sharded")
+        assert warning.bounding_box()["y"] + warning.bounding_box()["height"] <= fb.locator("svg.sd-diagram").first.bounding_box()["y"]
+        # beside that real problem, the uneven shards are no label on the blocks
+        assert not [t for t in fb.locator("svg.sd-diagram text").all_inner_texts() if "uneven" in t]
+        ok = _inspector(page, "x")
+        expect(ok.locator(".sd-verdict-ok")).to_have_text("✓ spec and data agree")
+        fb.scroll_into_view_if_needed()
+        fb.screenshot(path=str(ARTIFACTS / "browser_narrow_inspector.png"))
+    finally:
+        page.set_viewport_size(WIDE)
+
+
 def test_magics_output(session):
     page = session[0]
     # %shard_cluster status: at most 8 columns besides the rank, no cell wrapped over two lines
@@ -541,6 +626,16 @@ def test_dark_theme(session):
         assert sum(int(v) for v in re.findall(r"\d+", head)[:3]) < 300, head  # table headers dark too
     page.locator(".sd-explorer").first.screenshot(path=str(ARTIFACTS / "browser_explorer_dark.png"))
     _inspector(page, "x").screenshot(path=str(ARTIFACTS / "browser_inspector_dark.png"))
+    page.set_viewport_size(NARROW)  # narrow too: the explorer, the inspector with its warnings, smoke and check
+    try:
+        page.wait_for_timeout(300)
+        for name, view in (("explorer", page.locator(".sd-explorer").first), ("inspector", _inspector(page, "y_fb")),
+                           ("smoke", page.locator(".sd-test-smoke")), ("check", page.locator(".sd-test-check"))):
+            if view.count():
+                view.scroll_into_view_if_needed()
+                view.screenshot(path=str(ARTIFACTS / f"browser_narrow_{name}_dark.png"))
+    finally:
+        page.set_viewport_size(WIDE)
 
 
 def test_saved_notebook(session):

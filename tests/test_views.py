@@ -1090,33 +1090,27 @@ def _cells(html: str) -> _Cells:
     return parsed
 
 
-def test_smoke_and_check_tables_put_the_verdict_first_and_long_text_on_hover():
-    """In a narrow output the pass/fail column must stay in view: it comes first in the smoke matrix and in the
-    numerical check; long text wraps, its whole text in the cell's title; a wide table scrolls inside the output."""
+LONG_OUTCOME = "loss off from step 0 by 3.1e-02 (rtol 1e-04): the halo of conv2d is missing on ranks 1-2"
+LONG_NOTE = "compared with the reference's rows 16-33 of dim 2 (this rank's shard), after the halo was trimmed"
+
+
+def long_smoke_and_check():
+    """A smoke matrix and a numerical check with long names, outcomes and notes (what narrow outputs must
+    hold): (SmokeResult, CheckResult). The browser test shows them too."""
     from sharddbg.analysis.check import ROW_COLUMNS as CHECK_ROWS
     from sharddbg.analysis.check import TABLE_COLUMNS as CHECK_COLUMNS
     from sharddbg.analysis.check import CheckResult
     from sharddbg.analysis.smoke import TABLE_COLUMNS as SMOKE_COLUMNS
     from sharddbg.analysis.smoke import SmokeConfig, SmokeResult
-    from sharddbg.views.check import check_html
-    from sharddbg.views.smoke import smoke_html
 
-    outcome = "loss off from step 0 by 3.1e-02 (rtol 1e-04): the halo of conv2d is missing on ranks 1-2"
+    outcome, note = LONG_OUTCOME, LONG_NOTE
     smoke = pd.DataFrame([{"config": "domain=4 fsdp2 compiled", "ok": False, "outcome": outcome, "mesh": "domain=4",
                            "wrapper": "fsdp2", "compiled": True, "training": True, "expected_error": "",
                            "loss_off_step": 0, "loss_off_error": 0.03, "loss_error": 0.03, "loss_error_step": 0,
                            "grad_error": 0.1, "grad_error_param": "w", "step_ms": 1.0, "first_step_ms": 2.0,
                            "fallbacks": 0.0, "fallback_ops": "", "collectives_per_step": 1.0, "losses": [1.0],
                            "reference_losses": [0.5], "about": "four ranks on one domain mesh"}]).set_index("config")[SMOKE_COLUMNS]
-    page = smoke_html(SmokeResult(smoke, [SmokeConfig("domain=4 fsdp2 compiled")], {}, 1e-4, 3, N))
-    table = _cells(page)
-    assert table.heads[0][:2] == ["verdict", "configuration"]
-    verdict, name = table.cells[0][0], table.cells[0][1]
-    assert verdict == [f"✖ {outcome}", f"✖ {outcome}"]
-    assert name[1] == "domain=4 fsdp2 compiled: four ranks on one domain mesh"
-    assert 'class="sd-scroll" style="max-width: 100%; overflow-x: auto;"' in page
-
-    note = "compared with the reference's rows 16-33 of dim 2 (this rank's shard), after the halo was trimmed"
+    smoke_result = SmokeResult(smoke, [SmokeConfig("domain=4 fsdp2 compiled")], {}, 1e-4, 3, N)
     check = pd.DataFrame([{"tensor": "model.decoder.blocks.0.conv.weight.grad", "kind": "gradient", "rank": r,
                            "group": 0, "ok": r != 1, "max_abs": 0.5, "max_rel": 0.1, "ratio": 10.0, "rtol": 1e-4,
                            "atol": 1e-6, "bad": 3 * (r == 1), "numel": 12, "dtype": "torch.float32", "shape": (3, 4),
@@ -1125,6 +1119,25 @@ def test_smoke_and_check_tables_put_the_verdict_first_and_long_text_on_hover():
     rows = pd.DataFrame([], columns=CHECK_ROWS)
     result = CheckResult("1 of 4 rows differ", check, rows, inputs=[], outputs=[], models=[], backward="none",
                          backward_note="", loss=None, reference_loss=None, tf32={"applies": False}, groups=[0])
+    return smoke_result, result
+
+
+def test_smoke_and_check_tables_put_the_verdict_first_and_long_text_on_hover():
+    """In a narrow output the pass/fail column must stay in view: it comes first in the smoke matrix and in the
+    numerical check; long text wraps, its whole text in the cell's title; a wide table scrolls inside the output."""
+    from sharddbg.views.check import check_html
+    from sharddbg.views.smoke import smoke_html
+
+    outcome, note = LONG_OUTCOME, LONG_NOTE
+    smoke_result, result = long_smoke_and_check()
+    page = smoke_html(smoke_result)
+    table = _cells(page)
+    assert table.heads[0][:2] == ["verdict", "configuration"]
+    verdict, name = table.cells[0][0], table.cells[0][1]
+    assert verdict == [f"✖ {outcome}", f"✖ {outcome}"]
+    assert name[1] == "domain=4 fsdp2 compiled: four ranks on one domain mesh"
+    assert 'class="sd-scroll" style="max-width: 100%; overflow-x: auto;"' in page
+
     page = check_html(result)
     table = _cells(page)
     assert table.heads[0][0] == "ok" and table.heads[0][-1] == "note"
