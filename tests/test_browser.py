@@ -650,7 +650,11 @@ def test_saved_notebook(session):
     path = root / NOTEBOOK
     deadline = time.monotonic() + 30
     while True:
-        nb = nbformat.read(path, as_version=4)
+        try:
+            nb = nbformat.read(path, as_version=4)
+        except nbformat.reader.NotJSONError:  # read while JupyterLab writes it
+            time.sleep(0.5)
+            continue
         outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
         if any("application/vnd.sharddbg.trace+json" in o.get("data", {}) for o in outputs) and nb.metadata.get("widgets"):
             break

@@ -1155,7 +1155,10 @@ def test_explorer_op_names_wrap_and_backward_rows_are_marked(trace):
     assert '<td class="sd-col-op" title="torch.conv2d"><span class="sd-op-name">torch.<wbr>conv2d</span></td>' in page
     assert ('<td class="sd-col-op" title="torch.conv2d (backward)"><span class="sd-op-name">torch.<wbr>conv2d</span>'
             '<span class="sd-chip-phase"') in page
-    assert f'style="min-width: {ex.table_min_width(ex.SUMMARY_LIST_COLUMNS)}px"' in page
+    path_px = ex.path_column_px(set(trace.get_ops()["path"]))
+    assert path_px >= int(6.2 * len("dtensor_fallback_function")) + 21  # the widest chip fits its column
+    assert f'style="min-width: {ex.table_min_width(ex.SUMMARY_LIST_COLUMNS, path_px)}px"' in page
+    assert f'<col style="width:{path_px}px">' in page
     assert ex.explorer_data(trace)["flexible_min_px"] == ex.FLEXIBLE_MIN_PX
 
 

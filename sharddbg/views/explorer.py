@@ -61,39 +61,63 @@ TEXT_SUMMARY_ROWS = 30  # summary rows in the text
 # The tables' columns: (field, title, width in px or None[, the header's tooltip]). Short columns have fixed widths,
 # the others share the rest of the box but never get less than FLEXIBLE_MIN_PX: in a narrow output the list
 # scrolls sideways rather than cutting op names short (the flag and the op come first, always in view).
-FLEXIBLE_MIN_PX = 120
-LIST_COLUMNS = [("kind", "", 84), ("rank", "rank", 48), ("seq", "seq", 52), ("op", "op", None), ("path", "path", None),
-                ("phase", "phase", 76), ("module", "module", None), ("out_local_shape", "output (local)", None),
-                ("host_ms", "host ms", 70), ("user_frame", "source", None)]
+FLEXIBLE_MIN_PX = 100
+LIST_COLUMNS = [("kind", "", 84), ("rank", "rank", 44), ("seq", "seq", 50), ("op", "op", None), ("path", "path", None),
+                ("phase", "phase", 70), ("module", "module", None), ("out_local_shape", "output (local)", None),
+                ("host_ms", "host ms", 66), ("user_frame", "source", None)]
 # The op summary's columns, each with what its header's tooltip says. Communication is shown against what it is
 # part of: "comm ms in host" lies within "host ms" (compare them); a backward row's collectives of the op's other
 # autograd nodes lie outside that time, in a column of their own.
 SUMMARY_LIST_COLUMNS = [
-    ("kind", "", 84), ("op", "op", None), ("path", "path", None), ("phase", "phase", 76),
-    ("calls", "calls", 52, "your own calls (forward), or the backward events"), ("ranks", "ranks", 64),
-    ("first_ms_median", "first ms", 70, "median host time of the first call with given input shapes"),
-    ("steady_ms_median", "steady ms", 76, "median host time of every other call"),
-    ("host_ms_total", "host ms", 72, "host time of the row's calls, all ranks together (a backward event: the "
+    ("kind", "", 84), ("op", "op", None), ("path", "path", None), ("phase", "phase", 70),
+    ("calls", "calls", 44, "your own calls (forward), or the backward events"), ("ranks", "ranks", 56),
+    ("first_ms_median", "first ms", 62, "median host time of the first call with given input shapes"),
+    ("steady_ms_median", "steady ms", 66, "median host time of every other call"),
+    ("host_ms_total", "host ms", 66, "host time of the row's calls, all ranks together (a backward event: the "
                                      "node behind the op's output only)"),
-    ("comm_ms_within_host", "comm ms in host", 84, "collectives issued while the row's calls ran (those of the "
+    ("comm_ms_within_host", "comm ms in host", 70, "collectives issued while the row's calls ran (those of the "
                                                     "ops they called included): part of host ms"),
-    ("comm_ms_outside_host", "bwd comm ms, other nodes", 96,
+    ("comm_ms_outside_host", "bwd comm ms, other nodes", 76,
      "backward: collectives of the op's other autograd nodes, outside host ms; they include waiting for the other "
      "ranks and run beside the rest of the backward pass: compare with the backward pass's time"),
-    ("dispatch_bound", "dispatch", 70), ("locations", "source", None)]
-GROUP_LIST_COLUMNS = [("kind", "", 84), ("ranks_text", "ranks", 90), ("calls", "calls", 52),
+    ("dispatch_bound", "dispatch", 62), ("locations", "source", None)]
+GROUP_LIST_COLUMNS = [("kind", "", 84), ("ranks_text", "ranks", 84), ("calls", "calls", 44),
                       ("in_local_shapes", "inputs (local)", None), ("out_local_shape", "output (local)", None),
-                      ("placements", "placements", None), ("host_ms", "host ms", 130), ("location", "source", None)]
+                      ("placements", "placements", None), ("host_ms", "host ms", 120), ("location", "source", None)]
 
 
-def table_min_width(columns: list) -> int:
-    """The least width in px a table of ``columns`` takes: its fixed widths plus ``FLEXIBLE_MIN_PX`` for each
-    flexible column.
+def path_column_px(paths) -> int:
+    """A width in px that holds the widest of ``paths`` as a chip (11 px UI font, about 6.2 px a character, the
+    chip's and the cell's padding): the path column never cuts a chip.
+
+    Parameters
+    ----------
+    paths : iterable of str
+        The dispatch paths the table shows.
+
+    Returns
+    -------
+    int
+        The path column's width in px (at least ``FLEXIBLE_MIN_PX``).
+
+    Examples
+    --------
+    >>> path_column_px(["function_handler"])
+    120
+    """
+    return max([FLEXIBLE_MIN_PX] + [int(6.2 * len(p)) + 21 for p in paths])
+
+
+def table_min_width(columns: list, path_px: int = FLEXIBLE_MIN_PX) -> int:
+    """The least width in px a table of ``columns`` takes: its fixed widths, ``path_px`` for the path column
+    and ``FLEXIBLE_MIN_PX`` for each other flexible column.
 
     Parameters
     ----------
     columns : list
         Column entries (field, title, width in px or None[, tooltip]).
+    path_px : int
+        The path column's width (``path_column_px``).
 
     Returns
     -------
@@ -105,7 +129,7 @@ def table_min_width(columns: list) -> int:
     >>> table_min_width([("kind", "", 84), ("op", "op", None)])
     204
     """
-    return sum(c[2] or FLEXIBLE_MIN_PX for c in columns)
+    return sum(c[2] or (path_px if c[0] == "path" else FLEXIBLE_MIN_PX) for c in columns)
 
 
 @dataclass(frozen=True)
@@ -463,7 +487,9 @@ def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
                   calls_total=len(tables.calls), calls=_call_cells(tables.calls, max_rows),
                   errors=error_entries(trace), fallback_columns=fallback_columns, fallback_rows=fallback_rows,
                   summary_columns=SUMMARY_LIST_COLUMNS, group_columns=GROUP_LIST_COLUMNS, list_columns=LIST_COLUMNS,
-                  summary_min_px=table_min_width(SUMMARY_LIST_COLUMNS), list_min_px=table_min_width(LIST_COLUMNS))
+                  path_px=(path_px := path_column_px(set(tables.calls["path"]))),
+                  summary_min_px=table_min_width(SUMMARY_LIST_COLUMNS, path_px),
+                  list_min_px=table_min_width(LIST_COLUMNS, path_px))
 
 
 def decode_rows(data: dict) -> list[dict]:

@@ -92,6 +92,17 @@ export function renderExplorer(model, el) {
     ? h("span", { class: "sd-chip-phase", title: "backward: run by autograd for this op's output", text: "bwd" }) : null);
   const opCell = (r, caret) => h("td", { class: "sd-col-op", title: r.op + (r.phase === "backward" ? " (backward)" : "") },
     caret, opName(r.op), phaseChip(r.phase));
+  // the widest path chip, measured in the page's UI font (11 px), with the chip's and the cell's padding
+  let pathWidth = null;
+  const pathPx = () => {
+    if (pathWidth == null) {
+      const ctx = document.createElement("canvas").getContext("2d");
+      const family = getComputedStyle(root).getPropertyValue("--jp-ui-font-family").trim() || "system-ui, sans-serif";
+      ctx.font = `11px ${family}`;
+      pathWidth = Math.ceil(Math.max(data.flexible_min_px || 0, ...data.paths.map((p) => ctx.measureText(p).width + 10 + 16 + 6)));
+    }
+    return pathWidth;
+  };
   const pill = (p) => h("span", { class: "sd-path", style: `background:${data.path_colors[p] || "#777"}`, text: p });
   // an op call that raised: marked as an error first, its dispatch path after; one whose exception the user's
   // code caught is marked so, without the error's mark
@@ -215,10 +226,12 @@ export function renderExplorer(model, el) {
     const t = h("table", { class: "sd-table " + cls });
     // short columns have fixed widths, the others share the rest of the box equally: the table never grows
     // wider than its box; a long cell ends in "…" (its full text on hover)
-    t.append(h("colgroup", {}, ...cols.map(([, , w]) => h("col", w ? { style: `width:${w}px` } : {}))));
-    // ... but a flexible column never gets less than flexible_min_px: a narrow box scrolls sideways instead
+    // ... but a flexible column never gets less than flexible_min_px, and the path column holds its widest chip:
+    // a narrow box scrolls sideways instead
     const least = data.flexible_min_px || 0;
-    if (least) t.style.minWidth = cols.reduce((a, [, , w]) => a + (w || least), 0) + "px";
+    const width = (f, w) => w || (least && f === "path" ? pathPx() : null);
+    t.append(h("colgroup", {}, ...cols.map(([f, , w]) => h("col", width(f, w) ? { style: `width:${width(f, w)}px` } : {}))));
+    if (least) t.style.minWidth = cols.reduce((a, [f, , w]) => a + (width(f, w) || least), 0) + "px";
     // a column's fourth entry, where it has one, says what it counts and against what (the header's tooltip)
     t.append(h("thead", {}, h("tr", {}, ...cols.map(([, l, , help]) => h("th", help ? { text: l, title: help } : { text: l })))));
     return t;
