@@ -541,8 +541,10 @@ def test_narrow_output(session):
         # path chips whole, inside their cells
         chips = listing.locator("tr.sd-summary-row .sd-path")
         assert not chips.evaluate_all(CUT), chips.evaluate_all(CUT)
-        assert chips.evaluate_all("""cs => cs.filter((c) => { const a = c.getBoundingClientRect(),
-            b = c.closest('td').getBoundingClientRect(); return a.right > b.right + 1; }).map((c) => c.textContent)""") == []
+        outside = chips.evaluate_all("""cs => cs.map((c) => { const a = c.getBoundingClientRect(),
+            b = c.closest('td').getBoundingClientRect(); return { text: c.textContent, chip: [a.left, a.right],
+            cell: [b.left, b.right], font: getComputedStyle(c).font }; }).filter((x) => x.chip[1] > x.cell[1] + 1)""")
+        assert not outside, outside
         exp.scroll_into_view_if_needed()
         exp.screenshot(path=str(ARTIFACTS / "browser_narrow_explorer.png"))
         # the list of every call: its op names whole too

@@ -346,9 +346,27 @@ export function renderExplorer(model, el) {
     return shownSel;
   }
 
+  // the path column as wide as its widest chip drawn (the page's font can differ from the measure above);
+  // once the view is on the page, so again on the next frame
+  function fitPaths() {
+    const t = list.querySelector("table.sd-op-list");
+    const chips = list.querySelectorAll("table.sd-op-list > tbody > tr > td.sd-col-path .sd-path");
+    if (!t || !chips.length || !chips[0].offsetWidth) return;
+    const need = Math.ceil(Math.max(...[...chips].map((c) => c.offsetWidth))) + 16;
+    if (need <= pathPx()) return;
+    const extra = need - pathPx();
+    pathWidth = need;
+    const cols = [...t.querySelectorAll(":scope > colgroup > col")];
+    const k = (fView && fView.value === "summary" ? data.summary_columns : data.list_columns).findIndex(([f]) => f === "path");
+    if (k >= 0 && cols[k]) cols[k].style.width = need + "px";
+    if (t.style.minWidth) t.style.minWidth = (parseFloat(t.style.minWidth) + extra) + "px";
+  }
+
   function draw() {
     const f = filters();
     const shownSel = fView && fView.value === "summary" ? drawSummary(f) : drawCalls(f);
+    fitPaths();
+    requestAnimationFrame(fitPaths);
     // a detail whose row the filters (or a collapsed summary row) took away closes with it
     if (selected && !shownSel) closeDetail();
   }
