@@ -502,11 +502,16 @@ CUT = """(els) => els.filter((e) => e.scrollWidth > e.clientWidth + 1).map((e) =
 
 
 def _show_html(page, html: str, cls: str):
-    """``html`` shown in a notebook output (under the x22 inspector), as a static view is: its box is the output area's."""
-    out = _cell(page, 'sharddbg.inspect("x22")').locator(".jp-OutputArea-output").first
+    """``html`` shown in a notebook output (the diagnose cell's; ``_hide_html`` takes it away again), as a
+    static view is: its box is the output area's."""
+    out = _cell(page, "%shard_cluster diagnose").locator(".jp-OutputArea-output").first
     out.evaluate("(o, [html, cls]) => { o.querySelectorAll('.' + cls).forEach((e) => e.remove());"
                  " const d = document.createElement('div'); d.className = cls; d.innerHTML = html; o.append(d); }", [html, cls])
     return out, out.locator("." + cls)
+
+
+def _hide_html(page) -> None:
+    page.evaluate("() => document.querySelectorAll('.sd-test-smoke, .sd-test-check').forEach((e) => e.remove())")
 
 
 def _inside(inner: dict, outer: dict) -> bool:
@@ -573,12 +578,13 @@ def test_narrow_output(session):
         expect(warning).to_contain_text("tensor dim 2 is not sharded")
         assert warning.bounding_box()["y"] + warning.bounding_box()["height"] <= fb.locator("svg.sd-diagram").first.bounding_box()["y"]
         # beside that real problem, the uneven shards are no label on the blocks
-        assert not [t for t in fb.locator("svg.sd-diagram text").all_inner_texts() if "uneven" in t]
+        assert not [t for t in fb.locator("svg.sd-diagram text").all_text_contents() if "uneven" in t]
         ok = _inspector(page, "x")
         expect(ok.locator(".sd-verdict-ok")).to_have_text("✓ spec and data agree")
         fb.scroll_into_view_if_needed()
         fb.screenshot(path=str(ARTIFACTS / "browser_narrow_inspector.png"))
     finally:
+        _hide_html(page)
         page.set_viewport_size(WIDE)
 
 
@@ -630,13 +636,21 @@ def test_dark_theme(session):
     _inspector(page, "x").screenshot(path=str(ARTIFACTS / "browser_inspector_dark.png"))
     page.set_viewport_size(NARROW)  # narrow too: the explorer, the inspector with its warnings, smoke and check
     try:
+        from test_views import long_smoke_and_check
+
+        from sharddbg.views.check import check_html
+        from sharddbg.views.smoke import smoke_html
+
+        smoke_result, check_result = long_smoke_and_check()
+        _show_html(page, smoke_html(smoke_result), "sd-test-smoke")
+        _show_html(page, check_html(check_result), "sd-test-check")
         page.wait_for_timeout(300)
         for name, view in (("explorer", page.locator(".sd-explorer").first), ("inspector", _inspector(page, "y_fb")),
                            ("smoke", page.locator(".sd-test-smoke")), ("check", page.locator(".sd-test-check"))):
-            if view.count():
-                view.scroll_into_view_if_needed()
-                view.screenshot(path=str(ARTIFACTS / f"browser_narrow_{name}_dark.png"))
+            view.scroll_into_view_if_needed()
+            view.screenshot(path=str(ARTIFACTS / f"browser_narrow_{name}_dark.png"))
     finally:
+        _hide_html(page)
         page.set_viewport_size(WIDE)
 
 
