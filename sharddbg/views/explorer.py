@@ -70,18 +70,18 @@ LIST_COLUMNS = [("kind", "", 84), ("rank", "rank", 44), ("seq", "seq", 50), ("op
 # autograd nodes lie outside that time, in a column of their own.
 SUMMARY_LIST_COLUMNS = [
     ("kind", "", 84), ("op", "op", None), ("path", "path", None), ("phase", "phase", 70),
-    ("calls", "calls", 44, "your own calls (forward), or the backward events"), ("ranks", "ranks", 56),
+    ("calls", "calls", 48, "your own calls (forward), or the backward events"), ("ranks", "ranks", 56),
     ("first_ms_median", "first ms", 62, "median host time of the first call with given input shapes"),
     ("steady_ms_median", "steady ms", 66, "median host time of every other call"),
-    ("host_ms_total", "host ms", 66, "host time of the row's calls, all ranks together (a backward event: the "
+    ("host_ms_total", "host ms", 72, "host time of the row's calls, all ranks together (a backward event: the "
                                      "node behind the op's output only)"),
     ("comm_ms_within_host", "comm ms in host", 70, "collectives issued while the row's calls ran (those of the "
                                                     "ops they called included): part of host ms"),
     ("comm_ms_outside_host", "bwd comm ms, other nodes", 76,
      "backward: collectives of the op's other autograd nodes, outside host ms; they include waiting for the other "
      "ranks and run beside the rest of the backward pass: compare with the backward pass's time"),
-    ("dispatch_bound", "dispatch", 62), ("locations", "source", None)]
-GROUP_LIST_COLUMNS = [("kind", "", 84), ("ranks_text", "ranks", 84), ("calls", "calls", 44),
+    ("dispatch_bound", "dispatch", 68), ("locations", "source", None)]
+GROUP_LIST_COLUMNS = [("kind", "", 84), ("ranks_text", "ranks", 84), ("calls", "calls", 48),
                       ("in_local_shapes", "inputs (local)", None), ("out_local_shape", "output (local)", None),
                       ("placements", "placements", None), ("host_ms", "host ms", 120), ("location", "source", None)]
 
