@@ -7,7 +7,8 @@ the timeline (a hover anywhere on a span, names inside spans, labelled lanes, th
 across ranks, room after the last span, colours apart, no cloud button), the explorer (opens on the op summary,
 a click expands a row to its calls on each rank with identical ones as one "ranks 0-3"; shapes on one line,
 a list that fits its box, a detail that closes when filtered out, a caught error marked as handled, not as a
-failure), the magics' output
+failure), a narrow output (op names whole, backward rows marked "bwd", path chips whole, the smoke and check
+tables' pass/fail column inside the output, the inspector's warnings above its drawing), the magics' output
 (status table, stop, diagnose), the dark theme, and the notebook after save: reopened by its owner
 (widgets from the saved widget state, no kernel) and by someone else (the static views). Screenshots go
 to test-artifacts/ (gitignored).
