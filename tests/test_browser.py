@@ -7,7 +7,8 @@ the timeline (a hover anywhere on a span, names inside spans, labelled lanes, th
 across ranks, room after the last span, colours apart, no cloud button), the explorer (opens on the op summary,
 a click expands a row to its calls on each rank with identical ones as one "ranks 0-3"; shapes on one line,
 a list that fits its box, a detail that closes when filtered out, a caught error marked as handled, not as a
-failure), the magics' output
+failure), a narrow output (op names whole, backward rows marked "bwd", path chips whole, the smoke and check
+tables' pass/fail column inside the output, the inspector's warnings above its drawing), the magics' output
 (status table, stop, diagnose), the dark theme, and the notebook after save: reopened by its owner
 (widgets from the saved widget state, no kernel) and by someone else (the static views). Screenshots go
 to test-artifacts/ (gitignored).
@@ -496,6 +497,99 @@ def test_explorer(session):
     expect(listing.locator("tr.sd-call-group.sd-selected")).to_have_attribute("data-op", "Tensor.add")
 
 
+NARROW = {"width": 900, "height": 1100}  # a JupyterLab window with its file browser open leaves outputs as narrow
+WIDE = {"width": 1500, "height": 1100}
+# elements whose text is cut: wider than their box (an ellipsis, or clipped)
+CUT = """(els) => els.filter((e) => e.scrollWidth > e.clientWidth + 1).map((e) => e.textContent)"""
+
+
+def _show_html(page, html: str, cls: str):
+    """``html`` shown in a notebook output (the diagnose cell's; ``_hide_html`` takes it away again), as a
+    static view is: its box is the output area's."""
+    out = _cell(page, "%shard_cluster diagnose").locator(".jp-OutputArea-output").first
+    out.evaluate("(o, [html, cls]) => { o.querySelectorAll('.' + cls).forEach((e) => e.remove());"
+                 " const d = document.createElement('div'); d.className = cls; d.innerHTML = html; o.append(d); }", [html, cls])
+    return out, out.locator("." + cls)
+
+
+def _hide_html(page) -> None:
+    page.evaluate("() => document.querySelectorAll('.sd-test-smoke, .sd-test-check').forEach((e) => e.remove())")
+
+
+def _inside(inner: dict, outer: dict) -> bool:
+    return inner["x"] >= outer["x"] - 1 and inner["x"] + inner["width"] <= outer["x"] + outer["width"] + 1
+
+
+def test_narrow_output(session):
+    """In a narrow output (900 px window): explorer op names whole (wrapped, never cut), backward rows marked
+    "bwd", path chips never narrower than their text; the smoke and check tables' verdict column inside the
+    output; the inspector's verdict (its warnings) above its drawing."""
+    from playwright.sync_api import expect
+    from test_views import long_smoke_and_check
+
+    from sharddbg.views.check import check_html
+    from sharddbg.views.smoke import smoke_html
+
+    page = session[0]
+    page.set_viewport_size(NARROW)
+    try:
+        page.wait_for_timeout(300)
+        exp = page.locator(".sd-explorer")
+        exp.locator("select.sd-f-view").select_option("summary")
+        listing = exp.locator(".sd-list")
+        ops = listing.locator("tr.sd-summary-row td.sd-col-op")
+        assert ops.count() > 0
+        assert not ops.evaluate_all(CUT), ops.evaluate_all(CUT)
+        # forward and backward rows of the same op read apart
+        bwd = listing.locator("tr.sd-summary-row[data-op='torch.conv2d'][data-phase='backward'] td.sd-col-op")
+        fwd = listing.locator("tr.sd-summary-row[data-op='torch.conv2d'][data-phase='forward'] td.sd-col-op")
+        expect(bwd.locator(".sd-chip-phase")).to_have_text("bwd")
+        expect(fwd.locator(".sd-chip-phase")).to_have_count(0)
+        # path chips whole, inside their cells
+        chips = listing.locator("tr.sd-summary-row .sd-path")
+        assert not chips.evaluate_all(CUT), chips.evaluate_all(CUT)
+        outside = chips.evaluate_all("""cs => cs.map((c) => { const a = c.getBoundingClientRect(),
+            b = c.closest('td').getBoundingClientRect(); return { text: c.textContent, chip: [a.left, a.right],
+            cell: [b.left, b.right], font: getComputedStyle(c).font }; }).filter((x) => x.chip[1] > x.cell[1] + 1)""")
+        assert not outside, outside
+        exp.scroll_into_view_if_needed()
+        exp.screenshot(path=str(ARTIFACTS / "browser_narrow_explorer.png"))
+        # the list of every call: its op names whole too
+        exp.locator("select.sd-f-view").select_option("calls")
+        ops = listing.locator("tr.sd-op td.sd-col-op")
+        assert ops.count() > 0 and not ops.evaluate_all(CUT), ops.evaluate_all(CUT)[:5]
+        exp.locator("select.sd-f-view").select_option("summary")
+
+        # the smoke matrix and the numerical check: the column that says pass/fail within the output
+        smoke_result, check_result = long_smoke_and_check()
+        for cls, html, verdict_cells in (("sd-test-smoke", smoke_html(smoke_result), "td.sd-smoke-verdict"),
+                                         ("sd-test-check", check_html(check_result), "tbody tr td:first-child")):
+            out, shown = _show_html(page, html, cls)
+            box = out.bounding_box()
+            cells = shown.locator(verdict_cells)
+            assert cells.count() > 0
+            for k in range(cells.count()):
+                assert _inside(cells.nth(k).bounding_box(), box), (cls, cells.nth(k).bounding_box(), box)
+            assert _inside(shown.locator(".sd-scroll").bounding_box(), box), cls
+            shown.scroll_into_view_if_needed()
+            shown.screenshot(path=str(ARTIFACTS / f"browser_narrow_{cls.split('-')[-1]}.png"))
+
+        # the inspector: its verdict first (the warnings), then the drawing
+        fb = _inspector(page, "y_fb")
+        warning = fb.locator(".sd-warning").first
+        expect(warning).to_contain_text("tensor dim 2 is not sharded")
+        assert warning.bounding_box()["y"] + warning.bounding_box()["height"] <= fb.locator("svg.sd-diagram").first.bounding_box()["y"]
+        # beside that real problem, the uneven shards are no label on the blocks
+        assert not [t for t in fb.locator("svg.sd-diagram text").all_text_contents() if "uneven" in t]
+        ok = _inspector(page, "x")
+        expect(ok.locator(".sd-verdict-ok")).to_have_text("✓ spec and data agree")
+        fb.scroll_into_view_if_needed()
+        fb.screenshot(path=str(ARTIFACTS / "browser_narrow_inspector.png"))
+    finally:
+        _hide_html(page)
+        page.set_viewport_size(WIDE)
+
+
 def test_magics_output(session):
     page = session[0]
     # %shard_cluster status: at most 8 columns besides the rank, no cell wrapped over two lines
@@ -556,6 +650,25 @@ def test_dark_theme(session):
     tick = plot.locator(".ytick text").first.evaluate("e => getComputedStyle(e).fill")
     assert sum(int(v) for v in re.findall(r"\d+", tick)[:3]) > 3 * 90, tick  # light enough to read on #111
 
+    page.set_viewport_size(NARROW)  # narrow too: the explorer, the inspector with its warnings, smoke and check
+    try:
+        from test_views import long_smoke_and_check
+
+        from sharddbg.views.check import check_html
+        from sharddbg.views.smoke import smoke_html
+
+        smoke_result, check_result = long_smoke_and_check()
+        _show_html(page, smoke_html(smoke_result), "sd-test-smoke")
+        _show_html(page, check_html(check_result), "sd-test-check")
+        page.wait_for_timeout(300)
+        for name, view in (("explorer", page.locator(".sd-explorer").first), ("inspector", _inspector(page, "y_fb")),
+                           ("smoke", page.locator(".sd-test-smoke")), ("check", page.locator(".sd-test-check"))):
+            view.scroll_into_view_if_needed()
+            view.screenshot(path=str(ARTIFACTS / f"browser_narrow_{name}_dark.png"))
+    finally:
+        _hide_html(page)
+        page.set_viewport_size(WIDE)
+
 
 @dataclass(frozen=True)
 class PixelShares:
@@ -585,7 +698,11 @@ def test_saved_notebook(session):
     path = root / NOTEBOOK
     deadline = time.monotonic() + 30
     while True:
-        nb = nbformat.read(path, as_version=4)
+        try:
+            nb = nbformat.read(path, as_version=4)
+        except nbformat.reader.NotJSONError:  # read while JupyterLab writes it
+            time.sleep(0.5)
+            continue
         outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
         if any("application/vnd.sharddbg.trace+json" in o.get("data", {}) for o in outputs) and nb.metadata.get("widgets"):
             break

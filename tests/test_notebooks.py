@@ -119,6 +119,8 @@ def test_02_dispatch_paths():
     # the fallback's output says Replicate while every rank holds only its own rows: drawn as they hold them
     insp = [o for o in cell_with(nb, 'inspect("y1_fb")').outputs if "data" in o][0]["data"]["text/plain"]
     assert "placements Replicate()" in insp, insp
+    # the verdict first: the warnings come before the drawing
+    assert insp.index("WARNING: rank 0: tensor dim 2 is not sharded") < insp.index("│"), insp
     for r in range(N):
         assert f"rank {r} [domain={r}] local (1, 8, {ROWS[r]}, 64) offsets (0, 0, {sum(ROWS[:r])}, 0) " in insp, insp
         assert f"WARNING: rank {r}: tensor dim 2 is not sharded, but its local size is {ROWS[r]} while the global " \

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from html.parser import HTMLParser
 
 import numpy as np
 import pandas as pd
@@ -724,11 +725,11 @@ def test_explorer_output_bundle(trace, tmp_path, monkeypatch):
     assert "&lt;b&gt;bold&lt;/b&gt;" in html and "<b>bold" not in html
     # first the op summary, each row with its calls on each rank (identical ones as one row), then the calls
     assert html.index("<h4>Op summary</h4>") < html.index("<h4>Errors</h4>") < html.index("<h4>Op calls</h4>")
-    assert [m.group(1) for m in re.finditer(r'<tr class="sd-summary-row sd-kind-(\w+)">', html)] == list(summary["kind"])
+    assert [m.group(1) for m in re.finditer(r'<tr class="sd-summary-row sd-kind-(\w+) sd-phase-\w+">', html)] == list(summary["kind"])
     assert html.count('<tr class="sd-call-group ') == len(groups)
     assert html.count('<td class="sd-col-ranks_text">ranks 0-3</td>') == 2  # backward() and its redistribute
     assert html.count('<tr class="sd-call-group sd-kind-error">') == 2  # the add: ranks 0-1, ranks 2-3
-    assert html.count('<tr class="sd-op sd-kind-error">') == N
+    assert html.count('<tr class="sd-op sd-kind-error sd-phase-forward">') == N
     assert html.count("✖ raised") == N + 1  # each call that raised, and the add's summary row
     assert html.count('<tr class="sd-op ') == len(ops)
     # the payload: versioned, the whole trace (it loads back as the same trace)
@@ -926,12 +927,12 @@ def test_every_template_escapes_trace_text(tmp_path):
     assert json.dumps(HOSTILE)[1:-1].replace("<", "\\u003c").replace(">", "\\u003e") in report
     # each place a trace string goes: op names, the user frame's file, the cell's code, the message
     explorer = rendered["explorer"]
-    assert f"<td>Tensor.abs {escaped}</td>" in explorer  # an op name in the op summary
+    assert f'<td class="sd-col-op" title="Tensor.abs {escaped}">' in explorer  # an op name in the op summary
     assert "<td>textarea&gt;.py:1 in run</td>" in explorer  # the calls' source: the frame's file name, after its last "/"
     assert f"/tmp/{escaped}.py:1 in run" in explorer  # the error's user frame, whole
     assert f'<td title="cell [2], line 1: `{escaped}`">' in explorer  # where in the cell, an attribute
     assert f'<span class="sd-error-msg">TypeError: {escaped}</span>' in explorer and f"<h1>{escaped}</h1>" in report
-    assert f'title="{escaped}"' in rendered["smoke"]  # an attribute
+    assert f'title="✖ {escaped}"' in rendered["smoke"]  # an attribute
 
 
 def test_trace_does_not_import_views():
@@ -1146,3 +1147,132 @@ def test_report_light_and_dark_by_the_readers_preference(trace, tmp_path):
     assert _contrast(re.search(r"--jp-layout-color0: (#[0-9a-f]{6})", dark.group(1)).group(1), (0, 0, 0)) < 1.5
     assert "color-scheme: light dark" in head
     assert re.search(r"body \{[^}]*background: var\(--jp-layout-color0\)", head)
+
+
+class _Cells(HTMLParser):
+    """Each table's header texts, and its body cells as (text, title attribute), in document order."""
+
+    def __init__(self):
+        super().__init__()
+        self.heads: list[list[str]] = []
+        self.cells: list[list[tuple[str, str | None]]] = []
+        self._in: str | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.heads.append([])
+            self.cells.append([])
+        elif tag in ("th", "td"):
+            self._in = tag
+            target = self.heads[-1] if tag == "th" else self.cells[-1]
+            target.append("" if tag == "th" else ["", dict(attrs).get("title")])
+
+    def handle_endtag(self, tag):
+        if tag in ("th", "td"):
+            self._in = None
+
+    def handle_data(self, data):
+        if self._in == "th":
+            self.heads[-1][-1] += data
+        elif self._in == "td":
+            self.cells[-1][-1][0] += data
+
+
+def _cells(html: str) -> _Cells:
+    parsed = _Cells()
+    parsed.feed(html)
+    return parsed
+
+
+LONG_OUTCOME = "loss off from step 0 by 3.1e-02 (rtol 1e-04): the halo of conv2d is missing on ranks 1-2"
+LONG_NOTE = "compared with the reference's rows 16-33 of dim 2 (this rank's shard), after the halo was trimmed"
+
+
+def long_smoke_and_check():
+    """A smoke matrix and a numerical check with long names, outcomes and notes (what narrow outputs must
+    hold): (SmokeResult, CheckResult). The browser test shows them too."""
+    from sharddbg.analysis.check import ROW_COLUMNS as CHECK_ROWS
+    from sharddbg.analysis.check import TABLE_COLUMNS as CHECK_COLUMNS
+    from sharddbg.analysis.check import CheckResult
+    from sharddbg.analysis.smoke import TABLE_COLUMNS as SMOKE_COLUMNS
+    from sharddbg.analysis.smoke import SmokeConfig, SmokeResult
+
+    outcome, note = LONG_OUTCOME, LONG_NOTE
+    smoke = pd.DataFrame([{"config": "domain=4 fsdp2 compiled", "ok": False, "outcome": outcome, "mesh": "domain=4",
+                           "wrapper": "fsdp2", "compiled": True, "training": True, "expected_error": "",
+                           "loss_off_step": 0, "loss_off_error": 0.03, "loss_error": 0.03, "loss_error_step": 0,
+                           "grad_error": 0.1, "grad_error_param": "w", "step_ms": 1.0, "first_step_ms": 2.0,
+                           "fallbacks": 0.0, "fallback_ops": "", "collectives_per_step": 1.0, "losses": [1.0],
+                           "reference_losses": [0.5], "about": "four ranks on one domain mesh"}]).set_index("config")[SMOKE_COLUMNS]
+    smoke_result = SmokeResult(smoke, [SmokeConfig("domain=4 fsdp2 compiled")], {}, 1e-4, 3, N)
+    check = pd.DataFrame([{"tensor": "model.decoder.blocks.0.conv.weight.grad", "kind": "gradient", "rank": r,
+                           "group": 0, "ok": r != 1, "max_abs": 0.5, "max_rel": 0.1, "ratio": 10.0, "rtol": 1e-4,
+                           "atol": 1e-6, "bad": 3 * (r == 1), "numel": 12, "dtype": "torch.float32", "shape": (3, 4),
+                           "reference_shape": (12, 4), "compared": "local shard", "row_dim": 0, "note": note}
+                          for r in range(N)], columns=CHECK_COLUMNS)
+    rows = pd.DataFrame([], columns=CHECK_ROWS)
+    result = CheckResult("1 of 4 rows differ", check, rows, inputs=[], outputs=[], models=[], backward="none",
+                         backward_note="", loss=None, reference_loss=None, tf32={"applies": False}, groups=[0])
+    return smoke_result, result
+
+
+def test_smoke_and_check_tables_put_the_verdict_first_and_long_text_on_hover():
+    """In a narrow output the pass/fail column must stay in view: it comes first in the smoke matrix and in the
+    numerical check; long text wraps, its whole text in the cell's title; a wide table scrolls inside the output."""
+    from sharddbg.views.check import check_html
+    from sharddbg.views.smoke import smoke_html
+
+    outcome, note = LONG_OUTCOME, LONG_NOTE
+    smoke_result, result = long_smoke_and_check()
+    page = smoke_html(smoke_result)
+    table = _cells(page)
+    assert table.heads[0][:2] == ["verdict", "configuration"]
+    verdict, name = table.cells[0][0], table.cells[0][1]
+    assert verdict == [f"✖ {outcome}", f"✖ {outcome}"]
+    assert name[1] == "domain=4 fsdp2 compiled: four ranks on one domain mesh"
+    assert 'class="sd-scroll" style="max-width: 100%; overflow-x: auto;"' in page
+
+    page = check_html(result)
+    table = _cells(page)
+    assert table.heads[0][0] == "ok" and table.heads[0][-1] == "note"
+    assert [row[0] for row in table.cells[0][::len(table.heads[0])]] == ["✖", "✔", "✔", "✔"]  # failures first
+    first = table.cells[0][:len(table.heads[0])]
+    assert first[1] == ["model.decoder.blocks.0.conv.weight.grad"] * 2
+    assert first[-1] == ["[1]", note]  # the numbered note, whole on hover
+    assert 'class="sd-scroll"' in page
+
+
+def test_explorer_op_names_wrap_and_backward_rows_are_marked(trace):
+    """An op name may break after a dot (never be cut), its whole name on hover; a backward row carries a "bwd"
+    chip; the tables take at least their columns' least widths."""
+    page = ex.explorer_html(trace)
+    assert '<td class="sd-col-op" title="torch.conv2d"><span class="sd-op-name">torch.<wbr>conv2d</span></td>' in page
+    assert ('<td class="sd-col-op" title="torch.conv2d (backward)"><span class="sd-op-name">torch.<wbr>conv2d</span>'
+            '<span class="sd-chip-phase"') in page
+    path_px = ex.path_column_px(set(trace.get_ops()["path"]))
+    assert path_px >= int(6.2 * len("dtensor_fallback_function")) + 21  # the widest chip fits its column
+    assert f'style="min-width: {ex.table_min_width(ex.SUMMARY_LIST_COLUMNS, path_px)}px"' in page
+    assert f'<col style="width:{path_px}px">' in page
+    assert ex.explorer_data(trace)["flexible_min_px"] == ex.FLEXIBLE_MIN_PX
+
+
+def test_inspector_says_its_verdict_before_the_drawing():
+    """The warnings (or "spec and data agree") come before the diagram, in the static HTML and the text; beside a
+    real problem the uneven shards are only a note."""
+    from sharddbg.views.inspector import inspector_html
+
+    fine = ShardLayout(_snapshots())
+    assert fine.verdict == "spec and data agree" and fine.to_json()["verdict"] == fine.verdict
+    page = inspector_html(fine)
+    assert page.index("✓ spec and data agree") < page.index('<pre class="sd-grid">')
+    snaps = _snapshots()
+    for sn in snaps:
+        sn.update(placements=[{"type": "replicate", "text": "Replicate()"}], sharding_shapes=None,
+                  spec_local_shape=[1, 3, 66, 64], spec_offsets=[0, 0, 0, 0])
+    wrong = ShardLayout(snaps)
+    assert wrong.verdict.startswith(f"{len(wrong.warnings)} problems")
+    page = inspector_html(wrong)
+    first_warning = page.index("⚠ rank 0: tensor dim 2 is not sharded")
+    assert page.index(wrong.verdict) < first_warning < page.index('<pre class="sd-grid">') < page.index("sd-ranks")
+    text = wrong.text()
+    assert text.index("WARNING: rank 0: tensor dim 2 is not sharded") < text.index("rank 0!")

@@ -34,6 +34,9 @@ from .formatting import format_bytes, format_shape
 
 __all__ = ["ShardLayout", "InspectError", "RANK_COLUMNS"]
 
+# The verdict of a tensor whose spec matches what every rank holds.
+AGREE = "spec and data agree"
+
 RANK_COLUMNS = ["rank", "group", "coordinate", "local_shape", "spec_local_shape", "offsets", "local_bytes",
                 "dtype", "device", "requires_grad", "placements", "ok"]
 
@@ -452,10 +455,29 @@ class ShardLayout:
                                                             "shape": list(self.world_mesh.values())},
             "placements": [p["text"] for p in s0.get("placements") or []],
             "groups": [{"id": g["id"], "label": g["label"], "ranks": g["ranks"]} for g in self.groups],
-            "ranks": rows, "warnings": list(self.warnings), "notes": list(self.notes),
+            "ranks": rows, "verdict": self.verdict, "warnings": list(self.warnings), "notes": list(self.notes),
             "pairs": pairs, "default_pair": default,
             "total_bytes_text": format_bytes(int(ranks["local_bytes"].sum())),
         }
+
+    @property
+    def verdict(self) -> str:
+        """What the views say first: "spec and data agree", or how many problems the warnings name.
+
+        Returns
+        -------
+        str
+            One line; the warnings themselves follow it in every view.
+
+        Examples
+        --------
+        >>> layout.verdict  # doctest: +SKIP
+        'spec and data agree'
+        """
+        if not self.warnings:
+            return AGREE
+        n = len(self.warnings)
+        return f"{n} problem{'s' if n > 1 else ''}: the spec disagrees with the local tensors"
 
     def _pair_label(self, a, b) -> str:
         def one(d):
@@ -484,10 +506,12 @@ class ShardLayout:
         if s0.get("mesh"):
             head.append(self.mesh_text() + ", placements " + ", ".join(p["text"] for p in s0["placements"]))
         df = self.get_ranks()
-        lines = head + [self.text_grid()]
+        # the verdict and the warnings first, before the drawing
+        lines = head + [f"  {'WARNING' if self.warnings else 'ok'}: {self.verdict}"] + [f"  WARNING: {w}" for w in self.warnings]
+        lines += [self.text_grid()]
         lines += [f"  rank {r.rank} [{r.coordinate}] local {format_shape(r.local_shape)} offsets {format_shape(r.offsets)} "
                   f"{format_bytes(r.local_bytes)}{'' if r.ok else '  <-- check'}" for r in df.itertuples()]
-        lines += [f"  note: {n}" for n in self.notes] + [f"  WARNING: {w}" for w in self.warnings]
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def text_grid(self, row_dim: int | None | str = "default", col_dim: int | None | str = "default",

@@ -29,8 +29,11 @@ FAIL_TINT = "rgba(220, 40, 40, 0.18)"
 WARN_TINT = "rgba(230, 160, 20, 0.20)"
 SKIP_TINT = "rgba(128, 128, 128, 0.10)"
 RANK_COLORS = ["#4e79a7", "#59a14f", "#b07aa1", "#76b7b2", "#9c755f", "#edc948", "#bab0ac", "#86bcb6"]
-CHECK_HEADERS = ["tensor", "kind", "rank", "ok", "max |diff|", "rel. to scale", "ratio", "tolerance", "bad",
+# The pass/fail column comes first: in a narrow output it stays in view whatever else must scroll.
+CHECK_HEADERS = ["ok", "tensor", "kind", "rank", "max |diff|", "rel. to scale", "ratio", "tolerance", "bad",
                  "shape", "dtype", "compared", "note"]
+# Columns whose text may be long: they wrap (their full text also on hover); the others stay on one line.
+CHECK_WRAPPED = {"tensor", "tolerance", "compared", "note"}
 STATUS_MARKS = {"ok": "✔", "warn": "⚠", "fail": "✖", "skip": "·"}
 STATUS_TINTS = {"ok": "transparent", "warn": WARN_TINT, "fail": FAIL_TINT, "skip": SKIP_TINT}
 
@@ -47,7 +50,7 @@ def _shape(shape) -> str:
 
 def _check_cells(row) -> list[str]:
     tolerance = "" if math.isnan(row["rtol"]) else f"rtol {row['rtol']:.0e}, atol {row['atol']:.2g}"
-    return [str(row["tensor"]), str(row["kind"]), str(row["rank"]), "✔" if row["ok"] else "✖", _number(row["max_abs"]),
+    return ["✔" if row["ok"] else "✖", str(row["tensor"]), str(row["kind"]), str(row["rank"]), _number(row["max_abs"]),
             _number(row["max_rel"]), _number(row["ratio"]), tolerance, f"{int(row['bad'])} of {int(row['numel'])}",
             _shape(row["shape"]), str(row["dtype"] or "").replace("torch.", ""), str(row["compared"]),
             str(row["note"] or "")]
@@ -115,9 +118,12 @@ def check_html(result: CheckResult) -> str:
     """The check as static HTML."""
     ordered = _ordered(result.table)
     lines = [_check_cells(row) for _, row in ordered.iterrows()]
+    full = [list(line) for line in lines]  # each cell's whole text, its tooltip (a note's too, before it is numbered)
     notes = _numbered_notes(lines)
-    rows = [{"status": "ok" if row["ok"] else "fail", "tint": "transparent" if row["ok"] else FAIL_TINT, "cells": cells}
-            for (_, row), cells in zip(ordered.iterrows(), lines)]
+    rows = [{"status": "ok" if row["ok"] else "fail", "tint": "transparent" if row["ok"] else FAIL_TINT,
+             "cells": [{"text": text, "title": title, "wrap": head in CHECK_WRAPPED}
+                       for head, text, title in zip(CHECK_HEADERS, cells, titles)]}
+            for (_, row), cells, titles in zip(ordered.iterrows(), lines, full)]
     return render("check.html", verdict=result.verdict, ok=result.ok, patterns=_pattern_lines(result.patterns()),
                   headers=CHECK_HEADERS, rows=rows, notes=notes)
 

@@ -59,29 +59,77 @@ STATIC_ROWS = 200  # summary rows, and op calls, in the static rendering (errors
 STATIC_GROUPS = 8  # call groups under each summary row in the static renderings
 TEXT_SUMMARY_ROWS = 30  # summary rows in the text
 # The tables' columns: (field, title, width in px or None[, the header's tooltip]). Short columns have fixed widths,
-# the others share the rest of the box, so a table never grows wider than its box (a long cell ends in "…").
-LIST_COLUMNS = [("kind", "", 100), ("rank", "rank", 54), ("seq", "seq", 58), ("op", "op", None), ("path", "path", None),
-                ("phase", "phase", 82), ("module", "module", None), ("out_local_shape", "output (local)", None),
-                ("host_ms", "host ms", 78), ("user_frame", "source", None)]
+# the others share the rest of the box but never get less than FLEXIBLE_MIN_PX: in a narrow output the list
+# scrolls sideways rather than cutting op names short (the flag and the op come first, always in view).
+FLEXIBLE_MIN_PX = 100
+LIST_COLUMNS = [("kind", "", 84), ("rank", "rank", 44), ("seq", "seq", 50), ("op", "op", None), ("path", "path", None),
+                ("phase", "phase", 70), ("module", "module", None), ("out_local_shape", "output (local)", None),
+                ("host_ms", "host ms", 66), ("user_frame", "source", None)]
 # The op summary's columns, each with what its header's tooltip says. Communication is shown against what it is
 # part of: "comm ms in host" lies within "host ms" (compare them); a backward row's collectives of the op's other
 # autograd nodes lie outside that time, in a column of their own.
 SUMMARY_LIST_COLUMNS = [
-    ("kind", "", 100), ("op", "op", None), ("path", "path", None), ("phase", "phase", 82),
-    ("calls", "calls", 56, "your own calls (forward), or the backward events"), ("ranks", "ranks", 76),
-    ("first_ms_median", "first ms", 80, "median host time of the first call with given input shapes"),
-    ("steady_ms_median", "steady ms", 96, "median host time of every other call"),
-    ("host_ms_total", "host ms", 84, "host time of the row's calls, all ranks together (a backward event: the "
+    ("kind", "", 84), ("op", "op", None), ("path", "path", None), ("phase", "phase", 70),
+    ("calls", "calls", 48, "your own calls (forward), or the backward events"), ("ranks", "ranks", 56),
+    ("first_ms_median", "first ms", 62, "median host time of the first call with given input shapes"),
+    ("steady_ms_median", "steady ms", 66, "median host time of every other call"),
+    ("host_ms_total", "host ms", 72, "host time of the row's calls, all ranks together (a backward event: the "
                                      "node behind the op's output only)"),
-    ("comm_ms_within_host", "comm ms in host", 110, "collectives issued while the row's calls ran (those of the "
-                                                     "ops they called included): part of host ms"),
-    ("comm_ms_outside_host", "bwd comm ms, other nodes", 120,
+    ("comm_ms_within_host", "comm ms in host", 70, "collectives issued while the row's calls ran (those of the "
+                                                    "ops they called included): part of host ms"),
+    ("comm_ms_outside_host", "bwd comm ms, other nodes", 76,
      "backward: collectives of the op's other autograd nodes, outside host ms; they include waiting for the other "
      "ranks and run beside the rest of the backward pass: compare with the backward pass's time"),
-    ("dispatch_bound", "dispatch", 80), ("locations", "source", None)]
-GROUP_LIST_COLUMNS = [("kind", "", 100), ("ranks_text", "ranks", 110), ("calls", "calls", 56),
+    ("dispatch_bound", "dispatch", 68), ("locations", "source", None)]
+GROUP_LIST_COLUMNS = [("kind", "", 84), ("ranks_text", "ranks", 84), ("calls", "calls", 48),
                       ("in_local_shapes", "inputs (local)", None), ("out_local_shape", "output (local)", None),
-                      ("placements", "placements", None), ("host_ms", "host ms", 150), ("location", "source", None)]
+                      ("placements", "placements", None), ("host_ms", "host ms", 120), ("location", "source", None)]
+
+
+def path_column_px(paths) -> int:
+    """A width in px that holds the widest of ``paths`` as a chip (11 px UI font, about 6.2 px a character, the
+    chip's and the cell's padding): the path column never cuts a chip.
+
+    Parameters
+    ----------
+    paths : iterable of str
+        The dispatch paths the table shows.
+
+    Returns
+    -------
+    int
+        The path column's width in px (at least ``FLEXIBLE_MIN_PX``).
+
+    Examples
+    --------
+    >>> path_column_px(["function_handler"])
+    120
+    """
+    return max([FLEXIBLE_MIN_PX] + [int(6.2 * len(p)) + 21 for p in paths])
+
+
+def table_min_width(columns: list, path_px: int = FLEXIBLE_MIN_PX) -> int:
+    """The least width in px a table of ``columns`` takes: its fixed widths, ``path_px`` for the path column
+    and ``FLEXIBLE_MIN_PX`` for each other flexible column.
+
+    Parameters
+    ----------
+    columns : list
+        Column entries (field, title, width in px or None[, tooltip]).
+    path_px : int
+        The path column's width (``path_column_px``).
+
+    Returns
+    -------
+    int
+        The table's min-width in px.
+
+    Examples
+    --------
+    >>> table_min_width([("kind", "", 84), ("op", "op", None)])
+    204
+    """
+    return sum(c[2] or (path_px if c[0] == "path" else FLEXIBLE_MIN_PX) for c in columns)
 
 
 @dataclass(frozen=True)
@@ -272,6 +320,7 @@ def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
         "list_columns": [list(c) for c in LIST_COLUMNS],
         "summary_columns": [list(c) for c in SUMMARY_LIST_COLUMNS],
         "group_columns": [list(c) for c in GROUP_LIST_COLUMNS],
+        "flexible_min_px": FLEXIBLE_MIN_PX,
     }
 
 
@@ -437,7 +486,10 @@ def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
                   summary_total=len(tables.summary), summary_rows=_summary_cells(tables, max_rows),
                   calls_total=len(tables.calls), calls=_call_cells(tables.calls, max_rows),
                   errors=error_entries(trace), fallback_columns=fallback_columns, fallback_rows=fallback_rows,
-                  summary_columns=SUMMARY_LIST_COLUMNS, group_columns=GROUP_LIST_COLUMNS, list_columns=LIST_COLUMNS)
+                  summary_columns=SUMMARY_LIST_COLUMNS, group_columns=GROUP_LIST_COLUMNS, list_columns=LIST_COLUMNS,
+                  path_px=(path_px := path_column_px(set(tables.calls["path"]))),
+                  summary_min_px=table_min_width(SUMMARY_LIST_COLUMNS, path_px),
+                  list_min_px=table_min_width(LIST_COLUMNS, path_px))
 
 
 def decode_rows(data: dict) -> list[dict]:

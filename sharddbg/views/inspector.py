@@ -20,8 +20,8 @@ from .common import render, static, table_cells
 
 
 def inspector_html(layout: ShardLayout) -> str:
-    """The inspector as static HTML (no script): the header, the block diagram as a character grid, the
-    table of ranks, the warnings and notes."""
+    """The inspector as static HTML (no script): the header, the verdict (the warnings, or that spec and
+    data agree), the block diagram as a character grid, the table of ranks, the notes."""
     s0 = layout.snapshots[0]
     ranks = layout.get_ranks().assign(ok=lambda d: d["ok"].map({True: "✓", False: "⚠ mismatch"}),
                                       memory=lambda d: d["local_bytes"].map(format_bytes))
@@ -35,7 +35,7 @@ def inspector_html(layout: ShardLayout) -> str:
                   placements=", ".join(p["text"] for p in s0.get("placements") or []) or "—",
                   ranks=len(layout.ranks), grid=layout.text_grid(),
                   rank_columns=[(c, titles.get(c, c)) for c in columns], rank_rows=table_cells(ranks, columns),
-                  warnings=list(layout.warnings), notes=list(layout.notes))
+                  verdict=layout.verdict, warnings=list(layout.warnings), notes=list(layout.notes))
 
 
 class ShardInspector(anywidget.AnyWidget):

@@ -81,6 +81,28 @@ export function renderExplorer(model, el) {
   root.append(status, list, detail);
   if (data.left_out) root.insertBefore(h("div", { class: "sd-warning", text: `${data.left_out} ordinary op calls left out of the list (max_rows); errors and fallbacks are all here, and the op summary counts every call` }), status);
 
+  // an op name that may break after each dot (never inside a name), in full on hover; a backward row is marked
+  // "bwd" so it reads apart from the forward row of the same op
+  const opName = (op) => {
+    const out = h("span", { class: "sd-op-name", title: op });
+    op.split(/(?<=\.)/).forEach((part, i) => { if (i) out.append(h("wbr")); out.append(part); });
+    return out;
+  };
+  const phaseChip = (phase) => (phase === "backward"
+    ? h("span", { class: "sd-chip-phase", title: "backward: run by autograd for this op's output", text: "bwd" }) : null);
+  const opCell = (r, caret) => h("td", { class: "sd-col-op", title: r.op + (r.phase === "backward" ? " (backward)" : "") },
+    caret, opName(r.op), phaseChip(r.phase));
+  // the widest path chip, measured in the page's UI font (11 px), with the chip's and the cell's padding
+  let pathWidth = null;
+  const pathPx = () => {
+    if (pathWidth == null) {
+      const ctx = document.createElement("canvas").getContext("2d");
+      const family = getComputedStyle(root).getPropertyValue("--jp-ui-font-family").trim() || "system-ui, sans-serif";
+      ctx.font = `11px ${family}`;
+      pathWidth = Math.ceil(Math.max(data.flexible_min_px || 0, ...data.paths.map((p) => ctx.measureText(p).width + 10 + 16 + 6)));
+    }
+    return pathWidth;
+  };
   const pill = (p) => h("span", { class: "sd-path", style: `background:${data.path_colors[p] || "#777"}`, text: p });
   // an op call that raised: marked as an error first, its dispatch path after; one whose exception the user's
   // code caught is marked so, without the error's mark
@@ -204,7 +226,12 @@ export function renderExplorer(model, el) {
     const t = h("table", { class: "sd-table " + cls });
     // short columns have fixed widths, the others share the rest of the box equally: the table never grows
     // wider than its box; a long cell ends in "…" (its full text on hover)
-    t.append(h("colgroup", {}, ...cols.map(([, , w]) => h("col", w ? { style: `width:${w}px` } : {}))));
+    // ... but a flexible column never gets less than flexible_min_px, and the path column holds its widest chip:
+    // a narrow box scrolls sideways instead
+    const least = data.flexible_min_px || 0;
+    const width = (f, w) => w || (least && f === "path" ? pathPx() : null);
+    t.append(h("colgroup", {}, ...cols.map(([f, , w]) => h("col", width(f, w) ? { style: `width:${width(f, w)}px` } : {}))));
+    if (least) t.style.minWidth = cols.reduce((a, [f, , w]) => a + (width(f, w) || least), 0) + "px";
     // a column's fourth entry, where it has one, says what it counts and against what (the header's tooltip)
     t.append(h("thead", {}, h("tr", {}, ...cols.map(([, l, , help]) => h("th", help ? { text: l, title: help } : { text: l })))));
     return t;
@@ -226,10 +253,11 @@ export function renderExplorer(model, el) {
     const shown = hit.slice(0, LIMIT);
     for (const r of shown) {
       const isSel = selected && r.rank === selected[0] && r.seq === selected[1];
-      const tr = h("tr", { class: `sd-op sd-kind-${r.kind}` + (isSel ? " sd-selected" : ""), "data-rank": r.rank,
+      const tr = h("tr", { class: `sd-op sd-kind-${r.kind} sd-phase-${r.phase}` + (isSel ? " sd-selected" : ""), "data-rank": r.rank,
                            "data-seq": r.seq, "data-kind": r.kind, "data-op": r.op });
       for (const [k] of cols) {
         if (k === "path") { tr.append(h("td", { class: "sd-col-path", title: r.path }, chips(r))); continue; }
+        if (k === "op") { tr.append(opCell(r, null)); continue; }
         let v = r[k], full = null;
         if (k === "kind") { tr.append(cell("flag", flagText(r))); continue; }
         else if (k === "out_local_shape") v = shp(v);
@@ -284,7 +312,7 @@ export function renderExplorer(model, el) {
     let shownSel = false;
     for (const [s, i] of hit.slice(0, LIMIT)) {
       const open = expanded.has(i);
-      const tr = h("tr", { class: `sd-summary-row sd-kind-${s.kind}` + (open ? " sd-expanded" : ""), "data-index": i,
+      const tr = h("tr", { class: `sd-summary-row sd-kind-${s.kind} sd-phase-${s.phase}` + (open ? " sd-expanded" : ""), "data-index": i,
                            "data-op": s.op, "data-path": s.path, "data-phase": s.phase, "data-kind": s.kind });
       for (const [k] of cols) {
         if (k === "kind") {
@@ -292,7 +320,7 @@ export function renderExplorer(model, el) {
           td.title = s.kind === "error" ? `${s.errors} of ${s.calls} calls raised` : s.kind === "fallback" ? "ran through a DTensor fallback" : "";
           tr.append(td);
         } else if (k === "op") {
-          tr.append(h("td", { class: "sd-col-op", title: s.op }, h("span", { class: "sd-caret", text: open ? "▾" : "▸" }), s.op));
+          tr.append(opCell(s, h("span", { class: "sd-caret", text: open ? "▾" : "▸" })));
         } else if (k === "path") tr.append(h("td", { class: "sd-col-path", title: s.path }, chips(s)));
         else if (k === "ranks") tr.append(cell(k, s.ranks_text.replace(/^ranks? /, ""), s.ranks_text));
         else if (k === "dispatch_bound") {
@@ -318,9 +346,27 @@ export function renderExplorer(model, el) {
     return shownSel;
   }
 
+  // the path column as wide as its widest chip drawn (the page's font can differ from the measure above);
+  // once the view is on the page, so again on the next frame
+  function fitPaths() {
+    const t = list.querySelector("table.sd-op-list");
+    const chips = list.querySelectorAll("table.sd-op-list > tbody > tr > td.sd-col-path .sd-path");
+    if (!t || !chips.length || !chips[0].offsetWidth) return;
+    const need = Math.ceil(Math.max(...[...chips].map((c) => c.offsetWidth))) + 16;
+    if (need <= pathPx()) return;
+    const extra = need - pathPx();
+    pathWidth = need;
+    const cols = [...t.querySelectorAll(":scope > colgroup > col")];
+    const k = (fView && fView.value === "summary" ? data.summary_columns : data.list_columns).findIndex(([f]) => f === "path");
+    if (k >= 0 && cols[k]) cols[k].style.width = need + "px";
+    if (t.style.minWidth) t.style.minWidth = (parseFloat(t.style.minWidth) + extra) + "px";
+  }
+
   function draw() {
     const f = filters();
     const shownSel = fView && fView.value === "summary" ? drawSummary(f) : drawCalls(f);
+    fitPaths();
+    requestAnimationFrame(fitPaths);
     // a detail whose row the filters (or a collapsed summary row) took away closes with it
     if (selected && !shownSel) closeDetail();
   }

@@ -52,7 +52,8 @@ function blockLabels(data, b, rd, cd) {
   if (cd !== null) sizes.push(b.col1 - b.col0);
   const shape = b.local_shapes.length === 1 || b.local_shapes.every((l) => l.join() === b.local_shapes[0].join())
     ? shp(b.local_shapes[0]) : sizes.join(" × ");
-  lines.push([shape + (b.uneven ? "  ▼ uneven" : ""), 11, false, "sd-block-shape"]);
+  // "uneven" is only a note beside a real problem (the warnings above say what is wrong): not on the block then
+  lines.push([shape + (b.uneven && !data.warnings.length ? "  ▼ uneven" : ""), 11, false, "sd-block-shape"]);
   if (b.split_along.length) lines.push([`each its slice of dim ${b.split_along.join(", ")}`, 11, false, "sd-block-shape"]);
   return lines;
 }
@@ -102,7 +103,8 @@ function diagram(data, pair, groupId) {
       g.append(s("rect", { x: X0 + 1, y: Y0 + 1, width: BW - 2, height: BH - 2, rx: 3, fill: color,
                            "fill-opacity": b.partial ? 0.45 : 0.8, stroke: b.ok ? "#333" : "#d32f2f",
                            "stroke-width": b.ok ? 1 : 3, "stroke-dasharray": b.partial ? "6 3" : "" }));
-      if (b.uneven) g.append(s("rect", { x: X0 + 1, y: Y0 + 1, width: BW - 2, height: BH - 2, fill: "url(#sd-hatch)" }));
+      if (b.uneven) g.append(s("rect", { x: X0 + 1, y: Y0 + 1, width: BW - 2, height: BH - 2, fill: "url(#sd-hatch)",
+                                         "fill-opacity": data.warnings.length ? 0.35 : 1 }));
       const title = s("title");
       title.textContent = b.ranks.map((r, i) => `rank ${r}` + (b.coordinates[i] ? ` (${b.coordinates[i]})` : "") + `: local ${shp(b.local_shapes[i])}`).join("\n") +
         `\nrows [${b.row0}, ${b.row1}) cols [${b.col0}, ${b.col1})` + (b.uneven ? "\nuneven: less than the largest shard" : "") +
@@ -171,6 +173,13 @@ export function renderInspector(model, el) {
       h("code", { class: "sd-name", text: data.name }), " ",
       h("span", { class: "sd-meta", text: `global ${shp(data.global_shape)} · ${data.dtype} · ${meshText(data)} · ` +
         `placements ${data.placements.length ? data.placements.join(", ") : "—"} · ${data.ranks.length} ranks · ${data.total_bytes_text} in all` })));
+    // the verdict first: what is wrong (the warnings), or that the spec and the data agree; then the drawing
+    if (data.warnings.length) {
+      const w = h("div", { class: "sd-warnings sd-verdict" });
+      if (data.verdict) w.append(h("div", { class: "sd-verdict-line", text: "⚠ " + data.verdict }));
+      for (const m of data.warnings) w.append(h("div", { class: "sd-warning", text: "⚠ " + m }));
+      root.append(w);
+    } else root.append(h("div", { class: "sd-verdict sd-verdict-ok", text: "✓ " + (data.verdict || "spec and data agree") }));
     const sel = h("select", { class: "sd-dims", "aria-label": "dims drawn" });
     data.pairs.forEach((p, i) => sel.append(h("option", { value: String(i), text: p.label })));
     const pi = Math.min(model.get("pair") ?? data.default_pair, data.pairs.length - 1);
@@ -192,11 +201,6 @@ export function renderInspector(model, el) {
       h("span", { class: "sd-key sd-key-partial" }), " partial (sum over ranks)");
     root.append(legend);
     root.append(table(data));
-    if (data.warnings.length) {
-      const w = h("div", { class: "sd-warnings" });
-      for (const m of data.warnings) w.append(h("div", { class: "sd-warning", text: "⚠ " + m }));
-      root.append(w);
-    }
     if (data.notes.length) {
       const n = h("div", { class: "sd-notes" });
       for (const m of data.notes) n.append(h("div", { class: "sd-note", text: "ℹ " + m }));
