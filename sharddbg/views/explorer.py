@@ -29,7 +29,7 @@ from ..analysis.formatting import format_shape, is_missing, json_value, ranks_te
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
 from .bundle import output_bundle, view_payload
-from .common import PATH_COLORS, SEVERITY_MARKS, error_entries, fallback_table, path_color, render, static
+from .common import FINDING_CATEGORY_TITLES, PATH_COLORS, SEVERITY_MARKS, error_entries, fallback_table, path_color, render, static
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -268,6 +268,7 @@ def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
         "headline": trace.overview.headline(),
         "findings": [f.as_dict() for f in trace.findings],
         "severity_marks": SEVERITY_MARKS,
+        "category_titles": FINDING_CATEGORY_TITLES,
         "summary": _summary_rows(tables),
         "list_columns": [list(c) for c in LIST_COLUMNS],
         "summary_columns": [list(c) for c in SUMMARY_LIST_COLUMNS],
@@ -364,14 +365,15 @@ def _summary_text(tables: _Tables, max_rows: int = TEXT_SUMMARY_ROWS, max_groups
 
 def explorer_text(trace: Trace) -> str:
     """The explorer in words: what was recorded (``Trace.overview``'s headline), what is wrong (``Trace.findings``,
-    in their order, each with its mark), and the op summary, each row with its calls (identical ones on several
+    in their order, each with its mark and its category), and the op summary, each row with its calls (identical ones on several
     ranks as one line)."""
     return _text(trace, _tables(trace))
 
 
 def _text(trace: Trace, tables: _Tables) -> str:
     lines = [f"Trace explorer: {trace.overview.headline()}"]
-    lines += [f"  {SEVERITY_MARKS[f.severity]} {f.text()}" for f in trace.findings]
+    lines += [f"  {SEVERITY_MARKS[f.severity]} {FINDING_CATEGORY_TITLES[f.category]}: {f.text()}"
+              for f in trace.findings]
     lines += _summary_text(tables)
     lines.append("  (live: filters and each call on every rank, in the widget or t.to_html(path))")
     return "\n".join(lines)
@@ -433,7 +435,8 @@ def explorer_html(trace: Trace, max_rows: int = STATIC_ROWS) -> str:
 
 def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
     fallback_columns, fallback_rows = fallback_table(trace)
-    return render("explorer.html", facts=explorer_summary(trace), marks=SEVERITY_MARKS, max_rows=max_rows,
+    return render("explorer.html", facts=explorer_summary(trace), marks=SEVERITY_MARKS,
+                  categories=FINDING_CATEGORY_TITLES, max_rows=max_rows,
                   summary_total=len(tables.summary), summary_rows=_summary_cells(tables, max_rows),
                   calls_total=len(tables.calls), calls=_call_cells(tables.calls, max_rows),
                   errors=error_entries(trace), fallback_columns=fallback_columns, fallback_rows=fallback_rows,

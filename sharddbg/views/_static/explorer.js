@@ -50,11 +50,22 @@ export function renderExplorer(model, el) {
                 h("span", { class: "sd-meta", text: headline })));
   if (data.findings && data.findings.length) {
     const marks = data.severity_marks || {};
+    const titles = data.category_titles || {};
     const box = h("div", { class: "sd-findings" });
+    // each finding: its mark, its category, its first clause; the rest and the fix behind a click
+    // (a finding saved by an older sharddbg has no summary: its whole text, on one line)
     for (const f of data.findings) {
       const found = typeof f === "string" ? { severity: "warn", text: f } : f;
-      box.append(h("div", { class: `sd-finding sd-finding-${found.severity}`,
-                            text: `${marks[found.severity] || "⚠"} ${found.text}` }));
+      const cls = `sd-finding sd-finding-${found.severity}` + (found.category ? ` sd-category-${found.category}` : "");
+      const head = [`${marks[found.severity] || "⚠"} `];
+      if (found.category) head.push(h("span", { class: "sd-finding-category", text: titles[found.category] || found.category }), " ");
+      head.push(found.summary || found.text);
+      if (found.details) {
+        box.append(h("details", { class: cls }, h("summary", {}, ...head),
+                     h("div", { class: "sd-finding-details", text: found.details })));
+      } else {
+        box.append(h("div", { class: cls }, ...head));
+      }
     }
     root.append(box);
   }
