@@ -111,6 +111,9 @@ def test_02_dispatch_paths():
     check_common(nb)
     fb = outputs_text(cell_with(nb, "fb = t_net.get_fallbacks()"))
     assert "gelu" in fb and "dtensor_fallback_function" in fb
+    # host time per op and path: the backward() call, whose host time holds the whole backward pass, left out
+    own = outputs_text(cell_with(nb, "s = t_net.get_op_summary()"))
+    assert "torch.conv2d" in own and "Tensor.square" in own and "backward" not in own, own
     cost = outputs_text(cell_with(nb, "t_conv = sharddbg.last_trace()"))
     assert re.search(r"dtensor_fallback_function\s+4\s", cost) and re.search(r"function_handler\s+4\s", cost)
     check = result_of(nb, 'eval("check")')

@@ -72,7 +72,8 @@ SUMMARY_LIST_COLUMNS = [
     ("first_ms_median", "first ms", 80, "median host time of the first call with given input shapes"),
     ("steady_ms_median", "steady ms", 96, "median host time of every other call"),
     ("host_ms_total", "host ms", 84, "host time of the row's calls, all ranks together (a backward event: the "
-                                     "node behind the op's output only)"),
+                                     "node behind the op's output only; a backward() call: the whole backward pass "
+                                     "it runs, every op's backward inside it)"),
     ("comm_ms_within_host", "comm ms in host", 110, "collectives issued while the row's calls ran (those of the "
                                                      "ops they called included): part of host ms"),
     ("comm_ms_outside_host", "bwd comm ms, other nodes", 120,
