@@ -182,8 +182,23 @@ def collective_calls(rank: int, seq: int, parent: dict, name: dict) -> Collectiv
     return CollectiveCalls(own=seq, counted=counted, owner=chain[-1])
 
 
-def _parents_and_names(ops: pd.DataFrame) -> tuple[dict, dict]:
-    """(rank, seq) -> parent_seq (None at depth 0), and (rank, seq) -> op name, of every op record."""
+def op_parents_and_names(ops: pd.DataFrame) -> tuple[dict, dict]:
+    """The op records' nesting and names, as ``collective_calls`` reads them.
+
+    Parameters
+    ----------
+    ops : pandas.DataFrame
+        ``Trace.get_ops()``.
+
+    Returns
+    -------
+    tuple of dict
+        (rank, seq) -> ``parent_seq`` (None at depth 0), and (rank, seq) -> op name, of every op record.
+
+    Examples
+    --------
+    >>> parent, name = op_parents_and_names(t.get_ops())
+    """
     parent, name = {}, {}
     if ops.empty:
         return parent, name
@@ -214,7 +229,7 @@ def collective_owners(colls: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
     --------
     >>> collective_owners(t.get_collectives(), t.get_ops())[["owner", "issued_in"]].value_counts()
     """
-    parent, name = _parents_and_names(ops)
+    parent, name = op_parents_and_names(ops)
     owner, owner_seq, issued = [], [], []
     for r, s, c_op in zip(colls["rank"].tolist(), colls["op_seq"].tolist(), colls["op"].tolist()):
         c_op = NO_OP if pd.isna(c_op) else c_op
@@ -239,7 +254,7 @@ def attributed(colls: pd.DataFrame, ops: pd.DataFrame, inclusive: bool) -> pd.Da
     c["op"] = c["op"].where(c["op"].notna(), NO_OP)
     if c.empty or ops.empty:
         return c
-    parent, names = _parents_and_names(ops)
+    parent, names = op_parents_and_names(ops)
     # the name of the op record a collective names (the record is the one source of an op's name)
     c["op"] = [c_op if pd.isna(s) else names.get((int(r), int(s)), c_op)
                for r, s, c_op in zip(c["rank"], c["op_seq"], c["op"])]

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .comm import _parents_and_names, collective_calls
+from .comm import collective_calls, op_parents_and_names
 from .ops import AUTOGRAD_ENTRY_OPS, FALLBACK_PATHS, is_metadata_op
 
 SUMMARY_COLUMNS = [
@@ -127,7 +127,7 @@ def _comm_per_call(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[dict[tuple, 
     if colls.empty:
         return exclusive, inclusive
     spans = _timed_spans(ops)
-    parent, name = _parents_and_names(ops)
+    parent, name = op_parents_and_names(ops)
     for r, s, c_op, ph, ms, sent, recv, fl, t in zip(
             colls["rank"].tolist(), colls["op_seq"].tolist(), colls["op"].tolist(), colls["phase"].tolist(),
             colls["duration_ms"].tolist(), colls["bytes_sent"].tolist(), colls["bytes_recv"].tolist(),
