@@ -551,6 +551,9 @@ def test_dark_theme(session):
         head = view.locator("th").first.evaluate("e => getComputedStyle(e).backgroundColor")
         assert sum(int(v) for v in re.findall(r"\d+", head)[:3]) < 300, head  # table headers dark too
     page.locator(".sd-explorer").first.screenshot(path=str(ARTIFACTS / "browser_explorer_dark.png"))
+    findings = page.locator(".sd-explorer .sd-findings").first
+    findings.scroll_into_view_if_needed()
+    findings.screenshot(path=str(ARTIFACTS / "browser_explorer_findings_dark.png"))
     _inspector(page, "x").screenshot(path=str(ARTIFACTS / "browser_inspector_dark.png"))
 
 
