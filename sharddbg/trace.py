@@ -784,8 +784,9 @@ class Trace:
     # ---- what is wrong, in the order to read it --------------------------------------------------------
     @property
     def findings(self) -> list[Finding]:
-        """What this trace says is wrong, failures first (``analysis.findings.trace_findings``): the one list the
-        summary line, the explorer and the report render."""
+        """What this trace says is wrong, by what it means (errors, wrong results, hangs, performance, facts;
+        ``Finding.category``), then severity (``analysis.findings.trace_findings``): the one list the summary
+        line, the explorer and the report render."""
         if self._findings is None:
             self._findings = _findings.trace_findings(self)
         return list(self._findings)
@@ -796,8 +797,9 @@ class Trace:
         Returns
         -------
         pandas.DataFrame
-            In ``findings`` order (failures first). Columns: ``kind``, ``severity``, ``sentence``, ``fix``,
-            ``ranks`` (list), ``op``, ``location`` (``Finding.as_dict``).
+            In ``findings`` order (by category, then severity). Columns: ``kind``, ``severity``, ``category``,
+            ``sentence``, ``fix``, ``ranks`` (list), ``op``, ``location``, ``text``, ``summary``, ``details``
+            (``Finding.as_dict``).
 
         Examples
         --------
