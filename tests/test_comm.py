@@ -322,6 +322,20 @@ def test_every_view_puts_a_collective_under_the_same_op(cl):
     assert set(kinds.xs("torch.conv2d")["via"]) == {""}
     hovers = {(op, v) for d in fig.data if d.xaxis == "x2" for op, (_, v) in zip(d.y, d.customdata) if v}
     assert ("ShardTensor.backward", "<br>issued via ShardTensor.redistribute") in hovers
+    # a call's detail in the explorer lists the collectives its row counts, by the same rule (one call here on
+    # every rank, so the row's and the detail's are the same): the backward() call its redistribute's all_reduce,
+    # the conv's backward event those of its autograd nodes, the conv's forward call its halo exchange and, apart
+    # by phase, its backward's too
+    ops = t.get_ops()
+    expected_phases = {("ShardTensor.backward", "forward"): {"forward"}, ("torch.conv2d", "backward"): {"backward"},
+                       ("torch.conv2d", "forward"): {"forward", "backward"}}
+    for (op, phase), phases in expected_phases.items():
+        first = ops[(ops["op"] == op) & (ops["phase"] == phase) & (ops["rank"] == 0)].iloc[0]
+        listed = explorer.op_detail(t, 0, int(first["seq"]))["collectives"]
+        for shown_phase, part in listed.groupby("phase"):
+            row = rows[(rows["op"] == op) & (rows["phase"] == shown_phase)].iloc[0]
+            assert part["duration_ms"].sum() == pytest.approx(row["comm_ms_within_host"] + row["comm_ms_outside_host"])
+        assert set(listed["phase"]) == phases, (op, phase)
 
 
 def test_plain_dtensor_trace_says_why_it_has_no_ops(cl):

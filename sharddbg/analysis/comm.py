@@ -222,28 +222,31 @@ def collective_owners(colls: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
     -------
     pandas.DataFrame
         ``colls``'s index; ``owner`` (the user's own call's op name; ``NO_OP`` outside every recorded op, the
-        collective's own op where its call has no record), ``owner_seq`` (that call's seq, NA outside ops) and
-        ``issued_in`` (the op of the call that issued it, the innermost).
+        collective's own op where its call has no record), ``owner_seq`` (that call's seq, NA outside ops),
+        ``issued_in`` (the op of the call that issued it, the innermost) and ``counted_seqs`` (the calls
+        inclusive totals count it for, ``CollectiveCalls.counted``, as a list; empty outside ops).
 
     Examples
     --------
     >>> collective_owners(t.get_collectives(), t.get_ops())[["owner", "issued_in"]].value_counts()
     """
     parent, name = op_parents_and_names(ops)
-    owner, owner_seq, issued = [], [], []
+    owner, owner_seq, issued, counted = [], [], [], []
     for r, s, c_op in zip(colls["rank"].tolist(), colls["op_seq"].tolist(), colls["op"].tolist()):
         c_op = NO_OP if pd.isna(c_op) else c_op
         if pd.isna(s):
             owner.append(c_op)
             owner_seq.append(pd.NA)
             issued.append(c_op)
+            counted.append([])
             continue
         calls = collective_calls(int(r), int(s), parent, name)
         owner.append(name.get((int(r), calls.owner), c_op))
         owner_seq.append(calls.owner)
         issued.append(name.get((int(r), int(s)), c_op))
-    return pd.DataFrame({"owner": owner, "owner_seq": pd.array(owner_seq, dtype="Int64"), "issued_in": issued},
-                        index=colls.index)
+        counted.append(list(calls.counted))
+    return pd.DataFrame({"owner": owner, "owner_seq": pd.array(owner_seq, dtype="Int64"), "issued_in": issued,
+                         "counted_seqs": counted}, index=colls.index)
 
 
 def attributed(colls: pd.DataFrame, ops: pd.DataFrame, inclusive: bool) -> pd.DataFrame:

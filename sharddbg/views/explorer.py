@@ -25,6 +25,7 @@ import anywidget
 import pandas as pd
 import traitlets
 
+from ..analysis.comm import collective_owners
 from ..analysis.formatting import format_shape, is_missing, json_value, ranks_text
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
@@ -39,8 +40,10 @@ ROW_FIELDS = ["rank", "seq", "op", "path", "phase", "kind", "key", "depth", "par
               "out_global_shape", "placements", "in_placements", "dtype", "in_bytes", "out_bytes", "host_ms",
               "device_ms", "t_start_ms", "exc_type", "error", "traceback", "unmasked", "not_implemented", "in_flight",
               "spec_mismatch", "summary_row", "call_group"]
+# ``counted_seqs``: the calls a collective counts for (``analysis.comm.collective_calls``, the rule every view
+# uses): a call's detail lists the collectives it issued or enclosed, the ones its summary row's time holds.
 COLL_FIELDS = ["rank", "seq", "kind", "phase", "op_seq", "outer_op_seq", "group_ranks", "mesh_dim", "bytes_sent",
-               "bytes_recv", "duration_ms", "param"]
+               "bytes_recv", "duration_ms", "param", "counted_seqs"]
 KIND_ORDER = {"error": 0, "fallback": 1, "op": 2}
 # Two calls of one summary row with equal values here are identical: one row "ranks 0-3" when the summary row
 # expands, whatever their times. ``location`` is where in the user's code ("cell [2], line 4: `...`"), the same
@@ -203,7 +206,20 @@ def call_groups(trace: Trace) -> pd.DataFrame:
 
 
 def _collectives(trace: Trace) -> pd.DataFrame:
-    return trace.get_collectives()[COLL_FIELDS]
+    colls = trace.get_collectives()
+    return colls.assign(counted_seqs=collective_owners(colls, trace.get_ops())["counted_seqs"] if len(colls)
+                        else pd.Series(dtype=object))[COLL_FIELDS]
+
+
+def _counted_for(coll: pd.DataFrame, per_rank: pd.DataFrame) -> pd.Series:
+    """Which collectives count for the calls of ``per_rank`` (one call on every rank): a forward call's
+    collectives of both phases, a backward event's those its forward call's autograd nodes issued."""
+    backward = bool(len(per_rank)) and per_rank["phase"].iloc[0] == "backward"
+    key = "fwd_seq" if backward else "seq"
+    pairs = {(int(r), int(s)) for r, s in zip(per_rank["rank"], per_rank[key]) if not pd.isna(s)}
+    return pd.Series([(not backward or ph == "backward") and any((int(r), int(s)) in pairs for s in seqs)
+                      for r, ph, seqs in zip(coll["rank"], coll["phase"], coll["counted_seqs"])],
+                     index=coll.index, dtype=bool)
 
 
 def op_detail(trace: Trace, rank: int, seq: int) -> dict:
@@ -216,9 +232,7 @@ def op_detail(trace: Trace, rank: int, seq: int) -> dict:
     row = hit.iloc[0]
     per_rank = rows[rows["key"] == row["key"]].sort_values("rank").reset_index(drop=True)
     coll = _collectives(trace)
-    pairs = set(zip(per_rank["rank"], per_rank["seq"]))
-    mine = coll[[(r, s) in pairs or (r, o) in pairs for r, s, o in zip(coll["rank"], coll["op_seq"], coll["outer_op_seq"])]] \
-        if len(coll) else coll
+    mine = coll[_counted_for(coll, per_rank)] if len(coll) else coll
     return {"row": row.to_dict(), "per_rank": per_rank, "collectives": mine.reset_index(drop=True)}
 
 

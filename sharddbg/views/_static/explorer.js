@@ -181,8 +181,12 @@ export function renderExplorer(model, el) {
       tb.append(tr);
     }
     t.append(tb); detail.append(t);
-    const pairs = new Set(same.map((x) => x.rank + ":" + x.seq));
-    const mine = colls.filter((k) => pairs.has(k.rank + ":" + k.op_seq) || pairs.has(k.rank + ":" + k.outer_op_seq));
+    // the collectives that count for this call, as the op summary counts them (analysis.comm.collective_calls):
+    // those it issued or enclosed; for a backward event, those its forward call's autograd nodes issued
+    const backward = r.phase === "backward";
+    const pairs = new Set(same.map((x) => x.rank + ":" + (backward ? x.fwd_seq : x.seq)));
+    const counted = (k) => (k.counted_seqs || (k.op_seq == null ? [] : [k.op_seq])).some((s) => pairs.has(k.rank + ":" + s));
+    const mine = colls.filter((k) => (!backward || k.phase === "backward") && counted(k));
     detail.append(h("h4", { text: "collectives" }));
     if (!data.has_collectives) detail.append(h("div", { class: "sd-meta", text: "this trace does not record collectives" }));
     else if (!mine.length) detail.append(h("div", { class: "sd-meta", text: "no collectives recorded for this call" }));
