@@ -293,6 +293,7 @@ def test_every_view_puts_a_collective_under_the_same_op(cl):
     (its redistribute all_gather): the comm-per-op figure and get_comm_by_kind put each collective under the op
     the explorer's op summary counts it for, the user's own call, and name the op inside that issued it."""
     from sharddbg.views import explorer
+    from sharddbg.views import timeline as tl
     from sharddbg.views.comm import plot_comm_by_op
 
     t = cl.trace("cy = cnet(cx)\ncy.square().mean().backward()\ncf = cx.full_tensor()", timeout=60, display=False)
@@ -322,6 +323,10 @@ def test_every_view_puts_a_collective_under_the_same_op(cl):
     assert set(kinds.xs("torch.conv2d")["via"]) == {""}
     hovers = {(op, v) for d in fig.data if d.xaxis == "x2" for op, (_, v) in zip(d.y, d.customdata) if v}
     assert ("ShardTensor.backward", "<br>issued via ShardTensor.redistribute") in hovers
+    # the timeline's span of that all_reduce names both
+    spans = tl.collective_spans(t)
+    assert (spans["kind"] == "all_reduce").any()
+    assert any("from op ShardTensor.redistribute (in ShardTensor.backward)<br>" in h for h in spans["hover"])
     # a call's detail in the explorer lists the collectives its row counts, by the same rule (one call here on
     # every rank, so the row's and the detail's are the same): the backward() call its redistribute's all_reduce,
     # the conv's backward event those of its autograd nodes, the conv's forward call its halo exchange and, apart
