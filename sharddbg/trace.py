@@ -545,7 +545,9 @@ class Trace:
 
     def get_comm_by_kind(self) -> pd.DataFrame:
         """Communication per (op, collective kind), all ranks together: the sum over ranks beside the per-rank
-        maximum and mean of the time (``analysis.comm.comm_by_op_kind``).
+        maximum and mean of the time (``analysis.comm.comm_by_op_kind``). A collective counts for the op it
+        belongs to, as in the op summary: the user's own call it was issued in (``via`` names the op inside it
+        that issued it).
 
         Returns
         -------
@@ -554,13 +556,14 @@ class Trace:
             (collectives), ``bytes`` (sent + received, summed over ranks), ``comm_ms`` (``duration_ms``
             summed over ranks: about 4x the wall time on 4 ranks waiting together), ``comm_ms_rank_max``
             and ``comm_ms_rank_mean`` (per-rank totals: the slowest rank's, and their mean over the ranks
-            of the table), ``n_in_flight`` (never completed, not timed).
+            of the table), ``n_in_flight`` (never completed, not timed), ``via`` (the ops inside ``op`` that
+            issued them; "" when ``op`` did).
 
         Examples
         --------
         >>> t.get_comm_by_kind().head()
         """
-        return _comm.comm_by_op_kind(self.get_collectives())
+        return _comm.comm_by_op_kind(self.get_collectives(), self.get_ops())
 
     def get_comm_by_rank(self) -> pd.DataFrame:
         """Communication of each rank: collectives, in flight, bytes, time summed and as wall time, and the
@@ -781,8 +784,9 @@ class Trace:
     # ---- what is wrong, in the order to read it --------------------------------------------------------
     @property
     def findings(self) -> list[Finding]:
-        """What this trace says is wrong, failures first (``analysis.findings.trace_findings``): the one list the
-        summary line, the explorer and the report render."""
+        """What this trace says is wrong, by what it means (errors, wrong results, hangs, performance, facts;
+        ``Finding.category``), then severity (``analysis.findings.trace_findings``): the one list the summary
+        line, the explorer and the report render."""
         if self._findings is None:
             self._findings = _findings.trace_findings(self)
         return list(self._findings)
@@ -793,8 +797,9 @@ class Trace:
         Returns
         -------
         pandas.DataFrame
-            In ``findings`` order (failures first). Columns: ``kind``, ``severity``, ``sentence``, ``fix``,
-            ``ranks`` (list), ``op``, ``location`` (``Finding.as_dict``).
+            In ``findings`` order (by category, then severity). Columns: ``kind``, ``severity``, ``category``,
+            ``sentence``, ``fix``, ``ranks`` (list), ``op``, ``location``, ``text``, ``summary``, ``details``
+            (``Finding.as_dict``).
 
         Examples
         --------

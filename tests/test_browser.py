@@ -390,19 +390,30 @@ def test_explorer(session):
     exp = page.locator(".sd-explorer")
     expect(exp).to_have_count(1)
     listing = exp.locator(".sd-list")
-    # what is wrong with the recording comes under the title, as the trace's findings list it: no failure (the
-    # cell caught the exception of x + x: one line of information, last), and among the warnings the stale entry
-    # the cell's backward() left in DTensor's redistribution plan cache on every rank
+    # what is wrong with the recording comes under the title, as the trace's findings list it, by what each
+    # means: first the exception of x + x (an error the cell caught: information, no failure), then, as
+    # performance, the stale entry the cell's backward() left in DTensor's redistribution plan cache on every
+    # rank; each one line (its category, its first clause) that opens on a click to the rest and the fix
     findings = exp.locator(".sd-findings .sd-finding")
-    expect(findings.first).to_have_class(re.compile(r"\bsd-finding-warn\b"))
+    expect(findings.first).to_have_class(re.compile(r"\bsd-finding-info\b.*\bsd-category-error\b"))
+    expect(findings.first.locator(".sd-finding-category")).to_have_text("error")
     expect(exp.locator(".sd-findings .sd-finding-fail")).to_have_count(0)
     handled = exp.locator(".sd-findings .sd-finding-info", has_text="raised and the cell handled them")
     expect(handled).to_have_count(1)
-    expect(handled).to_contain_text("broken_add: expected <ShardTensor> & got <b>None</b>")  # as text
-    plan = exp.locator(".sd-findings .sd-finding-warn", has_text="ShardTensor.redistribute (in ShardTensor.backward)")
+    expect(handled.locator("summary")).to_contain_text("broken_add: expected <ShardTensor> & got <b>None</b>")
+    plan = exp.locator(".sd-findings details.sd-finding-warn", has_text="ShardTensor.redistribute (in ShardTensor.backward)")
     expect(plan).to_have_count(1)
-    expect(plan).to_contain_text("Ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward), Partial(sum) -> "
-                                 "Replicate(), changed its target spec's _sharding_shapes")
+    expect(plan.locator(".sd-finding-category")).to_have_text("performance")
+    expect(plan.locator("summary")).to_contain_text("Ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward), "
+                                                    "Partial(sum) -> Replicate()")
+    details = plan.locator(".sd-finding-details")
+    expect(details).to_be_hidden()  # closed: the fix is one click away
+    plan.locator("summary").click()
+    expect(details).to_be_visible()
+    expect(details).to_contain_text("changed its target spec's _sharding_shapes")
+    expect(details).to_contain_text("torch.distributed.tensor._redistribute")  # the fix: how to clear the cache
+    exp.locator(".sd-findings").screenshot(path=str(ARTIFACTS / "browser_explorer_findings.png"))
+    plan.locator("summary").click()  # closed again: the views below are as the test found them
     # it opens on the op summary: one row per op / path / phase, errors first (none: the one exception was
     # caught), then the fallbacks; no call yet
     expect(exp.locator("select.sd-f-view")).to_have_value("summary")
@@ -635,6 +646,9 @@ def test_dark_theme(session):
         head = view.locator("th").first.evaluate("e => getComputedStyle(e).backgroundColor")
         assert sum(int(v) for v in re.findall(r"\d+", head)[:3]) < 300, head  # table headers dark too
     page.locator(".sd-explorer").first.screenshot(path=str(ARTIFACTS / "browser_explorer_dark.png"))
+    findings = page.locator(".sd-explorer .sd-findings").first
+    findings.scroll_into_view_if_needed()
+    findings.screenshot(path=str(ARTIFACTS / "browser_explorer_findings_dark.png"))
     _inspector(page, "x").screenshot(path=str(ARTIFACTS / "browser_inspector_dark.png"))
     # native dropdowns follow the theme: their open list drawn dark, the closed one on the view's background
     select = page.locator(".sd-explorer select").first

@@ -288,6 +288,61 @@ def test_backward_comm_stands_apart_from_the_backward_events_host_time(cl):
     assert "bwd comm other nodes" in explorer.explorer_text(t)
 
 
+def test_every_view_puts_a_collective_under_the_same_op(cl):
+    """A conv forward and backward, a Partial loss's backward() (its redistribute all_reduce) and a full_tensor
+    (its redistribute all_gather): the comm-per-op figure and get_comm_by_kind put each collective under the op
+    the explorer's op summary counts it for, the user's own call, and name the op inside that issued it."""
+    from sharddbg.views import explorer
+    from sharddbg.views import timeline as tl
+    from sharddbg.views.comm import plot_comm_by_op
+
+    t = cl.trace("cy = cnet(cx)\ncy.square().mean().backward()\ncf = cx.full_tensor()", timeout=60, display=False)
+    cl.run("cnet.zero_grad(); cx.grad = None", timeout=30)
+    _check_clean(t)
+    c = _colls(t)
+    assert set(c["op"]) == {"torch.conv2d", "ShardTensor.redistribute"}  # who issued them: the innermost op
+    # the explorer's rows: within the calls' host time plus in the op's other autograd nodes, over both phases
+    rows = explorer.summary_frame(t)
+    shown = (rows["comm_ms_within_host"] + rows["comm_ms_outside_host"]).groupby(rows["op"]).sum()
+    shown = shown[shown > 0]
+    fig = plot_comm_by_op(t)
+    drawn: dict[str, float] = {}
+    for d in fig.data:
+        if d.xaxis == "x2":
+            for op, ms in zip(d.y, d.x):
+                drawn[op] = drawn.get(op, 0.0) + float(ms)
+    drawn = {op: ms for op, ms in drawn.items() if ms > 0}
+    assert set(drawn) == set(shown.index) == {"torch.conv2d", "ShardTensor.backward", "ShardTensor.full_tensor"}
+    for op, ms in drawn.items():
+        assert ms == pytest.approx(shown[op]), op
+    assert sum(drawn.values()) == pytest.approx(c["duration_ms"].sum())  # every collective once
+    # the table behind the figure says the same, and which op inside issued them
+    kinds = t.get_comm_by_kind().set_index(["op", "kind"])
+    assert kinds.loc[("ShardTensor.backward", "all_reduce"), "via"] == "ShardTensor.redistribute"
+    assert kinds.loc[("ShardTensor.full_tensor", "all_gather_into_tensor"), "via"] == "ShardTensor.redistribute"
+    assert set(kinds.xs("torch.conv2d")["via"]) == {""}
+    hovers = {(op, v) for d in fig.data if d.xaxis == "x2" for op, (_, v) in zip(d.y, d.customdata) if v}
+    assert ("ShardTensor.backward", "<br>issued via ShardTensor.redistribute") in hovers
+    # the timeline's span of that all_reduce names both
+    spans = tl.collective_spans(t)
+    assert (spans["kind"] == "all_reduce").any()
+    assert any("from op ShardTensor.redistribute (in ShardTensor.backward)<br>" in h for h in spans["hover"])
+    # a call's detail in the explorer lists the collectives its row counts, by the same rule (one call here on
+    # every rank, so the row's and the detail's are the same): the backward() call its redistribute's all_reduce,
+    # the conv's backward event those of its autograd nodes, the conv's forward call its halo exchange and, apart
+    # by phase, its backward's too
+    ops = t.get_ops()
+    expected_phases = {("ShardTensor.backward", "forward"): {"forward"}, ("torch.conv2d", "backward"): {"backward"},
+                       ("torch.conv2d", "forward"): {"forward", "backward"}}
+    for (op, phase), phases in expected_phases.items():
+        first = ops[(ops["op"] == op) & (ops["phase"] == phase) & (ops["rank"] == 0)].iloc[0]
+        listed = explorer.op_detail(t, 0, int(first["seq"]))["collectives"]
+        for shown_phase, part in listed.groupby("phase"):
+            row = rows[(rows["op"] == op) & (rows["phase"] == shown_phase)].iloc[0]
+            assert part["duration_ms"].sum() == pytest.approx(row["comm_ms_within_host"] + row["comm_ms_outside_host"])
+        assert set(listed["phase"]) == phases, (op, phase)
+
+
 def test_plain_dtensor_trace_says_why_it_has_no_ops(cl):
     """Plain torch DTensor code (its own DeviceMesh on gloo, distribute_tensor, a matmul and a sum, full_tensor):
     no op is recorded, so the findings say why, with its collectives counted from the trace."""

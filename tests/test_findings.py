@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import sharddbg
-from sharddbg.analysis.findings import FINDING_FIELDS, SEVERITIES, TRACE_FINDING_KINDS, Finding, trace_findings
+from sharddbg.analysis.findings import (CATEGORIES, CATEGORY_TITLES, FINDING_FIELDS, SEVERITIES, TRACE_FINDING_KINDS,
+                                        Finding, finding_order_key, trace_findings)
 from sharddbg.analysis.ops import AUTOGRAD_ENTRY_OPS, FALLBACK_PATHS, is_metadata_op
 from sharddbg.magics import trace_summary
 from sharddbg.trace import Trace
@@ -73,8 +74,9 @@ def test_worse_copies_add_their_findings_in_order(golden):
                                                    "within 3 s)"
     assert by_kind["dropped_events"].sentence == "7 events dropped: the recorder's buffer was full on rank 1"
     assert by_kind["dropped_events"].ranks == (1,) and "--max-events" in by_kind["dropped_events"].fix
-    # sorted by severity first, then by kind
-    order = [(SEVERITIES.index(f.severity), TRACE_FINDING_KINDS.index(f.kind)) for f in worse.findings]
+    # sorted by category first, then by severity, then by kind
+    order = [(CATEGORIES.index(f.category), SEVERITIES.index(f.severity), TRACE_FINDING_KINDS.index(f.kind))
+             for f in worse.findings]
     assert order == sorted(order)
 
 
@@ -112,16 +114,81 @@ def test_every_front_end_shows_the_same_list_in_its_order(golden, tmp_path):
     # the explorer's text: one line each, under the headline
     lines = ex.explorer_text(golden).splitlines()
     assert lines[0] == f"Trace explorer: {golden.overview.headline()}"
-    assert lines[1:1 + len(found)] == [f"  {SEVERITY_MARKS[f.severity]} {f.text()}" for f in found]
-    # the static HTML and the report: one line each, escaped, in order, classed by severity
+    assert lines[1:1 + len(found)] == [f"  {SEVERITY_MARKS[f.severity]} {CATEGORY_TITLES[f.category]}: {f.text()}"
+                                       for f in found]
+    # the static HTML and the report: one entry each, escaped, in order, classed by severity and category
     page = Path(golden.to_html(tmp_path / "report.html")).read_text()
     for rendered in (ex.explorer_html(golden), page):
-        shown = re.findall(r'<div class="sd-finding sd-finding-(\w+)">(.*?)</div>', rendered)
-        assert shown == [(f.severity, html.escape(f"{SEVERITY_MARKS[f.severity]} {f.text()}")) for f in found]
+        assert _shown_findings(rendered) == [_expected_entry(f) for f in found]
     # the widget's data and the view's payload: the findings as data
     data = ex.explorer_data(golden)
     assert data["findings"] == [f.as_dict() for f in found] and data["headline"] == golden.overview.headline()
     assert ex.explorer_summary(golden)["findings"] == data["findings"]
+
+
+def _shown_findings(rendered: str) -> list[tuple]:
+    """Each finding of a static page: (tag, severity, category, its one line, what opens under it)."""
+    return re.findall(r'<(div|details) class="sd-finding sd-finding-(\w+) sd-category-(\w+)">(?:<summary>)?(.*?)'
+                      r'(?:</summary><div class="sd-finding-details">(.*?)</div></details>|</div>)',
+                      rendered[rendered.index('<div class="sd-findings">'):], re.S)
+
+
+def _expected_entry(f: Finding) -> tuple:
+    head = html.escape(f"{SEVERITY_MARKS[f.severity]} ") + f'<span class="sd-finding-category">' \
+        f'{html.escape(CATEGORY_TITLES[f.category])}</span> {html.escape(f.summary())}'
+    return ("details" if f.details() else "div", f.severity, f.category, head, html.escape(f.details()))
+
+
+def test_findings_are_ordered_by_what_they_mean_and_collapse_to_their_first_clause(golden, tmp_path):
+    """An exception the cell caught comes before a performance warning; each long finding shows its first
+    clause, the rest and the fix behind a click, in the static explorer, the report and the widget's data."""
+    made = [Finding("plan_cache", "warn", "ranks 0-3: 4 stale entries (after 2 calls)", fix="clear it"),
+            Finding("replicas_agree", "ok", "replicas agree on every rank"),
+            Finding("error_handled", "info", "1 op call raised and the cell handled it: TypeError"),
+            Finding("incomplete_ranks", "fail", "the recording of rank 2 is incomplete"),
+            Finding("spec_mismatch", "fail", "1 result(s) whose spec disagrees"),
+            Finding("metadata_fallback", "info", "4 metadata reads through the fallback"),
+            Finding("collective_missing", "fail", "rank 3 never issued all_reduce")]
+    assert [f.kind for f in sorted(made, key=finding_order_key)] == [
+        "collective_missing", "error_handled", "spec_mismatch", "incomplete_ranks", "plan_cache",
+        "metadata_fallback", "replicas_agree"]
+    assert [f.category for f in sorted(made, key=finding_order_key)] == [
+        "error", "error", "wrong_result", "hang", "performance", "performance", "fact"]
+    # a doctor's check (a kind that is not a trace's) takes its category from its severity, or is given one
+    assert Finding("some_check", "warn", "x").category == "performance"
+    assert Finding("some_check", "fail", "x", category="wrong_result").category == "wrong_result"
+    with pytest.raises(ValueError, match="category is one of"):
+        Finding("error", "fail", "x", category="bad")
+    # the first clause, and the rest with the fix
+    plan = made[0]
+    assert plan.summary() == plan.text().split("; ")[0] and plan.details() == "clear it"
+    long = Finding("plan_cache", "warn", "ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward), a -> b, "
+                   + "changed its target spec " * 8 + "(3 now); more", fix="clear it")
+    assert long.summary() == "Ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward), a -> b"
+    assert long.details() == "changed its target spec " * 7 + "changed its target spec (3 now); more; clear it"
+    error = Finding("error", "fail", "rank 0 raised TypeError: x, y in Tensor.add (cell [2], line 6: `a, b`)"
+                    + "; PyTorch would have hidden it")
+    assert error.summary() == "Rank 0 raised TypeError: x, y in Tensor.add (cell [2], line 6: `a, b`)"
+    assert made[1].summary() == "Replicas agree on every rank" and made[1].details() == ""
+    # the golden trace with its exception handled: the handled error is an error, above the fallbacks
+    payloads = {r: copy.deepcopy(golden.payloads[r]) for r in golden.ranks}
+    for p in payloads.values():
+        for e in p["events"]:
+            if e["kind"] == "op" and e["error"] is not None:
+                e["error"]["handled"] = True
+    caught = Trace.from_payloads(payloads, golden.clock_offsets_ns)
+    assert [(f.kind, f.category) for f in caught.findings] == [
+        ("error_handled", "error"), ("fallback", "performance"), ("metadata_fallback", "performance")]
+    page = Path(caught.to_html(tmp_path / "report.html")).read_text()
+    for rendered in (ex.explorer_html(caught), page):
+        shown = _shown_findings(rendered)
+        assert shown == [_expected_entry(f) for f in caught.findings]
+        assert [s[0] for s in shown] == ["details", "details", "div"]  # the two long ones collapse
+        assert "<details open" not in rendered.split('<div class="sd-findings">')[1].split("</div></div>")[0]
+    data = ex.explorer_data(caught)
+    assert [(d["category"], d["summary"], d["details"]) for d in data["findings"]] == [
+        (f.category, f.summary(), f.details()) for f in caught.findings]
+    assert data["category_titles"] == CATEGORY_TITLES
 
 
 def test_a_finding_is_typed_and_travels_as_json():

@@ -88,8 +88,12 @@ def test_01_quickstart():
     assert explorer["data"]["text/plain"].startswith("Trace explorer: ") and "object at 0x" not in explorer["data"]["text/plain"]
     assert "broken_add: expected &lt;ShardTensor&gt;" in explorer["data"]["text/html"]
     assert explorer["data"]["application/vnd.sharddbg.trace+json"]["data"]["ranks"] == list(range(N))
-    # the backward's stale plan cache entry: the explorer leads with it, the table has one row per rank
-    assert "⚠ Ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward)" in explorer["data"]["text/plain"]
+    # the findings by what they mean: the exception the cell caught (an error, told as information) comes before
+    # the backward's stale plan cache entry (performance); the plan cache's table has one row per rank
+    shown = explorer["data"]["text/plain"]
+    assert re.search(r"ℹ error: \d+ op calls raised and the cell handled them", shown), shown
+    assert "⚠ performance: Ranks 0-3: ShardTensor.redistribute (in ShardTensor.backward)" in shown
+    assert shown.index("ℹ error: ") < shown.index("⚠ performance: Ranks 0-3: ShardTensor.redistribute")
     (plan,) = [o for o in cell_with(nb, "t.get_plan_cache()").outputs if o.get("output_type") == "execute_result"]
     rows = re.findall(r"<tr>\s*<th>\d+</th>(.*?)</tr>", plan["data"]["text/html"], re.S)
     assert len(rows) == N and all("ShardTensor.redistribute" in r and "target._sharding_shapes" in r for r in rows)
@@ -107,6 +111,9 @@ def test_02_dispatch_paths():
     check_common(nb)
     fb = outputs_text(cell_with(nb, "fb = t_net.get_fallbacks()"))
     assert "gelu" in fb and "dtensor_fallback_function" in fb
+    # host time per op and path: the backward() call, whose host time holds the whole backward pass, left out
+    own = outputs_text(cell_with(nb, "s = t_net.get_op_summary()"))
+    assert "torch.conv2d" in own and "Tensor.square" in own and "backward" not in own, own
     cost = outputs_text(cell_with(nb, "t_conv = sharddbg.last_trace()"))
     assert re.search(r"dtensor_fallback_function\s+4\s", cost) and re.search(r"function_handler\s+4\s", cost)
     check = result_of(nb, 'eval("check")')

@@ -89,11 +89,11 @@ def test_stale_entries_are_named_at_the_op_that_made_them(cl, tmp_path):
                             f"training loop (every 100 steps, say): {CLEAR_CALL}")
     assert f"{N * STEPS} times" not in finding
     # where users read it: the explorer (text, static HTML, the widget's data), the summary line, the report
-    assert f"⚠ {finding}" in explorer.explorer_text(t)
+    assert f"⚠ performance: {finding}" in explorer.explorer_text(t)
     (found,) = [f for f in t.findings if f.kind == "plan_cache"]
     assert found.as_dict() in explorer.explorer_summary(t)["findings"]
     assert found.as_dict() in explorer.explorer_data(t)["findings"]
-    assert 'class="sd-finding sd-finding-warn"' in explorer.explorer_html(t)
+    assert 'class="sd-finding sd-finding-warn sd-category-performance"' in explorer.explorer_html(t)
     assert found.text() == finding and found.severity == "warn" and found.ranks == tuple(range(N))
     assert found.sentence in trace_summary(t)
     report = t.to_html(tmp_path / "r.html")

@@ -148,7 +148,10 @@ def test_collective_spans_match_payloads(trace):
         assert s.start_ms == pytest.approx((c["t_issue_ns"] - off - t0) / 1e6)
         assert s.end_ms == pytest.approx((c["t_done_ns"] - off - t0) / 1e6)  # issue to the return of its wait
         assert s.rank < s.y < s.rank + 0.5  # below the op lanes of its rank
-        assert f"from op {c['op']}<br>sent {format_bytes(c['bytes_sent'])}" in s.hover
+        # the op that issued it, and the user's call it belongs to where that is another (the per-op views' op)
+        owner = _owner(trace, c)
+        inside = f" (in {owner})" if owner != c["op"] else ""
+        assert f"from op {c['op']}{inside}<br>sent {format_bytes(c['bytes_sent'])}" in s.hover
 
 
 def _lane_ticks(fig) -> dict[float, str]:
@@ -285,6 +288,18 @@ def test_timeline_aggregation(trace):
 
 
 # ---- communication per op -------------------------------------------------------------------------
+def _owner(trace, c) -> str:
+    """The op a collective belongs to in the per-op views, from the payloads: the user's own call (depth 0) around
+    the call that issued it, found by walking the op records' parents."""
+    if c["op_seq"] is None:
+        return c["op"] or NO_OP
+    records = {e["seq"]: e for e in trace.events(c["rank"]) if e["kind"] == "op"}
+    seq = c["op_seq"]
+    while records[seq]["parent_seq"] is not None:
+        seq = records[seq]["parent_seq"]
+    return records[seq]["op"]
+
+
 def test_comm_by_op(trace):
     df = comm_by_op_kind(trace.get_collectives())
     raw = _raw_colls(trace)
@@ -305,12 +320,20 @@ def test_comm_by_op(trace):
     for r in range(N):
         sent = sorted(c["bytes_sent"] for c in a2a if c["rank"] == r)
         assert sent == [_neighbours(r) * 3 * 64 * 4, _neighbours(r) * 4 * 64 * 4]
+    # the figure: each collective under the user's own call it was issued in (as the op summary counts it)
+    owned = {}
+    for c in raw:
+        e = owned.setdefault((_owner(trace, c), c["coll"]), [0, 0.0])
+        e[0] += c["bytes_sent"] + c["bytes_recv"]
+        e[1] += (c["t_done_ns"] - c["t_issue_ns"]) / 1e6
+    assert owned.keys() != expected.keys()  # the golden trace has collectives issued by nested calls
     fig = plot_comm_by_op(trace)
     kinds = sorted({c["coll"] for c in raw})
     assert sorted({d.name for d in fig.data}) == kinds
-    bars = {(y, d.name): x for d in fig.data if d.xaxis == "x" for y, x in zip(d.y, d.x)}
-    times = {(y, d.name): x for d in fig.data if d.xaxis == "x2" for y, x in zip(d.y, d.x)}
-    for (op, kind), (_, b, ms) in expected.items():
+    bars = {(y, d.name): x for d in fig.data if d.xaxis == "x" for y, x in zip(d.y, d.x) if x}
+    times = {(y, d.name): x for d in fig.data if d.xaxis == "x2" for y, x in zip(d.y, d.x) if x}
+    assert bars.keys() == set(owned)
+    for (op, kind), (b, ms) in owned.items():
         assert bars[(op, kind)] == b and times[(op, kind)] == pytest.approx(ms)
 
 
@@ -706,7 +729,7 @@ def test_explorer_output_bundle(trace, tmp_path, monkeypatch):
     ops = trace.get_ops()
     assert text == str(w) == w.text() and text.startswith(f"Trace explorer: {len(ops)} op calls on {N} ranks, {N} raised")
     # what is wrong, as the trace's findings say it (tests/test_findings.py): the error first, then the fallbacks
-    assert f"  ✖ Ranks 0-3 raised TypeError: {HTML_MSG} in Tensor.add (" in text
+    assert f"  ✖ error: Ranks 0-3 raised TypeError: {HTML_MSG} in Tensor.add (" in text
     assert all(op in text.splitlines()[2] for op in trace.get_fallbacks()["op"])
     # and the op summary: a line per row (its flag, op, path, phase, calls), under it a line per call group
     summary = ex.summary_frame(trace)
@@ -798,7 +821,7 @@ def test_report_standalone_and_escaped(trace, tmp_path):
     for section in ("Errors", "DTensor fallbacks", "Timeline", "Communication per op", "Imbalance", "Explorer"):
         assert f"<h2>{section}</h2>" in html
     assert f"{t.overview.headline()} · generated " in html
-    assert html.count('<div class="sd-finding ') == len(t.findings) > 0
+    assert len(re.findall(r'<(?:div|details) class="sd-finding ', html)) == len(t.findings) > 0
     for fig in ("timeline", "comm", "imbalance"):
         assert f'id="sd-fig-{fig}"' in html
     # the explorer's front end and its data, the op summary it opens on included

@@ -13,6 +13,14 @@ Definitions used throughout:
   ``max(bytes_sent, bytes_recv) / duration`` (``device_ms`` when measured, else ``duration_ms``).
 - ``wait_ms`` (imbalance): how long this rank waited for the last rank of the group to arrive at the
   same collective (``max(t_issue of all ranks at that group_seq) - own t_issue``), on the aligned clock.
+
+Which op a collective belongs to is decided once, by ``collective_calls``: the call that issued it (the
+innermost recorded op at issue; in backward, the forward call whose autograd node issued it) is its own op (self,
+exclusive totals); every enclosing recorded call counts it too (inclusive totals), each op name once, in the
+outermost call of that name; and the user's own call, the outermost (depth 0), is its ``owner``: the op the
+per-op views (``comm_by_op_kind``, the comm-per-op figure, the explorer's op summary rows) put it under. So
+the all_reduce that ``ShardTensor.redistribute`` issues inside the user's ``ShardTensor.backward()`` belongs to
+``ShardTensor.backward`` in every view, issued via ``ShardTensor.redistribute``.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ COMM_BY_OP_COLUMNS = ["op", "rank", "calls", "own_calls", "nested_calls", "n_col
                       "nested_n_collectives", "kinds", "bytes_sent", "bytes_recv", "comm_ms", "op_ms", "comm_share",
                       "bwd_n_collectives", "bwd_comm_ms", "bwd_op_ms", "n_in_flight"]
 COMM_BY_OP_KIND_COLUMNS = ["op", "kind", "calls", "bytes", "comm_ms", "comm_ms_rank_max", "comm_ms_rank_mean",
-                           "n_in_flight"]
+                           "n_in_flight", "via"]
 COMM_BY_CALL_COLUMNS = ["rank", "op_seq", "op", "path", "module", "nested", "n_collectives", "kinds", "bytes_sent",
                         "bytes_recv", "comm_ms", "op_ms", "comm_share", "user_frame", "bwd_n_collectives",
                         "bwd_comm_ms", "bwd_op_ms", "n_in_flight", "location"]
@@ -110,53 +118,160 @@ def _sum_ms(s: pd.Series) -> float:
     return float(s.sum()) if s.notna().any() else 0.0
 
 
-def op_chains(ops: pd.DataFrame) -> dict[tuple[int, int], list[int]]:
-    """(rank, seq) of every op record -> [seq, its parent's seq, ..., the outermost recorded op's seq]: the
-    calls a collective attributed to ``seq`` ran inside (inclusive totals count it for each)."""
+@dataclass(frozen=True)
+class CollectiveCalls:
+    """The recorded calls one collective counts for (``collective_calls``): the one rule of attribution.
+
+    Parameters
+    ----------
+    own : int
+        The call that issued it (its ``op_seq``): self (exclusive) totals count it here only.
+    counted : tuple of int
+        Every call inclusive totals count it for, innermost first: ``own``'s op name and each enclosing op
+        name once, each in the outermost call of that name on the chain.
+    owner : int
+        The user's own call, the outermost recorded call around it (depth 0): the op every per-op view puts it
+        under.
+
+    Examples
+    --------
+    >>> CollectiveCalls(own=5, counted=(5, 4), owner=4).owner
+    4
+    """
+
+    own: int
+    counted: tuple[int, ...]
+    owner: int
+
+
+def collective_calls(rank: int, seq: int, parent: dict, name: dict) -> CollectiveCalls:
+    """Which recorded calls a collective issued in call ``seq`` on ``rank`` belongs to: the one function that
+    decides it for every table and view (the op summary, ``comm_by_op``, ``comm_by_op_kind`` and its figure).
+
+    Parameters
+    ----------
+    rank : int
+        The collective's rank.
+    seq : int
+        Its ``op_seq``: the call that issued it.
+    parent : dict
+        (rank, seq) -> the enclosing recorded call's seq, or None at depth 0 (``parent_seq`` of ``get_ops()``).
+    name : dict
+        (rank, seq) -> the call's op name. A call without a record is named by nothing: it counts for itself.
+
+    Returns
+    -------
+    CollectiveCalls
+        ``own`` (``seq``), ``counted`` (inclusive: each op name once, in its outermost call) and ``owner`` (the
+        outermost call: the user's own).
+
+    Examples
+    --------
+    >>> collective_calls(0, 5, {(0, 4): None, (0, 5): 4},
+    ...                  {(0, 4): "ShardTensor.backward", (0, 5): "ShardTensor.redistribute"})
+    CollectiveCalls(own=5, counted=(5, 4), owner=4)
+    """
+    chain, cur = [], seq
+    while cur is not None and len(chain) < 256:  # nesting is shallow; the bound is for a corrupt file
+        chain.append(cur)
+        cur = parent.get((rank, cur))
+    outermost: dict = {}  # op name -> its outermost call on the chain
+    for s in chain:
+        outermost[name.get((rank, s), s)] = s
+    counted = tuple(s for s in chain if outermost[name.get((rank, s), s)] == s)
+    return CollectiveCalls(own=seq, counted=counted, owner=chain[-1])
+
+
+def op_parents_and_names(ops: pd.DataFrame) -> tuple[dict, dict]:
+    """The op records' nesting and names, as ``collective_calls`` reads them.
+
+    Parameters
+    ----------
+    ops : pandas.DataFrame
+        ``Trace.get_ops()``.
+
+    Returns
+    -------
+    tuple of dict
+        (rank, seq) -> ``parent_seq`` (None at depth 0), and (rank, seq) -> op name, of every op record.
+
+    Examples
+    --------
+    >>> parent, name = op_parents_and_names(t.get_ops())
+    """
+    parent, name = {}, {}
     if ops.empty:
-        return {}
-    parent = {(int(r), int(s)): (None if pd.isna(p) else int(p))
-              for r, s, p in zip(ops["rank"], ops["seq"], ops["parent_seq"])}
-    chains: dict[tuple[int, int], list[int]] = {}
-    for (r, s) in parent:
-        chain, cur, guard = [], s, 0
-        while cur is not None and guard < 256:  # depth of nesting: small; the guard is for a corrupt file
-            chain.append(cur)
-            cur = parent.get((r, cur))
-            guard += 1
-        chains[(r, s)] = chain
-    return chains
+        return parent, name
+    for r, s, p, o in zip(ops["rank"].tolist(), ops["seq"].tolist(), ops["parent_seq"].tolist(), ops["op"].tolist()):
+        parent[(int(r), int(s))] = None if pd.isna(p) else int(p)
+        name[(int(r), int(s))] = o
+    return parent, name
+
+
+def collective_owners(colls: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
+    """Which op each collective belongs to in the per-op views, and which op issued it (``collective_calls``).
+
+    Parameters
+    ----------
+    colls : pandas.DataFrame
+        ``Trace.get_collectives()``.
+    ops : pandas.DataFrame
+        ``Trace.get_ops()``.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``colls``'s index; ``owner`` (the user's own call's op name; ``NO_OP`` outside every recorded op, the
+        collective's own op where its call has no record), ``owner_seq`` (that call's seq, NA outside ops),
+        ``issued_in`` (the op of the call that issued it, the innermost) and ``counted_seqs`` (the calls
+        inclusive totals count it for, ``CollectiveCalls.counted``, as a list; empty outside ops).
+
+    Examples
+    --------
+    >>> collective_owners(t.get_collectives(), t.get_ops())[["owner", "issued_in"]].value_counts()
+    """
+    parent, name = op_parents_and_names(ops)
+    owner, owner_seq, issued, counted = [], [], [], []
+    for r, s, c_op in zip(colls["rank"].tolist(), colls["op_seq"].tolist(), colls["op"].tolist()):
+        c_op = NO_OP if pd.isna(c_op) else c_op
+        if pd.isna(s):
+            owner.append(c_op)
+            owner_seq.append(pd.NA)
+            issued.append(c_op)
+            counted.append([])
+            continue
+        calls = collective_calls(int(r), int(s), parent, name)
+        owner.append(name.get((int(r), calls.owner), c_op))
+        owner_seq.append(calls.owner)
+        issued.append(name.get((int(r), int(s)), c_op))
+        counted.append(list(calls.counted))
+    return pd.DataFrame({"owner": owner, "owner_seq": pd.array(owner_seq, dtype="Int64"), "issued_in": issued,
+                         "counted_seqs": counted}, index=colls.index)
 
 
 def attributed(colls: pd.DataFrame, ops: pd.DataFrame, inclusive: bool) -> pd.DataFrame:
-    """One row per (collective, op call it counts for): the collective's own op (``op``/``op_seq``; NO_OP for
-    none), and with ``inclusive`` every enclosing recorded call too (each call once, each op name once per
-    collective). Columns: the collective's, with ``op``/``op_seq`` replaced."""
+    """One row per (collective, op call it counts for), as ``collective_calls`` decides: the collective's own
+    op (``op``/``op_seq``; NO_OP for none), and with ``inclusive`` every enclosing recorded call too (each op
+    name once per collective). Columns: the collective's, with ``op``/``op_seq`` replaced."""
     c = colls.copy()
     c["op"] = c["op"].where(c["op"].notna(), NO_OP)
     if c.empty or ops.empty:
         return c
-    names = {(int(r), int(s)): o for r, s, o in zip(ops["rank"], ops["seq"], ops["op"])}
+    parent, names = op_parents_and_names(ops)
     # the name of the op record a collective names (the record is the one source of an op's name)
     c["op"] = [c_op if pd.isna(s) else names.get((int(r), int(s)), c_op)
                for r, s, c_op in zip(c["rank"], c["op_seq"], c["op"])]
     if not inclusive:
         return c
-    chains = op_chains(ops)
     rows, idx = [], []
     for i, (r, seq) in enumerate(zip(c["rank"], c["op_seq"])):
         if pd.isna(seq):
             idx.append(i)
             rows.append((c["op"].iat[i], pd.NA))
             continue
-        seen_names = set()
-        for s in chains.get((int(r), int(seq)), [int(seq)]):
-            name = names.get((int(r), s), c["op"].iat[i])
-            if name in seen_names:
-                continue
-            seen_names.add(name)
+        for s in collective_calls(int(r), int(seq), parent, names).counted:
             idx.append(i)
-            rows.append((name, s))
+            rows.append((names.get((int(r), s), c["op"].iat[i]), s))
     out = c.iloc[idx].reset_index(drop=True)
     out["op"] = [n for n, _ in rows]
     out["op_seq"] = pd.array([s for _, s in rows], dtype="Int64")
@@ -317,16 +432,40 @@ def _comm_by_call(c: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
     return df.sort_values(["rank", "op_seq"], kind="stable").reset_index(drop=True)
 
 
-def comm_by_op_kind(colls: pd.DataFrame) -> pd.DataFrame:
-    """Communication per (op, collective kind), all ranks together: ``calls`` (collectives), ``bytes`` (sent +
-    received, summed over ranks), ``comm_ms`` (``duration_ms`` summed over ranks: on 4 ranks waiting together
-    it is about 4x the wall time), beside ``comm_ms_rank_max`` / ``comm_ms_rank_mean`` (per-rank totals: the
-    slowest rank's, and their mean over the ranks of the table), ``n_in_flight`` (never completed; not timed).
-    Largest ``bytes`` first, then largest ``comm_ms``."""
+def comm_by_op_kind(colls: pd.DataFrame, ops: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Communication per (op, collective kind), all ranks together.
+
+    Parameters
+    ----------
+    colls : pandas.DataFrame
+        ``Trace.get_collectives()``.
+    ops : pandas.DataFrame, optional
+        ``Trace.get_ops()``: with it, a collective counts for the op it belongs to (``collective_owners``: the
+        user's own call it was issued in, as in the op summary); without it, for the op that issued it.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``op``, ``kind``, ``calls`` (collectives), ``bytes`` (sent + received, summed over ranks), ``comm_ms``
+        (``duration_ms`` summed over ranks: on 4 ranks waiting together it is about 4x the wall time),
+        ``comm_ms_rank_max`` / ``comm_ms_rank_mean`` (per-rank totals: the slowest rank's, and their mean over
+        the ranks of the table), ``n_in_flight`` (never completed; not timed), ``via`` (the ops inside ``op``
+        that issued them, comma-separated; "" when ``op`` issued them itself). Largest ``bytes`` first, then
+        largest ``comm_ms``.
+
+    Examples
+    --------
+    >>> comm_by_op_kind(t.get_collectives(), t.get_ops())[["op", "kind", "comm_ms", "via"]]
+    """
     if colls.empty:
         return pd.DataFrame(columns=COMM_BY_OP_KIND_COLUMNS)
-    c = colls.assign(op=colls["op"].where(colls["op"].notna(), NO_OP),
-                     bytes=colls["bytes_sent"].fillna(0) + colls["bytes_recv"].fillna(0),
+    own = colls["op"].where(colls["op"].notna(), NO_OP)
+    if ops is not None:
+        owners = collective_owners(colls, ops)
+        op, issued = owners["owner"], owners["issued_in"]
+    else:
+        op, issued = own, own
+    c = colls.assign(op=op, issued=issued, bytes=colls["bytes_sent"].fillna(0) + colls["bytes_recv"].fillna(0),
                      done_ms=colls["duration_ms"].fillna(0.0))
     n_ranks = max(int(c["rank"].nunique()), 1)
     g = c.groupby(["op", "kind"], sort=False).agg(calls=("kind", "size"), bytes=("bytes", "sum"),
@@ -335,6 +474,9 @@ def comm_by_op_kind(colls: pd.DataFrame) -> pd.DataFrame:
     g["comm_ms_rank_max"] = per_rank.groupby(level=[0, 1]).max()
     g["comm_ms_rank_mean"] = per_rank.groupby(level=[0, 1]).sum() / n_ranks
     g["n_in_flight"] = g["n_in_flight"].astype(int)
+    via = c[c["issued"] != c["op"]].groupby(["op", "kind"], sort=False)["issued"].agg(
+        lambda s: ", ".join(dict.fromkeys(s)))
+    g["via"] = via.reindex(g.index).fillna("")
     return g.reset_index().sort_values(["bytes", "comm_ms"], ascending=False, kind="stable").reset_index(drop=True)[
         COMM_BY_OP_KIND_COLUMNS]
 

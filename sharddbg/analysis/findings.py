@@ -1,12 +1,13 @@
 """What a recording says is wrong, in the order to read it: one list of typed findings for every front end.
 
 ``trace_findings(trace)`` decides which findings a trace has, what each says and in which order they come:
-failures first (ranks that never issued a collective the others waited in, exceptions that ended the cell,
-results whose spec disagrees with their data, replicas that diverge, a collective the pre-flight stopped,
-collectives neither completed nor failed, ranks whose recording is incomplete), then warnings
-(events dropped, stale entries in DTensor's redistribution plan cache, ops computed through a DTensor
-fallback), then what is merely so (metadata reads through the fallback, exceptions the user's code caught, a
-trace without op records and why, the checks that found nothing).
+by what a finding means (its ``category``, ``CATEGORIES``), then by severity, then by kind. Errors first (ranks
+that never issued a collective the others waited in, exceptions that ended the cell, then the ones the cell
+caught), then wrong results (results whose spec disagrees with their data, replicas that diverge, a collective
+the pre-flight stopped), then hangs and incomplete recordings (collectives neither completed nor failed, ranks
+whose recording is incomplete, events dropped), then performance (stale entries in DTensor's redistribution
+plan cache, ops computed through a DTensor fallback, metadata reads through it), then facts (a trace without op
+records and why, the checks that found nothing). A performance warning never sits above an exception.
 ``trace_overview(trace)`` holds the counts a header shows. The ``%%shard_trace`` summary line, the explorer, the
 HTML report (and anything else that shows a trace) render these two and decide nothing themselves.
 
@@ -30,16 +31,24 @@ from .plan_cache import CLEAR_CALL, main_stale_site, stale_left
 if TYPE_CHECKING:
     from ..trace import Trace
 
-__all__ = ["Finding", "TraceOverview", "SEVERITIES", "TRACE_FINDING_KINDS", "FINDING_FIELDS", "trace_findings",
-           "trace_overview", "plan_cache_finding", "findings_frame", "MAX_ERROR_FINDINGS", "MAX_FALLBACK_OPS"]
+__all__ = ["Finding", "TraceOverview", "SEVERITIES", "CATEGORIES", "CATEGORY_TITLES", "KIND_CATEGORIES",
+           "TRACE_FINDING_KINDS", "FINDING_FIELDS", "trace_findings",
+           "trace_overview", "finding_order_key", "plan_cache_finding", "findings_frame", "MAX_ERROR_FINDINGS", "MAX_FALLBACK_OPS"]
 
 # How bad, in the order a list of findings is read: the mistake is there; a risk or a cost; a fact worth
 # knowing; a check that found nothing wrong; nothing to examine.
 SEVERITIES = ("fail", "warn", "info", "ok", "skip")
-# A trace's findings, each kind in this order within its severity.
+# What a finding means, in the order a list of findings is read (before severity): something raised or never
+# came; a result is wrong; something did not finish; it is slow; a fact.
+CATEGORIES = ("error", "wrong_result", "hang", "performance", "fact")
+# Each category as a front end names it.
+CATEGORY_TITLES = {"error": "error", "wrong_result": "wrong result", "hang": "hang / incomplete",
+                   "performance": "performance", "fact": "fact"}
+# A trace's findings, each kind in this order within its category and severity.
 TRACE_FINDING_KINDS = (
     "collective_missing",  # ranks of a group never issued a collective others waited in: the cause, said first
     "error",  # an exception that ended the cell, per distinct (type, message, op); the ranks that raised it, where
+    "error_handled",  # op calls that raised and the user's code caught (pytest.raises, try/except)
     "spec_mismatch",  # ShardTensor results whose spec disagrees with their local tensor (recorded spec check)
     "replica_divergence",  # tensors claiming Replicate whose ranks hold different values (replicas=True)
     "preflight_mismatch",  # a collective the pre-flight stopped: its group disagreed on shapes (preflight=True)
@@ -49,7 +58,6 @@ TRACE_FINDING_KINDS = (
     "plan_cache",  # stale entries left in DTensor's redistribution plan cache: each step gets slower
     "fallback",  # ops computed through a DTensor fallback
     "metadata_fallback",  # metadata reads (shape, ndim, ...) through the fallback
-    "error_handled",  # op calls that raised and the user's code caught (pytest.raises, try/except)
     "no_recorded_ops",  # no op was recorded: why the tables are empty (plain DTensor / torch.distributed code)
     "preflight_ok",  # the pre-flight compared every collective (some may have been late)
     "replicas_agree",  # every digested replica agreed
@@ -57,8 +65,19 @@ TRACE_FINDING_KINDS = (
 MAX_ERROR_FINDINGS = 3  # distinct exceptions named one by one; the rest in one more finding
 MAX_FALLBACK_OPS = 4  # ops named in the fallback finding
 PLAN_CACHE_FIX = f"clear the cache now and then in the training loop (every 100 steps, say): {CLEAR_CALL}"
+# The category of each kind of a trace's finding. A kind not here (a doctor's check) takes it from its severity.
+KIND_CATEGORIES = {
+    "collective_missing": "error", "error": "error", "error_handled": "error",
+    "spec_mismatch": "wrong_result", "replica_divergence": "wrong_result", "preflight_mismatch": "wrong_result",
+    "collective_unfinished": "hang", "incomplete_ranks": "hang", "dropped_events": "hang",
+    "plan_cache": "performance", "fallback": "performance", "metadata_fallback": "performance",
+    "no_recorded_ops": "fact", "preflight_ok": "fact", "replicas_agree": "fact",
+}
+_SEVERITY_CATEGORIES = {"fail": "error", "warn": "performance", "info": "fact", "ok": "fact", "skip": "fact"}
+SUMMARY_CHARS = 160  # a first clause longer than this is cut at a comma, colon or parenthesis within it
 # The fields of a finding as JSON (``Finding.as_dict``, ``findings_frame``), in order.
-FINDING_FIELDS = ("kind", "severity", "sentence", "fix", "ranks", "op", "location", "text")
+FINDING_FIELDS = ("kind", "severity", "category", "sentence", "fix", "ranks", "op", "location", "text", "summary",
+                  "details")
 
 
 @dataclass(frozen=True)
@@ -84,18 +103,22 @@ class Finding:
         The op concerned, where one is.
     location : str or None
         Where in the user's code ("cell [6], line 5: `y = x + x`"), where known.
+    category : str, default ""
+        What it means, one of ``CATEGORIES`` (the first key of a list's order); "" takes the kind's
+        (``KIND_CATEGORIES``), or for a kind not there the severity's ("fail": "error", "warn": "performance",
+        else "fact").
 
     Raises
     ------
     ValueError
-        ``severity`` is not one of ``SEVERITIES``.
+        ``severity`` is not one of ``SEVERITIES``, or ``category`` not one of ``CATEGORIES``.
 
     Examples
     --------
     >>> [f.kind for f in t.findings if f.severity == "fail"]
     >>> f = Finding("incomplete_ranks", "fail", "the recording of rank 3 is incomplete", ranks=(3,))
-    >>> f.severity, f.fix
-    ('fail', '')
+    >>> f.severity, f.category, f.fix
+    ('fail', 'hang', '')
     """
 
     kind: str
@@ -105,10 +128,55 @@ class Finding:
     ranks: tuple[int, ...] = field(default=())
     op: str | None = None
     location: str | None = None
+    category: str = ""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
             raise ValueError(f"a finding's severity is one of {SEVERITIES}, got {self.severity!r}")
+        if not self.category:  # frozen: the derived category is set once, here
+            object.__setattr__(self, "category",
+                               KIND_CATEGORIES.get(self.kind, _SEVERITY_CATEGORIES[self.severity]))
+        if self.category not in CATEGORIES:
+            raise ValueError(f"a finding's category is one of {CATEGORIES}, got {self.category!r}")
+
+    def summary(self) -> str:
+        """The finding's first clause: the one line a front end shows before the details are opened.
+
+        The sentence up to its first "; "; when that is longer than ``SUMMARY_CHARS``, up to the last ", ",
+        ": " or " (" within them. Never cut inside parentheses, brackets or `code`. The first letter is
+        capitalised, as in ``text()``.
+
+        Returns
+        -------
+        str
+            The line, without a final period.
+
+        Examples
+        --------
+        >>> Finding("dropped_events", "warn", "120 events dropped; rank 1", fix="raise max_events").summary()
+        '120 events dropped'
+        """
+        head = self.sentence[:_clause_end(self.sentence)]
+        return head[:1].upper() + head[1:]
+
+    def details(self) -> str:
+        """What ``summary()`` leaves out: the rest of the sentence, then the fix ("" when nothing is left).
+
+        Returns
+        -------
+        str
+            The rest of the sentence as it is (starting with its own "; ", " (" or ": "), then "; " and the
+            fix when there is one; "" when the summary is the whole finding.
+
+        Examples
+        --------
+        >>> Finding("dropped_events", "warn", "120 events dropped; rank 1", fix="raise max_events").details()
+        'rank 1; raise max_events'
+        """
+        rest = self.sentence[_clause_end(self.sentence):].lstrip(";:, ").strip()
+        if self.fix:
+            rest = f"{rest}; {self.fix}" if rest else self.fix
+        return rest
 
     def text(self) -> str:
         """The sentence and the fix, as one line that reads on its own (first letter capitalised).
@@ -137,8 +205,9 @@ class Finding:
         Returns
         -------
         dict
-            ``kind``, ``severity``, ``sentence``, ``fix``, ``ranks`` (a list of int), ``op``, ``location``, and
-            ``text`` (``text()``: the line a front end shows), in that order.
+            ``kind``, ``severity``, ``category``, ``sentence``, ``fix``, ``ranks`` (a list of int), ``op``,
+            ``location``, ``text`` (``text()``: the whole line), ``summary`` (``summary()``: the line a front
+            end shows first) and ``details`` (``details()``: what opens under it), in that order.
 
         Examples
         --------
@@ -146,8 +215,31 @@ class Finding:
         >>> f.as_dict()["ranks"], list(f.as_dict()) == list(FINDING_FIELDS)
         ([3], True)
         """
-        return {"kind": self.kind, "severity": self.severity, "sentence": self.sentence, "fix": self.fix,
-                "ranks": [int(r) for r in self.ranks], "op": self.op, "location": self.location, "text": self.text()}
+        return {"kind": self.kind, "severity": self.severity, "category": self.category, "sentence": self.sentence,
+                "fix": self.fix, "ranks": [int(r) for r in self.ranks], "op": self.op, "location": self.location,
+                "text": self.text(), "summary": self.summary(), "details": self.details()}
+
+
+def _clause_end(sentence: str) -> int:
+    """Where the first clause of ``sentence`` ends (``Finding.summary``): its first "; ", or for a long one the
+    last ", ", ": " or " (" within ``SUMMARY_CHARS``; only outside parentheses, brackets and `code`."""
+    depth, code, stops, commas = 0, False, [], []
+    for i, ch in enumerate(sentence):
+        if ch == "`":
+            code = not code
+        elif not code and ch in "([":
+            if ch == "(" and depth == 0 and i > 0 and sentence[i - 1] == " ":
+                commas.append(i - 1)
+            depth += 1
+        elif not code and ch in ")]":
+            depth = max(0, depth - 1)
+        elif not code and depth == 0 and sentence[i:i + 2] in ("; ", ", ", ": "):
+            (stops if ch == ";" else commas).append(i)
+    end = stops[0] if stops else len(sentence)
+    if end > SUMMARY_CHARS:
+        within = [i for i in commas if 20 <= i <= SUMMARY_CHARS]
+        end = within[-1] if within else end
+    return end
 
 
 @dataclass(frozen=True)
@@ -293,12 +385,34 @@ def trace_overview(trace: Trace) -> TraceOverview:
 
 
 def trace_findings(trace: Trace) -> list[Finding]:
-    """Every finding of ``trace``, failures first, each severity in ``TRACE_FINDING_KINDS`` order."""
+    """Every finding of ``trace``: by category (``CATEGORIES``), then severity, then ``TRACE_FINDING_KINDS``."""
     found = [*_missing_collectives(trace), *_errors(trace), *_spec_mismatches(trace), *_replicas(trace),
              *_preflight(trace), *_unfinished_collectives(trace), *_incomplete(trace), *_dropped(trace),
              *_plan_cache(trace), *_fallbacks(trace), *_no_recorded_ops(trace)]
-    order = {k: i for i, k in enumerate(TRACE_FINDING_KINDS)}
-    return sorted(found, key=lambda f: (SEVERITIES.index(f.severity), order.get(f.kind, len(order))))
+    return sorted(found, key=finding_order_key)
+
+
+def finding_order_key(finding: Finding) -> tuple[int, int, int]:
+    """Where ``finding`` goes in a list: by what it means, then how bad, then its kind.
+
+    Parameters
+    ----------
+    finding : Finding
+        The finding.
+
+    Returns
+    -------
+    tuple of int
+        Its category's index in ``CATEGORIES``, its severity's in ``SEVERITIES``, its kind's in
+        ``TRACE_FINDING_KINDS`` (a kind not there after them all).
+
+    Examples
+    --------
+    >>> sorted(findings, key=finding_order_key)
+    """
+    kinds = TRACE_FINDING_KINDS
+    return (CATEGORIES.index(finding.category), SEVERITIES.index(finding.severity),
+            kinds.index(finding.kind) if finding.kind in kinds else len(kinds))
 
 
 def findings_frame(findings: list[Finding]) -> pd.DataFrame:

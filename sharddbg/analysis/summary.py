@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from .comm import collective_calls, op_parents_and_names
 from .ops import AUTOGRAD_ENTRY_OPS, FALLBACK_PATHS, is_metadata_op
 
 SUMMARY_COLUMNS = [
@@ -118,18 +119,15 @@ def _timed_spans(ops: pd.DataFrame) -> dict[tuple, list[tuple[int, float]]]:
 
 def _comm_per_call(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[dict[tuple, _CallComm], dict[tuple, _CallComm]]:
     """(rank, forward seq, phase) -> the communication of that call: its own (exclusive) and with its nested
-    ops' (inclusive), as ``comm.attributed`` attributes them (a collective counts once for each op name on its
-    chain of enclosing calls). Plain Python over the rows: on tables of a trace's size it is many times faster
+    ops' (inclusive), as ``comm.collective_calls`` attributes them (a collective counts once for each op name on
+    its chain of enclosing calls, in the outermost call of that name). Plain Python over the rows: on tables of a trace's size it is many times faster
     than pandas."""
     exclusive: dict[tuple, _CallComm] = {}
     inclusive: dict[tuple, _CallComm] = {}
     if colls.empty:
         return exclusive, inclusive
     spans = _timed_spans(ops)
-    parent, name = {}, {}
-    for r, s, p, o in zip(ops["rank"].tolist(), ops["seq"].tolist(), ops["parent_seq"].tolist(), ops["op"].tolist()):
-        parent[(int(r), int(s))] = None if _missing(p) else int(p)
-        name[(int(r), int(s))] = o
+    parent, name = op_parents_and_names(ops)
     for r, s, c_op, ph, ms, sent, recv, fl, t in zip(
             colls["rank"].tolist(), colls["op_seq"].tolist(), colls["op"].tolist(), colls["phase"].tolist(),
             colls["duration_ms"].tolist(), colls["bytes_sent"].tolist(), colls["bytes_recv"].tolist(),
@@ -140,14 +138,8 @@ def _comm_per_call(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[dict[tuple, 
         ph = "backward" if ph == "backward" else "forward"
         done_ms = 0.0 if _missing(ms) else float(ms)
         moved = (0 if _missing(sent) else int(sent)) + (0 if _missing(recv) else int(recv))
-        chain, cur, seen = [], s, set()
-        while cur is not None and len(chain) < 256:  # nesting is shallow; the bound is for a corrupt file
-            op_name = name.get((r, cur), c_op)
-            if op_name not in seen:
-                seen.add(op_name)
-                chain.append(cur)
-            cur = parent.get((r, cur))
-        for table, calls in ((exclusive, chain[:1]), (inclusive, chain)):
+        counts_for = collective_calls(r, s, parent, name)  # the one rule of attribution (analysis.comm)
+        for table, calls in ((exclusive, (counts_for.own,)), (inclusive, counts_for.counted)):
             for call in calls:
                 key = (r, call, ph)
                 a = table.setdefault(key, _CallComm())

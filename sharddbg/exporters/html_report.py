@@ -16,7 +16,7 @@ import pandas as pd
 
 from ..files import refuse_folder, write_file_atomically
 from ..views.comm import plot_comm_by_op
-from ..views.common import (SEVERITY_MARKS, error_entries, fallback_table, json_for_script, module_as_script,
+from ..views.common import (FINDING_CATEGORY_TITLES, SEVERITY_MARKS, error_entries, fallback_table, json_for_script, module_as_script,
                             path_color, render, static)
 from ..views.explorer import DEFAULT_MAX_ROWS, explorer_data
 from ..views.imbalance import plot_imbalance
@@ -44,6 +44,7 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
     doc = render("report.html", title=title, headline=trace.overview.headline(),
                  generated=_dt.datetime.now().isoformat(timespec="seconds"),
                  findings=[f.as_dict() for f in trace.findings], marks=SEVERITY_MARKS,
+                 categories=FINDING_CATEGORY_TITLES,
                  paths=[{"path": p, "color": path_color(p), "calls": int(n)} for p, n in paths.items()],
                  code=trace.meta.get("code"), errors=error_entries(trace), fallback_columns=fallback_columns,
                  fallback_rows=fallback_rows, figures=fig_html,

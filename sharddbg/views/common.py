@@ -9,6 +9,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..analysis.findings import CATEGORY_TITLES
+
 if TYPE_CHECKING:
     import jinja2
 
@@ -30,6 +32,8 @@ PATH_COLORS = {
 ERROR_COLOR = "#8b0000"
 # A finding's mark, by its severity (analysis.findings.SEVERITIES): the explorer, the report and their text show it.
 SEVERITY_MARKS = {"fail": "✖", "warn": "⚠", "info": "ℹ", "ok": "✔", "skip": "·"}
+# A finding's category as the explorer, the report and their text name it (analysis.findings.CATEGORIES).
+FINDING_CATEGORY_TITLES = CATEGORY_TITLES
 SPEC_COLOR = "#b8860b"  # a result whose spec disagrees with its local tensor: amber, apart from errors and paths
 # Collective kinds: blues, violets, greens and cyans only (hues 110-290 degrees), so that no collective
 # shares a hue with the orange and red DTensor fallbacks; one colour per family, the same in every figure.

@@ -25,11 +25,12 @@ import anywidget
 import pandas as pd
 import traitlets
 
+from ..analysis.comm import collective_owners
 from ..analysis.formatting import format_shape, is_missing, json_value, ranks_text
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
 from .bundle import output_bundle, view_payload
-from .common import PATH_COLORS, SEVERITY_MARKS, error_entries, fallback_table, path_color, render, static
+from .common import FINDING_CATEGORY_TITLES, PATH_COLORS, SEVERITY_MARKS, error_entries, fallback_table, path_color, render, static
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -39,8 +40,10 @@ ROW_FIELDS = ["rank", "seq", "op", "path", "phase", "kind", "key", "depth", "par
               "out_global_shape", "placements", "in_placements", "dtype", "in_bytes", "out_bytes", "host_ms",
               "device_ms", "t_start_ms", "exc_type", "error", "traceback", "unmasked", "not_implemented", "in_flight",
               "spec_mismatch", "summary_row", "call_group"]
+# ``counted_seqs``: the calls a collective counts for (``analysis.comm.collective_calls``, the rule every view
+# uses): a call's detail lists the collectives it issued or enclosed, the ones its summary row's time holds.
 COLL_FIELDS = ["rank", "seq", "kind", "phase", "op_seq", "outer_op_seq", "group_ranks", "mesh_dim", "bytes_sent",
-               "bytes_recv", "duration_ms", "param"]
+               "bytes_recv", "duration_ms", "param", "counted_seqs"]
 KIND_ORDER = {"error": 0, "fallback": 1, "op": 2}
 # Two calls of one summary row with equal values here are identical: one row "ranks 0-3" when the summary row
 # expands, whatever their times. ``location`` is where in the user's code ("cell [2], line 4: `...`"), the same
@@ -74,7 +77,8 @@ SUMMARY_LIST_COLUMNS = [
     ("first_ms_median", "first ms", 62, "median host time of the first call with given input shapes"),
     ("steady_ms_median", "steady ms", 66, "median host time of every other call"),
     ("host_ms_total", "host ms", 72, "host time of the row's calls, all ranks together (a backward event: the "
-                                     "node behind the op's output only)"),
+                                     "node behind the op's output only; a backward() call: the whole backward pass "
+                                     "it runs, every op's backward inside it)"),
     ("comm_ms_within_host", "comm ms in host", 70, "collectives issued while the row's calls ran (those of the "
                                                     "ops they called included): part of host ms"),
     ("comm_ms_outside_host", "bwd comm ms, other nodes", 76,
@@ -250,7 +254,20 @@ def call_groups(trace: Trace) -> pd.DataFrame:
 
 
 def _collectives(trace: Trace) -> pd.DataFrame:
-    return trace.get_collectives()[COLL_FIELDS]
+    colls = trace.get_collectives()
+    return colls.assign(counted_seqs=collective_owners(colls, trace.get_ops())["counted_seqs"] if len(colls)
+                        else pd.Series(dtype=object))[COLL_FIELDS]
+
+
+def _counted_for(coll: pd.DataFrame, per_rank: pd.DataFrame) -> pd.Series:
+    """Which collectives count for the calls of ``per_rank`` (one call on every rank): a forward call's
+    collectives of both phases, a backward event's those its forward call's autograd nodes issued."""
+    backward = bool(len(per_rank)) and per_rank["phase"].iloc[0] == "backward"
+    key = "fwd_seq" if backward else "seq"
+    pairs = {(int(r), int(s)) for r, s in zip(per_rank["rank"], per_rank[key]) if not pd.isna(s)}
+    return pd.Series([(not backward or ph == "backward") and any((int(r), int(s)) in pairs for s in seqs)
+                      for r, ph, seqs in zip(coll["rank"], coll["phase"], coll["counted_seqs"])],
+                     index=coll.index, dtype=bool)
 
 
 def op_detail(trace: Trace, rank: int, seq: int) -> dict:
@@ -263,9 +280,7 @@ def op_detail(trace: Trace, rank: int, seq: int) -> dict:
     row = hit.iloc[0]
     per_rank = rows[rows["key"] == row["key"]].sort_values("rank").reset_index(drop=True)
     coll = _collectives(trace)
-    pairs = set(zip(per_rank["rank"], per_rank["seq"]))
-    mine = coll[[(r, s) in pairs or (r, o) in pairs for r, s, o in zip(coll["rank"], coll["op_seq"], coll["outer_op_seq"])]] \
-        if len(coll) else coll
+    mine = coll[_counted_for(coll, per_rank)] if len(coll) else coll
     return {"row": row.to_dict(), "per_rank": per_rank, "collectives": mine.reset_index(drop=True)}
 
 
@@ -316,6 +331,7 @@ def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
         "headline": trace.overview.headline(),
         "findings": [f.as_dict() for f in trace.findings],
         "severity_marks": SEVERITY_MARKS,
+        "category_titles": FINDING_CATEGORY_TITLES,
         "summary": _summary_rows(tables),
         "list_columns": [list(c) for c in LIST_COLUMNS],
         "summary_columns": [list(c) for c in SUMMARY_LIST_COLUMNS],
@@ -413,14 +429,15 @@ def _summary_text(tables: _Tables, max_rows: int = TEXT_SUMMARY_ROWS, max_groups
 
 def explorer_text(trace: Trace) -> str:
     """The explorer in words: what was recorded (``Trace.overview``'s headline), what is wrong (``Trace.findings``,
-    in their order, each with its mark), and the op summary, each row with its calls (identical ones on several
+    in their order, each with its mark and its category), and the op summary, each row with its calls (identical ones on several
     ranks as one line)."""
     return _text(trace, _tables(trace))
 
 
 def _text(trace: Trace, tables: _Tables) -> str:
     lines = [f"Trace explorer: {trace.overview.headline()}"]
-    lines += [f"  {SEVERITY_MARKS[f.severity]} {f.text()}" for f in trace.findings]
+    lines += [f"  {SEVERITY_MARKS[f.severity]} {FINDING_CATEGORY_TITLES[f.category]}: {f.text()}"
+              for f in trace.findings]
     lines += _summary_text(tables)
     lines.append("  (live: filters and each call on every rank, in the widget or t.to_html(path))")
     return "\n".join(lines)
@@ -482,7 +499,8 @@ def explorer_html(trace: Trace, max_rows: int = STATIC_ROWS) -> str:
 
 def _html(trace: Trace, tables: _Tables, max_rows: int) -> str:
     fallback_columns, fallback_rows = fallback_table(trace)
-    return render("explorer.html", facts=explorer_summary(trace), marks=SEVERITY_MARKS, max_rows=max_rows,
+    return render("explorer.html", facts=explorer_summary(trace), marks=SEVERITY_MARKS,
+                  categories=FINDING_CATEGORY_TITLES, max_rows=max_rows,
                   summary_total=len(tables.summary), summary_rows=_summary_cells(tables, max_rows),
                   calls_total=len(tables.calls), calls=_call_cells(tables.calls, max_rows),
                   errors=error_entries(trace), fallback_columns=fallback_columns, fallback_rows=fallback_rows,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from ..analysis.comm import NO_OP, matched_collectives
+from ..analysis.comm import NO_OP, collective_owners, matched_collectives
 from ..analysis.ops import AUTOGRAD_ENTRY_OPS
 from ..analysis.formatting import format_bytes, format_shape
 from ..analysis.timeline import (ERROR_CATEGORY, collective_span_frame, in_window, op_span_frame,
@@ -173,11 +173,15 @@ def collective_spans(trace: Trace) -> pd.DataFrame:
         across[link.collective] = (
             f"<br>{esc(link.group)} #{link.group_seq}: rank {link.last_rank} issued it last, "
             f"{link.lag_ms:.3f} ms after rank {link.first_rank}")
+    # the user's call it belongs to, as every per-op view counts it (analysis.comm.collective_owners), where it is
+    # not the op that issued it
+    owners = collective_owners(colls, trace.get_ops())
+    within = [f" (in {esc(o)})" if o != i else "" for o, i in zip(owners["owner"], owners["issued_in"])]
     df["hover"] = [
-        f"<b>{esc(c.kind)}</b> · rank {int(c.rank)}<br>from op {esc(c.op if isinstance(c.op, str) else NO_OP)}<br>"
+        f"<b>{esc(c.kind)}</b> · rank {int(c.rank)}<br>from op {esc(c.op if isinstance(c.op, str) else NO_OP)}{inside}<br>"
         f"sent {format_bytes(c.bytes_sent)} · received {format_bytes(c.bytes_recv)}<br>{c.end_ms - c.start_ms:.3f} ms"
         + across.get(c.collective, f"<br>{esc(c.group)} #{c.group_seq}")
-        for c in df.itertuples(index=False)]
+        for c, inside in zip(df.itertuples(index=False), within)]
     return df[COLLECTIVE_SPAN_COLUMNS]
 
 

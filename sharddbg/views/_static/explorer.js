@@ -50,11 +50,22 @@ export function renderExplorer(model, el) {
                 h("span", { class: "sd-meta", text: headline })));
   if (data.findings && data.findings.length) {
     const marks = data.severity_marks || {};
+    const titles = data.category_titles || {};
     const box = h("div", { class: "sd-findings" });
+    // each finding: its mark, its category, its first clause; the rest and the fix behind a click
+    // (a finding saved by an older sharddbg has no summary: its whole text, on one line)
     for (const f of data.findings) {
       const found = typeof f === "string" ? { severity: "warn", text: f } : f;
-      box.append(h("div", { class: `sd-finding sd-finding-${found.severity}`,
-                            text: `${marks[found.severity] || "⚠"} ${found.text}` }));
+      const cls = `sd-finding sd-finding-${found.severity}` + (found.category ? ` sd-category-${found.category}` : "");
+      const head = [`${marks[found.severity] || "⚠"} `];
+      if (found.category) head.push(h("span", { class: "sd-finding-category", text: titles[found.category] || found.category }), " ");
+      head.push(found.summary || found.text);
+      if (found.details) {
+        box.append(h("details", { class: cls }, h("summary", {}, ...head),
+                     h("div", { class: "sd-finding-details", text: found.details })));
+      } else {
+        box.append(h("div", { class: cls }, ...head));
+      }
     }
     root.append(box);
   }
@@ -192,8 +203,12 @@ export function renderExplorer(model, el) {
       tb.append(tr);
     }
     t.append(tb); detail.append(t);
-    const pairs = new Set(same.map((x) => x.rank + ":" + x.seq));
-    const mine = colls.filter((k) => pairs.has(k.rank + ":" + k.op_seq) || pairs.has(k.rank + ":" + k.outer_op_seq));
+    // the collectives that count for this call, as the op summary counts them (analysis.comm.collective_calls):
+    // those it issued or enclosed; for a backward event, those its forward call's autograd nodes issued
+    const backward = r.phase === "backward";
+    const pairs = new Set(same.map((x) => x.rank + ":" + (backward ? x.fwd_seq : x.seq)));
+    const counted = (k) => (k.counted_seqs || (k.op_seq == null ? [] : [k.op_seq])).some((s) => pairs.has(k.rank + ":" + s));
+    const mine = colls.filter((k) => (!backward || k.phase === "backward") && counted(k));
     detail.append(h("h4", { text: "collectives" }));
     if (!data.has_collectives) detail.append(h("div", { class: "sd-meta", text: "this trace does not record collectives" }));
     else if (!mine.length) detail.append(h("div", { class: "sd-meta", text: "no collectives recorded for this call" }));
