@@ -380,7 +380,7 @@ class RankExecution:
         self.check_group()
         self.check_not_stuck(ranks)
         self.check_controller()
-        ar = self.view_of(ranks).execute(code, silent=False, block=False)
+        ar = _execute(self.view_of(ranks), code)
         with self.unwaited_if_interrupted(ar, ranks):
             return self.collect(ar, ranks, timeout, display=display, what="the cell")
 
@@ -392,7 +392,7 @@ class RankExecution:
         self.check_group()
         self.check_not_stuck(ranks)
         self.check_controller()
-        ar = self.view_of(ranks).execute(code, silent=False, block=False)
+        ar = _execute(self.view_of(ranks), code)
         self._unwaited.update(zip(ar.msg_ids, ranks))
         return PendingCell(self, ar, ranks, timeout)
 
@@ -1084,6 +1084,37 @@ def _publish(displays: list) -> None:
         return
     for item in displays:
         publish_display_data(item.get("data", {}), item.get("metadata", {}))
+
+
+def _execute(view, code: str):
+    """``view.execute(code)`` without waiting, the notebook's execution count of the cell sending it in the
+    request's metadata: the ranks name their cell by it (``engine.recorder.cells``), not by their own count."""
+    from ipyparallel import AsyncResult
+
+    from ..engine.recorder.cells import NOTEBOOK_CELL_KEY
+
+    metadata = {"label": view.label, NOTEBOOK_CELL_KEY: _notebook_cell()}
+    idents, targets = view.client._build_targets(view.targets)
+    futures = [view.client.send_execute_request(view._socket, code, silent=False, ident=ident, metadata=metadata)
+               for ident in idents]
+    return AsyncResult(view.client, futures, fname="execute", targets=targets, owner=True)
+
+
+def _notebook_cell() -> int | None:
+    """The execution count (``In[n]``) of the notebook cell running now; None outside IPython (a plain script).
+
+    The running cell's result holds its count: the shell's ``execution_count`` is already the next cell's
+    while a cell runs (IPython counts up before running it)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    if shell is None:
+        return None
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(running, "execution_count", None)
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def _strip_ansi(text) -> str:
