@@ -104,7 +104,9 @@ def short_message(message: str) -> str:
     return _GLOO_SIGN_OFF.sub("", _SOURCE_PREFIX.sub("", first))
 
 
-_CELL_FRAME = re.compile(r"^Cell In\[\d+\], line (\d+)", re.MULTILINE)
+# a cell's frame as a rank shows it: the notebook's cell "Cell In[7], line 5", or code sent by cl.run from a
+# script "Cell sent by cl.run, line 5"
+_CELL_FRAME = re.compile(r"^Cell (?:In\[\d+\]|sent by cl\.run), line (\d+)", re.MULTILINE)
 _ARROW = re.compile(r"^-+> *\d+ (.*)$", re.MULTILINE)
 
 

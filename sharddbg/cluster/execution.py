@@ -1125,10 +1125,28 @@ def _strip_ansi(text) -> str:
 
 def _user_traceback(text: str) -> str:
     """Drop ipyparallel's own frame (the exec of an apply request) from an engine traceback."""
-    blocks = re.split(r"\n(?=File |Cell In)", text)
+    blocks = re.split(r"\n(?=File |Cell In|Cell sent by)", text)
     kept = [b for b in blocks if "ipyparallel/engine/kernel.py" not in b.split("\n", 1)[0]
             and "Could not get source, probably due dynamically evaluated source code" not in b]
+    if hide_own_frames():
+        kept = [_one_line_if_library(b) for b in kept]
     return "\n".join(kept)
+
+
+_LIBRARY_FRAME = re.compile(r"^File (?P<file>.+?):(?P<line>\d+), in (?P<function>[^(\n]+)")
+
+
+def _one_line_if_library(block: str) -> str:
+    """A library's frame (torch, physicsnemo, ...) of an engine traceback as one line, "file:line, in
+    function", without its source around it: the user's frames stand out (``SHARDDBG_DEBUG=1``: as IPython
+    showed it)."""
+    from ..engine.frames import is_library_file
+
+    m = _LIBRARY_FRAME.match(block)
+    if m is None or not is_library_file(m["file"]):
+        return block
+    _frame, blank, rest = block.partition("\n\n")  # the last frame's block ends with the exception itself
+    return f"File {m['file']}:{m['line']}, in {m['function'].strip()}" + (blank + rest if rest.strip() else "")
 
 
 def _prefix(prefix: str, text: str) -> str:

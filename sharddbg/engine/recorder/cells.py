@@ -168,10 +168,25 @@ def _frame_lines(frames: list[traceback.FrameSummary]) -> list[str]:
     out = []
     for fs in frames:
         cell = cell_number(fs.filename)
-        head = f"  Cell In[{cell}], line {fs.lineno}, in {fs.name}\n" if cell is not None else \
-            f'  File "{fs.filename}", line {fs.lineno}, in {fs.name}\n'
-        out.append(head + (f"    {fs.line.strip()}\n" if fs.line else ""))
+        if cell is not None:
+            head = f"  Cell In[{cell}], line {fs.lineno}, in {fs.name}\n"
+        elif is_cell_file(fs.filename):
+            head = f"  Cell {SENT_CELL.removeprefix('cell ')}, line {fs.lineno}, in {fs.name}\n"
+        else:
+            head = f'  File "{fs.filename}", line {fs.lineno}, in {fs.name}\n'
+        # a library's frame is one line: the user's own lines stand out (SHARDDBG_DEBUG=1: every line)
+        shown = fs.line and not (HIDE_FRAMES and is_library_file(fs.filename))
+        out.append(head + (f"    {fs.line.strip()}\n" if shown else ""))
     return out
+
+
+def frame_label(frame: Any) -> str | None:
+    """'cell [7], line 5 in <module>' for a recorder frame tuple (file, line, function) in a cell, 'model.py:12
+    in forward' for a file; None for no frame."""
+    if not isinstance(frame, tuple):
+        return frame if isinstance(frame, str) else None
+    cell = cell_name(frame[0])
+    return f"{cell}, line {frame[1]} in {frame[2]}" if cell is not None else f"{frame[0]}:{frame[1]} in {frame[2]}"
 
 
 def traceback_with_callers(exc: BaseException, caller: FrameType | None) -> str:
