@@ -25,13 +25,22 @@ def without_own_frames(tb):
     kept = []
     while tb is not None:
         name = tb.tb_frame.f_code.co_filename
-        if not (os.path.abspath(name).startswith(_PACKAGE_DIR) or any(m in name for m in _IPYTHON_MACHINERY)):
+        if not (os.path.abspath(name).startswith(_PACKAGE_DIR) or any(m in name for m in _IPYTHON_MACHINERY)
+                or _calls_a_magic(tb)):
             kept.append(tb)
         tb = tb.tb_next
     rebuilt = None
     for t in reversed(kept):
         rebuilt = types.TracebackType(rebuilt, t.tb_frame, t.tb_lasti, t.tb_lineno)
     return rebuilt
+
+
+def _calls_a_magic(tb) -> bool:
+    """The frame is a cell's ``get_ipython().run_cell_magic(...)`` (what IPython makes of ``%%px``, ``%px``): the
+    magic's dispatch, not a line the user wrote."""
+    called = tb.tb_next
+    return (called is not None and called.tb_frame.f_code.co_name in ("run_cell_magic", "run_line_magic")
+            and any(m in called.tb_frame.f_code.co_filename for m in _IPYTHON_MACHINERY))
 
 
 class ShardDbgError(Exception):
@@ -95,7 +104,9 @@ def short_message(message: str) -> str:
     return _GLOO_SIGN_OFF.sub("", _SOURCE_PREFIX.sub("", first))
 
 
-_CELL_FRAME = re.compile(r"^Cell In\[\d+\], line (\d+)", re.MULTILINE)
+# a cell's frame as a rank shows it: the notebook's cell "Cell In[7], line 5", or code sent by cl.run from a
+# script "Cell sent by cl.run, line 5"
+_CELL_FRAME = re.compile(r"^Cell (?:In\[\d+\]|sent by cl\.run), line (\d+)", re.MULTILINE)
 _ARROW = re.compile(r"^-+> *\d+ (.*)$", re.MULTILINE)
 
 

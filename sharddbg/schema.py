@@ -132,9 +132,11 @@ OP_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "phase": ((str,), "'forward' or 'backward'"),
     "autograd_node": ((str, type(None)), "backward: name of the autograd node that ran"),
     "module": ((str, type(None)), "nn.Module path (relative to the outermost module) the op ran in"),
-    "user_frame": ((str, type(None)), "'file:line in function' of the first frame outside torch/physicsnemo/sharddbg"),
-    "user_cell": ((int, type(None)), "the IPython cell (its execution count on the rank, In[n]) that user_frame "
-                                     "lies in; None for a frame in a file (since version 4)"),
+    "user_frame": ((str, type(None)), "'file:line in function' of the first frame outside torch/physicsnemo/sharddbg; "
+                                      "'cell [n], line l in function' in a notebook cell"),
+    "user_cell": ((int, type(None)), "the notebook cell (its execution count in the notebook, In[n]) that "
+                                     "user_frame lies in; None for a frame in a file or code sent from a "
+                                     "script (since version 4)"),
     "user_code": ((str, type(None)), "the text of user_frame's line (since version 4)"),
     "in_local_shapes": ((list,), "per tensor argument: the shape this rank holds"),
     "in_global_shapes": ((list,), "per tensor argument: the global shape (plain tensors: their shape)"),
@@ -235,7 +237,7 @@ COLLECTIVE_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "bucket": (_INT_OR_NONE, "DDP gradient bucket: the bucket's index in DDP's reducer (since version 4)"),
     "user_frame": (_STR_OR_NONE, "outside every recorded op: 'file:line in function' of the user's frame that "
                                  "issued it (since version 4)"),
-    "user_cell": (_INT_OR_NONE, "the IPython cell (execution count on the rank) of user_frame (since version 4)"),
+    "user_cell": (_INT_OR_NONE, "the notebook cell (execution count in the notebook) of user_frame (since version 4)"),
     "user_code": (_STR_OR_NONE, "the text of user_frame's line (since version 4)"),
     "device_ms": ((float, int, type(None)), "CUDA event time from issue to wait; None on CPU or not finished"),
     "error": (_STR_OR_NONE, "'exc_type: message' of what its issuing call or its wait raised (a size gloo "
@@ -258,7 +260,7 @@ CELL_ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
                                  "every recorded op (the op record carries the details when it is not None)"),
     "cell_line": (_INT_OR_NONE, "line of the cell (1-based) whose statement the exception went through"),
     "cell_code": (_STR_OR_NONE, "that line's source text"),
-    "cell": (_INT_OR_NONE, "the IPython cell (execution count on the rank) of that line (since version 4)"),
+    "cell": (_INT_OR_NONE, "the notebook cell (execution count in the notebook) of that line (since version 4)"),
     "thread": ((int,), "recorder thread id"),
 }
 

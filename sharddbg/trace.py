@@ -423,7 +423,7 @@ class Trace:
             One row per such record. Columns: ``rank``, ``seq``, ``t_ns`` (reference clock), ``exc_type``,
             ``message``, ``traceback``, ``origin_seq`` (the op record where it started, or missing when it
             was raised outside every recorded op), ``cell_line``, ``cell_code``, ``cell`` (the cell's
-            execution count on the ranks, since version 4), ``location``. ``seq``, ``t_ns``,
+            execution count in the notebook, since version 4), ``location``. ``seq``, ``t_ns``,
             ``origin_seq``, ``cell_line`` and ``cell`` are nullable integers. Empty when no cell raised.
 
         Examples

@@ -136,7 +136,7 @@ def test_a_backward_that_raises_on_every_rank_is_a_finding_and_the_outputs_are_s
     assert not r.ok and r.backward == "failed"
     assert r.tensors() == ["ck_y"] and r.table["ok"].all()  # the output agrees; no gradient was compared
     assert r.verdict.startswith("check FAILED: the backward raised on every rank: RuntimeError: boom in backward "
-                                "(at cell [")
+                                "(at cell sent by cl.run, ")
     assert r.backward_note.endswith(", line 2: `raise RuntimeError('boom in backward')`); gradients not compared")
     assert "; every tensor compared (1) agrees with the unsharded reference; " in r.verdict
     assert cl.broken is None and cl.busy_ranks() == []

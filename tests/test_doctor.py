@@ -241,7 +241,7 @@ def test_a_reshape_that_merges_the_batch_with_the_sharded_dim_mixes_samples(cl):
     report = cl.doctor("dk_tokens")
     f = report.finding(dr.SAMPLES_APART)
     assert f.severity == "fail" and f.ranks == (0, 1, 2, 3) and not report.ok
-    assert f.sentence.startswith("in the last trace, Tensor.reshape (cell ["), f.sentence
+    assert f.sentence.startswith("in the last trace, Tensor.reshape (cell sent by cl.run, "), f.sentence
     assert f.sentence.endswith(", line 1: `dk_rows = dk_tokens.reshape(32, 8)`) merged the batch (2 samples) with "
                                "sharded dim 1: (2, 16, 8) S(1) -> (32, 8) S(0) on ranks 0-3; each rank's shard now "
                                "holds rows of every sample, which the spec places as consecutive rows of one: the "

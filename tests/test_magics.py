@@ -327,6 +327,31 @@ def test_px_error_shows_the_output_then_the_cause_without_sharddbg_frames(ip, st
     assert "sharddbg/cluster" not in shown and "sharddbg/magics.py" not in shown
 
 
+def test_rank_errors_and_traces_name_the_notebooks_cell_not_the_ranks(ip, started):
+    engine_count = int(started.run("get_ipython().execution_count", display=False)[0].result)
+    while ip.execution_count <= engine_count + 5:  # cells that never reach the ranks: the notebook counts ahead
+        ip.run_cell("pass", store_history=True)
+    define = ip.execution_count
+    ip.run_cell("%%px\nclass Pick(nn.Module):\n    def forward(self, x):\n        return x[torch.tensor([9])]\n",
+                store_history=True)
+    failing = ip.execution_count
+    with capture_output() as cap:
+        ip.run_cell("%%px\nm = Pick()\ny = nn.Sequential(m)(torch.ones(3))", store_history=True)
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", cap.stdout + cap.stderr)
+    assert f"Cell In[{failing}], line 2" in shown and f"Cell In[{define}], line 3, in Pick.forward" in shown, shown
+    assert not re.search(r"Cell In\[(?!%d\]|%d\])" % (failing, define), shown), shown
+    # the magic's own dispatch is not the user's line; torch's frames are one line each, without their source
+    assert "run_cell_magic" not in shown, shown
+    assert re.search(r"torch/nn/modules/container.py:\d+, in Sequential.forward\n", shown), shown
+    assert "return self._call_impl" not in shown, shown
+    traced = ip.execution_count
+    with capture_output() as cap:
+        ip.run_cell("%%shard_trace\nz = torch.ones(3)\nw = z[torch.tensor([7])]", store_history=True)
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", cap.stdout + cap.stderr)
+    assert f"(cell [{traced}], line 2: `w = z[torch.tensor([7])]`)" in shown, shown
+    assert f"Cell In[{traced}], line 2" in shown, shown
+
+
 def test_noblock_handle(ip, started):
     cl = started
     # rank 0 finishes last: the output still comes in rank order
@@ -560,3 +585,4 @@ def test_stop(ip, started):
         running.get()
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert sharddbg.active_cluster(required=False) is not cl  # a stopped cluster is never the active one
+

@@ -229,6 +229,12 @@ def test_05_verify():
     assert error["evalue"].startswith("ranks [0, 1, 2, 3] raised CollectiveMismatchError: all_gather_into_tensor on "
                                       "process group 'domain'")
     assert f"ranks 2, 3 send (1, 3, {ROWS[2]}, 16), the others (1, 3, {ROWS[0]}, 16)" in error["evalue"]
+    # the user's frames with their source, a library's frame one line, never the magic's dispatch line
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(error["traceback"]))
+    assert "run_cell_magic" not in shown and len(shown.splitlines()) < 30, shown
+    # named by the notebook's count (the handler's frame: the cell that defined it), never the ranks'
+    assert f"Cell In[{pre.execution_count}], line 1\n" in shown, shown
+    assert re.search(r"shard_tensor.py:\d+, in ShardTensor.__torch_function__\n", shown), shown
     assert outputs_text(cell_with(nb, "get_preflight()")).count("<td>mismatch</td>") == N
     # 6. the smoke matrix: every configuration matches, the batch of 2 per domain group too; the loss error per step
     smoke = outputs_text(cell_with(nb, "smoke = cl.smoke("))

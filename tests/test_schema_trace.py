@@ -385,6 +385,36 @@ def test_errors_keep_the_whole_message_and_say_where():
     assert format_location(None) is None
 
 
+def test_locations_and_rank_tracebacks_name_the_notebooks_cell_and_fold_library_frames(monkeypatch):
+    from sharddbg.analysis.formatting import format_location
+    from sharddbg.cluster.execution import _user_traceback
+    from sharddbg.errors import RankFailure
+
+    # the recorder names a cell by the notebook's count, or as sent by cl.run from a script: never a temp file
+    assert format_location("cell [7], line 5 in <module>", 7, "y = x + x") == "cell [7], line 5: `y = x + x`"
+    assert format_location("cell sent by cl.run, line 5 in <module>", None, "y = x + x") == \
+        "cell sent by cl.run, line 5: `y = x + x`"
+    torch_file = __import__("torch").nn.modules.module.__file__
+    rank_tb = (f"---------\nIndexError    Traceback (most recent call last)\nCell In[7], line 2\n      1 m = M()\n"
+               f"----> 2 y = m(x)\n\nFile {torch_file}:1773, in Module._wrapped_call_impl(self, *args, **kwargs)\n"
+               f"   1772 else:\n-> 1773     return self._call_impl(*args, **kwargs)\n\n"
+               f"Cell In[5], line 4, in M.forward(self, x)\n      3 def forward(self, x):\n----> 4     return x[9]\n\n"
+               f"IndexError: index 9 is out of bounds")
+    shown = _user_traceback(rank_tb)
+    assert f"File {torch_file}:1773, in Module._wrapped_call_impl\nCell In[5], line 4" in shown, shown
+    assert "return self._call_impl" not in shown and "----> 4     return x[9]" in shown
+    assert shown.endswith("IndexError: index 9 is out of bounds") and "----> 2 y = m(x)" in shown
+    failure = RankFailure("IndexError", "index 9 is out of bounds", shown)
+    assert (failure.cell_line, failure.cell_code) == (2, "y = m(x)")
+    sent = RankFailure("IndexError", "boom", "Cell sent by cl.run, line 3\n----> 3 x[9]\n\nIndexError: boom")
+    assert sent.headline(1) == "rank 1 raised IndexError: boom (line 3 of the cell: `x[9]`)"
+    # a library frame whose source was the last thing before the exception keeps the exception
+    last = _user_traceback(f"File {torch_file}:1773, in f(x)\n-> 1773     y\n\nValueError: v")
+    assert last == f"File {torch_file}:1773, in f\n\nValueError: v"
+    monkeypatch.setenv("SHARDDBG_DEBUG", "1")  # everything as IPython showed it
+    assert _user_traceback(rank_tb) == rank_tb
+
+
 def test_older_payloads_load_newer_fields_are_required():
     """A schema 3 payload (no user_cell / local_ms / params) reads, its new columns empty; a schema 4 record
     without them is refused. The golden trace of schema 3 in tests/data loads and every table reads it."""

@@ -58,11 +58,16 @@ def json_value(v):
 
 def format_location(user_frame, user_cell=None, user_code=None) -> str | None:
     """Where the user's code made a call, as a notebook reads it: ``"cell [6], line 5: `y = x + x`"`` for a
-    line of an IPython cell (``user_cell``: its execution count on the ranks), ``"model.py:12 in forward:
-    `return self.conv(x)`"`` for a file; None when no user frame was recorded. ``user_frame`` is the
-    recorder's ``"file:line in function"``."""
+    line of a notebook cell (``user_cell``: the notebook's execution count), ``"cell sent by cl.run, line 5"``
+    for code sent from a plain script, ``"model.py:12 in forward: `return self.conv(x)`"`` for a file; None
+    when no user frame was recorded. ``user_frame`` is the recorder's ``"cell [6], line 5 in <module>"`` or
+    ``"file:line in function"``."""
     if is_missing(user_frame) or not isinstance(user_frame, str):
         return None
+    code = None if is_missing(user_code) else str(user_code)
+    if user_frame.startswith("cell "):  # the recorder named the cell already
+        text = user_frame.rpartition(" in ")[0] or user_frame
+        return f"{text}: `{code}`" if code else text
     where = user_frame.rpartition(" in ")[0] or user_frame  # "file:line"
     line = where.rpartition(":")[2]
     code = None if is_missing(user_code) else str(user_code)

@@ -380,7 +380,7 @@ class RankExecution:
         self.check_group()
         self.check_not_stuck(ranks)
         self.check_controller()
-        ar = self.view_of(ranks).execute(code, silent=False, block=False)
+        ar = _execute(self.view_of(ranks), code)
         with self.unwaited_if_interrupted(ar, ranks):
             return self.collect(ar, ranks, timeout, display=display, what="the cell")
 
@@ -392,7 +392,7 @@ class RankExecution:
         self.check_group()
         self.check_not_stuck(ranks)
         self.check_controller()
-        ar = self.view_of(ranks).execute(code, silent=False, block=False)
+        ar = _execute(self.view_of(ranks), code)
         self._unwaited.update(zip(ar.msg_ids, ranks))
         return PendingCell(self, ar, ranks, timeout)
 
@@ -1086,6 +1086,37 @@ def _publish(displays: list) -> None:
         publish_display_data(item.get("data", {}), item.get("metadata", {}))
 
 
+def _execute(view, code: str):
+    """``view.execute(code)`` without waiting, the notebook's execution count of the cell sending it in the
+    request's metadata: the ranks name their cell by it (``engine.recorder.cells``), not by their own count."""
+    from ipyparallel import AsyncResult
+
+    from ..engine.recorder.cells import NOTEBOOK_CELL_KEY
+
+    metadata = {"label": view.label, NOTEBOOK_CELL_KEY: _notebook_cell()}
+    idents, targets = view.client._build_targets(view.targets)
+    futures = [view.client.send_execute_request(view._socket, code, silent=False, ident=ident, metadata=metadata)
+               for ident in idents]
+    return AsyncResult(view.client, futures, fname="execute", targets=targets, owner=True)
+
+
+def _notebook_cell() -> int | None:
+    """The execution count (``In[n]``) of the notebook cell running now; None outside IPython (a plain script).
+
+    The running cell's result holds its count: the shell's ``execution_count`` is already the next cell's
+    while a cell runs (IPython counts up before running it)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    if shell is None:
+        return None
+    running = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    count = getattr(running, "execution_count", None)
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
 def _strip_ansi(text) -> str:
     if isinstance(text, list):
         text = "\n".join(text)
@@ -1094,10 +1125,28 @@ def _strip_ansi(text) -> str:
 
 def _user_traceback(text: str) -> str:
     """Drop ipyparallel's own frame (the exec of an apply request) from an engine traceback."""
-    blocks = re.split(r"\n(?=File |Cell In)", text)
+    blocks = re.split(r"\n(?=File |Cell In|Cell sent by)", text)
     kept = [b for b in blocks if "ipyparallel/engine/kernel.py" not in b.split("\n", 1)[0]
             and "Could not get source, probably due dynamically evaluated source code" not in b]
+    if hide_own_frames():
+        kept = [_one_line_if_library(b) for b in kept]
     return "\n".join(kept)
+
+
+_LIBRARY_FRAME = re.compile(r"^File (?P<file>.+?):(?P<line>\d+), in (?P<function>[^(\n]+)")
+
+
+def _one_line_if_library(block: str) -> str:
+    """A library's frame (torch, physicsnemo, ...) of an engine traceback as one line, "file:line, in
+    function", without its source around it: the user's frames stand out (``SHARDDBG_DEBUG=1``: as IPython
+    showed it)."""
+    from ..engine.frames import is_library_file
+
+    m = _LIBRARY_FRAME.match(block)
+    if m is None or not is_library_file(m["file"]):
+        return block
+    _frame, blank, rest = block.partition("\n\n")  # the last frame's block ends with the exception itself
+    return f"File {m['file']}:{m['line']}, in {m['function'].strip()}" + (blank + rest if rest.strip() else "")
 
 
 def _prefix(prefix: str, text: str) -> str:

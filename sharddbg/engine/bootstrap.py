@@ -264,6 +264,9 @@ def _install_user_namespace() -> None:
     shell = get_ipython()
     if shell is None:
         return
+    from .recorder.cells import install_notebook_cells
+
+    install_notebook_cells(shell)  # cells named by the notebook's count, never this rank's
     import physicsnemo
     import torch
     import torch.distributed as dist

@@ -36,12 +36,15 @@ RELEASE_REPLY = "sharddbg_release_reply"
 
 
 def main_thread_stack() -> list[dict]:
-    """The main thread's frames, outermost first, each tagged user/library."""
+    """The main thread's frames, outermost first, each tagged user/library; a cell's frame names the notebook's
+    cell ("cell [7]"), not the file IPython compiled it to."""
+    from .recorder.cells import cell_name
+
     frame = sys._current_frames().get(threading.main_thread().ident)
     frames = []
     for summary in traceback.extract_stack(frame) if frame is not None else []:
         frames.append({
-            "file": summary.filename,
+            "file": cell_name(summary.filename) or summary.filename,
             "line": summary.lineno,
             "function": summary.name,
             "code": (summary.line or "").strip(),

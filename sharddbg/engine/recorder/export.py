@@ -16,9 +16,8 @@ import torch
 
 from ... import schema
 from .. import clock
-from ..frames import format_frame
 from ..rank_state import STATE
-from .cells import cell_and_code
+from .cells import cell_and_code, frame_label
 from .comm_bytes import TensorMeta
 from .events import CellErrorEvent, CollectiveEvent, OpEvent
 from .params import ddp_bucket_of
@@ -104,7 +103,7 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshe
         "phase": ev.phase,
         "autograd_node": ev.autograd_node,
         "module": src.module,
-        "user_frame": format_frame(ev.frame),
+        "user_frame": frame_label(ev.frame),
         "user_cell": cell,
         "user_code": code,
         "in_local_shapes": [shape_list(i.local_shape) for i in ins],
@@ -253,7 +252,7 @@ def collective_record(ev: CollectiveEvent, in_flight: bool, rec: RecordingState)
         "param": ev.param,
         "params": params,
         "bucket": bucket,
-        "user_frame": format_frame(ev.frame),
+        "user_frame": frame_label(ev.frame),
         "user_cell": cell,
         "user_code": code,
         "thread": ev.thread,
