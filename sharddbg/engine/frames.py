@@ -78,11 +78,3 @@ def user_frame_until(skip: int, stop: Any, stop_answer: Any) -> tuple[str, int, 
         f = f.f_back
     return None
 
-
-def format_frame(fr: Any) -> str | None:
-    """'file:line in function' of a user_frame() answer (None stays None)."""
-    if fr is None:
-        return None
-    if isinstance(fr, str):
-        return fr
-    return f"{fr[0]}:{fr[1]} in {fr[2]}"

@@ -46,8 +46,8 @@ COLL_FIELDS = ["rank", "seq", "kind", "phase", "op_seq", "outer_op_seq", "group_
                "bytes_recv", "duration_ms", "param", "counted_seqs"]
 KIND_ORDER = {"error": 0, "fallback": 1, "op": 2}
 # Two calls of one summary row with equal values here are identical: one row "ranks 0-3" when the summary row
-# expands, whatever their times. ``location`` is where in the user's code ("cell [2], line 4: `...`"), the same
-# on every rank (a cell's ``user_frame`` names each rank's own temporary file).
+# expands, whatever their times. ``location`` is where in the user's code ("cell [2], line 4: `...`", the notebook's
+# cell), the same on every rank.
 CALL_IDENTITY = ("kind", "path", "in_local_shapes", "in_global_shapes", "out_local_shape", "out_global_shape",
                  "placements", "in_placements", "dtype", "module", "location", "error", "in_flight", "spec_mismatch")
 GROUP_FIELDS = ["summary_row", "call_group", "ranks", "ranks_text", "calls", "first_rank", "first_seq", *CALL_IDENTITY,
