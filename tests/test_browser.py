@@ -488,7 +488,9 @@ def test_explorer(session):
     fit = listing.evaluate(FITS_ITS_BOX)
     assert fit["scroll"] <= fit["client"] and fit["beyond"] == 0, fit
     sources = listing.locator("td.sd-col-user_frame").evaluate_all("tds => tds.map(td => td.title)")
-    assert sources and all(re.search(r"\.py:\d+", s) for s in sources if s), sources[:3]
+    # where each call was made: the notebook's own cell and line, never a kernel's temporary file
+    assert sources and all(re.match(r"cell \[\d+\], line \d+", s) for s in sources if s), sources[:3]
+    assert not [s for s in sources if "ipykernel_" in s], sources[:3]
     # a call whose exception the cell caught is marked as handled; its message, which contains HTML, is shown as
     # text, not rendered
     err_call = listing.locator("tr.sd-op[data-op='Tensor.add']").first
@@ -498,6 +500,7 @@ def test_explorer(session):
     expect(msg).to_have_text("TypeError: broken_add: expected <ShardTensor> & got <b>None</b>")
     expect(detail.locator("b")).to_have_count(0)
     expect(detail.locator("pre.sd-tb")).to_contain_text("broken_add")
+    expect(detail).not_to_contain_text("ipykernel_")  # the source line names the notebook's cell
     expect(detail.locator(".sd-chip-error")).to_have_count(0)
     expect(detail.locator(".sd-chip-handled")).to_have_count(1)
     exp.screenshot(path=str(ARTIFACTS / "browser_explorer_error.png"))

@@ -73,7 +73,9 @@ def clean_clone(tmp_path_factory, name: str):
 def clone(tmp_path_factory):
     where = clean_clone(tmp_path_factory, "setup")
     yield where
-    shutil.rmtree(where, ignore_errors=True)  # its venv is several GB
+    # its venv is several GB: removed by a process of its own (about 10 s of disk work nothing waits for)
+    subprocess.Popen(["rm", "-rf", str(where)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
 
 
 @pytest.fixture(scope="module")
