@@ -433,6 +433,12 @@ def _errors(trace: Trace) -> list[Finding]:
     return [*_escaped_errors(errs[~handled]), *_handled_errors(errs[handled])]
 
 
+def _ranks_and_place(calls: pd.DataFrame) -> tuple[tuple[int, ...], str | None]:
+    """The ranks of one distinct exception's calls, and the first place in the user's code named for them."""
+    ranks = tuple(sorted(int(r) for r in calls["rank"].unique()))
+    return ranks, next((w for w in calls["location"] if isinstance(w, str)), None)
+
+
 def _handled_errors(errs: pd.DataFrame) -> list[Finding]:
     """One info finding for the exceptions the user's code caught: what each was, where, on which ranks."""
     if errs.empty:
@@ -440,8 +446,7 @@ def _handled_errors(errs: pd.DataFrame) -> list[Finding]:
     parts = []
     distinct = list(errs.groupby(["exc_type", "message", "op"], sort=False))
     for (exc, message, op), g in distinct[:MAX_ERROR_FINDINGS]:
-        ranks = tuple(sorted(int(r) for r in g["rank"].unique()))
-        where = next((w for w in g["location"] if isinstance(w, str)), None)
+        ranks, where = _ranks_and_place(g)
         parts.append(f"{exc}: {_first_line(message)} in {op} on {ranks_text(ranks)}" + (f" ({where})" if where else ""))
     if len(distinct) > MAX_ERROR_FINDINGS:
         parts.append(f"{len(distinct) - MAX_ERROR_FINDINGS} more distinct exception(s)")
@@ -460,8 +465,7 @@ def _escaped_errors(errs: pd.DataFrame) -> list[Finding]:
     out = []
     distinct = list(errs.groupby(["exc_type", "message", "op"], sort=False))
     for (exc, message, op), g in distinct[:MAX_ERROR_FINDINGS]:
-        ranks = tuple(sorted(int(r) for r in g["rank"].unique()))
-        where = next((w for w in g["location"] if isinstance(w, str)), None)
+        ranks, where = _ranks_and_place(g)
         inside = "outside every recorded op" if op == NO_OP else f"in {op}"
         sentence = f"{ranks_text(ranks)} raised {exc}: {_first_line(message)} {inside}"
         if where:
