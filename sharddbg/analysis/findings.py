@@ -433,21 +433,32 @@ def _errors(trace: Trace) -> list[Finding]:
     return [*_escaped_errors(errs[~handled]), *_handled_errors(errs[handled])]
 
 
-def _ranks_and_place(calls: pd.DataFrame) -> tuple[tuple[int, ...], str | None]:
-    """The ranks of one distinct exception's calls, and the first place in the user's code named for them."""
-    ranks = tuple(sorted(int(r) for r in calls["rank"].unique()))
-    return ranks, next((w for w in calls["location"] if isinstance(w, str)), None)
+@dataclass(frozen=True)
+class _DistinctException:
+    """The calls that raised one exception (type, message) in one op: on which ranks, first named where."""
+
+    exc_type: str
+    message: str
+    op: str
+    calls: pd.DataFrame
+    ranks: tuple[int, ...]
+    where: str | None
+
+
+def _distinct_exceptions(errs: pd.DataFrame) -> list[_DistinctException]:
+    """The distinct exceptions of ``errs``, in order of their first call."""
+    return [_DistinctException(exc, message, op, g, tuple(sorted(int(r) for r in g["rank"].unique())),
+                               next((w for w in g["location"] if isinstance(w, str)), None))
+            for (exc, message, op), g in errs.groupby(["exc_type", "message", "op"], sort=False)]
 
 
 def _handled_errors(errs: pd.DataFrame) -> list[Finding]:
     """One info finding for the exceptions the user's code caught: what each was, where, on which ranks."""
     if errs.empty:
         return []
-    parts = []
-    distinct = list(errs.groupby(["exc_type", "message", "op"], sort=False))
-    for (exc, message, op), g in distinct[:MAX_ERROR_FINDINGS]:
-        ranks, where = _ranks_and_place(g)
-        parts.append(f"{exc}: {_first_line(message)} in {op} on {ranks_text(ranks)}" + (f" ({where})" if where else ""))
+    distinct = _distinct_exceptions(errs)
+    parts = [f"{d.exc_type}: {_first_line(d.message)} in {d.op} on {ranks_text(d.ranks)}"
+             + (f" ({d.where})" if d.where else "") for d in distinct[:MAX_ERROR_FINDINGS]]
     if len(distinct) > MAX_ERROR_FINDINGS:
         parts.append(f"{len(distinct) - MAX_ERROR_FINDINGS} more distinct exception(s)")
     n = len(errs)
@@ -463,20 +474,19 @@ def _escaped_errors(errs: pd.DataFrame) -> list[Finding]:
     if errs.empty:
         return []
     out = []
-    distinct = list(errs.groupby(["exc_type", "message", "op"], sort=False))
-    for (exc, message, op), g in distinct[:MAX_ERROR_FINDINGS]:
-        ranks, where = _ranks_and_place(g)
-        inside = "outside every recorded op" if op == NO_OP else f"in {op}"
-        sentence = f"{ranks_text(ranks)} raised {exc}: {_first_line(message)} {inside}"
-        if where:
-            sentence += f" ({where})"
-        if bool(g["unmasked"].any()):
+    distinct = _distinct_exceptions(errs)
+    for d in distinct[:MAX_ERROR_FINDINGS]:
+        inside = "outside every recorded op" if d.op == NO_OP else f"in {d.op}"
+        sentence = f"{ranks_text(d.ranks)} raised {d.exc_type}: {_first_line(d.message)} {inside}"
+        if d.where:
+            sentence += f" ({d.where})"
+        if bool(d.calls["unmasked"].any()):
             sentence += "; PyTorch would have hidden it behind \u201cunsupported operand type(s)\u201d"
-        out.append(Finding("error", "fail", sentence, ranks=ranks, op=None if op == NO_OP else str(op),
-                           location=where))
+        out.append(Finding("error", "fail", sentence, ranks=d.ranks, op=None if d.op == NO_OP else str(d.op),
+                           location=d.where))
     if len(distinct) > MAX_ERROR_FINDINGS:
         rest = distinct[MAX_ERROR_FINDINGS:]
-        ranks = tuple(sorted({int(r) for _, g in rest for r in g["rank"]}))
+        ranks = tuple(sorted({r for d in rest for r in d.ranks}))
         out.append(Finding("error", "fail", f"{len(rest)} more distinct exception(s) on {ranks_text(ranks)}",
                            fix="t.get_errors() lists every one", ranks=ranks))
     return out
