@@ -512,6 +512,8 @@ class RankExecution:
         whose answer is ipyparallel's own EngineError; one that answered first will be refused at the next call)."""
         __tracebackhide__ = hide_own_frames()
         lost = {r: state for r, state in self.lost_ranks().items() if r in ranks}
+        if not lost:  # every round trip comes here: nothing more to look at
+            return
         if finished:
             stranded = {r for r, value in zip(ranks, ar.get(0, return_exceptions=True))
                         if isinstance(value, Exception) and _failure(value).type_name == "EngineError"}
