@@ -542,8 +542,8 @@ class RankExecution:
                          f"quit() there; {how}")
         self.broken = BrokenGroup(f"{what}: " + "; ".join(f"rank {r} exited (exit() in the cell)" for r in exiting))
         message = ("\n".join(lines) + f".\n\nIts engine is gone: cl.restart() (%shard_cluster restart) starts new "
-                   f"engines for every rank. (To stop the cell's work on a rank without ending it, raise an exception "
-                   f"instead.)")
+                   "engines for every rank. (To stop the cell's work on a rank without ending it, raise an exception "
+                   "instead.)")
         raise RankDiedError(message, {r: dead.get(r, "shutting down after exit()") for r in exiting},
                             [o for o in outputs if o.rank not in exiting])
 
