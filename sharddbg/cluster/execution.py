@@ -541,7 +541,7 @@ class RankExecution:
             lines.append(f"rank {r} (pid {self.processes.pids.get(r)}) ended its engine: {what} called exit() or "
                          f"quit() there; {how}")
         self.broken = BrokenGroup(f"{what}: " + "; ".join(f"rank {r} exited (exit() in the cell)" for r in exiting))
-        message = ("\n".join(lines) + f".\n\nIts engine is gone: cl.restart() (%shard_cluster restart) starts new "
+        message = ("\n".join(lines) + ".\n\nIts engine is gone: cl.restart() (%shard_cluster restart) starts new "
                    "engines for every rank. (To stop the cell's work on a rank without ending it, raise an exception "
                    "instead.)")
         raise RankDiedError(message, {r: dead.get(r, "shutting down after exit()") for r in exiting},
