@@ -87,7 +87,12 @@ from .errors import SchemaError  # what the validators below raise (defined with
 #      failed": a collective that raised is no longer counted as a hang. Older payloads read through
 #      ``current_events``: ``handled`` is False where an error record says the exception ended the cell, else
 #      None (not recorded); a collective's ``error`` is None (a failed one stays ``in_flight``).
-SCHEMA_VERSION = 8
+#   9  plain DTensor ops are recorded: op records may carry the paths "dtensor_propagation" (a torch function
+#      called with plain DTensor arguments, dispatched by DTensor's sharding propagation; the collectives it
+#      issued are the redistributions its inputs needed) and "dtensor_redistribute" (DTensor.redistribute /
+#      full_tensor called by the user's code); payload meta gains ``dtensor`` (RecordingOptions.dtensor) and,
+#      for a recorded job, ``step`` markers are meta records named "step". Older payloads read as before.
+SCHEMA_VERSION = 9
 PAYLOAD_FORMAT = "sharddbg.payload"
 
 KIND_OP = "op"
@@ -113,7 +118,11 @@ PATHS = (
     # since schema 2: a ShardTensor Python method that bypasses __torch_function__ and may communicate
     # (full_tensor, redistribute, backward, from_local; PYTHON_METHODS in engine/recorder/ops.py)
     "python_method",
+    # since schema 9: plain DTensor (not ShardTensor) calls made by the user's code (RecordingOptions.dtensor)
+    "dtensor_propagation",  # a torch function with plain DTensor arguments: DTensor's sharding propagation ran it
+    "dtensor_redistribute",  # DTensor.redistribute / DTensor.full_tensor called by the user's code
 )
+DTENSOR_PATHS = ("dtensor_propagation", "dtensor_redistribute")
 FALLBACK_PATHS = ("dtensor_fallback_function", "dtensor_fallback_dispatch")
 
 # the ``op`` of a collective that DistributedDataParallel's reducer issued for one gradient bucket (its
@@ -375,6 +384,7 @@ PAYLOAD_META_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "preflight": ((bool,), "RecordingOptions.preflight: collectives were compared across their group first "
                            "(since version 5)"),
     "memory": ((bool,), "RecordingOptions.memory: CUDA allocator deltas were recorded (since version 5)"),
+    "dtensor": ((bool,), "RecordingOptions.dtensor: plain DTensor calls were recorded as ops (since version 9)"),
     "plan_cache": ((dict, type(None)), "PLAN_CACHE_FIELDS, or None where this torch has no such cache (since "
                                        "version 6)"),
 }

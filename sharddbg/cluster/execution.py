@@ -49,7 +49,7 @@ from ..errors import (ClusterError, RankDiedError, RankError, RankFailure, RankL
 from . import arguments
 from . import hang
 from .control import ControlChannel
-from .hang import RECOVERY_HINT, HangReport, format_failures
+from ..analysis.hang import RECOVERY_HINT, HangReport, format_failures
 from .processes import HEARTBEAT_LIMIT_S, ClusterProcesses
 
 # How often a wait looks for dead ranks, a dead controller and failed ranks.

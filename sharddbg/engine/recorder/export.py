@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import copy
 import platform
+import sys
 from math import prod
 
 import torch
@@ -299,6 +300,30 @@ def _record(ev, rec: RecordingState, meshes: dict | None) -> dict:
     return error_record(ev)
 
 
+def _installed_version(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def record_of(ev, rec: RecordingState, meshes: dict | None) -> dict:
+    """The schema record of one kept event as the recording stands now (a collective not completed yet is
+    marked in flight; an op error's ``handled`` is None while the recording runs)."""
+    return _record(ev, rec, meshes)
+
+
+def in_flight_ops(rec: RecordingState, meshes: dict | None) -> list[dict]:
+    """Schema records of the ops still running on every thread (``in_flight`` True)."""
+    out = []
+    for st in list(rec.threads.values()):
+        for ev in list(st.op_stack):
+            out.append(op_record(copy.copy(ev), True, None, meshes))
+    return out
+
+
 def records(rec: RecordingState, include_in_flight: bool) -> list[dict]:
     """Schema records of the kept events (and, with ``include_in_flight``, of the ops still running on
     every thread), sorted by seq."""
@@ -306,9 +331,7 @@ def records(rec: RecordingState, include_in_flight: bool) -> list[dict]:
     meshes = {} if rec.spec_check else None
     out = [_record(ev, rec, meshes) for ev in kept]
     if include_in_flight:
-        for st in list(rec.threads.values()):
-            for ev in list(st.op_stack):
-                out.append(op_record(copy.copy(ev), True, None, meshes))
+        out += in_flight_ops(rec, meshes)
     out.sort(key=lambda e: e["seq"])
     return out
 
@@ -330,16 +353,11 @@ def payload(rec: RecordingState, events: list[dict], complete: bool) -> dict:
 
 
 def _meta(rec: RecordingState) -> dict:
-    try:
-        import physicsnemo
-
-        pn = getattr(physicsnemo, "__version__", "?")
-    except Exception:  # noqa: BLE001
-        pn = None
-    try:
-        from physicsnemo.domain_parallel.shard_tensor import ShardTensor
-    except Exception:  # noqa: BLE001
-        ShardTensor = None  # noqa: N806
+    # read, never imported here: a recorded job that does not use physicsnemo must not load it
+    physicsnemo = sys.modules.get("physicsnemo")
+    pn = getattr(physicsnemo, "__version__", "?") if physicsnemo is not None else _installed_version("nvidia-physicsnemo")
+    stm = sys.modules.get("physicsnemo.domain_parallel.shard_tensor")
+    ShardTensor = getattr(stm, "ShardTensor", None)  # noqa: N806
     # how the cluster set this rank up, when it did (registered-by-physicsnemo / -by-sharddbg / none)
     boot_mode = STATE.patches.patch_mode if STATE.patches is not None else None
     return {

@@ -180,7 +180,7 @@ def run_recorded(rec: RecordingState, st: ThreadState, ev: OpEvent, fn: Callable
     return res
 
 
-def _compiling(rec: RecordingState, infos: list) -> bool:
+def compiling_now(rec: RecordingState, infos: list) -> bool:
     """torch.compile is tracing this call (FakeTensor operands, or a fake mode / dynamo active): counted,
     not recorded."""
     for i in infos:
@@ -212,7 +212,7 @@ def torch_function_wrapper(rec: RecordingState, original: Callable, fallback: Ca
         ev = None
         try:
             infos = collect_tensors(args, kwargs, shard_tensor_cls)
-            if not _compiling(rec, infos):
+            if not compiling_now(rec, infos):
                 choice = function_path(func, converting=conversion_active(),
                                        passthrough=cls._autograd_passthrough_functions,
                                        function_registry=cls._function_registry,
@@ -277,7 +277,7 @@ def torch_dispatch_wrapper(rec: RecordingState, original: Callable, fallback: Ca
         ev = None
         try:
             infos = collect_tensors(args, kwargs, shard_tensor_cls)
-            if not _compiling(rec, infos):
+            if not compiling_now(rec, infos):
                 choice = dispatch_path(func, cls._dispatch_registry, cls._dispatch_registry_by_name, fallback)
                 ev = begin(rec, st, op_name(func), choice.path, qualname(choice.handler), infos)
         except Exception:  # noqa: BLE001
@@ -311,7 +311,7 @@ def python_method_wrapper(rec: RecordingState, name: str, fn: Callable) -> Calla
         ev = None
         try:
             infos = collect_tensors(args, kwargs, shard_tensor_cls)
-            if not _compiling(rec, infos):
+            if not compiling_now(rec, infos):
                 ev = begin(rec, st, label, "python_method", handler, infos)
         except Exception:  # noqa: BLE001
             rec.internal_errors.append(traceback.format_exc())
@@ -322,7 +322,7 @@ def python_method_wrapper(rec: RecordingState, name: str, fn: Callable) -> Calla
             return fn(*args, **kwargs)
         return run_recorded(rec, st, ev, fn, *args, **kwargs)
 
-    _looks_like(method, fn)
+    looks_like(method, fn)
     method.__doc__ = fn.__doc__
     return method
 
@@ -339,7 +339,7 @@ def fallback_marker(rec: RecordingState, original: Callable) -> Callable:
                 stack[-1].fallback = True
         return original(*a, **k)
 
-    _looks_like(marked, original)
+    looks_like(marked, original)
     return marked
 
 
@@ -366,11 +366,11 @@ def promotion_recorder(rec: RecordingState, original: Callable) -> Callable:
                         st.busy = False
         return original(tensor, mesh, *a, **k)
 
-    _looks_like(promote, original)
+    looks_like(promote, original)
     return promote
 
 
-def _looks_like(wrapper: Callable, original: Callable) -> None:
+def looks_like(wrapper: Callable, original: Callable) -> None:
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     wrapper.__name__ = original.__name__
     wrapper.__qualname__ = original.__qualname__
@@ -428,7 +428,14 @@ def module_hooks(rec: RecordingState) -> tuple[Callable, Callable]:
 # ---- install -------------------------------------------------------------------------------------------
 
 def install(rec: RecordingState, undo: UndoLog) -> None:
-    """Install every op hook for ``rec``, each change logged in ``undo``."""
+    """Install every op hook for ``rec`` (ShardTensor's, importing physicsnemo, and the module hooks), each
+    change logged in ``undo``."""
+    install_shard_tensor(rec, undo)
+    install_modules(rec, undo)
+
+
+def install_shard_tensor(rec: RecordingState, undo: UndoLog) -> None:
+    """ShardTensor's hooks (imports physicsnemo's shard_tensor), each change logged in ``undo``."""
     import physicsnemo.domain_parallel.shard_tensor as stm
 
     st_cls = stm.ShardTensor
@@ -441,6 +448,10 @@ def install(rec: RecordingState, undo: UndoLog) -> None:
     undo.setattr(st_cls, "__torch_dispatch__", classmethod(torch_dispatch_wrapper(
         rec, st_cls.__dict__["__torch_dispatch__"].__func__, fallback_dispatch)))
     _install_python_methods(rec, undo, st_cls)
+
+
+def install_modules(rec: RecordingState, undo: UndoLog) -> None:
+    """The global nn.Module hooks that give each op its module path, logged in ``undo``."""
     _install_module_hooks(rec, undo)
 
 

@@ -1,0 +1,30 @@
+"""Where each process of a recorded job decides what it is (see the package docstring): called by
+``site/sitecustomize.py`` at interpreter start."""
+
+from __future__ import annotations
+
+import os
+
+from .settings import ENV_CLAIMED, JobSettings
+
+
+def start_from_environment() -> str:
+    """Start what this process does in the recorded job; returns its role: "rank" (it records), "agent"
+    (torchrun's agent: it notes how workers end), "none" (not part of a recorded job, or a process started by
+    one that records)."""
+    settings = JobSettings.from_env()
+    if settings is None or os.environ.get(ENV_CLAIMED):
+        return "none"
+    if settings.launcher == "torchrun" and "RANK" not in os.environ:
+        from . import agent
+
+        agent.install(settings)
+        return "agent"
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
+    os.environ[ENV_CLAIMED] = str(os.getpid())  # inherited: the processes this one starts do not record
+    from . import worker
+
+    worker.start(settings, rank, world_size, local_rank)
+    return "rank"

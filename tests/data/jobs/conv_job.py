@@ -1,0 +1,100 @@
+"""A physicsnemo-style training script: a 3-conv net on samples sharded along H over the 'domain' mesh dim,
+gradients averaged over 'ddp' by hand, SGD. Run by torchrun (``python conv_job.py --help``), and imported by
+the tests, which run ``train_step`` in a notebook cluster to compare the two recordings.
+
+Faults on request, for the tests: ``--kill-rank R --kill-step S`` (SIGKILL in that step, after its backward),
+``--skip-rank R --skip-step S`` (that rank skips the step's gradient all_reduce).
+"""
+
+import argparse
+import os
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard
+
+SHAPE = (1, 3, 34, 32)  # 34 rows over 2 domain ranks: 17 each
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(8, 2, 3, padding=1))
+
+
+def train_step(model, opt, mesh, step: int, skip_all_reduce: bool = False) -> float:
+    """One step: scatter this ddp group's sample over 'domain', forward, backward, average grads over 'ddp'."""
+    from physicsnemo.domain_parallel import scatter_tensor
+
+    rank = dist.get_rank()
+    ddp_index = mesh.get_coordinate()[0]
+    torch.manual_seed(100 + 10 * step + ddp_index)
+    x_full = torch.randn(*SHAPE)
+    src = mesh["domain"].mesh.flatten()[0].item()
+    x = scatter_tensor(x_full, src, mesh["domain"], (Shard(2),), global_shape=x_full.shape, dtype=x_full.dtype)
+    y = model(x)
+    loss = y.square().mean()
+    loss.backward()
+    ddp_group = mesh.get_group("ddp")
+    if not skip_all_reduce:
+        for p in model.parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, group=ddp_group)
+            p.grad = g / mesh["ddp"].size()
+    opt.step()
+    opt.zero_grad()
+    value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    del rank
+    return float(value)
+
+
+def fill_distributed_manager(mesh) -> None:
+    """physicsnemo's DistributedManager.initialize() wants an accelerator: on a CPU host its state is filled."""
+    from physicsnemo.distributed import DistributedManager
+
+    state = DistributedManager._shared_state
+    state.update(_is_initialized=True, _distributed=True, _rank=dist.get_rank(), _world_size=dist.get_world_size(),
+                 _local_rank=int(os.environ.get("LOCAL_RANK", 0)), _device=torch.device("cpu"), _cuda=False,
+                 _initialization_method="env", _global_mesh=mesh, _mesh_dims={"ddp": 2, "domain": mesh.size(1)})
+    DistributedManager()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=0)
+    parser.add_argument("--skip-rank", type=int, default=-1)
+    parser.add_argument("--skip-step", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--no-patches", action="store_true", help="leave physicsnemo's patches unregistered")
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    import physicsnemo.domain_parallel as pdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not args.no_patches:
+        pdp.register_custom_ops()
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("ddp", "domain"))
+    fill_distributed_manager(mesh)
+    model = build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rank = dist.get_rank()
+    for step in range(1, args.steps + 1):
+        if rank == args.kill_rank and step == args.kill_step:
+            import time
+
+            time.sleep(1.5)  # past a flush: what the rank did in this step so far is on disk
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss = train_step(model, opt, mesh, step, skip_all_reduce=(rank == args.skip_rank and step == args.skip_step))
+        if rank == 0:
+            print(f"step {step}: loss {loss:.6f}", flush=True)
+    # the process group is destroyed by physicsnemo's DistributedManager at exit
+
+
+if __name__ == "__main__":
+    main()
