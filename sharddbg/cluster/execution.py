@@ -47,7 +47,7 @@ from ..engine import api
 from ..errors import (ClusterError, RankDiedError, RankError, RankFailure, RankLostError, RankTimeoutError,
                       ShardDbgError, hide_own_frames, short_message)
 from . import arguments
-from . import hang
+from ..analysis import hang
 from .control import ControlChannel
 from ..analysis.hang import RECOVERY_HINT, HangReport, format_failures
 from .processes import HEARTBEAT_LIMIT_S, ClusterProcesses
