@@ -327,14 +327,15 @@ def read_job(folder: str, allow_missing_ranks: bool = False) -> RecordedJob:
 
 
 def hang_diagnoses(job: RecordedJob) -> dict[int, dict]:
-    """Rank -> its first diagnosis written because a collective hung, for the ranks that wrote one; a rank that
-    wrote none but ended (or wrote an end-of-run diagnosis) contributes that one, so that the ranks that never
-    joined a collective are known from their Flight Recorder counts."""
+    """Rank -> the diagnosis it wrote when a collective hung (its own, or another rank's: where it was then);
+    a rank that wrote none of those contributes its end-of-run one, so that the ranks that never joined a
+    collective are known from their Flight Recorder counts."""
     out: dict[int, dict] = {}
     for rank, s in job.ranks.items():
-        hung = [d for d in s.diagnoses if d.get("why") == "hang"]
-        if hung:
-            out[rank] = hung[0]
+        at_hang = [d for d in s.diagnoses if d.get("why") in ("hang", "hang_elsewhere")]
+        own = [d for d in at_hang if d.get("why") == "hang"]
+        if own or at_hang:
+            out[rank] = (own or at_hang)[0]
         elif s.diagnoses:
             out[rank] = s.diagnoses[-1]
     return out
@@ -349,19 +350,29 @@ def hang_report(job: RecordedJob) -> str | None:
     collective, the ranks that never joined it and where each rank's Python was; None when nothing hung."""
     from .analysis.hang import build_report
 
-    waiting = {r for r, s in job.ranks.items() if any(d.get("why") in ("hang", "hang_elsewhere") for d in s.diagnoses)}
-    first = [d for s in job.ranks.values() for d in s.diagnoses if d.get("why") == "hang"]
-    if not first:
+    diagnoses = hang_diagnoses(job)
+    stuck = sorted(r for r, d in diagnoses.items() if d.get("why") == "hang")
+    if not stuck:
         return None
-    after = first[0].get("hang_after_s")
-    steps = {r: d.get("step") for r, d in hang_diagnoses(job).items()}
-    report = build_report(float(after) if isinstance(after, (int, float)) else 0.0,
-                          sorted(set(job.ranks) - waiting), sorted(waiting), hang_diagnoses(job),
-                          {r: s.header.get("pid") for r, s in job.ranks.items()},
-                          what="its collective" if len(waiting) == 1 else "their collectives",
+    elsewhere = sorted(r for r, d in diagnoses.items() if d.get("why") == "hang_elsewhere")
+    after = diagnoses[stuck[0]].get("hang_after_s")
+    after = float(after) if isinstance(after, (int, float)) else 0.0
+    report = build_report(after, sorted(set(job.ranks) - set(stuck) - set(elsewhere)), stuck + elsewhere,
+                          diagnoses, {r: s.header.get("pid") for r, s in job.ranks.items()},
                           closing=JOB_HANG_CLOSING)
-    where = ", ".join(f"rank {r} in step {st}" for r, st in sorted(steps.items()) if r in waiting and st is not None)
-    return report.format() + (f"\n\nSteps when the hang was written: {where}." if where else "")
+    missing = sorted({m for r in stuck for p in report.ranks[r].pending for m in p.missing_ranks})
+    steps = {r: d.get("step") for r, d in diagnoses.items() if type(d.get("step")) is int}
+
+    def done(r: int) -> str:
+        return f" after {steps[r] - 1} optimizer step{'s' if steps[r] - 1 != 1 else ''}" if r in steps else ""
+
+    who = ", ".join(f"rank {r}{done(r)}" for r in stuck)
+    report.headline = (f"{who} waited more than {after:g} s in a collective"
+                       + (f" that rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never "
+                          f"joined" if missing else "")
+                       + (f"; where the other ranks were then: {', '.join(f'rank {r}{done(r)}' for r in elsewhere)}"
+                          if elsewhere else "") + ".")
+    return report.format()
 
 
 def as_plain(value: Any) -> Any:

@@ -74,6 +74,14 @@ def check_out_folder(out: str, force: bool) -> None:
         parent = os.path.dirname(parent)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise RecordArgumentError(f"--out {out}: {parent} is not writable by you: name a folder you can write to")
+    # the real test (os.access says yes to root everywhere): make a probe where the run would go, then remove it
+    try:
+        probe = os.path.join(parent, f".sharddbg-probe-{os.getpid()}")
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as e:
+        raise RecordArgumentError(f"--out {out}: cannot write into {parent} ({e.strerror or e}): name a folder you can "
+                                  f"write to") from None
 
 
 def _move_previous_run(out: str) -> str | None:
@@ -147,6 +155,8 @@ def record(request: RecordRequest) -> int:
     ...                      RecordingOptions(), force=False))
     0
     """
+    if shutil.which(request.command[0]) is None:
+        raise FileNotFoundError(f"{request.command[0]}: no such program (not on PATH, not a file); nothing was started")
     check_out_folder(request.out, request.force)
     os.makedirs(request.out, exist_ok=True)
     aside = _move_previous_run(request.out) if request.force else None
@@ -159,13 +169,12 @@ def record(request: RecordRequest) -> int:
                                                                      replaced_into=aside), f, indent=1))
     env = dict(os.environ)
     env.pop(ENV_CLAIMED, None)
+    # torch's Flight Recorder (what each rank's collectives were, for the hang report): a ring buffer of records,
+    # nothing the job computes changes; a size the user set is kept
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     env["PYTHONPATH"] = SITE_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env[ENV_SETTINGS] = JobSettings(out, run_id, launcher, request.options.as_dict(), request.steps,
                                     request.hang_after_s).to_env()
-    program = shutil.which(request.command[0])
-    if program is None:
-        raise FileNotFoundError(f"sharddbg record: {request.command[0]}: no such program (not on PATH); "
-                                f"nothing was started")
     # Ctrl-C reaches the job itself (same process group); the launcher waits for it to end
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -237,8 +246,10 @@ def summary_text(trace, width: int = 100) -> str:
     if report:
         lines += ["", "hang report:"]
         for line in str(report).splitlines():
-            lines += textwrap.wrap(line, width, subsequent_indent="      ", drop_whitespace=False) or [""]
-    return "\n".join(line[:width] for line in lines)
+            indent = " " * (len(line) - len(line.lstrip()))
+            lines += textwrap.wrap(line, width, subsequent_indent=indent + "    ", break_long_words=True,
+                                   break_on_hyphens=False) or [""]
+    return "\n".join(lines)
 
 
 def main_record(argv: list[str]) -> int:
@@ -271,6 +282,8 @@ def main_record(argv: list[str]) -> int:
         options = RecordingOptions.build(None, max_events=args.max_events, comm=False if args.no_comm else None)
         out = args.out or f"sharddbg-run-{time.strftime('%Y%m%d-%H%M%S')}"
         request = RecordRequest(command, out, steps, float(args.hang_after), options, args.force)
+        if shutil.which(command[0]) is None:
+            raise FileNotFoundError(f"{command[0]}: no such program (not on PATH, not a file); nothing was started")
         check_out_folder(out, args.force)
         returncode = record(request)
     except (RecordArgumentError, ShardDbgError, FileNotFoundError) as e:

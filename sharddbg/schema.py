@@ -91,7 +91,9 @@ from .errors import SchemaError  # what the validators below raise (defined with
 #      called with plain DTensor arguments, dispatched by DTensor's sharding propagation; the collectives it
 #      issued are the redistributions its inputs needed) and "dtensor_redistribute" (DTensor.redistribute /
 #      full_tensor called by the user's code); payload meta gains ``dtensor`` (RecordingOptions.dtensor) and,
-#      for a recorded job, ``step`` markers are meta records named "step". Older payloads read as before.
+#      for a recorded job, ``step`` markers are meta records named "step". Error records gain ``user_frame`` /
+#      ``user_code``: the innermost frame of the user's code the exception went through (a script has no cell
+#      line to name). Older payloads read as before (None).
 SCHEMA_VERSION = 9
 PAYLOAD_FORMAT = "sharddbg.payload"
 
@@ -271,6 +273,10 @@ CELL_ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "cell_code": (_STR_OR_NONE, "that line's source text"),
     "cell": (_INT_OR_NONE, "the notebook cell (execution count in the notebook) of that line (since version 4)"),
     "thread": ((int,), "recorder thread id"),
+    "user_frame": (_STR_OR_NONE, "the innermost frame of the user's code the exception went through, 'file:line in "
+                                 "function' (a script's, where there is no cell) or 'cell [n], line l in function' "
+                                 "(since version 9)"),
+    "user_code": (_STR_OR_NONE, "that frame's source line (since version 9)"),
 }
 
 # A ShardTensor result whose spec disagrees with its local tensor (op field ``spec_mismatches``, one per finding)
@@ -341,7 +347,7 @@ OPTIONAL_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
 FIELDS_SINCE: dict[str, dict[str, int]] = {
     KIND_OP: {"user_cell": 4, "user_code": 4, "local_ms": 4},
     KIND_COLLECTIVE: {"params": 4, "bucket": 4, "user_frame": 4, "user_cell": 4, "user_code": 4, "error": 8},
-    KIND_ERROR: {"cell": 4},
+    KIND_ERROR: {"cell": 4, "user_frame": 9, "user_code": 9},
 }
 ERROR_FIELDS_SINCE: dict[str, int] = {"handled": 8}  # an op record's ``error``
 

@@ -168,6 +168,7 @@ class HangReport:
     failures: dict[int, RankFailure] = field(default_factory=dict)
     # what comes after the ranks (what the user can do now); "" for the notebook's: the kernel is free, recover
     closing: str = ""
+    headline: str = ""  # what comes first instead of ``summary()``; "" for the notebook's
 
     def summary(self) -> str:
         ok = [r for r in self.finished if r not in self.failures]
@@ -183,7 +184,7 @@ class HangReport:
         parts = []
         if self.failures:
             parts.append(format_failures(self.failures))
-        parts.append(self.summary())
+        parts.append(self.headline or self.summary())
         parts += [self.ranks[r].format() for r in self.unfinished if r in self.ranks]
         parts.append(self.closing or "The kernel is free and the engines are kept. " + RECOVERY_HINT)
         return "\n\n".join(parts)

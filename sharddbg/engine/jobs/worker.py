@@ -61,6 +61,10 @@ class JobRecording:
         self._marker_seen: set[str] = set()
         self._last_flush = 0.0
         self._undo: list = []
+        # the hang watch: a collective is hung when it is not done after hang_after_s and the rank recorded
+        # nothing since (an async collective left unwaited while the rank works on is not a hang)
+        self._buffer_size = -1
+        self._progress_ns = 0
 
     # ---- start -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -72,8 +76,10 @@ class JobRecording:
         from ..recorder import export
 
         meta = export.payload(probe, [], False)["meta"]
-        self.stream.write_lines([header(self.settings, self.rank, self.world_size, self.local_rank, meta,
-                                         clock.now_ns())])
+        if not self.stream.write_lines([header(self.settings, self.rank, self.world_size, self.local_rank, meta,
+                                                clock.now_ns())]):
+            self._writing_failed()
+            return
         self._hook_init_process_group()
         self._hook_optimizer_steps()
         atexit.register(self.end, "normal")
@@ -234,10 +240,11 @@ class JobRecording:
               f"({self.stream.failed}); the job goes on unrecorded", file=sys.stderr, flush=True)
 
     def _watch(self) -> None:
-        period = min(0.2, self.settings.flush_every_s)
+        period = min(0.2, self.settings.flush_every_s / 2)
         while not self._stop.wait(period):
             try:
-                if time.monotonic() - self._last_flush >= self.settings.flush_every_s:
+                # never more than flush_every_s between two flushes, though the wait may wake a little late
+                if time.monotonic() - self._last_flush >= self.settings.flush_every_s - period:
                     self.flush()
                 self._check_hang()
             except Exception:  # noqa: BLE001 - the watch must not die; the job never sees it
@@ -251,11 +258,16 @@ class JobRecording:
             return
         now = clock.now_ns()
         limit = int(self.settings.hang_after_s * 1e9)
+        size = len(rec.buffer) + rec.dropped
+        if size != self._buffer_size:  # the rank made progress: nothing it waits in is a hang yet
+            self._buffer_size, self._progress_ns = size, now
+        if now - self._progress_ns < limit:
+            return self._answer_markers()
         for ev in self.stream.pending_collectives():
             if ev.seq in self._hang_written or ev.t_done_ns is not None or ev.error is not None:
                 continue
-            if now - ev.t_issue_ns < limit or ev.t_return_ns is not None:
-                continue  # an async collective not waited for yet is not a hang
+            if now - ev.t_issue_ns < limit:
+                continue
             self._hang_written.add(ev.seq)
             self.flush()  # the events before it first: the report names what ran last
             self._write_diagnosis("hang", ev)
@@ -290,6 +302,10 @@ class JobRecording:
                   "stack": control.main_thread_stack(), "flight_recorder": control.flight_recorder(),
                   "groups": control.process_groups(), "mesh_dims": control.mesh_dim_names(), "step": self.step}
         rec = self.recorder
+        if rec is not None:  # the recorder knows which mesh dim each group serves (no sharddbg mesh in a job)
+            for name, info in list(rec.collectives.groups.items()):
+                if info.mesh_dim:
+                    report["mesh_dims"].setdefault(str(name), info.mesh_dim)
         if ev is not None:
             report["collective_seq"] = ev.seq
             report["hang_after_s"] = self.settings.hang_after_s

@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..frames import HIDE_FRAMES
-from .ops import begin, compiling_now, looks_like, run_recorded
+from .ops import begin, compiling_now, looks_like, run_recorded, see_through
 from .state import RecordingState
 from .tensors import collect_tensors, op_name, qualname
 from .undo import UndoLog
@@ -51,6 +51,18 @@ class DTensorCalls(TorchFunctionMode):
         __tracebackhide__ = HIDE_FRAMES  # the user's traceback shows their code, not the recorder
         kwargs = kwargs or {}
         rec = self.rec
+        if not torch._C._is_torch_function_enabled():
+            # subclass dispatch is off (DisableTorchFunctionSubclass: ShardTensor's handlers, the recorder's
+            # own bookkeeping): a mode is still called, and must not route to a subclass behind their back
+            return func(*args, **kwargs)
+        for t in types:
+            own = getattr(getattr(t, "__torch_function__", None), "__func__", None)
+            if own is not None and own is not _TENSOR_DEFAULT:
+                # a ShardTensor (or another subclass with a __torch_function__ of its own): called once, here, as
+                # torch would call it with no mode on (this mode is off while its handler runs)
+                res = t.__torch_function__(func, types, args, kwargs)
+                if res is not NotImplemented:
+                    return res
         # ``types`` cannot tell: DTensor's own __torch_function__ is disabled, so it is listed for some calls only
         if not rec.running or not _has_plain_dtensor(args, kwargs, self.dtensor_cls):
             return func(*args, **kwargs)
@@ -72,6 +84,9 @@ class DTensorCalls(TorchFunctionMode):
         if ev is None:
             return func(*args, **kwargs)
         return run_recorded(rec, st, ev, func, *args, **kwargs)
+
+
+_TENSOR_DEFAULT = torch.Tensor.__torch_function__.__func__
 
 
 def _has_plain_dtensor(args: tuple, kwargs: dict, dtensor_cls: type) -> bool:
@@ -118,6 +133,11 @@ def redistribute_wrapper(rec: RecordingState, name: str, fn: Callable, dtensor_c
     looks_like(method, fn)
     method.__doc__ = fn.__doc__
     return method
+
+
+# ShardTensor's recorder reads the frame that made a call (a binary dunder's TypeError is unmasked from it):
+# it looks through this mode's frame to the user's
+see_through(DTensorCalls.__torch_function__.__code__)
 
 
 def install(rec: RecordingState, undo: UndoLog) -> None:

@@ -18,7 +18,7 @@ import torch
 from ... import schema
 from .. import clock
 from ..rank_state import STATE
-from .cells import cell_and_code, frame_label
+from .cells import cell_and_code, frame_label, line_text
 from .comm_bytes import TensorMeta
 from .events import CellErrorEvent, CollectiveEvent, OpEvent
 from .params import ddp_bucket_of
@@ -288,6 +288,8 @@ def error_record(ev: CellErrorEvent) -> dict:
         "cell_code": ev.cell_code,
         "cell": ev.cell,
         "thread": ev.thread,
+        "user_frame": frame_label(ev.user_frame),
+        "user_code": line_text(ev.user_frame[0], ev.user_frame[1]) if ev.user_frame else None,
     }
 
 

@@ -52,6 +52,25 @@ _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: Non
 _autograd_seq_nr = torch._C._autograd._get_sequence_nr  # next autograd node sequence number on this thread
 
 
+# code objects of frames that stand between the user's call and a ShardTensor hook without being the caller:
+# a torch function mode's handler that calls the function on (the DTensor call mode, dtensor.py)
+_transparent_codes: set = set()
+
+
+def see_through(code) -> None:
+    """Frames running ``code`` are not the caller of a ShardTensor op: the caller is looked for above them."""
+    _transparent_codes.add(code)
+
+
+def calling_frame(depth: int = 2):
+    """The frame that made the call the function ``depth`` frames up handles, looking through the frames of
+    ``see_through`` code."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code in _transparent_codes:
+        frame = frame.f_back
+    return frame
+
+
 # ---- one op event: begin, end, error ---------------------------------------------------------------
 
 def begin(rec: RecordingState, st: ThreadState, name: str, path: str, handler: str | None, infos: list) -> OpEvent:
@@ -229,7 +248,7 @@ def torch_function_wrapper(rec: RecordingState, original: Callable, fallback: Ca
         try:
             res = original(cls, func, types, args, kwargs)
         except BaseException as e:
-            unmask = rec.unmask and isinstance(e, TypeError) and would_swallow_type_error(func, args, sys._getframe(1))
+            unmask = rec.unmask and isinstance(e, TypeError) and would_swallow_type_error(func, args, calling_frame())
             st.busy = True
             try:
                 err = record_error(rec, st, ev, e, unmask)

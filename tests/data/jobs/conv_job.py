@@ -3,7 +3,8 @@ gradients averaged over 'ddp' by hand, SGD. Run by torchrun (``python conv_job.p
 the tests, which run ``train_step`` in a notebook cluster to compare the two recordings.
 
 Faults on request, for the tests: ``--kill-rank R --kill-step S`` (SIGKILL in that step, after its backward),
-``--skip-rank R --skip-step S`` (that rank skips the step's gradient all_reduce).
+``--skip-rank R --skip-step S`` (that rank skips the step's gradient all_reduce; with ``--linger`` the ranks
+wait before they exit, so that the rank left in that all_reduce hangs instead of seeing its peer leave).
 """
 
 import argparse
@@ -24,6 +25,21 @@ def build_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
                          nn.Conv2d(8, 2, 3, padding=1))
+
+
+def dtensor_block(mesh, step: int) -> float:
+    """A plain DTensor MLP on the 'domain' mesh dim (no ShardTensor): sharding propagation redistributes its
+    inputs, and the user redistributes its result."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    dmesh = mesh["domain"]
+    torch.manual_seed(7 + step)
+    a = distribute_tensor(torch.randn(8, 6), dmesh, [Shard(0)])
+    w1 = distribute_tensor(torch.randn(6, 8), dmesh, [Shard(1)])
+    w2 = distribute_tensor(torch.randn(8, 3), dmesh, [Shard(0)])
+    y = torch.relu(a @ w1) @ w2
+    r = y.redistribute(dmesh, [Replicate()])
+    return float(r.to_local().sum())
 
 
 def train_step(model, opt, mesh, step: int, skip_all_reduce: bool = False) -> float:
@@ -49,7 +65,7 @@ def train_step(model, opt, mesh, step: int, skip_all_reduce: bool = False) -> fl
     opt.zero_grad()
     value = loss.full_tensor() if isinstance(loss, DTensor) else loss
     del rank
-    return float(value)
+    return float(value) + 0.0 * dtensor_block(mesh, step)
 
 
 def fill_distributed_manager(mesh) -> None:
@@ -71,6 +87,8 @@ def main() -> None:
     parser.add_argument("--skip-rank", type=int, default=-1)
     parser.add_argument("--skip-step", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--kill-note", default=None, help="a file the killed rank writes its clock into first")
+    parser.add_argument("--linger", type=float, default=0.0, help="seconds to wait after the last step")
     parser.add_argument("--no-patches", action="store_true", help="leave physicsnemo's patches unregistered")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
@@ -89,10 +107,17 @@ def main() -> None:
             import time
 
             time.sleep(1.5)  # past a flush: what the rank did in this step so far is on disk
+            if args.kill_note:
+                with open(args.kill_note, "w") as f:
+                    f.write(str(time.monotonic_ns()))
             os.kill(os.getpid(), signal.SIGKILL)
         loss = train_step(model, opt, mesh, step, skip_all_reduce=(rank == args.skip_rank and step == args.skip_step))
         if rank == 0:
             print(f"step {step}: loss {loss:.6f}", flush=True)
+    if args.linger:
+        import time
+
+        time.sleep(args.linger)
     # the process group is destroyed by physicsnemo's DistributedManager at exit
 
 
