@@ -360,18 +360,29 @@ def hang_report(job: RecordedJob) -> str | None:
     report = build_report(after, sorted(set(job.ranks) - set(stuck) - set(elsewhere)), stuck + elsewhere,
                           diagnoses, {r: s.header.get("pid") for r, s in job.ranks.items()},
                           closing=JOB_HANG_CLOSING)
-    missing = sorted({m for r in stuck for p in report.ranks[r].pending for m in p.missing_ranks})
     steps = {r: d.get("step") for r, d in diagnoses.items() if type(d.get("step")) is int}
 
     def done(r: int) -> str:
         return f" after {steps[r] - 1} optimizer step{'s' if steps[r] - 1 != 1 else ''}" if r in steps else ""
 
-    who = ", ".join(f"rank {r}{done(r)}" for r in stuck)
-    report.headline = (f"{who} waited more than {after:g} s in a collective"
-                       + (f" that rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never "
-                          f"joined" if missing else "")
-                       + (f"; where the other ranks were then: {', '.join(f'rank {r}{done(r)}' for r in elsewhere)}"
-                          if elsewhere else "") + ".")
+    def never_joined(r: int) -> list[int]:
+        return sorted({m for p in report.ranks[r].pending for m in p.missing_ranks})
+
+    # a stuck rank whose collective waits only for stuck ranks waits in turn; the others name the cause
+    causes = [r for r in stuck if not set(never_joined(r)) <= set(stuck) or not never_joined(r)]
+    in_turn = [r for r in stuck if r not in causes]
+    parts = []
+    for r in causes:
+        missing = never_joined(r)
+        parts.append(f"rank {r}{done(r)} waited more than {after:g} s in a collective"
+                     + (f" that rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never joined"
+                        if missing else ""))
+    for r in in_turn:
+        parts.append(f"rank {r}{done(r)} waits in turn for rank{'s' if len(never_joined(r)) > 1 else ''} "
+                     f"{', '.join(map(str, never_joined(r)))}")
+    if elsewhere:
+        parts.append(f"where the other ranks were then: {', '.join(f'rank {r}{done(r)}' for r in elsewhere)}")
+    report.headline = "; ".join(parts) + "."
     return report.format()
 
 

@@ -65,6 +65,8 @@ class JobRecording:
         # nothing since (an async collective left unwaited while the rank works on is not a hang)
         self._buffer_size = -1
         self._progress_ns = 0
+        self._sigterm_fd: int | None = None  # wakes the background thread when SIGTERM arrives
+        self._end_lock = threading.Lock()
 
     # ---- start -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -240,8 +242,27 @@ class JobRecording:
               f"({self.stream.failed}); the job goes on unrecorded", file=sys.stderr, flush=True)
 
     def _watch(self) -> None:
+        import select
+
         period = min(0.2, self.settings.flush_every_s / 2)
-        while not self._stop.wait(period):
+        while not self._stop.is_set():
+            woken = []
+            try:
+                if self._sigterm_fd is not None:
+                    woken = select.select([self._sigterm_fd], [], [], period)[0]
+                else:
+                    self._stop.wait(period)
+            except (OSError, ValueError):
+                self._stop.wait(period)
+            if woken:
+                try:
+                    numbers = os.read(self._sigterm_fd, 64)
+                except OSError:
+                    numbers = b""
+                if signal.SIGTERM in numbers:  # other signals with a Python handler (Ctrl-C) write here too
+                    self._sigterm_from_watch()
+                    return
+                continue
             try:
                 # never more than flush_every_s between two flushes, though the wait may wake a little late
                 if time.monotonic() - self._last_flush >= self.settings.flush_every_s - period:
@@ -261,7 +282,7 @@ class JobRecording:
         size = len(rec.buffer) + rec.dropped
         if size != self._buffer_size:  # the rank made progress: nothing it waits in is a hang yet
             self._buffer_size, self._progress_ns = size, now
-        if now - self._progress_ns < limit:
+        if now - self._progress_ns < limit or not _main_thread_in_torch_distributed():
             return self._answer_markers()
         for ev in self.stream.pending_collectives():
             if ev.seq in self._hang_written or ev.t_done_ns is not None or ev.error is not None:
@@ -337,25 +358,47 @@ class JobRecording:
         sys.excepthook = excepthook
 
     def _hook_sigterm(self) -> None:
+        """On SIGTERM: the last flush, then the default action (the process ends by SIGTERM, as without
+        sharddbg). Python runs a handler only between bytecodes of the main thread, and torchrun's SIGTERM often
+        finds it inside a collective that will not return: the signal also wakes the background thread (through
+        a wakeup fd), which ends the stream itself."""
         if threading.current_thread() is not threading.main_thread():
             return
         if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
             return  # the job handles SIGTERM itself: left alone
 
         def on_sigterm(signum, frame):
-            try:
-                self.end("SIGTERM")
-            finally:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
+            self._sigterm_from_watch()
 
         signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)
+            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            if previous != -1:  # someone else's wakeup fd (an event loop): theirs stays
+                signal.set_wakeup_fd(previous)
+                os.close(read_fd)
+                os.close(write_fd)
+            else:
+                self._sigterm_fd = read_fd
+        except (OSError, ValueError):
+            pass
+
+    def _sigterm_from_watch(self) -> None:
+        """SIGTERM arrived: end the stream, then die of it as the job would have."""
+        try:
+            self.end("SIGTERM")
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def end(self, how: str) -> None:
-        """The last flush: stop recording, write every event kept, the end line; once."""
-        if self.ended:
-            return
-        self.ended = True
+        """The last flush: stop recording, write every event kept, the end line; once (from whichever thread
+        comes first: the main thread at exit, the background thread on SIGTERM)."""
+        with self._end_lock:
+            if self.ended:
+                return
+            self.ended = True
         self._stop.set()
         rec = self.recorder
         try:
@@ -381,6 +424,22 @@ class JobRecording:
                 except Exception:  # noqa: BLE001
                     pass
             self.stream.close()
+
+
+_DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
+
+
+def _main_thread_in_torch_distributed() -> bool:
+    """The main thread runs torch.distributed's code now (a collective's call or its wait): a rank that sleeps or
+    computes with an unwaited collective pending is not stuck in it."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    for _ in range(4):  # its innermost frames: the C call of the collective returns to one of these
+        if frame is None:
+            return False
+        if _DISTRIBUTED in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def start(settings: JobSettings, rank: int, world_size: int, local_rank: int | None) -> JobRecording:

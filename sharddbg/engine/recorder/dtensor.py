@@ -31,14 +31,6 @@ REDISTRIBUTE = "dtensor_redistribute"
 REDISTRIBUTE_METHODS = ("redistribute", "full_tensor")
 
 
-class _NoShardTensor:
-    """Stands for ShardTensor where physicsnemo is not imported: no tensor is one of these."""
-
-
-def _shard_tensor_cls(rec: RecordingState) -> type:
-    return rec.shard_tensor_cls or _NoShardTensor
-
-
 class DTensorCalls(TorchFunctionMode):
     """The torch function mode that records the user's calls with plain DTensor arguments."""
 
@@ -72,7 +64,7 @@ class DTensorCalls(TorchFunctionMode):
         st.busy = True
         ev = None
         try:
-            infos = collect_tensors(args, kwargs, _shard_tensor_cls(rec))
+            infos = collect_tensors(args, kwargs, rec.shard_tensor_cls)
             if not any(i.shard_tensor for i in infos) and not compiling_now(rec, infos):
                 ev = begin(rec, st, op_name(func), PROPAGATION, "torch.distributed.tensor.DTensor (sharding propagation)",
                            infos)
@@ -118,7 +110,7 @@ def redistribute_wrapper(rec: RecordingState, name: str, fn: Callable, dtensor_c
         st.busy = True
         ev = None
         try:
-            infos = collect_tensors((self,) + args, kwargs, _shard_tensor_cls(rec))
+            infos = collect_tensors((self,) + args, kwargs, rec.shard_tensor_cls)
             if not compiling_now(rec, infos):
                 ev = begin(rec, st, label, REDISTRIBUTE, handler, infos)
         except Exception:  # noqa: BLE001

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 import torch
@@ -77,7 +78,7 @@ class Recorder(RecordingState):
         self.thread()  # the starting thread gets tid 0
         undo = UndoLog()
         try:
-            if not self._shard_tensor_when_imported:
+            if not self._shard_tensor_when_imported or SHARD_TENSOR_MODULE in sys.modules:
                 ops.install(self, undo)
             else:
                 ops.install_modules(self, undo)

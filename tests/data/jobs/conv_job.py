@@ -89,6 +89,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--kill-note", default=None, help="a file the killed rank writes its clock into first")
     parser.add_argument("--linger", type=float, default=0.0, help="seconds to wait after the last step")
+    parser.add_argument("--step-times", default=None, help="rank 0 writes each step's wall time (ms) here, as JSON")
+    parser.add_argument("--in-process-recorder", action="store_true",
+                        help="record the steps with sharddbg.record() in this process (the notebook's recorder)")
     parser.add_argument("--no-patches", action="store_true", help="leave physicsnemo's patches unregistered")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
@@ -102,23 +105,42 @@ def main() -> None:
     model = build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     rank = dist.get_rank()
-    for step in range(1, args.steps + 1):
-        if rank == args.kill_rank and step == args.kill_step:
-            import time
+    import contextlib
+    import time
 
-            time.sleep(1.5)  # past a flush: what the rank did in this step so far is on disk
-            if args.kill_note:
-                with open(args.kill_note, "w") as f:
-                    f.write(str(time.monotonic_ns()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        loss = train_step(model, opt, mesh, step, skip_all_reduce=(rank == args.skip_rank and step == args.skip_step))
-        if rank == 0:
-            print(f"step {step}: loss {loss:.6f}", flush=True)
+    times = []
+    recording = contextlib.nullcontext()
+    if args.in_process_recorder:
+        import sharddbg
+
+        recording = sharddbg.record()
+    with recording:
+        for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            _one_step(args, model, opt, mesh, rank, step)
+            times.append((time.perf_counter() - t0) * 1e3)
+    if args.step_times and rank == 0:
+        import json
+
+        with open(args.step_times, "w") as f:
+            json.dump(times, f)
     if args.linger:
-        import time
-
         time.sleep(args.linger)
     # the process group is destroyed by physicsnemo's DistributedManager at exit
+
+
+def _one_step(args, model, opt, mesh, rank: int, step: int) -> None:
+    if rank == args.kill_rank and step == args.kill_step:
+        import time
+
+        time.sleep(1.5)  # past a flush: what the rank did in this step so far is on disk
+        if args.kill_note:
+            with open(args.kill_note, "w") as f:
+                f.write(str(time.monotonic_ns()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss = train_step(model, opt, mesh, step, skip_all_reduce=(rank == args.skip_rank and step == args.skip_step))
+    if rank == 0:
+        print(f"step {step}: loss {loss:.6f}", flush=True)
 
 
 if __name__ == "__main__":
