@@ -238,6 +238,19 @@ def test_a_plain_python_job_records_one_rank_and_a_full_disk_stops_only_the_reco
     assert t.ranks == [0] and t.incomplete_ranks == [] and t.world_size == 1
     assert (t.get_ops()["op"] == "Tensor.matmul").sum() == 20
 
+    # steps marked by the job's own blocks: --steps 2:2 records the second block only, from its start to its end
+    blocks = tmp_path / "blocks.py"
+    blocks.write_text(script.read_text().replace(
+        "for i in range(20):\n    x = torch.relu(x @ x.T) / 4\n",
+        "import sharddbg\nfor block in range(3):\n    with sharddbg.recording():\n"
+        "        for i in range(block + 1):\n            x = torch.relu(x @ x.T) / 4\n    x = x * 1.0\n"))
+    done = sharddbg_cli("record", "--out", tmp_path / "blocks", "--steps", "2:2", "--", sys.executable, blocks,
+                        timeout=120)
+    assert done.returncode == 0 and "done True" in done.stdout, done.stderr
+    t = sharddbg.load_trace(tmp_path / "blocks")
+    assert list(t.get_ops()["op"]) == ["Tensor.T.__get__", "Tensor.matmul", "torch.relu", "Tensor.div"] * 2  # two rounds
+    assert [ev["data"]["step"] for ev in t.events(0) if ev.get("name") == "step"] == [2]
+
     import resource
 
     def small_files():  # a "full disk" for the job's processes: no file may grow past 6 KB

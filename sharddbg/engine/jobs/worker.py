@@ -1,9 +1,10 @@
 """``JobRecording``: the recording of one process of a recorded job, from its start to its exit.
 
 - **Window** (``--steps A:B``): steps are counted from ``optimizer.step()`` calls (step k ends when the k-th
-  returns), or from the user's ``with sharddbg.recording():`` blocks where the job has them (block k is step
-  k). The recorder is installed when step A begins and removed when step B ends: outside the window nothing
-  of sharddbg runs but one counter per optimizer step.
+  returns, and step k+1 begins at once), or from the user's ``with sharddbg.recording():`` blocks where the
+  job has them (block k is step k: the recording runs from the start of block A to the end of block B). The
+  recorder is installed when step A begins and removed when step B ends: outside the window nothing of
+  sharddbg runs but one counter per optimizer step.
 - **Clock**: when ``torch.distributed.init_process_group`` returns, each rank measures its clock against rank
   0's through the group's own store (a few round trips, no collective), and writes it into its stream.
 - **Hangs**: a background thread flushes the stream every ``flush_every_s`` and watches the collectives in
@@ -133,6 +134,8 @@ class JobRecording:
             self.window_done = True
             self.flush()
         self.step += 1
+        if from_block:
+            return  # the next step begins with the next block
         if self._in_window(self.step) and not self.window_done:
             if self.recorder is None:
                 self._start_recorder()
@@ -140,12 +143,17 @@ class JobRecording:
                 self._step_marker()
 
     def block_entered(self) -> None:
-        """A ``sharddbg.recording()`` block began: the job counts its steps by blocks from now on."""
+        """A ``sharddbg.recording()`` block begins step ``self.step`` (the first block is step 1: from then on
+        the blocks count the steps, not the optimizer)."""
         if not self.blocks_seen:
             self.blocks_seen = True
-            self.step = 1 if self.recorder is None or self.settings.steps is None else self.step
-            if self._in_window(self.step) and self.recorder is None:
-                self._start_recorder()
+            self.step = 1
+        if not self._in_window(self.step) or self.window_done:
+            return
+        if self.recorder is None:
+            self._start_recorder()
+        else:
+            self._step_marker()
 
     def _hook_optimizer_steps(self) -> None:
         try:
