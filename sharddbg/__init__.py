@@ -80,6 +80,35 @@ def record(*args, **kwargs) -> "Recorder":
     return Recorder(*args, **kwargs)
 
 
+class recording:  # noqa: N801 - used as a statement, like contextlib's helpers: `with sharddbg.recording():`
+    """Mark one step of a job recorded by ``sharddbg record``: ``with sharddbg.recording(): step(batch)``.
+
+    In a recorded job, the blocks count the steps for ``--steps A:B`` (block k is step k) instead of the
+    optimizer's ``step()`` calls: the recording runs from the start of block A to the end of block B. Outside
+    a recorded job it does nothing, and imports nothing: the job runs the same with or without sharddbg.
+
+    Examples
+    --------
+    >>> for batch in loader:
+    ...     with sharddbg.recording():
+    ...         loss = model(batch).mean(); loss.backward(); opt.step()
+    """
+
+    def __enter__(self) -> "recording":
+        import sys
+
+        worker = sys.modules.get("sharddbg.engine.jobs.worker")  # loaded only in a recording process
+        self._job = worker.current() if worker is not None else None
+        if self._job is not None:
+            self._job.block_entered()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._job is not None:
+            self._job.step_ended(from_block=True)
+        return False
+
+
 def last_trace() -> "Trace":
     """The Trace of the last ``%%shard_trace`` / ``Cluster.trace`` on the active cluster.
 

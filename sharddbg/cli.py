@@ -94,13 +94,28 @@ def demo(n: int = 4, tolerance: float = 1e-5) -> int:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["record"]:  # its own parser: everything after -- is the job's, untouched
+        from .job_launcher import main_record
+
+        return main_record(argv[1:])
     parser = argparse.ArgumentParser(prog="sharddbg")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("demo", help="4-rank CPU demo: uneven shards, sharded conv net, check vs reference")
     run.add_argument("-n", type=int, default=4)
     stop = sub.add_parser("reap", help="stop every cluster sharddbg left on this machine (orphans included)")
     stop.add_argument("--all", action="store_true", help="also clusters whose owner still runs")
+    sub.add_parser("record", help="record a job unchanged: sharddbg record [--out DIR] [--steps A:B] "
+                                  "[--max-events N] [--hang-after S] [--force] -- torchrun ... train.py")
+    summ = sub.add_parser("summary", help="a recorded job's (or trace file's) findings, as plain text")
+    summ.add_argument("path", help="the folder sharddbg record wrote, or a .sdtrace.json file")
+    summ.add_argument("--width", type=int, default=100, help="the longest line (default 100)")
+    rep = sub.add_parser("report", help="a recorded job's (or trace file's) standalone HTML report")
+    rep.add_argument("path", help="the folder sharddbg record wrote, or a .sdtrace.json file")
+    rep.add_argument("-o", "--output", required=True, help="the HTML file to write")
     args = parser.parse_args(argv)
+    if args.command in ("summary", "report"):
+        return _read_back(args)
     if args.command == "demo":
         return demo(args.n)
     if args.command == "reap":
@@ -119,6 +134,32 @@ def main(argv=None) -> int:
                   + ", ".join(f"{r.cluster_id} (owner pid {r.owner.pid})" for r in left))
         return 0
     return 2
+
+
+def _read_back(args) -> int:
+    """``sharddbg summary`` / ``sharddbg report``: load the trace, then print or write it."""
+    import warnings
+
+    from .errors import TraceFileError
+    from .trace import load_trace
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trace = load_trace(args.path)
+    except (TraceFileError, OSError) as e:
+        print(f"sharddbg {args.command}: {e}", file=sys.stderr)
+        return 1
+    if args.command == "report":
+        trace.to_html(args.output)
+        print(f"sharddbg: wrote {args.output} ({len(trace.ranks)} ranks, {len(trace.findings)} findings)")
+        return 0
+    from .job_launcher import summary_text
+
+    print(summary_text(trace, width=args.width))
+    for w in caught:
+        print(f"note: {w.message}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ class NoActiveClusterError(ClusterError):
 class RankTimeoutError(ShardDbgError, TimeoutError):
     """Some ranks did not finish within the timeout.
 
-    ``report`` is a :class:`sharddbg.cluster.hang.HangReport`: which ranks finished, which did not,
+    ``report`` is a :class:`sharddbg.analysis.hang.HangReport`: which ranks finished, which did not,
     and for each unfinished rank its Python stack and the collective it waits in.
     """
 
@@ -147,7 +147,7 @@ class RankError(ShardDbgError):
     ``causes``: the ranks whose own failure started it (the others failed because of them, e.g. in a
     collective that a failed rank never joined); ``released``: ranks sharddbg released from a collective
     that waited for a failed rank; ``report``: where those ranks waited (a
-    :class:`sharddbg.cluster.hang.HangReport`), or None.
+    :class:`sharddbg.analysis.hang.HangReport`), or None.
     """
 
     def __init__(self, message, errors=None, *, causes=None, released=None, report=None):

@@ -37,6 +37,10 @@ class RecordingOptions:
         Compare each collective inside a recorded op across its group before it is issued (needs ``comm``).
     memory : bool
         On CUDA, the allocator's delta over each device-timed op (two counter reads per op).
+    dtensor : bool
+        Record the user's calls on plain DTensors too (not ShardTensors: those are always recorded), with the
+        paths "dtensor_propagation" and "dtensor_redistribute": a torch function mode sees every torch call of
+        the recording thread while it records.
 
     Raises
     ------
@@ -46,7 +50,7 @@ class RecordingOptions:
     Examples
     --------
     >>> RecordingOptions(replicas=True).replace(max_events=1000)
-    RecordingOptions(max_events=1000, unmask=True, comm=True, spec_check=True, replicas=True, preflight=False, memory=False)
+    RecordingOptions(max_events=1000, unmask=True, comm=True, spec_check=True, replicas=True, preflight=False, memory=False, dtensor=True)
     """
 
     max_events: int = DEFAULT_MAX_EVENTS
@@ -56,6 +60,7 @@ class RecordingOptions:
     replicas: bool = False
     preflight: bool = False
     memory: bool = False
+    dtensor: bool = True
 
     def __post_init__(self) -> None:
         if type(self.max_events) is not int or self.max_events < 1:

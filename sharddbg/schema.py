@@ -87,7 +87,14 @@ from .errors import SchemaError  # what the validators below raise (defined with
 #      failed": a collective that raised is no longer counted as a hang. Older payloads read through
 #      ``current_events``: ``handled`` is False where an error record says the exception ended the cell, else
 #      None (not recorded); a collective's ``error`` is None (a failed one stays ``in_flight``).
-SCHEMA_VERSION = 8
+#   9  plain DTensor ops are recorded: op records may carry the paths "dtensor_propagation" (a torch function
+#      called with plain DTensor arguments, dispatched by DTensor's sharding propagation; the collectives it
+#      issued are the redistributions its inputs needed) and "dtensor_redistribute" (DTensor.redistribute /
+#      full_tensor called by the user's code); payload meta gains ``dtensor`` (RecordingOptions.dtensor) and,
+#      for a recorded job, ``step`` markers are meta records named "step". Error records gain ``user_frame`` /
+#      ``user_code``: the innermost frame of the user's code the exception went through (a script has no cell
+#      line to name). Older payloads read as before (None).
+SCHEMA_VERSION = 9
 PAYLOAD_FORMAT = "sharddbg.payload"
 
 KIND_OP = "op"
@@ -113,7 +120,11 @@ PATHS = (
     # since schema 2: a ShardTensor Python method that bypasses __torch_function__ and may communicate
     # (full_tensor, redistribute, backward, from_local; PYTHON_METHODS in engine/recorder/ops.py)
     "python_method",
+    # since schema 9: plain DTensor (not ShardTensor) calls made by the user's code (RecordingOptions.dtensor)
+    "dtensor_propagation",  # a torch function with plain DTensor arguments: DTensor's sharding propagation ran it
+    "dtensor_redistribute",  # DTensor.redistribute / DTensor.full_tensor called by the user's code
 )
+DTENSOR_PATHS = ("dtensor_propagation", "dtensor_redistribute")
 FALLBACK_PATHS = ("dtensor_fallback_function", "dtensor_fallback_dispatch")
 
 # the ``op`` of a collective that DistributedDataParallel's reducer issued for one gradient bucket (its
@@ -262,6 +273,10 @@ CELL_ERROR_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "cell_code": (_STR_OR_NONE, "that line's source text"),
     "cell": (_INT_OR_NONE, "the notebook cell (execution count in the notebook) of that line (since version 4)"),
     "thread": ((int,), "recorder thread id"),
+    "user_frame": (_STR_OR_NONE, "the innermost frame of the user's code the exception went through, 'file:line in "
+                                 "function' (a script's, where there is no cell) or 'cell [n], line l in function' "
+                                 "(since version 9)"),
+    "user_code": (_STR_OR_NONE, "that frame's source line (since version 9)"),
 }
 
 # A ShardTensor result whose spec disagrees with its local tensor (op field ``spec_mismatches``, one per finding)
@@ -332,7 +347,7 @@ OPTIONAL_FIELDS: dict[str, dict[str, tuple[tuple[type, ...], str]]] = {
 FIELDS_SINCE: dict[str, dict[str, int]] = {
     KIND_OP: {"user_cell": 4, "user_code": 4, "local_ms": 4},
     KIND_COLLECTIVE: {"params": 4, "bucket": 4, "user_frame": 4, "user_cell": 4, "user_code": 4, "error": 8},
-    KIND_ERROR: {"cell": 4},
+    KIND_ERROR: {"cell": 4, "user_frame": 9, "user_code": 9},
 }
 ERROR_FIELDS_SINCE: dict[str, int] = {"handled": 8}  # an op record's ``error``
 
@@ -375,6 +390,7 @@ PAYLOAD_META_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "preflight": ((bool,), "RecordingOptions.preflight: collectives were compared across their group first "
                            "(since version 5)"),
     "memory": ((bool,), "RecordingOptions.memory: CUDA allocator deltas were recorded (since version 5)"),
+    "dtensor": ((bool,), "RecordingOptions.dtensor: plain DTensor calls were recorded as ops (since version 9)"),
     "plan_cache": ((dict, type(None)), "PLAN_CACHE_FIELDS, or None where this torch has no such cache (since "
                                        "version 6)"),
 }

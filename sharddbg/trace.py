@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from . import rendering, schema
+from . import job_files, rendering, schema
 from .analysis import comm as _comm
 from .analysis import consistency as _consistency
 from .analysis import findings as _findings
@@ -1042,8 +1042,8 @@ _INT_BOUND_TEXT = "integers in a trace lie within +-2**61: times are int64 ns, a
 MAX_NESTING = 64
 
 
-def load_trace(path: str | os.PathLike) -> Trace:
-    """Read a trace file written by ``Trace.save``.
+def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) -> Trace:
+    """Read a trace file written by ``Trace.save``, or the folder of a job ``sharddbg record`` recorded.
 
     Everything is checked before anything is built from the file: a wrong or corrupt file raises
     TraceFileError naming the field (and the payload, rank and event index) that is wrong. A file without
@@ -1052,7 +1052,13 @@ def load_trace(path: str | os.PathLike) -> Trace:
     Parameters
     ----------
     path : str or os.PathLike
-        The file to read.
+        The file to read, or a recorded job's folder (``sharddbg.job_files``: ``job.json`` and one
+        ``rank-NNNNN.jsonl`` stream per rank). A rank whose stream has no end (its process was killed, or
+        ended in a hang) loads up to its last flush, incomplete, with the reason; a stream cut mid-line loads
+        up to its last whole line and the reason says where it is cut.
+    allow_missing_ranks : bool, default False
+        For a job folder: load the ranks whose streams are there when some are missing (marked incomplete)
+        instead of refusing it.
 
     Returns
     -------
@@ -1080,8 +1086,12 @@ def load_trace(path: str | os.PathLike) -> Trace:
     --------
     >>> t = sharddbg.load_trace("conv.sdtrace.json")
     >>> t.get_errors()[["rank", "op", "exc_type", "location"]]
+    >>> sharddbg.load_trace("run").ranks  # a folder `sharddbg record --out run` wrote
+    [0, 1, 2, 3]
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        return _trace_of_job(path, allow_missing_ranks)
     raw = _read_regular_file(path)
     try:
         d = json.loads(raw)
@@ -1109,6 +1119,36 @@ def load_trace(path: str | os.PathLike) -> Trace:
         return _trace_of_file(d)
     except _FileProblem as e:
         raise TraceFileError(f"{path}: corrupt sharddbg trace: {e}") from None
+
+
+def _trace_of_job(folder: str, allow_missing_ranks: bool) -> Trace:
+    """The Trace of a recorded job's folder (``job_files.read_job``), its hang report in the meta."""
+    if not job_files.is_job_folder(folder):
+        raise TraceFileError(f"{folder} is a folder, not a trace file or a recorded job (no job.json or "
+                             f"rank-NNNNN.jsonl in it): give a file written by Trace.save() (e.g. run.sdtrace.json) "
+                             f"or a folder written by `sharddbg record --out`")
+    try:
+        job = job_files.read_job(folder, allow_missing_ranks)
+    except job_files.JobFileProblem as e:
+        raise TraceFileError(f"{folder}: {e}") from None
+    except OSError as e:
+        raise TraceFileError(f"{folder}: cannot read it ({e})") from None
+    payloads: dict[int, dict | None] = {r: s.payload for r, s in job.ranks.items()}
+    payloads.update(dict.fromkeys(job.missing_ranks))
+    reasons = job.incomplete_reasons()
+    meta = {"code": " ".join(job.job.get("command") or []) or None,
+            "wall_s": job.job.get("wall_s"),
+            "incomplete_reasons": {str(r): why for r, why in reasons.items()},
+            "clock_uncertainty_ns": {str(r): s.clock_uncertainty_ns for r, s in job.ranks.items()
+                                     if s.clock_uncertainty_ns is not None},
+            "job": {"folder": os.path.abspath(folder), "run_id": job.job.get("run_id"),
+                    "returncode": job.job.get("returncode"), "steps": job.job.get("steps")}}
+    report = job_files.hang_report(job)
+    if report is not None:
+        meta["hang_report"] = report
+    offsets = {r: s.clock_offset_ns for r, s in job.ranks.items()}
+    incomplete = [r for r, p in payloads.items() if p is None or not p["complete"]]
+    return Trace(payloads, offsets, incomplete, meta)
 
 
 def _read_regular_file(path: str) -> bytes:

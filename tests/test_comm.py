@@ -343,20 +343,36 @@ def test_every_view_puts_a_collective_under_the_same_op(cl):
         assert set(listed["phase"]) == phases, (op, phase)
 
 
-def test_plain_dtensor_trace_says_why_it_has_no_ops(cl):
+def test_plain_dtensor_ops_are_recorded_and_without_them_the_trace_says_why(cl):
     """Plain torch DTensor code (its own DeviceMesh on gloo, distribute_tensor, a matmul and a sum, full_tensor):
-    no op is recorded, so the findings say why, with its collectives counted from the trace."""
+    its calls are recorded as ops with DTensor's own paths, their collectives under them; recorded without
+    them (``dtensor=False``), the findings say why there is no op, with the collectives counted from the trace."""
     from sharddbg.magics import trace_summary
+    from sharddbg.options import RecordingOptions
     from sharddbg.views import explorer
 
     cl.run("from torch.distributed.device_mesh import init_device_mesh\n"
            "from torch.distributed.tensor import Replicate, distribute_tensor\n"
            f"_pmesh = init_device_mesh('cpu', ({N},))", timeout=60)
-    t = cl.trace("_pa = distribute_tensor(torch.arange(64.0).reshape(8, 8), _pmesh, [Shard(0)])\n"
-                 "_pw = distribute_tensor(torch.ones(8, 2), _pmesh, [Replicate()])\n"
-                 "_pfull = (_pa @ _pw).sum().full_tensor()", timeout=60, display=False)
+    code = ("_pa = distribute_tensor(torch.arange(64.0).reshape(8, 8), _pmesh, [Shard(0)])\n"
+            "_pw = distribute_tensor(torch.ones(8, 2), _pmesh, [Replicate()])\n"
+            "_pfull = (_pa @ _pw).sum().full_tensor()")
+    t = cl.trace(code, timeout=60, display=False)
     _check_clean(t)
     assert cl.eval("float(_pfull)") == [2.0 * sum(range(64))] * N  # it computed, on every rank
+    ops = t.get_ops()
+    for rank in range(N):
+        mine = ops[ops["rank"] == rank]
+        assert list(zip(mine["op"], mine["path"])) == [("Tensor.matmul", "dtensor_propagation"),
+                                                      ("Tensor.sum", "dtensor_propagation"),
+                                                      ("DTensor.full_tensor", "dtensor_redistribute")]
+    c = _colls(t)
+    # the sum is Partial: full_tensor reduces it, one all_reduce per rank under it; distribute_tensor is no op
+    reduced = c[c["op"] == "DTensor.full_tensor"]
+    assert list(reduced["kind"]) == ["all_reduce"] * N and set(reduced["rank"]) == set(range(N))
+    assert not [f for f in t.findings if f.kind == "no_recorded_ops"]
+
+    t = cl.trace(code, timeout=60, display=False, options=RecordingOptions(dtensor=False))
     assert t.get_ops().empty
     c = _colls(t)
     per_rank = c.groupby("rank").size()
@@ -364,8 +380,8 @@ def test_plain_dtensor_trace_says_why_it_has_no_ops(cl):
     (found,) = [f for f in t.findings if f.kind == "no_recorded_ops"]
     assert found.severity == "info" and found.ranks == tuple(range(N))
     assert found.sentence == (f"no ShardTensor op was called: {len(c)} collectives ({len(c) // N} per rank) ran "
-                              "outside recorded ops (plain DTensor or torch.distributed calls are not recorded as "
-                              "ops yet)")
+                              "outside recorded ops (plain DTensor calls are recorded only with dtensor=True, "
+                              "torch.distributed calls made by the user's code never are)")
     assert found.sentence in trace_summary(t) and found.text() in explorer.explorer_text(t)
     assert t.overview.op_calls == 0 and t.overview.collectives == len(c)
 

@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 import sharddbg
-from sharddbg.cluster import hang
-from sharddbg.cluster.hang import ordinal
+from sharddbg.analysis import hang
+from sharddbg.analysis.hang import ordinal
 from sharddbg.errors import ClusterError, RankDiedError, RankError, RankLostError, RankTimeoutError
 
 from fault_cases import FAULTS, TABLE_END, TABLE_START, starts_with, table

@@ -664,8 +664,10 @@ def _plan_cache(trace: Trace) -> list[Finding]:
     return [found] if found is not None else []
 
 
-# why a trace without op records has none: only ShardTensor's dispatch is hooked
-NOT_RECORDED_AS_OPS = "plain DTensor or torch.distributed calls are not recorded as ops yet"
+# why a trace without op records has none: ShardTensor's calls are always recorded, plain DTensor's only with
+# RecordingOptions.dtensor, the user's own torch.distributed calls as collectives only
+NOT_RECORDED_AS_OPS = ("plain DTensor calls are recorded only with dtensor=True, torch.distributed calls made by the "
+                       "user's code never are")
 
 
 def _no_recorded_ops(trace: Trace) -> list[Finding]:

@@ -71,7 +71,7 @@ FALLBACK_COLUMNS = ["op", "path", "calls", "ranks", "host_ms_total", "user_frame
 ERROR_COLUMNS = ["rank", "seq", "op", "path", "exc_type", "message", "traceback", "user_frame", "phase", "unmasked",
                  "handled", "propagated_to", "cell_line", "cell_code", "location"]
 CELL_ERROR_COLUMNS = ["rank", "seq", "t_ns", "exc_type", "message", "traceback", "origin_seq", "cell_line", "cell_code",
-                      "cell", "location"]
+                      "cell", "user_frame", "user_code", "location"]
 
 assert set(CELL_ERROR_COLUMNS[1:-1]) <= set(CELL_ERROR_FIELDS), "get_cell_errors columns must come from the schema"
 PROMOTION_COLUMNS = ["rank", "seq", "op", "param", "shape", "dtype", "module", "user_frame"]
@@ -187,12 +187,24 @@ def cell_errors_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
                 r = {k: ev.get(k) for k in CELL_ERROR_COLUMNS[1:]}
                 r["rank"] = rank
                 r["t_ns"] = ev["t_ns"] - off
-                r["location"] = cell_location(r["cell"], r["cell_line"], r["cell_code"])
+                r["location"] = error_location(r)
                 rows.append(r)
     df = pd.DataFrame(rows, columns=CELL_ERROR_COLUMNS)
     for c in ("seq", "t_ns", "origin_seq", "cell_line", "cell"):
         df[c] = df[c].astype("Int64")
     return df
+
+
+def error_location(row: dict) -> str | None:
+    """Where an exception that ended the cell (or a script) went through the user's code: the cell's line
+    ('cell [6], line 5: `y = x + x`'); in a script, which has no cell, its innermost frame of the user's code
+    ('train.py:47 in train_step: `dist.all_reduce(g)`')."""
+    cell = row.get("cell")
+    if (cell is None or pd.isna(cell)) and isinstance(row.get("user_frame"), str) and \
+            not row["user_frame"].startswith("cell ["):
+        code = row.get("user_code")
+        return f"{row['user_frame']}: `{code}`" if isinstance(code, str) and code else row["user_frame"]
+    return cell_location(cell, row.get("cell_line"), row.get("cell_code"))
 
 
 def cell_location(cell, line, code) -> str | None:
@@ -245,7 +257,9 @@ def errors(ops: pd.DataFrame, include_propagated: bool = False, cell_errors: pd.
                 "rank": own["rank"].to_numpy(), "seq": own["seq"].to_numpy(), "op": NO_OP, "path": None,
                 "exc_type": own["exc_type"].to_numpy(), "message": own["message"].to_numpy(),
                 "traceback": own["traceback"].to_numpy(),
-                "user_frame": [f"line {int(n)} of the cell" if not pd.isna(n) else "the cell" for n in own["cell_line"]],
+                "user_frame": [f if isinstance(f, str) and pd.isna(c) else f"line {int(n)} of the cell"
+                               if not pd.isna(n) else "the cell"
+                               for f, c, n in zip(own["user_frame"], own["cell"], own["cell_line"])],
                 "phase": "cell", "unmasked": False, "handled": False, "propagated_to": [[] for _ in range(len(own))],
                 "cell_line": own["cell_line"].to_numpy(), "cell_code": own["cell_code"].to_numpy(),
                 "location": own["location"].to_numpy()}))

@@ -8,7 +8,7 @@ untested torch / physicsnemo versions.
 
 from .cluster import Cluster, active_cluster, running_clusters
 from .execution import RankOutput
-from .hang import HangReport
+from ..analysis.hang import HangReport
 from .mesh import MeshSpec, resolve_mesh
 from .versions import TESTED_VERSIONS, check_versions, tested_version
 

@@ -32,7 +32,8 @@ from .. import rendering
 from ..engine import api
 from ..errors import ClusterError, NoActiveClusterError, ShardDbgError, hide_own_frames
 from ..options import RecordingOptions
-from . import arguments, hang, registry
+from ..analysis import hang
+from . import arguments, registry
 from .arguments import check_memory
 from .control import ControlChannel
 from .execution import PendingCell, RankExecution, RankOutput, engines_in_rank_order, filter_noise

@@ -47,9 +47,9 @@ from ..engine import api
 from ..errors import (ClusterError, RankDiedError, RankError, RankFailure, RankLostError, RankTimeoutError,
                       ShardDbgError, hide_own_frames, short_message)
 from . import arguments
-from . import hang
+from ..analysis import hang
 from .control import ControlChannel
-from .hang import RECOVERY_HINT, HangReport, format_failures
+from ..analysis.hang import RECOVERY_HINT, HangReport, format_failures
 from .processes import HEARTBEAT_LIMIT_S, ClusterProcesses
 
 # How often a wait looks for dead ranks, a dead controller and failed ranks.

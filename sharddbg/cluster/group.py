@@ -16,7 +16,7 @@ import pandas as pd
 from ..engine import api
 from ..errors import ClusterError, ShardDbgError
 from .execution import BrokenGroup, RankExecution
-from .hang import ranks_words
+from ..analysis.hang import ranks_words
 from .mesh import MeshSpec
 from .processes import free_port
 

@@ -53,7 +53,7 @@ def main_thread_stack() -> list[dict]:
     return frames
 
 
-def _process_groups() -> dict[str, list[int]]:
+def process_groups() -> dict[str, list[int]]:
     """Process-group name -> global ranks, for every group this rank knows."""
     try:
         import torch.distributed as dist
@@ -72,7 +72,7 @@ def _process_groups() -> dict[str, list[int]]:
         return {}
 
 
-def _mesh_dim_names() -> dict[str, str]:
+def mesh_dim_names() -> dict[str, str]:
     """Process-group name -> the mesh dim it serves ("ddp", "domain"), for this rank's mesh."""
     mesh = STATE.mesh
     names = {}
@@ -134,14 +134,14 @@ def flight_recorder() -> dict:
 
 
 def diagnosis() -> dict:
-    """Where this rank is now: the ``report`` of a ``DIAGNOSE_REPLY`` (read by ``sharddbg.cluster.hang``)."""
+    """Where this rank is now: the ``report`` of a ``DIAGNOSE_REPLY`` (read by ``sharddbg.analysis.hang``)."""
     report = {
         "rank": STATE.rank,
         "pid": os.getpid(),
         "stack": main_thread_stack(),
         "flight_recorder": flight_recorder(),
-        "groups": _process_groups(),
-        "mesh_dims": _mesh_dim_names(),
+        "groups": process_groups(),
+        "mesh_dims": mesh_dim_names(),
     }
     try:
         from . import recorder

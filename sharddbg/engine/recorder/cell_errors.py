@@ -36,6 +36,18 @@ def cell_position(exc: BaseException) -> tuple[int | None, int | None, str | Non
     return None, None, None
 
 
+def innermost_user_frame(exc: BaseException) -> tuple[str, int, str] | None:
+    """(file, line, function) of the innermost frame of the user's code in the exception's traceback."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not is_library_file(code.co_filename):
+            found = (code.co_filename, tb.tb_lineno, code.co_name)
+        tb = tb.tb_next
+    return found
+
+
 def mark_escaped(rec: RecordingState, exc: BaseException) -> None:
     """``exc`` left the user's code (it ended the cell, or the recording's ``with`` block): every recorded op
     error in its chain (``exc``, what it was raised from or while handling, and so on) escaped; the others
@@ -62,7 +74,8 @@ def record(rec: RecordingState, exc: BaseException) -> None:
     if any(type(ev) is CellErrorEvent and ev.exception is exc for ev in rec.buffer[-8:]):
         return
     cell, line, text = cell_position(exc)
-    rec.keep(CellErrorEvent(next(rec.seq), clock.now_ns(), exc, origin, cell, line, text, rec.thread().tid))
+    rec.keep(CellErrorEvent(next(rec.seq), clock.now_ns(), exc, origin, cell, line, text, rec.thread().tid,
+                            innermost_user_frame(exc)))
 
 
 def install(rec: RecordingState, undo: UndoLog) -> bool:

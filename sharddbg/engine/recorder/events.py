@@ -206,10 +206,10 @@ class CellErrorEvent:
     """An exception that ended the cell on this rank (schema "error" record at export), wherever it was
     raised: inside a recorded op (``origin_seq`` names that op's record) or in the user's own code."""
 
-    __slots__ = ("seq", "t_ns", "exception", "origin_seq", "cell", "cell_line", "cell_code", "thread")
+    __slots__ = ("seq", "t_ns", "exception", "origin_seq", "cell", "cell_line", "cell_code", "thread", "user_frame")
 
     def __init__(self, seq: int, t_ns: int, exception: BaseException, origin_seq: int | None, cell: int | None,
-                 cell_line: int | None, cell_code: str | None, thread: int) -> None:
+                 cell_line: int | None, cell_code: str | None, thread: int, user_frame: Any = None) -> None:
         self.seq = seq
         self.t_ns = t_ns
         self.exception = exception
@@ -218,3 +218,4 @@ class CellErrorEvent:
         self.cell_line = cell_line  # the line of the cell (1-based) whose statement raised
         self.cell_code = cell_code
         self.thread = thread
+        self.user_frame = user_frame  # (file, line, function) of the innermost frame of the user's code, or None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import copy
 import platform
+import sys
 from math import prod
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from ... import schema
 from .. import clock
 from ..rank_state import STATE
-from .cells import cell_and_code, frame_label
+from .cells import cell_and_code, frame_label, line_text
 from .comm_bytes import TensorMeta
 from .events import CellErrorEvent, CollectiveEvent, OpEvent
 from .params import ddp_bucket_of
@@ -287,6 +288,8 @@ def error_record(ev: CellErrorEvent) -> dict:
         "cell_code": ev.cell_code,
         "cell": ev.cell,
         "thread": ev.thread,
+        "user_frame": frame_label(ev.user_frame),
+        "user_code": line_text(ev.user_frame[0], ev.user_frame[1]) if ev.user_frame else None,
     }
 
 
@@ -299,6 +302,30 @@ def _record(ev, rec: RecordingState, meshes: dict | None) -> dict:
     return error_record(ev)
 
 
+def _installed_version(distribution: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def record_of(ev, rec: RecordingState, meshes: dict | None) -> dict:
+    """The schema record of one kept event as the recording stands now (a collective not completed yet is
+    marked in flight; an op error's ``handled`` is None while the recording runs)."""
+    return _record(ev, rec, meshes)
+
+
+def in_flight_ops(rec: RecordingState, meshes: dict | None) -> list[dict]:
+    """Schema records of the ops still running on every thread (``in_flight`` True)."""
+    out = []
+    for st in list(rec.threads.values()):
+        for ev in list(st.op_stack):
+            out.append(op_record(copy.copy(ev), True, None, meshes))
+    return out
+
+
 def records(rec: RecordingState, include_in_flight: bool) -> list[dict]:
     """Schema records of the kept events (and, with ``include_in_flight``, of the ops still running on
     every thread), sorted by seq."""
@@ -306,9 +333,7 @@ def records(rec: RecordingState, include_in_flight: bool) -> list[dict]:
     meshes = {} if rec.spec_check else None
     out = [_record(ev, rec, meshes) for ev in kept]
     if include_in_flight:
-        for st in list(rec.threads.values()):
-            for ev in list(st.op_stack):
-                out.append(op_record(copy.copy(ev), True, None, meshes))
+        out += in_flight_ops(rec, meshes)
     out.sort(key=lambda e: e["seq"])
     return out
 
@@ -330,16 +355,11 @@ def payload(rec: RecordingState, events: list[dict], complete: bool) -> dict:
 
 
 def _meta(rec: RecordingState) -> dict:
-    try:
-        import physicsnemo
-
-        pn = getattr(physicsnemo, "__version__", "?")
-    except Exception:  # noqa: BLE001
-        pn = None
-    try:
-        from physicsnemo.domain_parallel.shard_tensor import ShardTensor
-    except Exception:  # noqa: BLE001
-        ShardTensor = None  # noqa: N806
+    # read, never imported here: a recorded job that does not use physicsnemo must not load it
+    physicsnemo = sys.modules.get("physicsnemo")
+    pn = getattr(physicsnemo, "__version__", "?") if physicsnemo is not None else _installed_version("nvidia-physicsnemo")
+    stm = sys.modules.get("physicsnemo.domain_parallel.shard_tensor")
+    ShardTensor = getattr(stm, "ShardTensor", None)  # noqa: N806
     # how the cluster set this rank up, when it did (registered-by-physicsnemo / -by-sharddbg / none)
     boot_mode = STATE.patches.patch_mode if STATE.patches is not None else None
     return {

@@ -52,6 +52,25 @@ _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: Non
 _autograd_seq_nr = torch._C._autograd._get_sequence_nr  # next autograd node sequence number on this thread
 
 
+# code objects of frames that stand between the user's call and a ShardTensor hook without being the caller:
+# a torch function mode's handler that calls the function on (the DTensor call mode, dtensor.py)
+_transparent_codes: set = set()
+
+
+def see_through(code) -> None:
+    """Frames running ``code`` are not the caller of a ShardTensor op: the caller is looked for above them."""
+    _transparent_codes.add(code)
+
+
+def calling_frame(depth: int = 2):
+    """The frame that made the call the function ``depth`` frames up handles, looking through the frames of
+    ``see_through`` code."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code in _transparent_codes:
+        frame = frame.f_back
+    return frame
+
+
 # ---- one op event: begin, end, error ---------------------------------------------------------------
 
 def begin(rec: RecordingState, st: ThreadState, name: str, path: str, handler: str | None, infos: list) -> OpEvent:
@@ -180,7 +199,7 @@ def run_recorded(rec: RecordingState, st: ThreadState, ev: OpEvent, fn: Callable
     return res
 
 
-def _compiling(rec: RecordingState, infos: list) -> bool:
+def compiling_now(rec: RecordingState, infos: list) -> bool:
     """torch.compile is tracing this call (FakeTensor operands, or a fake mode / dynamo active): counted,
     not recorded."""
     for i in infos:
@@ -212,7 +231,7 @@ def torch_function_wrapper(rec: RecordingState, original: Callable, fallback: Ca
         ev = None
         try:
             infos = collect_tensors(args, kwargs, shard_tensor_cls)
-            if not _compiling(rec, infos):
+            if not compiling_now(rec, infos):
                 choice = function_path(func, converting=conversion_active(),
                                        passthrough=cls._autograd_passthrough_functions,
                                        function_registry=cls._function_registry,
@@ -229,7 +248,7 @@ def torch_function_wrapper(rec: RecordingState, original: Callable, fallback: Ca
         try:
             res = original(cls, func, types, args, kwargs)
         except BaseException as e:
-            unmask = rec.unmask and isinstance(e, TypeError) and would_swallow_type_error(func, args, sys._getframe(1))
+            unmask = rec.unmask and isinstance(e, TypeError) and would_swallow_type_error(func, args, calling_frame())
             st.busy = True
             try:
                 err = record_error(rec, st, ev, e, unmask)
@@ -277,7 +296,7 @@ def torch_dispatch_wrapper(rec: RecordingState, original: Callable, fallback: Ca
         ev = None
         try:
             infos = collect_tensors(args, kwargs, shard_tensor_cls)
-            if not _compiling(rec, infos):
+            if not compiling_now(rec, infos):
                 choice = dispatch_path(func, cls._dispatch_registry, cls._dispatch_registry_by_name, fallback)
                 ev = begin(rec, st, op_name(func), choice.path, qualname(choice.handler), infos)
         except Exception:  # noqa: BLE001
@@ -311,7 +330,7 @@ def python_method_wrapper(rec: RecordingState, name: str, fn: Callable) -> Calla
         ev = None
         try:
             infos = collect_tensors(args, kwargs, shard_tensor_cls)
-            if not _compiling(rec, infos):
+            if not compiling_now(rec, infos):
                 ev = begin(rec, st, label, "python_method", handler, infos)
         except Exception:  # noqa: BLE001
             rec.internal_errors.append(traceback.format_exc())
@@ -322,7 +341,7 @@ def python_method_wrapper(rec: RecordingState, name: str, fn: Callable) -> Calla
             return fn(*args, **kwargs)
         return run_recorded(rec, st, ev, fn, *args, **kwargs)
 
-    _looks_like(method, fn)
+    looks_like(method, fn)
     method.__doc__ = fn.__doc__
     return method
 
@@ -339,7 +358,7 @@ def fallback_marker(rec: RecordingState, original: Callable) -> Callable:
                 stack[-1].fallback = True
         return original(*a, **k)
 
-    _looks_like(marked, original)
+    looks_like(marked, original)
     return marked
 
 
@@ -366,11 +385,11 @@ def promotion_recorder(rec: RecordingState, original: Callable) -> Callable:
                         st.busy = False
         return original(tensor, mesh, *a, **k)
 
-    _looks_like(promote, original)
+    looks_like(promote, original)
     return promote
 
 
-def _looks_like(wrapper: Callable, original: Callable) -> None:
+def looks_like(wrapper: Callable, original: Callable) -> None:
     wrapper.__wrapped__ = original  # type: ignore[attr-defined]
     wrapper.__name__ = original.__name__
     wrapper.__qualname__ = original.__qualname__
@@ -428,7 +447,14 @@ def module_hooks(rec: RecordingState) -> tuple[Callable, Callable]:
 # ---- install -------------------------------------------------------------------------------------------
 
 def install(rec: RecordingState, undo: UndoLog) -> None:
-    """Install every op hook for ``rec``, each change logged in ``undo``."""
+    """Install every op hook for ``rec`` (ShardTensor's, importing physicsnemo, and the module hooks), each
+    change logged in ``undo``."""
+    install_shard_tensor(rec, undo)
+    install_modules(rec, undo)
+
+
+def install_shard_tensor(rec: RecordingState, undo: UndoLog) -> None:
+    """ShardTensor's hooks (imports physicsnemo's shard_tensor), each change logged in ``undo``."""
     import physicsnemo.domain_parallel.shard_tensor as stm
 
     st_cls = stm.ShardTensor
@@ -441,6 +467,10 @@ def install(rec: RecordingState, undo: UndoLog) -> None:
     undo.setattr(st_cls, "__torch_dispatch__", classmethod(torch_dispatch_wrapper(
         rec, st_cls.__dict__["__torch_dispatch__"].__func__, fallback_dispatch)))
     _install_python_methods(rec, undo, st_cls)
+
+
+def install_modules(rec: RecordingState, undo: UndoLog) -> None:
+    """The global nn.Module hooks that give each op its module path, logged in ``undo``."""
     _install_module_hooks(rec, undo)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 import torch
@@ -10,13 +11,14 @@ from ...errors import RecorderError
 from ...options import RecordingOptions
 from .. import clock
 from ..rank_state import rank_and_world
-from . import cell_errors, export, local_timing, ops, plan_cache
+from . import cell_errors, dtensor, export, late_import, local_timing, ops, plan_cache
 from .collectives import CollectiveHooks
 from .preflight import Preflight
 from .replicas import ReplicaTracker, remember
 from .state import RecordingState
 from .undo import UndoLog
 
+SHARD_TENSOR_MODULE = "physicsnemo.domain_parallel.shard_tensor"
 _active: "Recorder | None" = None  # the one recorder of this process (nested ones are refused)
 _preflights = 0  # recordings with preflight in this process (names their store keys when no token is given)
 
@@ -43,7 +45,7 @@ class Recorder(RecordingState):
     """
 
     def __init__(self, options: RecordingOptions | None = None, *, preflight_token: str | None = None,
-                 **settings) -> None:
+                 shard_tensor_when_imported: bool = False, **settings) -> None:
         global _preflights
         options = RecordingOptions.build(options, **settings)
         rank, world_size = rank_and_world()
@@ -58,6 +60,9 @@ class Recorder(RecordingState):
         self._undo: UndoLog | None = None
         self._used = False
         self._final_events: list[dict] | None = None
+        # a recorded job's process: physicsnemo's ShardTensor is hooked when the user's code imports it (the
+        # recorder never imports it there itself: a plain DTensor job need not load it)
+        self._shard_tensor_when_imported = shard_tensor_when_imported
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "Recorder":
@@ -73,7 +78,13 @@ class Recorder(RecordingState):
         self.thread()  # the starting thread gets tid 0
         undo = UndoLog()
         try:
-            ops.install(self, undo)
+            if not self._shard_tensor_when_imported or SHARD_TENSOR_MODULE in sys.modules:
+                ops.install(self, undo)
+            else:
+                ops.install_modules(self, undo)
+                late_import.when_imported(SHARD_TENSOR_MODULE, lambda: self._install_shard_tensor(undo), undo)
+            if self.options.dtensor:
+                dtensor.install(self, undo)
             if self.comm:
                 CollectiveHooks(self).install(undo)
             cell_errors.install(self, undo)
@@ -87,6 +98,15 @@ class Recorder(RecordingState):
         self.running = True
         _active = self
         return self
+
+    def _install_shard_tensor(self, undo: UndoLog) -> None:
+        """The ShardTensor hooks, once the user's code imported physicsnemo's shard_tensor (recording or not)."""
+        if not self.running or self._undo is not undo:
+            return
+        try:
+            ops.install_shard_tensor(self, undo)
+        except Exception:  # noqa: BLE001 - a recorder bug must not break the user's import
+            self.internal_errors.append(traceback.format_exc())
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is not None and self.running:

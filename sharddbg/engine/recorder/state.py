@@ -13,6 +13,10 @@ from ...options import RecordingOptions
 from .events import CollectiveEvent, OpEvent
 
 
+class NoShardTensor:
+    """Stands for ShardTensor while physicsnemo's is not hooked (not imported yet): no tensor is one of these."""
+
+
 class ModuleFrame:
     """A running nn.Module call: its ``Module._call_impl`` frame and the user frame that called it, so that an
     op inside walks up only to there (held while that forward runs)."""
@@ -100,7 +104,8 @@ class RecordingState:
         self.t_start_ns: int | None = None
         self.t_stop_ns: int | None = None
         self.installed_at: list[str] = []  # module globals rebound while recording ("module.name")
-        self.shard_tensor_cls: type | None = None  # physicsnemo's ShardTensor, bound when the hooks are installed
+        # physicsnemo's ShardTensor, bound when its hooks are installed; until then a class no tensor is one of
+        self.shard_tensor_cls: type = NoShardTensor
         # ---- the events
         self.buffer: list[OpEvent | CollectiveEvent] = []  # kept events, in the order they were completed
         self.dropped = 0  # events not kept: the buffer was full

@@ -166,6 +166,9 @@ class HangReport:
     # running on a rank is in it ("recording"), which is how a trace keeps a hung rank's events
     diagnoses: dict[int, dict | None] = field(default_factory=dict)
     failures: dict[int, RankFailure] = field(default_factory=dict)
+    # what comes after the ranks (what the user can do now); "" for the notebook's: the kernel is free, recover
+    closing: str = ""
+    headline: str = ""  # what comes first instead of ``summary()``; "" for the notebook's
 
     def summary(self) -> str:
         ok = [r for r in self.finished if r not in self.failures]
@@ -181,9 +184,9 @@ class HangReport:
         parts = []
         if self.failures:
             parts.append(format_failures(self.failures))
-        parts.append(self.summary())
+        parts.append(self.headline or self.summary())
         parts += [self.ranks[r].format() for r in self.unfinished if r in self.ranks]
-        parts.append("The kernel is free and the engines are kept. " + RECOVERY_HINT)
+        parts.append(self.closing or "The kernel is free and the engines are kept. " + RECOVERY_HINT)
         return "\n\n".join(parts)
 
     def __str__(self) -> str:
@@ -305,7 +308,7 @@ def _last_trace_group_seq(recording: dict | None, group: str) -> int | None:
 
 def build_report(timeout_s: float, finished: list[int], unfinished: list[int], diagnoses: dict[int, dict | None],
                  pids: dict[int, int], what: str = "the cell",
-                 failures: dict[int, RankFailure] | None = None) -> HangReport:
+                 failures: dict[int, RankFailure] | None = None, closing: str = "") -> HangReport:
     """``diagnoses``: rank -> the engine's :func:`sharddbg.engine.control.diagnosis` dict, or None if silent."""
     last_by_rank = {r: last_seq_by_group(d.get("flight_recorder", {})) for r, d in diagnoses.items() if d}
     ranks: dict[int, RankDiagnosis] = {}
@@ -336,4 +339,4 @@ def build_report(timeout_s: float, finished: list[int], unfinished: list[int], d
             ))
         ranks[rank] = result
     return HangReport(timeout_s, sorted(finished), sorted(unfinished), ranks, what, diagnoses=dict(diagnoses),
-                      failures=dict(failures or {}))
+                      failures=dict(failures or {}), closing=closing)

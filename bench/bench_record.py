@@ -1,0 +1,106 @@
+"""What recording a torchrun job costs: the same 4-rank job (tests/data/jobs/conv_job.py: the 3-conv net sharded
+over a 2 x 2 mesh, a plain DTensor MLP, gradients averaged over ddp, SGD) run unrecorded, with the notebook's
+recorder in the process (``sharddbg.record()`` around the steps: events kept in memory), under
+``sharddbg record`` (the same recorder, streaming to a file per rank), and under ``sharddbg record --steps``
+with a window the job never reaches (nothing recorded: the cost of being ready).
+
+Each launch is a fresh torchrun; modes rotate round by round. The step time is rank 0's wall time per step
+(the first ``--warmup`` steps left out); the ratio of a mode is the median of its per-round ratios to the
+unrecorded run of the same round. For ``sharddbg record`` the largest flush of any rank (formatting and writing,
+on the rank's background thread: the GIL it holds is time the step may wait) and the bytes written per rank.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_record.py --rounds 3 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "tests" / "data" / "jobs" / "conv_job.py"
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+MODES = ("unrecorded", "notebook recorder", "sharddbg record", "record, outside the window")
+
+
+def launch(mode: str, steps: int, workdir: Path, index: int) -> dict:
+    times = workdir / f"times-{index}.json"
+    job = [TORCHRUN, "--standalone", "--nproc-per-node", "4", str(JOB), "--steps", str(steps), "--step-times", str(times)]
+    out = workdir / f"run-{index}"
+    if mode == "unrecorded":
+        command = job
+    elif mode == "notebook recorder":
+        command = job + ["--in-process-recorder"]
+    elif mode == "sharddbg record":
+        command = [sys.executable, "-m", "sharddbg.cli", "record", "--out", str(out), "--"] + job
+    else:
+        command = [sys.executable, "-m", "sharddbg.cli", "record", "--out", str(out), "--steps", "100000:100000",
+                   "--"] + job
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(JOB.parent))
+    if done.returncode != 0:
+        raise SystemExit(f"{mode}: exit status {done.returncode}\n{done.stderr[-3000:]}")
+    result = {"times": json.loads(times.read_text())}
+    if mode == "sharddbg record":
+        flushes, sizes = [], []
+        for stream in sorted(out.glob("rank-*.jsonl")):
+            last = json.loads(stream.read_text().splitlines()[-1])
+            flushes.append(last["end"]["largest_flush_ms"])
+            sizes.append(stream.stat().st_size)
+        result.update(largest_flush_ms=max(flushes), bytes_per_rank=statistics.median(sizes))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    import torch
+
+    print(f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.rounds} rounds x {len(MODES)} modes x {args.steps} steps "
+          f"(first {args.warmup} left out)")
+    ratios: dict[str, list[float]] = {m: [] for m in MODES}
+    step_ms: dict[str, list[float]] = {m: [] for m in MODES}
+    flush, size = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        index = 0
+        for r in range(args.rounds):
+            order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+            here = {}
+            for mode in order:
+                index += 1
+                result = launch(mode, args.steps, workdir, index)
+                here[mode] = statistics.median(result["times"][args.warmup:])
+                if "largest_flush_ms" in result:
+                    flush.append(result["largest_flush_ms"])
+                    size.append(result["bytes_per_rank"])
+            for mode in MODES:
+                step_ms[mode].append(here[mode])
+                ratios[mode].append(here[mode] / here["unrecorded"])
+            print(f"round {r + 1}: " + ", ".join(f"{m} {here[m]:.1f} ms" for m in MODES), flush=True)
+    print()
+    print("| mode | median step ms | ratio to unrecorded (median of rounds) [min, max] |")
+    print("|---|---|---|")
+    for mode in MODES:
+        rs = ratios[mode]
+        print(f"| {mode} | {statistics.median(step_ms[mode]):.1f} | {statistics.median(rs):.3f} "
+              f"[{min(rs):.3f}, {max(rs):.3f}] |")
+    print(f"\nsharddbg record: largest flush of any rank {max(flush):.1f} ms (median over runs "
+          f"{statistics.median(flush):.1f} ms); stream {statistics.median(size) / 1024:.0f} KiB per rank for "
+          f"{args.steps} steps")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Where each process of a recorded job decides what it is (see the package docstring): called by
+``site/sitecustomize.py`` at interpreter start."""
+
+from __future__ import annotations
+
+import os
+
+from .settings import ENV_CLAIMED, JobSettings
+
+
+def start_from_environment() -> str:
+    """Start what this process does in the recorded job; returns its role: "rank" (it records), "agent"
+    (torchrun's agent: it notes how workers end), "none" (not part of a recorded job, or a process started by
+    one that records)."""
+    settings = JobSettings.from_env()
+    if settings is None or os.environ.get(ENV_CLAIMED):
+        return "none"
+    if settings.launcher == "torchrun" and "RANK" not in os.environ:
+        from . import agent
+
+        agent.install(settings)
+        return "agent"
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
+    os.environ[ENV_CLAIMED] = str(os.getpid())  # inherited: the processes this one starts do not record
+    _flight_recorder_name()
+    from . import worker
+
+    try:
+        worker.start(settings, rank, world_size, local_rank)
+    except OSError as e:  # its stream cannot be made: the job runs unrecorded, and says so
+        import sys
+
+        print(f"sharddbg: recording stopped on rank {rank}: cannot write its stream in {settings.out} ({e}); the job "
+              f"goes on unrecorded", file=sys.stderr, flush=True)
+    return "rank"
+
+
+def _flight_recorder_name() -> None:
+    """torch before 2.13 reads the Flight Recorder's size as TORCH_NCCL_TRACE_BUFFER_SIZE (the launcher sets the
+    newer TORCH_FR_BUFFER_SIZE): set before any process group exists, only where the user set neither."""
+    import torch
+
+    try:
+        major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return
+    if (major, minor) < (2, 13) and "TORCH_FR_BUFFER_SIZE" in os.environ:
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", os.environ["TORCH_FR_BUFFER_SIZE"])

@@ -1,0 +1,147 @@
+"""One rank's stream file: the recorder's events appended as they complete (``sharddbg.job_files`` says the
+format), so that a process killed at any moment leaves everything up to its last flush.
+
+The recorder keeps its events in its buffer as always; a flush formats those that completed since the last
+one (a collective completes when its wait returns or it fails) and appends them, then a ``state`` line with
+what is still in flight. Flushes run on the job's background thread, and once more, finally, at exit.
+A write that fails (an unwritable folder, a full disk) stops the recording, never the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import traceback
+from typing import Any
+
+from ... import job_files, schema
+from .. import clock
+from ..recorder import export
+from ..recorder.events import CollectiveEvent, OpEvent
+
+
+def _default(value: Any) -> Any:
+    return job_files.as_plain(value)
+
+
+class RankStreamWriter:
+    """Appends one rank's lines to ``path``; every method is safe from the job's two threads (one lock)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        # O_EXCL: never write into another run's file; O_APPEND: every line lands whole at the end
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0),
+                          0o644)
+        self.lock = threading.RLock()
+        self.failed: str | None = None  # why writing stopped, once it did
+        self.largest_flush_ms = 0.0  # the longest flush so far (formatting and writing), for the bench
+        self.bytes_written = 0
+        # the recorder's buffer: how far it was scanned, and the kept events not complete yet
+        self._scanned = 0
+        self._pending: list[Any] = []
+        self._unsettled_errors: list[OpEvent] = []  # op errors written while their ``handled`` was unknown
+        self._extra: list[dict] = []  # lines queued by the main thread (step markers), written at the next flush
+
+    # ---- writing ---------------------------------------------------------------------------------------
+    def write_lines(self, lines: list[dict]) -> bool:
+        """Append ``lines`` (each a {kind: body} object) in one write; False once writing failed."""
+        if self.failed is not None or not lines:
+            return self.failed is None
+        data = "".join(json.dumps(line, separators=(",", ":"), default=_default, allow_nan=False) + "\n"
+                       for line in lines).encode()
+        with self.lock:
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(self.fd, view)
+                    view = view[n:]
+                self.bytes_written += len(data)
+                return True
+            except (OSError, ValueError) as e:
+                self.failed = f"{type(e).__name__}: {e}"
+                return False
+
+    def queue(self, line: dict) -> None:
+        """A line for the next flush (cheap: called from the user's thread)."""
+        self._extra.append(line)
+
+    def close(self) -> None:
+        """Close the file (after the final flush)."""
+        with self.lock:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+
+    # ---- the recorder's events -------------------------------------------------------------------------
+    def flush(self, rec, step: int | None, final: bool = False) -> bool:
+        """Append what completed since the last flush, then a ``state`` line (``final``: every kept event, the
+        settled ``handled`` of op errors, no state line). False once writing failed."""
+        t0 = time.perf_counter()
+        with self.lock:
+            buf = rec.buffer
+            n = len(buf)
+            if n > self._scanned:
+                self._pending.extend(buf[self._scanned:n])
+                self._scanned = n
+            meshes = {} if rec.spec_check else None
+            lines: list[dict] = []
+            extra, self._extra = self._extra, []
+            lines += extra
+            still = []
+            for ev in self._pending:
+                if not final and type(ev) is CollectiveEvent and ev.t_done_ns is None and ev.error is None:
+                    still.append(ev)
+                    continue
+                try:
+                    record = export.record_of(ev, rec, meshes)
+                except Exception:  # noqa: BLE001 - e.g. its mesh is gone (the group destroyed): kept unchecked
+                    rec.internal_errors.append(traceback.format_exc())
+                    record = export.record_of(ev, rec, None)
+                lines.append({"event": record})
+                if type(ev) is OpEvent and ev.error is not None and record["error"]["handled"] is None:
+                    self._unsettled_errors.append(ev)
+            self._pending = still
+            if final:
+                for ev in self._unsettled_errors:
+                    lines.append({"amend": {"seq": ev.seq, "handled": export.error_handled(rec, ev)}})
+                self._unsettled_errors = []
+                lines += [{"event": r} for r in export.in_flight_ops(rec, meshes)]  # ops a signal ended
+            else:
+                in_flight = [export.collective_record(ev, True, rec) for ev in still]
+                in_flight += export.in_flight_ops(rec, None)
+                lines.append({"state": {"t_ns": clock.now_ns(), "dropped": rec.dropped, "step": step,
+                                        "in_flight": in_flight, "recording": rec.running}})
+            ok = self.write_lines(lines)
+        self.largest_flush_ms = max(self.largest_flush_ms, (time.perf_counter() - t0) * 1e3)
+        return ok
+
+    def pending_collectives(self) -> list[CollectiveEvent]:
+        """The kept collectives not completed at the last flush (the hang watch reads them)."""
+        return list(self._pending)
+
+
+def header(settings, rank: int, world_size: int, local_rank: int | None, meta: dict, t_start_ns: int | None) -> dict:
+    """The stream's first line."""
+    import platform
+    import sys
+
+    return {"header": {
+        "format": job_files.STREAM_FORMAT,
+        "version": job_files.STREAM_VERSION,
+        "schema_version": schema.SCHEMA_VERSION,
+        "run_id": settings.run_id,
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": local_rank,
+        "host": platform.node(),
+        "pid": os.getpid(),
+        "argv": list(sys.argv),
+        "steps": list(settings.steps) if settings.steps else None,
+        "hang_after_s": settings.hang_after_s,
+        "clock": dict(clock.describe(), t_start_ns=t_start_ns),
+        "meta": meta,
+    }}

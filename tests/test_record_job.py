@@ -1,0 +1,341 @@
+"""``sharddbg record -- torchrun ...``: a job recorded unchanged, on 4 CPU gloo ranks started by torchrun itself,
+read back with ``load_trace(folder)``, ``sharddbg summary`` and ``sharddbg report``; compared with the same code
+traced in the notebook cluster; a rank killed, a rank that skips an all_reduce, a window of steps; plain
+DTensor ops against CommDebugMode; bad input refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import sharddbg
+from sharddbg import job_files
+from sharddbg.errors import TraceFileError
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = Path(__file__).parent / "data" / "jobs"
+CONV_JOB = JOBS / "conv_job.py"
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+pytestmark = pytest.mark.cluster
+
+
+@dataclass
+class RecordedRun:
+    returncode: int
+    output: str
+    folder: Path
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def sharddbg_cli(*args, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sharddbg.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=str(JOBS), **kwargs)
+
+
+def record_torchrun(folder: Path, record_args: list, job_args: list, timeout: float = 400) -> RecordedRun:
+    done = sharddbg_cli("record", "--out", folder, *record_args, "--", TORCHRUN, "--standalone", "--nproc-per-node", 4,
+                        CONV_JOB, *job_args, timeout=timeout)
+    return RecordedRun(done.returncode, done.stdout + done.stderr, folder)
+
+
+def _op_counts(t) -> pd.Series:
+    ops = t.get_ops()
+    return ops.groupby(["rank", "op", "path", "phase"]).size().sort_index()
+
+
+def _collective_counts(t) -> pd.DataFrame:
+    colls = t.get_collectives().copy()
+    colls["op"] = colls["op"].fillna("<outside every op>")
+    return (colls.groupby(["rank", "kind", "op"]).agg(calls=("seq", "size"), bytes_sent=("bytes_sent", "sum"),
+                                                      bytes_recv=("bytes_recv", "sum"))
+            .sort_index())
+
+
+# ---- a window of steps, the same as the notebook ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def window_run(tmp_path_factory):
+    return record_torchrun(tmp_path_factory.mktemp("jobs") / "window", ["--steps", "2:3"], ["--steps", "3"])
+
+
+def test_a_window_of_steps_records_what_the_notebook_records_of_the_same_code(window_run, cluster4):
+    assert window_run.returncode == 0, window_run.output
+    t = sharddbg.load_trace(window_run.folder)
+    assert t.ranks == [0, 1, 2, 3] and t.incomplete_ranks == []
+    # only steps 2 and 3: their markers, and no event before the first one
+    for rank in t.ranks:
+        events = t.events(rank)
+        markers = [ev for ev in events if ev["kind"] == "meta" and ev.get("name") == "step"]
+        assert [m["data"]["step"] for m in markers] == [2, 3], markers
+        assert events[0] is markers[0]
+    job = job_files.read_job(str(window_run.folder))
+    assert {s.header["steps"][0] for s in job.ranks.values()} == {2}
+    # the clock: every rank measured against rank 0 through the store (one host: the same monotonic clock)
+    for rank, s in job.ranks.items():
+        assert s.clock_uncertainty_ns is not None and abs(s.clock_offset_ns) <= 5_000_000 + s.clock_uncertainty_ns
+    # plain DTensor ops were recorded with their own paths, their collectives attributed to them
+    ops = t.get_ops()
+    assert {"dtensor_propagation", "dtensor_redistribute"} <= set(ops["path"])
+    assert t.meta["job"]["returncode"] == 0
+
+    # the same steps of the same code, traced in the notebook cluster (2 x 2 mesh, like the job's)
+    cl = cluster4
+    cl.remesh({"ddp": 2, "domain": 2})
+    try:
+        cl.run(f"import sys; sys.path.insert(0, {str(JOBS)!r}); import conv_job\n"
+               "model = conv_job.build_model(); opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+               "conv_job.train_step(model, opt, mesh, 1)", timeout=120)
+        notebook = cl.trace("for s in (2, 3):\n    conv_job.train_step(model, opt, mesh, s)", timeout=120)
+    finally:
+        cl.remesh({"ddp": 1, "domain": 4})
+    assert notebook.incomplete_ranks == []
+    pd.testing.assert_series_equal(_op_counts(t), _op_counts(notebook))
+    pd.testing.assert_frame_equal(_collective_counts(t), _collective_counts(notebook))
+
+
+def test_summary_and_report_read_the_folder(window_run, tmp_path):
+    assert window_run.returncode == 0, window_run.output
+    done = sharddbg_cli("summary", window_run.folder)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1].startswith("  4 ranks;") and "exit status 0" in lines[1]
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    t = sharddbg.load_trace(window_run.folder)
+    # the same findings as the notebook, in the same order, each starting its line
+    starts = [line for line in lines if line[:5].strip() in ("FAIL", "WARN", "INFO", "OK")]
+    assert [s[6:40] for s in starts] == [f.text()[:34] for f in t.findings]
+    html = tmp_path / "report.html"
+    done = sharddbg_cli("report", window_run.folder, "-o", html)
+    assert done.returncode == 0, done.stderr
+    assert html.stat().st_size > 10_000 and "Tensor.matmul" in html.read_text()
+
+
+# ---- faults ----------------------------------------------------------------------------------------------
+
+def test_a_killed_rank_keeps_what_it_flushed_and_the_others_all(tmp_path):
+    note = tmp_path / "killed_at_ns"
+    run = record_torchrun(tmp_path / "killed", [], ["--steps", "4", "--kill-rank", "2", "--kill-step", "3",
+                                                    "--kill-note", note, "--timeout", "20"])
+    assert run.returncode != 0
+    t = sharddbg.load_trace(run.folder)
+    assert 2 in t.incomplete_ranks
+    reason = t.incomplete_reasons[2]
+    assert "killed by SIGKILL" in reason and "in step 3" in reason, reason
+    job = job_files.read_job(str(run.folder))
+    killed_at = int(note.read_text())
+    # its stream was flushed within the last second before the kill: everything it recorded before is there,
+    # the start of step 3 (1.5 s before the kill) too
+    assert killed_at - job.ranks[2].last_t_ns <= 1_000_000_000, (killed_at - job.ranks[2].last_t_ns) / 1e9
+    markers = [ev["data"]["step"] for ev in job.ranks[2].payload["events"] if ev.get("name") == "step"]
+    assert markers == [1, 2, 3], markers
+    # every other rank ended its stream: all it recorded is there, its last step too
+    for rank in (0, 1, 3):
+        assert job.ranks[rank].ended, rank
+    first = t.findings[0]
+    assert first.kind in ("collective_missing", "incomplete_ranks", "error") and 2 in first.ranks, first
+    done = sharddbg_cli("summary", run.folder)
+    assert "rank 2" in done.stdout and "killed by SIGKILL" in done.stdout
+
+
+def test_a_rank_that_skips_an_all_reduce_is_named_with_the_collective(tmp_path):
+    run = record_torchrun(tmp_path / "skipped", ["--hang-after", "2"],
+                          ["--steps", "2", "--skip-rank", "1", "--skip-step", "2", "--linger", "8", "--timeout", "30"])
+    t = sharddbg.load_trace(run.folder)
+    report = t.meta.get("hang_report")
+    assert report, run.output
+    head = report.splitlines()[0]
+    assert head.startswith("rank 3 after 1 optimizer step waited more than 2 s in a collective that rank 1 never "
+                           "joined"), head
+    assert "waiting in all_reduce on 'ddp'" in report and "never joined by: rank 1" in report
+    assert "conv_job.py:" in report and "dist.all_reduce(g, group=ddp_group)" in report
+    missing = [f for f in t.findings if f.kind == "collective_missing"]
+    assert missing and missing[0].ranks == (1,) and "all_reduce" in missing[0].sentence
+    done = sharddbg_cli("summary", run.folder)
+    assert "hang report:" in done.stdout
+
+
+# ---- plain DTensor, in the notebook, against CommDebugMode ---------------------------------------------
+
+DTENSOR_SETUP = """
+from torch.distributed.tensor import distribute_tensor, Shard, Replicate
+from torch.distributed.tensor.debug import CommDebugMode
+dmesh = mesh["domain"]
+def dtensor_inputs():
+    torch.manual_seed(0)
+    return dict(a=distribute_tensor(torch.randn(8, 6), dmesh, [Shard(0)]),
+                w=distribute_tensor(torch.randn(6, 4), dmesh, [Shard(0)]),
+                w1=distribute_tensor(torch.randn(6, 8), dmesh, [Shard(1)]),
+                w2=distribute_tensor(torch.randn(8, 3), dmesh, [Shard(0)]),
+                img=distribute_tensor(torch.randn(1, 2, 8, 8), dmesh, [Shard(3)]),
+                k=distribute_tensor(torch.randn(3, 2, 3, 3), dmesh, [Replicate()]))
+"""
+DTENSOR_LINES = ["h = a @ w", "s = h.sum()", "f = s.full_tensor()", "r = h.redistribute(dmesh, [Replicate()])",
+                 "y = torch.relu(a @ w1) @ w2", "z = y.full_tensor()",
+                 "c = torch.nn.functional.conv2d(img, k, padding=1)"]
+
+
+def _kind(comm_debug_op: str) -> str:
+    """CommDebugMode's op name ('c10d_functional.all_gather_into_tensor') as the recorder names the kind."""
+    return comm_debug_op.rsplit(".", 1)[-1].rstrip("_")
+
+
+def test_plain_dtensor_ops_carry_the_collectives_comm_debug_mode_counts(cluster4):
+    cl = cluster4
+    cl.run(DTENSOR_SETUP + "globals().update(dtensor_inputs())\ncounted = {}\n"
+           + "".join(f"with CommDebugMode() as m:\n    {line}\n"
+                     f"counted[{line!r}] = {{str(k): v for k, v in m.get_comm_counts().items()}}\n"
+                     for line in DTENSOR_LINES), timeout=120)
+    cl.run("globals().update(dtensor_inputs())", timeout=60)
+    t = cl.trace("\n".join(DTENSOR_LINES), timeout=120)
+    counted = cl.pull("counted")
+    ops = t.get_ops()
+    colls = t.get_collectives()
+    top = ops[ops["depth"] == 0]
+    assert set(top["path"]) <= {"dtensor_propagation", "dtensor_redistribute"}, set(top["path"])
+    for rank in t.ranks:
+        for line in DTENSOR_LINES:
+            here = top[(top["rank"] == rank) & (top["user_code"] == line)]
+            assert len(here), (rank, line)
+            mine = colls[(colls["rank"] == rank) & colls["op_seq"].isin(here["seq"])]
+            got = mine["kind"].value_counts().to_dict()
+            want = {_kind(k): v for k, v in counted[rank][line].items()}
+            assert got == want, (rank, line, got, want)
+    # nothing ran outside the recorded ops but the setup's collectives, which ran before the trace
+    assert colls["op_seq"].notna().all()
+    assert set(ops.loc[ops["user_code"] == "r = h.redistribute(dmesh, [Replicate()])", "path"]) == {"dtensor_redistribute"}
+
+
+# ---- one process, a full disk ----------------------------------------------------------------------------
+
+def test_a_plain_python_job_records_one_rank_and_a_full_disk_stops_only_the_recording(tmp_path):
+    script = tmp_path / "one.py"  # a DTensor on a world of one process: its calls are recorded
+    script.write_text("import os, time, torch, torch.distributed as dist\n"
+                      "from torch.distributed.tensor import distribute_tensor, init_device_mesh, Replicate\n"
+                      "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ.get('PORT', '29591'))\n"
+                      "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+                      "x = distribute_tensor(torch.randn(4, 4), init_device_mesh('cpu', (1,)), [Replicate()])\n"
+                      "for i in range(20):\n    x = torch.relu(x @ x.T) / 4\n"
+                      "time.sleep(1.5)\nprint('done', float(x.full_tensor().sum()) >= 0)\n"
+                      "dist.destroy_process_group()\n")
+    done = sharddbg_cli("record", "--out", tmp_path / "one", "--", sys.executable, script, timeout=120)
+    assert done.returncode == 0 and "done True" in done.stdout, done.stderr
+    t = sharddbg.load_trace(tmp_path / "one")
+    assert t.ranks == [0] and t.incomplete_ranks == [] and t.world_size == 1
+    assert (t.get_ops()["op"] == "Tensor.matmul").sum() == 20
+
+    # steps marked by the job's own blocks: --steps 2:2 records the second block only, from its start to its end
+    blocks = tmp_path / "blocks.py"
+    blocks.write_text(script.read_text().replace(
+        "for i in range(20):\n    x = torch.relu(x @ x.T) / 4\n",
+        "import sharddbg\nfor block in range(3):\n    with sharddbg.recording():\n"
+        "        for i in range(block + 1):\n            x = torch.relu(x @ x.T) / 4\n    x = x * 1.0\n"))
+    done = sharddbg_cli("record", "--out", tmp_path / "blocks", "--steps", "2:2", "--", sys.executable, blocks,
+                        timeout=120)
+    assert done.returncode == 0 and "done True" in done.stdout, done.stderr
+    t = sharddbg.load_trace(tmp_path / "blocks")
+    assert list(t.get_ops()["op"]) == ["Tensor.T.__get__", "Tensor.matmul", "torch.relu", "Tensor.div"] * 2  # two rounds
+    assert [ev["data"]["step"] for ev in t.events(0) if ev.get("name") == "step"] == [2]
+
+    import resource
+
+    def small_files():  # a "full disk" for the job's processes: no file may grow past 6 KB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6144, 6144))
+
+    # the launcher's job.json stays small; the rank's stream outgrows the limit at its first flush of the
+    # matmuls (Python ignores SIGXFSZ: a write past the limit fails with EFBIG)
+    done = sharddbg_cli("record", "--out", tmp_path / "full", "--", sys.executable, script, timeout=120,
+                        preexec_fn=small_files)
+    assert done.returncode == 0, done.stderr
+    assert "done True" in done.stdout  # the job ran to its end
+    assert "sharddbg: recording stopped on rank 0: writing" in done.stderr and "File too large" in done.stderr
+    assert "the job goes on unrecorded" in done.stderr
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, words", [
+    (["record", "echo"], "put the command after --"),
+    (["record", "--"], "nothing after --"),
+    (["record", "--steps", "5:2", "--", "echo"], "--steps 5:2: the window ends before it begins; did you mean --steps 2:5?"),
+    (["record", "--steps", "x", "--", "echo"], "--steps x: give a window of optimizer steps as A:B"),
+    (["record", "--steps", "0:2", "--", "echo"], "steps count from 1"),
+    (["record", "--hang-after", "0", "--", "echo"], "--hang-after 0: give a number of seconds above 0"),
+    (["record", "--out", "/proc/sharddbg-run", "--", "echo"], "/proc/sharddbg-run"),
+    (["record", "--", "no-such-program-sharddbg"], "no-such-program-sharddbg: no such program"),
+])
+def test_bad_arguments_are_refused_before_anything_starts(args, words, tmp_path):
+    if "--out" not in args and args[1:2] != ["--"] and "echo" in args:
+        args = args[:1] + ["--out", str(tmp_path / "run")] + args[1:]
+    done = sharddbg_cli(*args)
+    assert done.returncode == 2, done
+    assert words in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started, nothing written
+
+
+def test_an_out_folder_in_use_is_refused_and_force_moves_the_old_run_aside(tmp_path):
+    out = tmp_path / "run"
+    assert sharddbg_cli("record", "--out", out, "--", sys.executable, "-c", "print(1)").returncode == 0
+    first = json.loads((out / "job.json").read_text())["run_id"]
+    done = sharddbg_cli("record", "--out", out, "--", sys.executable, "-c", "print(2)")
+    assert done.returncode == 2 and "exists and is not empty" in done.stderr and "--force" in done.stderr
+    done = sharddbg_cli("record", "--out", out, "--force", "--", sys.executable, "-c", "print(3)")
+    assert done.returncode == 0, done.stderr
+    assert (out / f"replaced-{first}" / "rank-00000.jsonl").exists()  # never overwritten
+    assert json.loads((out / "job.json").read_text())["run_id"] != first
+
+
+def test_load_trace_refuses_broken_folders_and_reads_a_cut_file_up_to_its_last_line(window_run, tmp_path):
+    assert window_run.returncode == 0, window_run.output
+
+    def copy(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(window_run.folder, dst)
+        return dst
+
+    missing = copy("missing")
+    (missing / "rank-00002.jsonl").unlink()
+    with pytest.raises(TraceFileError, match=r"rank 2 of 4 is missing \(no rank-00002.jsonl\).*allow_missing_ranks"):
+        sharddbg.load_trace(missing)
+    t = sharddbg.load_trace(missing, allow_missing_ranks=True)
+    assert t.incomplete_ranks == [2] and "no stream in the folder" in t.incomplete_reasons[2]
+
+    foreign = copy("foreign")
+    (foreign / "rank-00001.jsonl").write_text("step,loss\n1,0.5\n")
+    with pytest.raises(TraceFileError, match=r"rank-00001.jsonl line 1: not a JSON object"):
+        sharddbg.load_trace(foreign)
+
+    mixed = copy("mixed")
+    lines = (mixed / "rank-00003.jsonl").read_text().splitlines(keepends=True)
+    head = json.loads(lines[0])
+    head["header"]["run_id"] = "another-run"
+    (mixed / "rank-00003.jsonl").write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
+    with pytest.raises(TraceFileError, match=r"two recorded runs are mixed in this folder: .* another-run"):
+        sharddbg.load_trace(mixed)
+
+    cut = copy("cut")
+    data = (cut / "rank-00001.jsonl").read_bytes()
+    keep = data.rstrip(b"\n").rfind(b"\n") + 1 + 40  # the last line cut after 40 bytes
+    (cut / "rank-00001.jsonl").write_bytes(data[:keep])
+    t = sharddbg.load_trace(cut)
+    assert 1 in t.incomplete_ranks
+    assert "its file ends mid-record at byte" in t.incomplete_reasons[1] and "cut after 40 bytes" in t.incomplete_reasons[1]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TraceFileError, match="is a folder, not a trace file or a recorded job"):
+        sharddbg.load_trace(empty)
