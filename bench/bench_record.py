@@ -31,9 +31,10 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 MODES = ("unrecorded", "notebook recorder", "sharddbg record", "record, outside the window")
 
 
-def launch(mode: str, steps: int, workdir: Path, index: int) -> dict:
+def launch(mode: str, steps: int, workdir: Path, index: int, nproc: int = 4, device: str = "cpu") -> dict:
     times = workdir / f"times-{index}.json"
-    job = [TORCHRUN, "--standalone", "--nproc-per-node", "4", str(JOB), "--steps", str(steps), "--step-times", str(times)]
+    job = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), str(JOB), "--steps", str(steps), "--step-times",
+           str(times), "--device", device]
     out = workdir / f"run-{index}"
     if mode == "unrecorded":
         command = job
@@ -44,7 +45,8 @@ def launch(mode: str, steps: int, workdir: Path, index: int) -> dict:
     else:
         command = [sys.executable, "-m", "sharddbg.cli", "record", "--out", str(out), "--steps", "100000:100000",
                    "--"] + job
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=str(JOB.parent))
     if done.returncode != 0:
         raise SystemExit(f"{mode}: exit status {done.returncode}\n{done.stderr[-3000:]}")
@@ -64,11 +66,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=4, help="ranks (an even number: a 2 x n/2 mesh; odd: 1 x n)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU per rank, NCCL")
     args = parser.parse_args()
     import torch
 
     print(f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.rounds} rounds x {len(MODES)} modes x {args.steps} steps "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.nproc} {args.device} ranks; {args.rounds} rounds x {len(MODES)} "
+          f"modes x {args.steps} steps "
           f"(first {args.warmup} left out)")
     ratios: dict[str, list[float]] = {m: [] for m in MODES}
     step_ms: dict[str, list[float]] = {m: [] for m in MODES}
@@ -81,7 +86,7 @@ def main() -> None:
             here = {}
             for mode in order:
                 index += 1
-                result = launch(mode, args.steps, workdir, index)
+                result = launch(mode, args.steps, workdir, index, args.nproc, args.device)
                 here[mode] = statistics.median(result["times"][args.warmup:])
                 if "largest_flush_ms" in result:
                     flush.append(result["largest_flush_ms"])

@@ -24,7 +24,6 @@ def start_from_environment() -> str:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
     os.environ[ENV_CLAIMED] = str(os.getpid())  # inherited: the processes this one starts do not record
-    _flight_recorder_name()
     from . import worker
 
     try:
@@ -36,15 +35,3 @@ def start_from_environment() -> str:
               f"goes on unrecorded", file=sys.stderr, flush=True)
     return "rank"
 
-
-def _flight_recorder_name() -> None:
-    """torch before 2.13 reads the Flight Recorder's size as TORCH_NCCL_TRACE_BUFFER_SIZE (the launcher sets the
-    newer TORCH_FR_BUFFER_SIZE): set before any process group exists, only where the user set neither."""
-    import torch
-
-    try:
-        major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    except ValueError:
-        return
-    if (major, minor) < (2, 13) and "TORCH_FR_BUFFER_SIZE" in os.environ:
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", os.environ["TORCH_FR_BUFFER_SIZE"])

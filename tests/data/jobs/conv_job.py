@@ -27,6 +27,9 @@ def build_model() -> nn.Module:
                          nn.Conv2d(8, 2, 3, padding=1))
 
 
+DEVICE = torch.device("cpu")  # the job's device: --device cuda puts each rank on its own GPU (NCCL)
+
+
 def dtensor_block(mesh, step: int) -> float:
     """A plain DTensor MLP on the 'domain' mesh dim (no ShardTensor): sharding propagation redistributes its
     inputs, and the user redistributes its result."""
@@ -34,9 +37,9 @@ def dtensor_block(mesh, step: int) -> float:
 
     dmesh = mesh["domain"]
     torch.manual_seed(7 + step)
-    a = distribute_tensor(torch.randn(8, 6), dmesh, [Shard(0)])
-    w1 = distribute_tensor(torch.randn(6, 8), dmesh, [Shard(1)])
-    w2 = distribute_tensor(torch.randn(8, 3), dmesh, [Shard(0)])
+    a = distribute_tensor(torch.randn(8, 6, device=DEVICE), dmesh, [Shard(0)])
+    w1 = distribute_tensor(torch.randn(6, 8, device=DEVICE), dmesh, [Shard(1)])
+    w2 = distribute_tensor(torch.randn(8, 3, device=DEVICE), dmesh, [Shard(0)])
     y = torch.relu(a @ w1) @ w2
     r = y.redistribute(dmesh, [Replicate()])
     return float(r.to_local().sum())
@@ -49,7 +52,7 @@ def train_step(model, opt, mesh, step: int, skip_all_reduce: bool = False) -> fl
     rank = dist.get_rank()
     ddp_index = mesh.get_coordinate()[0]
     torch.manual_seed(100 + 10 * step + ddp_index)
-    x_full = torch.randn(*SHAPE)
+    x_full = torch.randn(*SHAPE).to(DEVICE)
     src = mesh["domain"].mesh.flatten()[0].item()
     x = scatter_tensor(x_full, src, mesh["domain"], (Shard(2),), global_shape=x_full.shape, dtype=x_full.dtype)
     y = model(x)
@@ -74,8 +77,9 @@ def fill_distributed_manager(mesh) -> None:
 
     state = DistributedManager._shared_state
     state.update(_is_initialized=True, _distributed=True, _rank=dist.get_rank(), _world_size=dist.get_world_size(),
-                 _local_rank=int(os.environ.get("LOCAL_RANK", 0)), _device=torch.device("cpu"), _cuda=False,
-                 _initialization_method="env", _global_mesh=mesh, _mesh_dims={"ddp": 2, "domain": mesh.size(1)})
+                 _local_rank=int(os.environ.get("LOCAL_RANK", 0)), _device=DEVICE, _cuda=DEVICE.type == "cuda",
+                 _initialization_method="env", _global_mesh=mesh,
+                 _mesh_dims={"ddp": mesh.size(0), "domain": mesh.size(1)})
     DistributedManager()
 
 
@@ -93,16 +97,23 @@ def main() -> None:
     parser.add_argument("--in-process-recorder", action="store_true",
                         help="record the steps with sharddbg.record() in this process (the notebook's recorder)")
     parser.add_argument("--no-patches", action="store_true", help="leave physicsnemo's patches unregistered")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU per rank, NCCL")
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    global DEVICE
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout))
     import physicsnemo.domain_parallel as pdp
     from torch.distributed.device_mesh import init_device_mesh
 
     if not args.no_patches:
         pdp.register_custom_ops()
-    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("ddp", "domain"))
+    world = dist.get_world_size()
+    mesh = init_device_mesh(DEVICE.type, (2, world // 2) if world % 2 == 0 else (1, world),
+                            mesh_dim_names=("ddp", "domain"))
     fill_distributed_manager(mesh)
-    model = build_model()
+    model = build_model().to(DEVICE)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     rank = dist.get_rank()
     import contextlib
