@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 
@@ -103,30 +104,132 @@ def cluster4():
         cl.stop()
 
 
-@pytest.fixture(scope="module")
-def patient_cluster4():
-    """A 4-rank cluster of the module's own whose collective timeout (300 s) no test may wait out: what
-    ends a fault there is sharddbg noticing it."""
-    cl = _start(n=4, mesh={"ddp": 1, "domain": 4}, timeout=60, collective_timeout=300)
-    yield cl
-    if cl.running:
-        cl.stop()
+@dataclass
+class _HandedOn:
+    """A module cluster kept for the module that runs next and asks for the same one: the cluster, and the
+    variables each rank's namespace held right after it started (what a module added is deleted before the next
+    module gets it)."""
+
+    cluster: object
+    names_at_start: list[list[str]]
+
+
+# fixture name -> the cluster the module that just ended left for the next one
+_HANDED_ON: dict[str, _HandedOn] = {}
+# the variables a namespace held right after the start, on each rank
+_NAMES_NOW = "sorted(globals())"
+
+
+def _forget_what_the_module_added(kept: _HandedOn) -> None:
+    """Delete on every rank the variables the modules added since the start, then collect garbage: the next
+    module sees the namespace of a fresh cluster (a check that looks at every variable finds only its own)."""
+    for rank, names in enumerate(kept.names_at_start):
+        kept.cluster.run(f"for _sd_name in set(globals()) - set({names!r}) - {{'_sd_name'}}:\n"
+                         "    del globals()[_sd_name]\n"
+                         "globals().pop('_sd_name', None)\n"
+                         "__import__('gc').collect()", targets=[rank], timeout=60, display=False)
+
+
+def _sound(cl, mesh_shape: tuple[int, ...]) -> bool:
+    """Every rank alive and idle, the process group working (an all_reduce on the world gives the world size)
+    and the mesh the fixture made: a cluster the previous module left so may be handed on."""
+    try:
+        if not cl.running or cl.dead_ranks() or cl.broken or cl.busy_ranks():
+            return False
+        world = cl.eval("(lambda t: (dist.all_reduce(t), int(t.item()))[1])(torch.ones(()))", timeout=30)
+        return world == [cl.n] * cl.n and cl.eval("tuple(mesh.shape)", timeout=30) == [mesh_shape] * cl.n
+    except Exception:  # noqa: BLE001 - any failure means: start a fresh one
+        return False
+
+
+def _next_module_asks_for(request, name: str) -> bool:
+    """Whether the module that runs right after this one (in the session's order) uses fixture ``name``."""
+    items = request.session.items
+    mine = [i for i, item in enumerate(items) if item.path == request.node.path]
+    if not mine or mine[-1] + 1 >= len(items):
+        return False
+    following = items[mine[-1] + 1]
+    return any(name in item.fixturenames for item in items if item.path == following.path)
+
+
+def _module_cluster(request, name: str, mesh_shape: tuple[int, ...], **kwargs):
+    """A 4-rank cluster for one module: the one the previous module handed on when it is sound (its namespace
+    cleared of what that module added), else a fresh one; handed on to the next module when that one asks for
+    the same fixture (modules that do are run one after the other), else stopped. One cluster start for a run of
+    modules instead of one each, and never two of these clusters at once."""
+    kept = _HANDED_ON.pop(name, None)
+    if kept is not None and not _sound(kept.cluster, mesh_shape):
+        if kept.cluster.running:
+            kept.cluster.stop()
+        kept = None
+    if kept is None:
+        cl = _start(**kwargs)
+        kept = _HandedOn(cl, [list(names) for names in cl.eval(_NAMES_NOW)])
+    else:
+        _forget_what_the_module_added(kept)
+        # and on this side what the cluster keeps of the previous module's calls: a fresh cluster has no last
+        # trace and no last check (the doctor reads both)
+        kept.cluster._tracer.last = None
+        kept.cluster._last_check = None
+    yield kept.cluster
+    if kept.cluster.running and _next_module_asks_for(request, name):
+        _HANDED_ON[name] = kept
+    elif kept.cluster.running:
+        kept.cluster.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _handed_on_clusters_are_stopped():
+    """A cluster kept for a next module that never ran (a run stopped early) is stopped at the session's end."""
+    yield
+    while _HANDED_ON:
+        _, kept = _HANDED_ON.popitem()
+        if kept.cluster.running:
+            kept.cluster.stop()
 
 
 @pytest.fixture(scope="module")
-def cluster22():
-    """A 4-rank cluster of the module's own on a ddp=2 x domain=2 mesh (what the module sets up stays there)."""
-    cl = _start(n=4, mesh={"ddp": 2, "domain": 2}, timeout=120)
-    yield cl
-    if cl.running:
-        cl.stop()
+def patient_cluster4(request):
+    """A 4-rank cluster of the module's own (handed on to the next module that asks for it when sound, its
+    namespace cleared) whose collective timeout (300 s) no test may wait out: what ends a fault there is
+    sharddbg noticing it."""
+    yield from _module_cluster(request, "patient_cluster4", (1, 4), n=4, mesh={"ddp": 1, "domain": 4}, timeout=60,
+                               collective_timeout=300)
+
+
+@pytest.fixture(scope="module")
+def cluster22(request):
+    """A 4-rank cluster on a ddp=2 x domain=2 mesh for the module (handed on to the next module that asks for it
+    when sound, its namespace cleared: what the module sets up stays there for its own tests only)."""
+    yield from _module_cluster(request, "cluster22", (2, 2), n=4, mesh={"ddp": 2, "domain": 2}, timeout=120)
+
+
+# the module-scoped clusters that a run of modules shares (``_module_cluster``)
+HANDED_ON_FIXTURES = ("cluster22", "patient_cluster4")
 
 
 def pytest_collection_modifyitems(config, items):
     """Run the tests that start their own clusters (notebooks, browser, lifecycle, magics) first, before
     the shared cluster4 exists: never two clusters at once on a small machine, and the magics' "no
-    cluster running" errors are tested while none runs."""
+    cluster running" errors are tested while none runs. Among them, the modules that use the same handed-on
+    fixture (``HANDED_ON_FIXTURES``) run one after the other, so that one cluster start serves them all, in the
+    order below (test_scatter_input.py first: its first test starts a 2x2 cluster of its own, while no other
+    runs; test_doctor.py first of cluster22's: the doctor reads everything the ranks hold)."""
     own = ("test_browser.py", "test_notebooks.py", "test_lifecycle.py", "test_magics.py", "test_processes.py",
-           "test_scatter_input.py", "test_faults.py", "test_bad_input.py", "test_analysis_real.py",
-           "test_setup.py", "test_replicas.py", "test_doctor.py", "test_smoke.py")
-    items.sort(key=lambda item: 0 if item.path.name in own else 1)
+           "test_scatter_input.py", "test_faults.py", "test_bad_input.py", "test_doctor.py", "test_replicas.py",
+           "test_analysis_real.py", "test_setup.py")
+    # cl.smoke() rebuilds cluster4's mesh per configuration (restored at the end, but tensors built on the mesh
+    # before are stale then): its module runs after every other that uses cluster4
+    last = ("test_smoke.py",)
+    handed_on: dict = {}  # module -> the handed-on fixture it uses ("" for none)
+    for item in items:
+        fixture = next((name for name in HANDED_ON_FIXTURES if name in item.fixturenames), "")
+        handed_on[item.path] = max(handed_on.get(item.path, ""), fixture)
+
+    def order(item):
+        name = item.path.name
+        if name in own:
+            return 0, handed_on[item.path], own.index(name)
+        return 1, handed_on[item.path], name in last
+
+    items.sort(key=order)

@@ -47,15 +47,11 @@ def cdm_counts(cdm):
 
 
 @pytest.fixture(scope="module")
-def cl():
-    """A cluster of this module's own: DDP needs a ddp axis of 2 (the shared cluster has ddp=1)."""
-    c = sharddbg.Cluster(n=N, mesh={"ddp": DDP, "domain": DOMAIN}, timeout=120)
-    c.start()
-    try:
-        c.run(SETUP, timeout=120)
-        yield c
-    finally:
-        c.stop()
+def cl(cluster22):
+    """The ddp=2 x domain=2 cluster: DDP needs a ddp axis of 2 (the session's cluster4 has ddp=1)."""
+    assert (cluster22.n, cluster22.eval("tuple(mesh.shape)", targets=[0])) == (N, [(DDP, DOMAIN)])
+    cluster22.run(SETUP, timeout=120)
+    return cluster22
 
 
 def _trace(cl, code, timeout=120):

@@ -78,7 +78,8 @@ def _save_to_cwd_folder() -> None:
 def test_failed_start_says_start_again_not_recover(monkeypatch):
     """The ranks die as torch.distributed comes up (SIGKILL; every rank, so nothing waits for a survivor): the
     start fails and everything it started is shut down, so the error must not advise recover() (nothing is
-    left to recover). First in the module: no other cluster runs meanwhile."""
+    left to recover). First in the module: no other cluster starts meanwhile (the module's cluster, when the
+    module before handed it on, is up but idle: only this start is changed)."""
     bring_up = DistributedGroup.bring_up
 
     def a_rank_dies_meanwhile(self, execution, backend, timeout, mesh=None):

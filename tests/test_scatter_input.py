@@ -50,9 +50,9 @@ def test_a_bad_argument_on_one_rank_fails_its_domain_group_only_on_a_2x2_mesh():
 
 
 @pytest.fixture(scope="module")
-def cl():
-    with sharddbg.Cluster(n=N, mesh={"ddp": 1, "domain": N}, timeout=120, collective_timeout=300) as cluster:
-        yield cluster
+def cl(patient_cluster4):
+    """4 x 1 ranks whose collective timeout (300 s) no test waits out: a rank left hanging fails the test."""
+    return patient_cluster4
 
 
 BAD_ARGUMENTS = [

@@ -80,14 +80,10 @@ def step_merging_batch_and_tokens(model, ctx):
 
 
 @pytest.fixture(scope="module")
-def cl():
-    import sharddbg
-
-    cluster = sharddbg.Cluster(n=N, mesh={"ddp": 1, "domain": N}, timeout=120)
-    cluster.start()
-    yield cluster
-    if cluster.running:
-        cluster.stop()
+def cl(cluster4):
+    """The session's 4 x 1 cluster: the smoke run rebuilds its mesh per configuration and restores it at the end
+    (this module runs after every other that uses it: tensors built on it before are stale then)."""
+    return cluster4
 
 
 # ---------------------------------------------------------------- the matrix (no cluster)
