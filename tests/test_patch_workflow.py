@@ -106,8 +106,9 @@ def test_a_stencil_fallback_is_classified_halo_and_its_scaffold_passes_moving_on
 
 
 def test_a_handler_without_halo_fails_the_check_at_the_shard_boundaries(cl, untouched):
-    r = cl.check_patch("torch.diff", DIFF, handler_from_source(NO_HALO), inputs="pw_x", outputs="pw_y", repeat=1)
-    assert not r.ok and r.handled
+    r = cl.check_patch("torch.diff", DIFF, handler_from_source(NO_HALO), inputs="pw_x", outputs="pw_y", repeat=1,
+                       before=False)
+    assert not r.ok and r.handled and r.before is None
     assert r.verdict.startswith("patched: WRONG")
     pattern = r.after.check.boundary_pattern("pw_y")
     assert pattern.near_boundaries and pattern.failing_rows, pattern
@@ -120,10 +121,11 @@ def test_a_pointwise_fallback_is_classified_pointwise_and_patched_without_a_coll
     assert row["family"] == "pointwise" and row["fallback_bytes"] == 0
     assert "unary_ops" in row["closest_patch"]
     handler = handler_from_source(scaffold("torch.nn.functional.silu", "pointwise"))
-    r = cl.check_patch("F.silu", SILU, handler, inputs="pw_x", outputs="pw_y", repeat=1)
+    r = cl.check_patch("F.silu", SILU, handler, inputs="pw_x", outputs="pw_y", repeat=1, before=False)
     assert r.ok, r.verdict
+    assert r.op == "torch.nn.functional.silu"
     assert r.after.paths == ("function_handler",) and r.after.collectives == ()
-    assert "no collective before or after" in r.verdict
+    assert r.verdict.startswith("patched: correct") and "no collective per call and rank" in r.verdict
 
 
 def test_unpatch_restores_the_fallback_path_on_every_rank(cl, untouched):
@@ -181,7 +183,7 @@ def test_bad_handlers_and_names_are_refused_in_one_sentence_leaving_the_ranks_as
 def test_a_handler_that_raises_on_some_ranks_only_is_named_and_taken_back(cl, untouched):
     with pytest.raises(PatchError) as caught:
         cl.check_patch("torch.nn.functional.silu", SILU, handler_from_source(RAISES_ON_RANK_1), inputs="pw_x",
-                       outputs="pw_y", grads=False, repeat=1)
+                       outputs="pw_y", grads=False, repeat=1, before=False)
     first = str(caught.value).splitlines()[0]
     assert first.startswith("the handler for torch.nn.functional.silu raised on rank 1 (it ran on ranks 0, 2, 3): "
                             "RuntimeError: rank 1 has no silu, at line 4 of the handler: "
@@ -194,9 +196,9 @@ def test_a_handler_that_raises_on_some_ranks_only_is_named_and_taken_back(cl, un
 def test_a_type_error_a_handler_raises_inside_a_dunder_shows_the_handlers_own_line(cl, untouched):
     with pytest.raises(PatchError) as caught:
         cl.check_patch("Tensor.add", "pw_y = pw_x + pw_x", handler_from_source(ADD_TYPE_ERROR), inputs="pw_x",
-                       outputs="pw_y", grads=False, repeat=1)
+                       outputs="pw_y", grads=False, repeat=1, before=False)
     text = str(caught.value)
     assert "this add handler takes no ShardTensor" in text.splitlines()[0], text
-    assert "unsupported operand" not in text.splitlines()[0]
+    assert "unsupported operand" not in text.splitlines()[0] and "TypeError: this add" in text.splitlines()[0]
     assert "at line 3 of the handler: `raise TypeError(\"this add handler takes no ShardTensor\")`" in text, text
     assert not any(cl.apply(api.patch_installed))

@@ -96,12 +96,13 @@ def patch_side(label: str, op: str, ops: pd.DataFrame, collectives: pd.DataFrame
 class PatchCheck:
     """What ``Cluster.check_patch`` found: the op without the handler (``before``) and with it (``after``).
 
+    ``before`` is None when the fallback was not run (``check_patch(..., before=False)``).
     ``ok``: the handler took the op (its path is a handler path on every rank) and the statement's outputs and
     gradients agree with one device. ``verdict``: one sentence, also the repr. ``table``: the two sides in
     columns. ``traces``: the two traces, for the explorer.
     """
 
-    def __init__(self, op: str, kind: str, stmt: str, handler: str, before: PatchSide, after: PatchSide,
+    def __init__(self, op: str, kind: str, stmt: str, handler: str, before: PatchSide | None, after: PatchSide,
                  traces: "dict[str, Trace] | None" = None):
         self.op = op
         self.kind = kind
@@ -125,6 +126,8 @@ class PatchCheck:
     @property
     def speedup(self) -> float:
         """Host time per call before over after (above 1: faster with the handler); NaN when not measured."""
+        if self.before is None:
+            return math.nan
         b, a = self.before.ms_per_call, self.after.ms_per_call
         return b / a if a and not math.isnan(a) and not math.isnan(b) else math.nan
 
@@ -152,8 +155,13 @@ class PatchCheck:
             return (f"not patched: {self.op} took {', '.join(self.after.paths) or 'no recorded call'} with the handler "
                     f"registered (is the statement calling {self.op}, and is it the function ShardTensor receives?)")
         if not self.after.check.ok:
-            before = "correct before" if self.before.check.ok else "wrong before too"
-            return f"patched: WRONG ({before}); {self.after.check.verdict}"
+            before = "" if self.before is None else \
+                (" (correct before)" if self.before.check.ok else " (wrong before too)")
+            return f"patched: WRONG{before}; {self.after.check.verdict}"
+        if self.before is None:
+            ms = self.after.ms_per_call
+            return (f"patched: correct, {ms:.3g} ms per call, {self.after.collectives_text()} per call and rank "
+                    f"(the fallback was not run)")
         note = "" if self.before.check.ok else " (the fallback was wrong: it fails the check)"
         return f"patched: correct{note}, {self._speed_text()}, {self._moved_text()}"
 
@@ -162,7 +170,7 @@ class PatchCheck:
         """The two sides in columns ``before`` and ``after``: path, handler, calls per rank, ms per call,
         collectives and bytes per call and rank, the check's verdict."""
         rows = {}
-        for side in (self.before, self.after):
+        for side in (s for s in (self.before, self.after) if s is not None):
             rows[side.label] = {
                 "path": ", ".join(side.paths) or "-",
                 "handler": ", ".join(side.handlers) or "-",

@@ -1465,7 +1465,7 @@ class Cluster:
 
     def check_patch(self, op, stmt: str, handler=None, *, kind: str = "function", inputs=None, outputs=None,
                     model=None, loss: str | None = None, rtol: float | None = None, atol: float | None = None,
-                    grads: bool = True, repeat: int = 3, keep: bool = False,
+                    grads: bool = True, repeat: int = 3, keep: bool = False, before: bool = True,
                     timeout: float | None = None) -> PatchCheck:
         """Run ``stmt`` without and with a handler for ``op``, and compare: correct? faster? what moved?
 
@@ -1504,6 +1504,8 @@ class Cluster:
             there are more).
         keep : bool
             Leave ``handler`` registered afterwards (as ``patch`` would).
+        before : bool
+            Also run the fallback side (False: the handler's side only, ``before`` is None; half the time).
         timeout : float or None
             Seconds each step may take; None: the cluster's ``timeout``.
 
@@ -1537,7 +1539,7 @@ class Cluster:
         self._require_running()
         return check_patch(self, self._execution, op, stmt, handler, kind=kind, inputs=inputs, outputs=outputs,
                            model=model, loss=loss, rtol=rtol, atol=atol, grads=grads, repeat=repeat, keep=keep,
-                           timeout=timeout)
+                           before=before, timeout=timeout)
 
     def doctor(self, *names: str, check=None, trace=None, timeout: float | None = None) -> DoctorReport:
         """The pitfall doctor: one row per known ShardTensor pitfall (ok / warn / fail / skip, what was found, the fix).

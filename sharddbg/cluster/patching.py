@@ -18,6 +18,7 @@ import inspect
 import itertools
 import linecache
 import pickle
+import re
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -263,8 +264,6 @@ def _handler_failure(exc: RankError, op: str, filename: str | None, n: int) -> s
     first = exc.errors[ranks[0]]
     where = ""
     if filename and filename in first.traceback:
-        import re
-
         hits = re.findall(re.escape(filename) + r"\D+(\d+)", first.traceback)
         if hits:
             line = int(hits[-1])
@@ -272,17 +271,22 @@ def _handler_failure(exc: RankError, op: str, filename: str | None, n: int) -> s
             where = f", at line {line} of the handler" + (f": `{code}`" if code else "")
     others = sorted(set(range(n)) - set(exc.errors))
     ran = f" (it ran on {'rank' if len(others) == 1 else 'ranks'} {', '.join(map(str, others))})" if others else ""
-    cause = first.message.strip().splitlines()
-    # an unmasked TypeError names the real one last: show the innermost message
-    message = short_message(cause[-1] if first.type_name == "UnmaskedOpError" and cause else first.message)
+    type_name, message, hidden = first.type_name, short_message(first.message), ""
+    if first.type_name == "UnmaskedOpError":
+        # "Tensor.add raised TypeError on rank 0 at cell ..., line 1: `y = x + x`: <the real message>"
+        m = re.search(r" raised ([\w.]+) on rank \d+", message)
+        type_name = m.group(1) if m else "TypeError"
+        message = message.rsplit("`: ", 1)[-1] if "`: " in message else message.split(": ", 1)[-1]
+        hidden = (" (inside a Python operator, where PyTorch alone would have hidden it behind a generic "
+                  "operand-type message; sharddbg's recorder unmasked it)")
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-    return f"the handler for {op} raised on {who}{ran}: {first.type_name}: {message}{where}"
+    return f"the handler for {op} raised on {who}{ran}: {type_name}: {message}{hidden}{where}"
 
 
 def check_patch(cluster, execution, op: Any, stmt: str, handler: Callable | None = None, *, kind: str = "function",
                 inputs=None, outputs=None, model=None, loss: str | None = None, rtol: float | None = None,
                 atol: float | None = None, grads: bool = True, repeat: int = 3, keep: bool = False,
-                timeout: float | None = None) -> PatchCheck:
+                before: bool = True, timeout: float | None = None) -> PatchCheck:
     """``Cluster.check_patch``: see the module docstring and the method."""
     __tracebackhide__ = hide_own_frames()
     name = op_text(op)
@@ -297,6 +301,8 @@ def check_patch(cluster, execution, op: Any, stmt: str, handler: Callable | None
         raise PatchError(f"repeat must be a whole number of at least 1, got {repeat!r}")
     if not isinstance(keep, bool):
         raise PatchError(f"keep must be True or False, got {keep!r}")
+    if not isinstance(before, bool):
+        raise PatchError(f"before must be True or False, got {before!r}")
     timeout = arguments.seconds("timeout", timeout, allow_none=True) or execution.default_timeout
     states = execution.apply(api.patch_installed, (), {}, execution.ranks(None), timeout)
     registered = _installed_name(name, states)
@@ -315,13 +321,14 @@ def check_patch(cluster, execution, op: Any, stmt: str, handler: Callable | None
                       timeout=timeout, display=False)
     traced = _repeated(stmt, repeat)
     installed_here = suspended = False
-    traces = {}
+    traces, checks = {}, {}
     try:
         if registered is not None:
             _on_ranks(execution, api.patch_suspend, registered, timeout=timeout)
             suspended = True
-        traces["before"] = cluster.trace(traced, timeout=timeout, display=False)
-        before_check = cluster.check(stmt, **check_args)
+        if before:
+            traces["before"] = cluster.trace(traced, timeout=timeout, display=False)
+            checks["before"] = cluster.check(stmt, **check_args)
         if handler is not None:
             record = patch(execution, name, handler, kind=kind, timeout=timeout)
             installed_here = True
@@ -333,7 +340,7 @@ def check_patch(cluster, execution, op: Any, stmt: str, handler: Callable | None
             filename = None
         try:
             traces["after"] = cluster.trace(traced, timeout=timeout, display=False)
-            after_check = cluster.check(stmt, **check_args)
+            checks["after"] = cluster.check(stmt, **check_args)
         except RankError as exc:
             ranks = [r for r in exc.causes if r in exc.errors] or sorted(exc.errors)
             undone = ("the handler was taken back and the ranks are as they were" if installed_here and not keep
@@ -346,8 +353,6 @@ def check_patch(cluster, execution, op: Any, stmt: str, handler: Callable | None
         if installed_here and not keep:
             _remove_where_installed(execution, record.op, timeout)
     op_name = record.op
-    sides = {}
-    for label, check in (("before", before_check), ("after", after_check)):
-        t = traces[label]
-        sides[label] = patch_side(label, op_name, t.get_ops(), t.get_collectives(), check)
-    return PatchCheck(op_name, kind, stmt, record.handler, sides["before"], sides["after"], traces)
+    sides = {label: patch_side(label, op_name, traces[label].get_ops(), traces[label].get_collectives(), check)
+             for label, check in checks.items()}
+    return PatchCheck(op_name, kind, stmt, record.handler, sides.get("before"), sides["after"], traces)

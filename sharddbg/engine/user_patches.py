@@ -150,6 +150,12 @@ def _names_used(code: types.CodeType) -> set[str]:
     return names
 
 
+def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code`` and the code objects nested in it under ``filename``, so that tracebacks find the source."""
+    consts = tuple(_with_filename(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
 def _check_signature(kind: str, func: Any, handler: Callable, op: str) -> None:
     try:
         sig = inspect.signature(handler)
@@ -200,6 +206,8 @@ def prepare(op: str, kind: str, payload: bytes, source: str | None, filename: st
                 glob[used] = ns[used]
     if source and filename:
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        if code is not None and code.co_filename != filename:  # cloudpickle names dynamic code "<dynamic-code>"
+            handler.__code__ = _with_filename(code, filename)
     _check_signature(kind, func, handler, name)
     _PENDING[name] = _UserPatch(op=name, kind=kind, func=func, handler=handler,
                                 handler_name=f"{getattr(handler, '__module__', None) or ''}."

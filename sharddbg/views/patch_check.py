@@ -24,7 +24,9 @@ def patch_check_text(result: PatchCheck) -> str:
              " " * width + "  " + "  ".join(c.ljust(w) for c, w in zip(table.columns, cols))]
     for name, row in table.iterrows():
         lines.append(str(name).ljust(width) + "  " + "  ".join(str(v).ljust(w) for v, w in zip(row, cols)).rstrip())
-    lines += ["", f"before: {result.before.check.verdict}", f"after:  {result.after.check.verdict}"]
+    if result.before is not None:
+        lines += ["", f"before: {result.before.check.verdict}"]
+    lines += [f"after:  {result.after.check.verdict}"]
     return "\n".join(lines)
 
 
@@ -45,7 +47,8 @@ def patch_check_html(result: PatchCheck) -> str:
             f"<p style='font-family:var(--jp-code-font-family, monospace)'>{esc(result.stmt)}</p>"
             f"<table style='border-collapse:collapse'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
             f"<details><summary>the check with the handler</summary>{check_html(result.after.check)}</details>"
-            f"<details><summary>the check without it</summary>{check_html(result.before.check)}</details></div>")
+            + (f"<details><summary>the check without it</summary>{check_html(result.before.check)}</details>"
+               if result.before is not None else "") + "</div>")
 
 
 class PatchCheckView(StaticView):
