@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 
 from sharddbg.cluster.patching import PatchError, handler_from_source
 from sharddbg.engine import api
@@ -202,3 +204,19 @@ def test_a_type_error_a_handler_raises_inside_a_dunder_shows_the_handlers_own_li
     assert "unsupported operand" not in text.splitlines()[0] and "TypeError: this add" in text.splitlines()[0]
     assert "at line 3 of the handler: `raise TypeError(\"this add handler takes no ShardTensor\")`" in text, text
     assert not any(cl.apply(api.patch_installed))
+
+
+def test_shard_patch_magic_registers_the_cells_handler_by_value(cl, untouched):
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "sharddbg")
+    with pytest.raises(UsageError, match="OP"):
+        ip.run_cell_magic("shard_patch", "", scaffold("torch.nn.functional.silu", "pointwise"))
+    ip.user_ns["SCALE"] = 1.0  # a notebook global the handler reads: it travels with it
+    cell = scaffold("torch.nn.functional.silu", "pointwise").replace("out = func(local, *rest, **kwargs)",
+                                                                     "out = func(local, *rest, **kwargs) * SCALE")
+    record = ip.run_cell_magic("shard_patch", "torch.nn.functional.silu", cell)
+    try:
+        assert record.handler == "__main__.silu_handler" and callable(ip.user_ns["silu_handler"])
+        assert _paths(cl.trace(SILU, display=False), record.op) == {r: ["function_handler"] for r in range(4)}
+    finally:
+        cl.unpatch(record.op)
