@@ -16,6 +16,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from sharddbg.cluster.patching import PatchError, handler_from_source
 from sharddbg.engine import api
 from sharddbg.patches import scaffold
+from sharddbg.views import explorer
 
 pytestmark = pytest.mark.cluster
 
@@ -83,13 +84,19 @@ def _paths(trace, op):
 
 
 def test_a_stencil_fallback_is_classified_halo_and_its_scaffold_passes_moving_only_halo_rows(cl, untouched):
-    fb = cl.trace(DIFF, display=False).get_fallbacks().set_index("op")
+    t = cl.trace(DIFF, display=False)
+    fb = t.get_fallbacks().set_index("op")
     row = fb.loc["torch.diff"]
     assert row["family"] == "halo"
     assert (row["sharded_dim"], row["halo_width"]) == (2, 1)
     assert "conv1d's halo patch" in row["closest_patch"]
     assert "1 row shorter along the sharded dim 2" in row["evidence"]
     assert "all_gather" in row["fallback_collectives"]
+    # the explorer's detail of a fallback call shows the same
+    ops = t.get_ops()
+    first = ops[(ops["op"] == "torch.diff") & (ops["rank"] == 0)].iloc[0]
+    family = explorer.op_detail(t, 0, int(first["seq"]))["patch_family"]
+    assert (family["family"], family["halo_width"]) == ("halo", 1) and family["evidence"] == row["evidence"]
 
     handler = handler_from_source(scaffold("torch.diff", "halo", halo_width=int(row["halo_width"])))
     r = cl.check_patch("torch.diff", DIFF, handler, inputs="pw_x", outputs="pw_y", repeat=2)
