@@ -21,7 +21,7 @@ def patch_check_text(result: PatchCheck) -> str:
     width = max(len(str(i)) for i in table.index)
     cols = [max(len(c), *(len(str(v)) for v in table[c])) for c in table.columns]
     lines = [result.verdict, "",
-             " " * width + "  " + "  ".join(c.ljust(w) for c, w in zip(table.columns, cols))]
+             (" " * width + "  " + "  ".join(c.ljust(w) for c, w in zip(table.columns, cols))).rstrip()]
     for name, row in table.iterrows():
         lines.append(str(name).ljust(width) + "  " + "  ".join(str(v).ljust(w) for v, w in zip(row, cols)).rstrip())
     if result.before is not None:
