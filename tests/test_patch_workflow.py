@@ -227,3 +227,30 @@ def test_shard_patch_magic_registers_the_cells_handler_by_value(cl, untouched):
         assert _paths(cl.trace(SILU, display=False), record.op) == {r: ["function_handler"] for r in range(4)}
     finally:
         cl.unpatch(record.op)
+
+
+def _calls(op, gin, gout, pl_in="(S(2),)", pl_out="(S(2),)"):
+    """One forward fallback call of ``op`` as get_ops() has it (only the columns the classification reads)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"rank": 0, "seq": 0, "op": op, "in_placements": [pl_in], "in_global_shapes": [gin],
+                          "out_global_shape": gout, "placements": pl_out, "message": None, "exc_type": None}])
+
+
+@pytest.mark.parametrize("op, gin, gout, pl_out, moved, family", [
+    ("torch.amax", [1, 3, 40], [1, 3], "(P(max),)", ["all_reduce"], "reduction"),
+    ("Tensor.flatten", [1, 3, 40], [1, 120], "(_S(1, 3),)", [], "view"),
+    ("torch.cumsum", [1, 3, 40], [1, 3, 40], "(R,)", ["all_gather_into_tensor"], "global"),
+    ("mylib.box3.default", [1, 3, 40], [1, 3, 38], "(R,)", ["all_gather_into_tensor"], "halo"),
+    ("torch.nn.functional.gelu", [1, 3, 40], [1, 3, 40], "(S(2),)", [], "pointwise"),
+    ("torch.outer_thing", [1, 3, 40], [7, 7], "(R,)", ["all_gather_into_tensor"], "none"),
+], ids=["reduction", "view", "global", "halo", "pointwise", "none"])
+def test_each_family_is_read_from_shapes_placements_and_what_moved(op, gin, gout, pl_out, moved, family):
+    import pandas as pd
+
+    from sharddbg.analysis.patch_families import classify_calls
+
+    fit = classify_calls(op, _calls(op, gin, gout, pl_out=pl_out), pd.DataFrame({"kind": moved}))
+    assert fit.family == family, fit
+    assert fit.sharded_dim == 2
+    assert (fit.halo_width == 1) if family == "halo" else fit.halo_width is None

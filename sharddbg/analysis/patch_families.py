@@ -158,13 +158,12 @@ def classify_calls(op: str, calls: pd.DataFrame, moved: pd.DataFrame) -> FamilyF
             return FamilyFit("none", dim, None, None,
                              f"same shape {shape_text} but the fallback gathered the sharded dim {dim} "
                              f"({moved_text}): a halo of unknown width, or an op that reads the whole dim")
-    if len(gout) < len(gin) or (len(gout) == len(gin) and gout[dim] == 1 < gin[dim]) \
-            or (isinstance(pl_out, str) and _PARTIAL.search(pl_out)):
-        kept = _numel(gout) * (gin[dim] if len(gout) == len(gin) else 1)
-        if _numel(gout) < _numel(gin) and kept <= _numel(gin):
-            return FamilyFit("reduction", dim, None, _CLOSEST["reduction"],
-                             f"the sharded dim {dim} is reduced ({shape_text}, out {pl_out}); {moved_text}: a local "
-                             f"reduction, then one all_reduce (or a Partial result)")
+    reduced = (gin[:dim] + gin[dim + 1:], gin[:dim] + [1] + gin[dim + 1:])  # the sharded dim reduced away / to 1
+    if gin[dim] > 1 and (gout in reduced or _numel(gout) == 1
+                         or (isinstance(pl_out, str) and bool(_PARTIAL.search(pl_out)))):
+        return FamilyFit("reduction", dim, None, _CLOSEST["reduction"],
+                         f"the sharded dim {dim} is reduced ({shape_text}, out {pl_out}); {moved_text}: a local "
+                         f"reduction, then one all_reduce (or a Partial result)")
     if _numel(gout) == _numel(gin) and gout != gin:
         return FamilyFit("view", dim, None, _CLOSEST["view"],
                          f"the same {_numel(gin)} elements in another shape ({shape_text}) that moves the sharded "
@@ -211,7 +210,11 @@ def classified_fallbacks(ops: pd.DataFrame, collectives: pd.DataFrame | None,
     for row in fb.itertuples(index=False):
         calls = calls_all[(calls_all["op"] == row.op) & (calls_all["path"] == row.path)]
         moved = _moved(calls, collectives)
-        fit = classify_calls(row.op, calls, moved)
+        if row.category == "metadata":
+            fit = FamilyFit("none", None, None, None, "a metadata read: the fallback answers it cheaply and right, "
+                                                      "nothing to patch")
+        else:
+            fit = classify_calls(row.op, calls, moved)
         per_rank_calls = int(calls.groupby("rank").size().max()) if len(calls) else 0
         text, per_call = _moved_text(moved, per_rank_calls)
         fits.append({"family": fit.family, "sharded_dim": fit.sharded_dim, "halo_width": fit.halo_width,
