@@ -84,9 +84,11 @@ def _paths(trace, op):
 
 
 def test_a_stencil_fallback_is_classified_halo_and_its_scaffold_passes_moving_only_halo_rows(cl, untouched):
-    t = cl.trace(DIFF, display=False)
-    fb = t.get_fallbacks().set_index("op")
-    row = fb.loc["torch.diff"]
+    handler = handler_from_source(scaffold("torch.diff", "halo", halo_width=1))
+    r = cl.check_patch("torch.diff", DIFF, handler, inputs="pw_x", outputs="pw_y", repeat=2)
+    # the side without the handler is a trace of the fallback: its family, as get_fallbacks() reads it
+    t = r.traces["before"]
+    row = t.get_fallbacks().set_index("op").loc["torch.diff"]
     assert row["family"] == "halo"
     assert (row["sharded_dim"], row["halo_width"]) == (2, 1)
     assert "conv1d's halo patch" in row["closest_patch"]
@@ -98,8 +100,6 @@ def test_a_stencil_fallback_is_classified_halo_and_its_scaffold_passes_moving_on
     family = explorer.op_detail(t, 0, int(first["seq"]))["patch_family"]
     assert (family["family"], family["halo_width"]) == ("halo", 1) and family["evidence"] == row["evidence"]
 
-    handler = handler_from_source(scaffold("torch.diff", "halo", halo_width=int(row["halo_width"])))
-    r = cl.check_patch("torch.diff", DIFF, handler, inputs="pw_x", outputs="pw_y", repeat=2)
     assert r.ok, r.verdict
     assert r.verdict.startswith("patched: correct")
     assert r.before.paths == ("dtensor_fallback_function",) and r.after.paths == ("function_handler",)
