@@ -254,3 +254,43 @@ def test_each_family_is_read_from_shapes_placements_and_what_moved(op, gin, gout
     assert fit.family == family, fit
     assert fit.sharded_dim == 2
     assert (fit.halo_width == 1) if family == "halo" else fit.halo_width is None
+
+
+CUSTOM_OP = """
+import torch
+
+
+@torch.library.custom_op("pwtest::softclip", mutates_args=())
+def softclip(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + x.abs())
+
+
+@softclip.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _backward(ctx, grad):
+    return grad / (1 + ctx.x.abs()) ** 2
+
+
+softclip.register_autograd(_backward, setup_context=lambda ctx, inputs, output: setattr(ctx, "x", inputs[0]))
+"""
+
+
+def test_a_custom_op_the_fallback_cannot_run_is_patched_and_checked(cl, untouched, tmp_path):
+    # in a module, so that the unsharded reference of the check can import it too
+    (tmp_path / "pwtest_softclip_ops.py").write_text(CUSTOM_OP)
+    stmt = "from pwtest_softclip_ops import softclip\npw_y = softclip(pw_x)"
+    cl.run(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})", timeout=30)
+    try:
+        handler = handler_from_source(scaffold("pwtest.softclip.default", "pointwise"))
+        r = cl.check_patch("pwtest.softclip.default", stmt, handler, inputs="pw_x", outputs="pw_y", repeat=1)
+    finally:
+        cl.run(f"sys.path.remove({str(tmp_path)!r})", timeout=30)
+    assert r.ok and r.before is None, r.verdict
+    assert r.before_error.startswith("without the handler 'pw_y = softclip(pw_x)' raised on every rank: "
+                                     "NotImplementedError: Operator pwtest.softclip.default does not have a sharding "
+                                     "strategy registered"), r.before_error
+    assert r.verdict.startswith("patched: correct") and r.before_error in r.verdict
+    assert r.after.paths == ("function_handler",) and r.after.collectives == ()

@@ -96,14 +96,15 @@ def patch_side(label: str, op: str, ops: pd.DataFrame, collectives: pd.DataFrame
 class PatchCheck:
     """What ``Cluster.check_patch`` found: the op without the handler (``before``) and with it (``after``).
 
-    ``before`` is None when the fallback was not run (``check_patch(..., before=False)``).
+    ``before`` is None when the fallback was not run (``check_patch(..., before=False)``) or raised
+    (``before_error`` says what: an op DTensor has no sharding strategy for cannot run without a handler).
     ``ok``: the handler took the op (its path is a handler path on every rank) and the statement's outputs and
     gradients agree with one device. ``verdict``: one sentence, also the repr. ``table``: the two sides in
     columns. ``traces``: the two traces, for the explorer.
     """
 
     def __init__(self, op: str, kind: str, stmt: str, handler: str, before: PatchSide | None, after: PatchSide,
-                 traces: "dict[str, Trace] | None" = None):
+                 traces: "dict[str, Trace] | None" = None, before_error: str | None = None):
         self.op = op
         self.kind = kind
         self.stmt = stmt
@@ -111,6 +112,7 @@ class PatchCheck:
         self.before = before
         self.after = after
         self.traces = dict(traces or {})
+        self.before_error = before_error  # the statement raised without the handler (then ``before`` is None)
 
     @property
     def handled(self) -> bool:
@@ -160,8 +162,8 @@ class PatchCheck:
             return f"patched: WRONG{before}; {self.after.check.verdict}"
         if self.before is None:
             ms = self.after.ms_per_call
-            return (f"patched: correct, {ms:.3g} ms per call, {self.after.collectives_text()} per call and rank "
-                    f"(the fallback was not run)")
+            why = f"; {self.before_error}" if self.before_error else " (the fallback was not run)"
+            return f"patched: correct, {ms:.3g} ms per call, {self.after.collectives_text()} per call and rank{why}"
         note = "" if self.before.check.ok else " (the fallback was wrong: it fails the check)"
         return f"patched: correct{note}, {self._speed_text()}, {self._moved_text()}"
 

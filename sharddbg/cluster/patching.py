@@ -280,6 +280,10 @@ def _handler_failure(exc: RankError, op: str, filename: str | None, n: int) -> s
         hidden = (" (inside a Python operator, where PyTorch alone would have hidden it behind a generic "
                   "operand-type message; sharddbg's recorder unmasked it)")
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    if filename and not where:
+        return (f"with the handler for {op} registered, the statement raised on {who}{ran}, not inside the handler: "
+                f"{type_name}: {message}{hidden} (is the function it calls the one the handler is registered for? "
+                f"an op called as torch.ops.<ns>.<op>(...) reaches ShardTensor as the packet, not the overload)")
     return f"the handler for {op} raised on {who}{ran}: {type_name}: {message}{hidden}{where}"
 
 
@@ -326,9 +330,22 @@ def check_patch(cluster, execution, op: Any, stmt: str, handler: Callable | None
         if registered is not None:
             _on_ranks(execution, api.patch_suspend, registered, timeout=timeout)
             suspended = True
+        before_error = None
         if before:
-            traces["before"] = cluster.trace(traced, timeout=timeout, display=False)
-            checks["before"] = cluster.check(stmt, **check_args)
+            try:
+                traces["before"] = cluster.trace(traced, timeout=timeout, display=False)
+            except RankError as exc:  # the op cannot run without a handler (no DTensor sharding strategy, ...)
+                if cluster.broken is not None:
+                    raise
+                ranks = [r for r in exc.causes if r in exc.errors] or sorted(exc.errors)
+                failure = exc.errors[ranks[0]]
+                who = "every rank" if len(ranks) == execution.n else f"rank{'s' if len(ranks) > 1 else ''} " \
+                                                                    f"{', '.join(map(str, ranks))}"
+                line = failure.cell_code or stmt.strip().splitlines()[0]
+                before_error = f"without the handler {line!r} raised on {who}: " \
+                               f"{failure.type_name}: {short_message(failure.message)}"
+            else:
+                checks["before"] = cluster.check(stmt, **check_args)
         if handler is not None:
             record = patch(execution, name, handler, kind=kind, timeout=timeout)
             installed_here = True
@@ -355,4 +372,5 @@ def check_patch(cluster, execution, op: Any, stmt: str, handler: Callable | None
     op_name = record.op
     sides = {label: patch_side(label, op_name, traces[label].get_ops(), traces[label].get_collectives(), check)
              for label, check in checks.items()}
-    return PatchCheck(op_name, kind, stmt, record.handler, sides.get("before"), sides["after"], traces)
+    return PatchCheck(op_name, kind, stmt, record.handler, sides.get("before"), sides["after"], traces,
+                      before_error=before_error)

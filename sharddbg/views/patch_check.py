@@ -26,6 +26,8 @@ def patch_check_text(result: PatchCheck) -> str:
         lines.append(str(name).ljust(width) + "  " + "  ".join(str(v).ljust(w) for v, w in zip(row, cols)).rstrip())
     if result.before is not None:
         lines += ["", f"before: {result.before.check.verdict}"]
+    elif result.before_error:
+        lines += ["", f"before: {result.before_error}"]
     lines += [f"after:  {result.after.check.verdict}"]
     return "\n".join(lines)
 
