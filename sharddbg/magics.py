@@ -712,6 +712,31 @@ class ShardMagics(Magics):
             raise UsageError(f"%shard_doctor takes names of variables on the engines, got {', '.join(map(repr, bad))}")
         return active_cluster().doctor(*names, timeout=args.timeout)
 
+    # ---- a handler written in the notebook
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("op", metavar="OP",
+                              help="the op, as get_fallbacks() names it: torch.diff, torch.nn.functional.silu, "
+                                   "Tensor.add, aten.diff.default, mylib.op.default")
+    @magic_arguments.argument("--kind", choices=["function", "dispatch"], default="function",
+                              help="register_function_handler (default) or register_dispatch_handler")
+    @magic_arguments.argument("--name", default=None, metavar="HANDLER",
+                              help="the function of the cell to register (default: the one it defines, the last "
+                                   "one when there are several)")
+    @magic_arguments.argument("--timeout", type=seconds, default=None, metavar="S",
+                              help="seconds to wait for the ranks (default: the cluster's)")
+    @cell_magic
+    def shard_patch(self, line, cell):
+        """Define the handler of the cell in the notebook and register it for OP on every rank, by value with its
+        globals (``Cluster.patch``); ``cl.check_patch(OP, stmt)`` checks it, ``cl.unpatch(OP)`` takes it back."""
+        __tracebackhide__ = hide_own_frames()
+        from .cluster import active_cluster
+        from .cluster.patching import handler_from_source
+
+        args = parse_options(self.shard_patch, split_words(line, "%%shard_patch"), "%%shard_patch")
+        cl = active_cluster()
+        handler = handler_from_source(cell, args.name, self.shell.user_ns)
+        return cl.patch(args.op, handler, kind=args.kind, timeout=args.timeout)
+
 
 def trace_summary(trace) -> str:
     """One line after a %%shard_trace cell: what was recorded (``Trace.overview``), what is wrong

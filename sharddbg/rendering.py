@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .analysis.check import CheckResult
     from .analysis.doctor import DoctorReport
     from .analysis.layout import ShardLayout
+    from .analysis.patch_check import PatchCheck
     from .analysis.replica_check import ReplicaCheck
     from .analysis.smoke import SmokeResult
     from .trace import Trace
@@ -85,6 +86,20 @@ def check_html(result: CheckResult) -> str:
     from .views.check import check_html as html
 
     return html(result)
+
+
+def patch_check_html(result: PatchCheck) -> str:
+    """``Cluster.check_patch``'s result as static HTML (``views.patch_check.patch_check_html``)."""
+    from .views.patch_check import patch_check_html as html
+
+    return html(result)
+
+
+def patch_check_view(result: PatchCheck) -> Any:
+    """``Cluster.check_patch``'s view: verdict, the two sides, each side's check (``views.patch_check``)."""
+    from .views.patch_check import PatchCheckView
+
+    return PatchCheckView(result)
 
 
 def check_rows_figure(result: CheckResult, tensor: str | None = None, group: int = 0) -> Any:

@@ -38,6 +38,7 @@ from .analysis import comm as _comm
 from .analysis import consistency as _consistency
 from .analysis import findings as _findings
 from .analysis import ops as _ops
+from .analysis import patch_families as _patch_families
 from .analysis import plan_cache as _plan_cache
 from .analysis import summary as _summary
 from .analysis.findings import Finding, TraceOverview
@@ -368,15 +369,21 @@ class Trace:
             (their host time, NaN where not measured), ``user_frames`` (list), ``via_handler`` (the op had a
             handler that itself called the fallback), ``bwd_host_ms_total`` (time of their backward events,
             the output node only), ``category`` ("compute" or "metadata"), ``locations`` (where the user's
-            code made the calls, list). Empty, with these columns, when there are none.
+            code made the calls, list); then which family of ShardTensor patch would fit the op, read from the
+            trace (``analysis.patch_families``): ``family`` ("pointwise", "halo", "reduction", "view", "global"
+            or "none"), ``sharded_dim``, ``halo_width`` (rows a shard needs from a neighbour; missing unless
+            "halo" and the shapes tell), ``closest_patch`` (the physicsnemo handler to follow), ``evidence``
+            (one sentence), ``fallback_collectives`` (what the fallback moved per call) and ``fallback_bytes``
+            (bytes received per call and rank). Empty, with these columns, when there are none.
 
         Examples
         --------
         >>> t.get_fallbacks()[["op", "calls", "host_ms_total", "locations"]]
+        >>> t.get_fallbacks()[["op", "family", "halo_width", "closest_patch"]]
         >>> fb = t.get_fallbacks(include_metadata=True)
         >>> fb[fb["category"] == "metadata"]["op"].tolist()
         """
-        return _ops.fallbacks(self.get_ops(), include_metadata)
+        return _patch_families.classified_fallbacks(self.get_ops(), self.get_collectives(), include_metadata)
 
     def get_errors(self, include_propagated: bool = False) -> pd.DataFrame:
         """Real exceptions per rank: one row per origin (``analysis.ops.errors``), those that ended the cell and

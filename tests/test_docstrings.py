@@ -19,6 +19,7 @@ import sharddbg
 from sharddbg.analysis.check import CheckResult
 from sharddbg.analysis.doctor import DoctorReport
 from sharddbg.analysis.findings import Finding, TraceOverview
+from sharddbg.analysis.patch_check import PatchCheck
 from sharddbg.analysis.replica_check import ReplicaCheck
 from sharddbg.analysis.smoke import SmokeResult
 from sharddbg.cluster import Cluster
@@ -27,12 +28,13 @@ from sharddbg.engine import api as engine_api
 from sharddbg.engine._scatter import scatter
 from sharddbg.engine.patches import registered_patches, without_patches
 from sharddbg.options import RecordingOptions
+from sharddbg.patches import scaffold
 from sharddbg.trace import Trace, load_trace
 
 CLASSES = [Cluster, Trace, CheckResult, DoctorReport, SmokeResult, ReplicaCheck, RecordingOptions, Finding,
-           TraceOverview, PendingCell]
+           TraceOverview, PendingCell, PatchCheck]
 FUNCTIONS = [load_trace, sharddbg.record, sharddbg.last_trace, sharddbg.inspect, scatter, without_patches,
-             registered_patches] + [getattr(engine_api, name) for name in engine_api.__all__
+             registered_patches, scaffold] + [getattr(engine_api, name) for name in engine_api.__all__
                                     if inspect.isfunction(getattr(engine_api, name))]
 SECTION = re.compile(r"^(?P<name>Parameters|Returns|Yields|Raises|Examples|See Also|Notes)\n-{3,}$", re.M)
 

@@ -249,3 +249,30 @@ def test_05_verify():
     assert losses["layout"]["yaxis"]["type"] == "log" and losses["layout"]["yaxis"]["range"][0] > -12
     assert [a["y"] for a in losses["layout"]["annotations"] if a["text"] == "rtol 0.001"] == [-3]
     assert len({d["line"]["dash"] for d in losses["data"]}) == 5
+
+
+def test_07_write_a_patch():
+    nb = run_notebook("07_write_a_patch.ipynb")
+    check_common(nb)
+    # 1. torch.diff fell back: a halo of one row, the fallback gathered the input whole
+    families = outputs_text(cell_with(nb, "fb = sharddbg.last_trace().get_fallbacks()"))
+    assert re.search(r"<td>torch.diff</td>\s*<td>halo</td>\s*<td>1</td>\s*<td>2 all_gather_into_tensor per call",
+                     families), families
+    evidence = outputs_text(cell_with(nb, 'print(fb.loc[0, "evidence"])'))
+    assert "1 row shorter along the sharded dim 2" in evidence
+    assert "closest physicsnemo patch: physicsnemo.domain_parallel.shard_utils.conv_patches.partial_conv_nd " \
+           "(conv1d's halo patch" in evidence
+    # 2-3. the scaffold, registered on every rank by the %%shard_patch cell
+    assert outputs_text(cell_with(nb, 'print(scaffold("torch.diff"')).startswith(
+        "def diff_handler(func, types, args, kwargs, halo=1, shrink=1):")
+    assert "PatchRecord(op='torch.diff', kind='function', handler='__main__.diff_handler', replaces=None)" in \
+        outputs_text(cell_with(nb, "%%shard_patch torch.diff"))
+    # 4. the verdict: correct with the handler, the fallback's gathers replaced by a halo exchange of 1 row
+    verdict = outputs_text(cell_with(nb, "r = cl.check_patch("))
+    assert "patched: correct (the fallback was wrong: it fails the check)" in verdict, verdict
+    assert "2 all_gather_into_tensor (960 B) replaced by 1 all_to_all_single (18 B) per call and rank" in verdict
+    table = outputs_text(cell_with(nb, "r.table"))
+    assert "dtensor_fallback_function" in table and "function_handler" in table
+    # 5. taken back
+    assert "PatchRecord(op='torch.diff', kind='function', handler='__main__.diff_handler'" in \
+        outputs_text(cell_with(nb, 'cl.unpatch("torch.diff")'))

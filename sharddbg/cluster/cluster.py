@@ -49,9 +49,11 @@ if TYPE_CHECKING:
 
     from ..analysis.check import CheckResult
     from ..analysis.doctor import DoctorReport
+    from ..analysis.patch_check import PatchCheck
     from ..analysis.replica_check import ReplicaCheck
     from ..analysis.smoke import SmokeResult
     from ..trace import Trace
+    from .patching import PatchRecord
 
 __all__ = ["Cluster", "RankOutput", "active_cluster", "running_clusters", "filter_noise", "TESTED_VERSIONS"]
 
@@ -1372,6 +1374,173 @@ class Cluster:
         self._last_check = run_check(self._execution, stmt, inputs=inputs, outputs=outputs, model=model, loss=loss,
                                      rtol=rtol, atol=atol, grads=grads, timeout=timeout, display=display)
         return self._last_check
+
+    # ------------------------------------------------------------------ handlers written in the notebook
+    def patch(self, op, handler, *, kind: str = "function", timeout: float | None = None) -> PatchRecord:
+        """Register ``handler`` for ``op`` with ShardTensor on every rank (by value, with its globals).
+
+        Every rank resolves the op, loads the handler and checks its signature first; only when all accepted
+        does each register it (``ShardTensor.register_function_handler`` or ``register_dispatch_handler``),
+        keeping what the registries held, so that ``unpatch`` puts them back exactly. The handler's source travels
+        with it: a traceback through it on a rank shows its own lines. See ``sharddbg.cluster.patching``.
+
+        Parameters
+        ----------
+        op : str or callable
+            The op: its name as ``get_fallbacks()`` prints it (``"torch.diff"``, ``"torch.nn.functional.silu"``,
+            ``"Tensor.add"``, ``"aten.diff.default"``, ``"mylib.op.default"``), a dotted name in the ranks'
+            namespace (``"F.silu"``), or the function or op overload itself where this process has torch.
+        handler : callable
+            ``handler(func, types, args, kwargs)`` for ``kind="function"``; ``handler(*args, **kwargs)`` (the
+            op's own arguments) for ``kind="dispatch"``. Names it reads that the notebook does not define
+            (``torch``, ``ShardTensor``) are the ranks' own.
+        kind : {"function", "dispatch"}
+            Which registry: ``__torch_function__``'s (torch functions and op overloads) or
+            ``__torch_dispatch__``'s (aten op overloads, reached by the autograd engine and compile).
+        timeout : float or None
+            Seconds to wait; None: the cluster's ``timeout``.
+
+        Returns
+        -------
+        PatchRecord
+            ``op`` (as sharddbg names it), ``kind``, ``handler`` (its name), ``replaces`` (the handler the
+            registry held before, None when the op fell back).
+
+        Raises
+        ------
+        PatchError
+            The handler does not pickle, is not callable or has the wrong signature; ``kind`` is unknown; or the
+            ranks refused (``op`` names no torch function or op overload there, the handler does not load there):
+            one sentence, and nothing was registered on any rank.
+        ClusterError
+            The cluster is not running, or ``timeout`` is not a finite number of seconds above 0.
+
+        Examples
+        --------
+        >>> def silu_handler(func, types, args, kwargs):
+        ...     x = args[0]
+        ...     return ShardTensor.from_local(func(x.to_local()), x._spec.mesh, x._spec.placements,
+        ...                                   sharding_shapes=x._spec._sharding_shapes)
+        >>> cl.patch("torch.nn.functional.silu", silu_handler)
+        PatchRecord(op='torch.nn.functional.silu', kind='function', handler='__main__.silu_handler', replaces=None)
+        """
+        __tracebackhide__ = hide_own_frames()
+        from .patching import patch
+
+        self._require_running()
+        return patch(self._execution, op, handler, kind=kind, timeout=timeout)
+
+    def unpatch(self, op, *, timeout: float | None = None) -> PatchRecord:
+        """Take back the handler ``patch`` registered for ``op`` on every rank: ShardTensor's registries exactly as
+        they were before it (the earlier handler object, or no entry).
+
+        Parameters
+        ----------
+        op : str or callable
+            As for ``patch`` (the name it answered works).
+        timeout : float or None
+            Seconds to wait; None: the cluster's ``timeout``.
+
+        Returns
+        -------
+        PatchRecord
+            The handler taken back (``replaces`` is None).
+
+        Raises
+        ------
+        PatchError
+            No handler was registered by ``patch`` for ``op``.
+        ClusterError
+            The cluster is not running, or ``timeout`` is not a finite number of seconds above 0.
+
+        Examples
+        --------
+        >>> cl.unpatch("torch.nn.functional.silu").op
+        'torch.nn.functional.silu'
+        """
+        __tracebackhide__ = hide_own_frames()
+        from .patching import unpatch
+
+        self._require_running()
+        return unpatch(self._execution, op, timeout=timeout)
+
+    def check_patch(self, op, stmt: str, handler=None, *, kind: str = "function", inputs=None, outputs=None,
+                    model=None, loss: str | None = None, rtol: float | None = None, atol: float | None = None,
+                    grads: bool = True, repeat: int = 3, keep: bool = False, before: bool = True,
+                    timeout: float | None = None) -> PatchCheck:
+        """Run ``stmt`` without and with a handler for ``op``, and compare: correct? faster? what moved?
+
+        Each side is traced (the op's dispatch path, its host time per call, the collectives issued inside its
+        calls, ``stmt`` run ``repeat`` times) and checked against one device (``check``: outputs and gradients).
+        With ``handler`` it is registered for the second side and taken back after (unless ``keep``); without,
+        the handler ``patch`` registered is taken out for the first side and put back. Whatever happens, the
+        ranks are left as they were. See ``sharddbg.cluster.patching``.
+
+        Parameters
+        ----------
+        op : str or callable
+            As for ``patch``.
+        stmt : str
+            The statement that calls the op (Python source, run on every rank).
+        handler : callable or None
+            The handler to check; None: the one registered by ``patch``.
+        kind : {"function", "dispatch"}
+            As for ``patch``.
+        inputs : str, list of str or None
+            As for ``check``.
+        outputs : str, list of str or None
+            As for ``check``.
+        model : str, list of str or None
+            As for ``check``.
+        loss : str or None
+            As for ``check``.
+        rtol : float or None
+            As for ``check``.
+        atol : float or None
+            As for ``check``.
+        grads : bool
+            As for ``check``.
+        repeat : int
+            Times ``stmt`` runs in each side's trace (the first call on each rank is left out of the time when
+            there are more).
+        keep : bool
+            Leave ``handler`` registered afterwards (as ``patch`` would).
+        before : bool
+            Also run the fallback side (False: the handler's side only, ``before`` is None; half the time).
+        timeout : float or None
+            Seconds each step may take; None: the cluster's ``timeout``.
+
+        Returns
+        -------
+        PatchCheck
+            ``verdict`` (a sentence, also the repr: "patched: correct, 1.8x faster, 1 all_gather_into_tensor
+            (480 B) replaced by 1 all_to_all_single (24 B) per call and rank"), ``ok``, ``before`` / ``after``
+            (path, time, collectives, check), ``table``, ``traces``, ``show()``.
+
+        Raises
+        ------
+        PatchError
+            The arguments are not as described; the handler does not pickle or has the wrong signature; the ranks
+            refused it; or it raised on some ranks while the statement ran (one sentence with the handler's own
+            line, then the traceback; the handler was taken back).
+        CheckError
+            The numerical check could not run (see ``check``).
+        ClusterError
+            The cluster is not running, or ``timeout`` is not a finite number of seconds above 0.
+
+        Examples
+        --------
+        >>> r = cl.check_patch("torch.diff", "y = torch.diff(x, dim=2)", diff_handler, inputs="x", outputs="y")
+        >>> r.verdict  # doctest: +ELLIPSIS
+        'patched: correct, ...x faster, 1 all_gather_into_tensor (480 B) replaced by 1 all_to_all_single (24 B) ...'
+        """
+        __tracebackhide__ = hide_own_frames()
+        from .patching import check_patch
+
+        self._require_running()
+        return check_patch(self, self._execution, op, stmt, handler, kind=kind, inputs=inputs, outputs=outputs,
+                           model=model, loss=loss, rtol=rtol, atol=atol, grads=grads, repeat=repeat, keep=keep,
+                           before=before, timeout=timeout)
 
     def doctor(self, *names: str, check=None, trace=None, timeout: float | None = None) -> DoctorReport:
         """The pitfall doctor: one row per known ShardTensor pitfall (ok / warn / fail / skip, what was found, the fix).

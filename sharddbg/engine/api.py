@@ -868,3 +868,61 @@ def doctor_facts(names=None) -> dict:
     from . import verify
 
     return verify.doctor_facts(names)
+
+
+# ---- handlers registered from the notebook (Cluster.patch / unpatch / check_patch) ---------------------------
+def patch_prepare(op: str, kind: str, payload: bytes, source: str | None, filename: str | None) -> dict:
+    """Resolve ``op``, load and check the handler, keep it pending; nothing changes yet
+    (``user_patches.prepare``). Raises ``PatchRefused`` with one sentence when this rank refuses."""
+    from . import user_patches
+
+    return user_patches.prepare(op, kind, payload, source, filename)
+
+
+def patch_commit(op: str) -> dict:
+    """Register the handler ``patch_prepare`` kept for ``op`` (``user_patches.commit``)."""
+    from . import user_patches
+
+    return user_patches.commit(op)
+
+
+def patch_discard() -> None:
+    """Forget the pending handlers (another rank refused; ``user_patches.discard``)."""
+    from . import user_patches
+
+    user_patches.discard()
+
+
+def patch_remove(op: str) -> dict:
+    """Take the handler of ``op`` back, every registry entry as it was (``user_patches.remove``)."""
+    from . import user_patches
+
+    return user_patches.remove(op)
+
+
+def patch_suspend(op: str) -> None:
+    """Take the handler of ``op`` out of the registries for a while (``user_patches.suspend``)."""
+    from . import user_patches
+
+    user_patches.suspend(op)
+
+
+def patch_resume(op: str) -> None:
+    """Put a suspended handler back (``user_patches.resume``)."""
+    from . import user_patches
+
+    user_patches.resume(op)
+
+
+def patch_installed() -> list[dict]:
+    """The handlers registered by ``Cluster.patch`` on this rank (``user_patches.installed``)."""
+    from . import user_patches
+
+    return user_patches.installed()
+
+
+def patch_registry_state() -> dict:
+    """ShardTensor's four registries as {key: id of the handler} (``user_patches.registry_state``)."""
+    from . import user_patches
+
+    return user_patches.registry_state()

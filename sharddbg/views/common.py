@@ -212,7 +212,8 @@ def fallback_table(trace) -> tuple[list[tuple[str, str]], list[list[str]]]:
     """The ops that took a DTensor fallback (``Trace.get_fallbacks()``): the table's (column, title) pairs
     and its rows of cell texts; no rows when none did."""
     fb = trace.get_fallbacks()
-    cols = [c for c in ("op", "path", "calls", "ranks", "host_ms_total", "bwd_host_ms_total", "locations") if c in fb]
+    cols = [c for c in ("op", "path", "calls", "ranks", "host_ms_total", "bwd_host_ms_total", "family", "locations")
+            if c in fb]
     return [(c, c) for c in cols], ([] if fb.empty else table_cells(fb, cols))
 
 

@@ -272,7 +272,8 @@ def _counted_for(coll: pd.DataFrame, per_rank: pd.DataFrame) -> pd.Series:
 
 def op_detail(trace: Trace, rank: int, seq: int) -> dict:
     """What the detail panel shows for op ``seq`` of ``rank``: ``row`` (that call), ``per_rank`` (the same
-    call on every rank, a DataFrame in rank order), ``collectives`` (those it caused, every rank)."""
+    call on every rank, a DataFrame in rank order), ``collectives`` (those it caused, every rank),
+    ``patch_family`` (a fallback call: its op's entry of ``patch_families``; else None)."""
     rows = explorer_frame(trace)
     hit = rows[(rows["rank"] == rank) & (rows["seq"] == seq)]
     if hit.empty:
@@ -281,7 +282,9 @@ def op_detail(trace: Trace, rank: int, seq: int) -> dict:
     per_rank = rows[rows["key"] == row["key"]].sort_values("rank").reset_index(drop=True)
     coll = _collectives(trace)
     mine = coll[_counted_for(coll, per_rank)] if len(coll) else coll
-    return {"row": row.to_dict(), "per_rank": per_rank, "collectives": mine.reset_index(drop=True)}
+    family = patch_families(trace).get(row["op"]) if row["kind"] == "fallback" else None
+    return {"row": row.to_dict(), "per_rank": per_rank, "collectives": mine.reset_index(drop=True),
+            "patch_family": family}
 
 
 def explorer_data(trace: Trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
@@ -337,7 +340,17 @@ def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
         "summary_columns": [list(c) for c in SUMMARY_LIST_COLUMNS],
         "group_columns": [list(c) for c in GROUP_LIST_COLUMNS],
         "flexible_min_px": FLEXIBLE_MIN_PX,
+        "patch_families": patch_families(trace),
     }
+
+
+def patch_families(trace: Trace) -> dict[str, dict]:
+    """Per op that fell back, the patch family ``get_fallbacks()`` reads for it: ``family``, ``halo_width``
+    (None unless known), ``closest_patch``, ``evidence`` and ``fallback_collectives``; what a fallback call's
+    detail shows."""
+    fb = trace.get_fallbacks()
+    keys = ("family", "halo_width", "closest_patch", "evidence", "fallback_collectives")
+    return {r["op"]: {k: json_value(r[k]) for k in keys} for r in fb.to_dict("records")}
 
 
 def _summary_rows(tables: _Tables) -> list[dict]:

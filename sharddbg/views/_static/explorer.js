@@ -168,7 +168,15 @@ export function renderExplorer(model, el) {
     add("handler", r.handler); add("module", r.module); add("user source line", r.user_frame);
     add("autograd node", r.autograd_node); add("forward seq", r.fwd_seq); add("parent seq", r.parent_seq);
     add("placements", r.placements); add("dtype", r.dtype);
-    if (r.kind === "fallback") add("note", "this call ran through the DTensor fallback (no ShardTensor handler took it)");
+    if (r.kind === "fallback") {
+      add("note", "this call ran through the DTensor fallback (no ShardTensor handler took it)");
+      const fam = (data.patch_families || {})[r.op];
+      if (fam) {
+        add("patch family", fam.family + (fam.halo_width != null ? ` (halo of ${fam.halo_width} row${fam.halo_width > 1 ? "s" : ""})` : ""));
+        add("closest patch", fam.closest_patch); add("evidence", fam.evidence);
+        add("fallback moved", fam.fallback_collectives);
+      }
+    }
     if (r.in_flight) add("state", "still running when the trace was taken (the rank timed out or hung here)");
     if (r.spec_mismatch) add("spec mismatch", r.spec_mismatch);
     if (r.not_implemented) add("returned", "NotImplemented");
