@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .analysis.check import CheckResult
+    from .analysis.diff import DiffResult
     from .analysis.doctor import DoctorReport
     from .analysis.layout import ShardLayout
     from .analysis.replica_check import ReplicaCheck
@@ -83,6 +84,20 @@ def check_view(result: CheckResult) -> Any:
 def check_html(result: CheckResult) -> str:
     """The numerical check as static HTML (``views.check.check_html``)."""
     from .views.check import check_html as html
+
+    return html(result)
+
+
+def diff_view(result: DiffResult) -> Any:
+    """The op-by-op diff's view: the answer, then the table (``views.diff.DiffView``)."""
+    from .views.diff import DiffView
+
+    return DiffView(result)
+
+
+def diff_html(result: DiffResult) -> str:
+    """The op-by-op diff as static HTML (``views.diff.diff_html``)."""
+    from .views.diff import diff_html as html
 
     return html(result)
 
