@@ -177,3 +177,24 @@ def test_shard_diff_magic(cl):
         ip.run_cell_magic("shard_diff", "--max-memory -1", "df_y = df_net(df_x)")
     magic = ip.find_magic("shard_diff", "cell")
     assert magic.__doc__.startswith("::\n\n  %shard_diff [--inputs NAMES]") and "--blame" in magic.__doc__
+
+
+def test_blame_tells_a_failure_of_your_own_from_one_of_sharddbgs(cl):
+    # physicsnemo's fallback conv (the patch removed) is wrong without sharddbg too
+    stmt = "with sharddbg.engine.without_patches(F.conv2d):\n    df_y = df_net(df_x)"
+    r = cl.check(stmt, grads=False, blame=True)
+    assert not r.ok and r.blame is not None and r.blame.fails_without is True, r.blame
+    assert r.blame.sharddbg_loaded == [] and r.blame.tensors[0].name == "df_y" and not r.blame.tensors[0].ok
+    assert "Without sharddbg: fails without sharddbg too (torch " in r.verdict
+    assert "df_y max abs " in r.verdict and "still departs from the single-device run: not sharddbg's doing" in r.verdict
+    # the recorder itself breaks the first conv's output on rank 2 (a test-only hook): the same statement in plain
+    # processes agrees with the single-device run, so the diff's departure is sharddbg's own
+    with changed_on_ranks(cl, "sharddbg.engine.recorder.outputs.TEST_CORRUPTION = ('torch.conv2d', 2)",
+                          "sharddbg.engine.recorder.outputs.TEST_CORRUPTION = None"):
+        r = cl.diff("df_y = df_net(df_x)", grads=False, blame=True)
+    assert (r.first.op, r.first.call, r.first.ranks) == ("torch.conv2d", 1, (2,))
+    assert r.blame.fails_without is False and r.blame.sharddbg_loaded == []
+    assert r.answer.endswith("Without sharddbg: passes without sharddbg (torch " + r.blame.versions["torch"]
+                             + ", physicsnemo " + r.blame.versions["physicsnemo"] + "): in plain processes every "
+                             "output and gradient (1) agrees with the single-device run, so sharddbg itself changed "
+                             "the result: a sharddbg problem, please report it")

@@ -1302,7 +1302,7 @@ class Cluster:
 
     def check(self, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
               rtol: float | None = None, atol: float | None = None, grads: bool = True,
-              timeout: float | None = None, display: bool = True) -> CheckResult:
+              timeout: float | None = None, display: bool = True, blame: bool = False) -> CheckResult:
         """Run ``stmt`` sharded on the ranks and unsharded in a separate process; compare outputs and gradients.
 
         Every output, input gradient and parameter gradient is compared per tensor and rank. The result is also
@@ -1333,6 +1333,9 @@ class Cluster:
             ``timeout``.
         display : bool
             Show the statement's output as a cell's.
+        blame : bool
+            When the check fails, run the statement again in plain processes without any sharddbg code (as
+            torchrun would) and say whether it fails there too (``result.blame``, and in the verdict).
 
         Returns
         -------
@@ -1370,7 +1373,8 @@ class Cluster:
 
         self._require_running()
         self._last_check = run_check(self._execution, stmt, inputs=inputs, outputs=outputs, model=model, loss=loss,
-                                     rtol=rtol, atol=atol, grads=grads, timeout=timeout, display=display)
+                                     rtol=rtol, atol=atol, grads=grads, timeout=timeout, display=display,
+                                     blame=blame)
         return self._last_check
 
     def diff(self, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,

@@ -84,8 +84,9 @@ def _source(what: str, text, mode: str) -> str:
 # ---- the check --------------------------------------------------------------------------------------------
 def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
               rtol: float | None = None, atol: float | None = None, grads: bool = True,
-              timeout: float | None = None, display: bool = True) -> CheckResult:
-    """``Cluster.check`` on the ranks of ``execution``: see the module docstring."""
+              timeout: float | None = None, display: bool = True, blame: bool = False) -> CheckResult:
+    """``Cluster.check`` on the ranks of ``execution``: see the module docstring. ``blame``: a failing check
+    is run again without sharddbg (``cluster.blame``)."""
     __tracebackhide__ = hide_own_frames()
     stmt = _source("the statement", stmt, "exec")
     inputs = _names("inputs", inputs, allow_empty=True)
@@ -93,8 +94,9 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
     models = _names("model", model, allow_empty=True)
     loss = None if loss is None else _source("loss", loss, "eval")
     rtol, atol = _tolerance("rtol", rtol), _tolerance("atol", atol)
-    if not isinstance(grads, bool):
-        raise CheckError(f"grads must be True or False, got {grads!r}")
+    for name, value in (("grads", grads), ("blame", blame)):
+        if not isinstance(value, bool):
+            raise CheckError(f"{name} must be True or False, got {value!r}")
     timeout = arguments.seconds("timeout", timeout, allow_none=True) or execution.default_timeout
     overlap = sorted(set(inputs or ()) & set(models or ()))
     if overlap:
@@ -103,6 +105,7 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
         raise ClusterError(f"the process group is broken ({execution.broken.cause}): the check's collectives would "
                            f"fail; cl.recover() first")
     job_dir = tempfile.mkdtemp(prefix="sharddbg-check-")  # private (0700): the engines run as this user
+    blamed = None
     try:
         prepared = _on_ranks(execution, api.check_prepare, job_dir, stmt, loss, inputs, outputs, models, grads,
                              timeout=timeout)
@@ -113,6 +116,11 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
                "groups": sorted({p["group"] for p in prepared})}
         reference_losses = _run_reference(job_dir, job, timeout)
         records = _on_ranks(execution, api.check_compare, rtol, atol, timeout=timeout)
+        _finish(execution, timeout)
+        if blame and not all(r["ok"] for rank in records for r in rank):
+            from .blame import blame_run
+
+            blamed = blame_run(execution, job_dir, job, prepared, rtol=rtol, atol=atol, timeout=timeout)
     finally:
         _finish(execution, timeout)
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -121,6 +129,7 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
                          models=first["models"], backward=after[0]["backward"], backward_note=after[0]["note"],
                          loss=after[0]["loss"], reference_loss=reference_losses.get(0), tf32=first["tf32"],
                          groups=job["groups"], unsynced=list(dict.fromkeys(n for p in prepared for n in p["unsynced"])))
+    result.blame = blamed
     return result
 
 
@@ -256,10 +265,9 @@ def _size_text(nbytes: float) -> str:
 def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
              rtol: float | None = None, atol: float | None = None, grads: bool = True, ops=None,
              max_memory: int = DEFAULT_DIFF_MEMORY, blame: bool = False, timeout: float | None = None,
-             display: bool = True, corrupt: tuple | None = None):
+             display: bool = True):
     """``Cluster.diff`` on the ranks of ``execution``: the check's steps (module docstring) with every op's
-    output kept on both sides (``engine.diff``), compared op by op. ``corrupt`` (op name, rank or None): a
-    test's way to make the recorder itself change that op's output, as a sharddbg bug would."""
+    output kept on both sides (``engine.diff``), compared op by op."""
     __tracebackhide__ = hide_own_frames()
     from ..analysis.diff import DiffResult, diff_tables
     from ..engine import diff
@@ -285,10 +293,9 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
         raise ClusterError(f"the process group is broken ({execution.broken.cause}): the diff's collectives would "
                            f"fail; cl.recover() first")
     job_dir = tempfile.mkdtemp(prefix="sharddbg-diff-")
-    blamed = None
     try:
         prepared = _on_ranks(execution, diff.diff_prepare, job_dir, stmt, loss, inputs, outputs, models, grads, ops,
-                             int(max_memory), corrupt, timeout=timeout)
+                             int(max_memory), timeout=timeout)
         execution.run(stmt, execution.ranks(None), timeout, display)
         after = _on_ranks(execution, diff.diff_backward, timeout=timeout)
         _refuse_memory(after, max_memory, grads)
@@ -322,8 +329,7 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
         if blame and not (result.ok and check.ok):
             from .blame import blame_run
 
-            blamed = blame_run(execution, job_dir, job, prepared, timeout=timeout)
-            result.blame = blamed
+            result.blame = blame_run(execution, job_dir, job, prepared, rtol=rtol, atol=atol, timeout=timeout)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
     return result

@@ -56,8 +56,7 @@ class DiffState:
 CURRENT: DiffState | None = None
 
 
-def diff_prepare(job_dir: str, stmt: str, loss, inputs, outputs, models, grads: bool, ops, max_bytes: int,
-                 corrupt: tuple | None = None) -> dict:
+def diff_prepare(job_dir: str, stmt: str, loss, inputs, outputs, models, grads: bool, ops, max_bytes: int) -> dict:
     """``check_prepare``, then the keeper on a running recording (see the module docstring)."""
     global CURRENT
     from ..options import RecordingOptions
@@ -76,7 +75,7 @@ def diff_prepare(job_dir: str, stmt: str, loss, inputs, outputs, models, grads: 
     if own:  # ops only: no collectives, no spec check, a small buffer (the keeper keeps what the diff needs)
         rec = recording.Recorder(RecordingOptions(max_events=1, comm=False, spec_check=False))
         rec.__enter__()
-    keeper = kept_outputs.OutputKeeper(selector(ops), params, stmt, max_bytes, rank=current_rank(), corrupt=corrupt,
+    keeper = kept_outputs.OutputKeeper(selector(ops), params, stmt, max_bytes, rank=current_rank(), corrupt=kept_outputs.TEST_CORRUPTION,
                                        shard_tensor_cls=rec.shard_tensor_cls)
     rec.outputs = keeper
     CURRENT = DiffState(keeper, rec, own, modules)
@@ -263,3 +262,21 @@ def _reference_mode_class():
 def ReferenceOps(stmt: str, selected: list[str] | None):  # noqa: N802 - a class made on first use (torch import)
     """The reference's op keeper (a ``TorchFunctionMode``; see ``_reference_mode_class``)."""
     return _reference_mode_class()(stmt, selected)
+
+
+# ---- what a re-run without sharddbg needs (cluster.blame) ---------------------------------------------------
+def input_layouts(names: list[str]) -> dict:
+    """How each distributed input among ``names`` is laid out on this rank: its mesh dims, placements and
+    every rank's piece shapes (a plain input: absent), for the re-run without sharddbg to shard it alike."""
+    layouts = {}
+    namespace = verify.namespace()
+    for name in names:
+        value = namespace.get(name)
+        spec = getattr(value, "_spec", None)
+        if spec is None or not reference.is_distributed(value):
+            continue
+        shapes = getattr(spec, "_sharding_shapes", None) or {}
+        layouts[name] = {"mesh_dims": list(spec.mesh.mesh_dim_names or ()),
+                         "placements": [list(verify.placement(p)) for p in spec.placements],
+                         "sharding_shapes": {str(k): [[int(x) for x in s] for s in v] for k, v in shapes.items()}}
+    return layouts

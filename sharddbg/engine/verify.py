@@ -1096,3 +1096,4 @@ gather = _gather
 place = _place
 compare = _compare
 placement = _placement
+namespace = _namespace

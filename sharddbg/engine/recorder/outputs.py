@@ -24,6 +24,9 @@ import torch
 from .tensors import result_tensors
 
 STATEMENT_SITE = "<statement>"  # how a site in the diffed statement is named on both sides
+# Tests only: (op name, rank or None) makes the keeper add 1 to that op's output on that rank after it ran, a
+# result sharddbg itself breaks (what ``blame=True`` must tell apart from the user's own failures).
+TEST_CORRUPTION: tuple | None = None
 
 
 CELL_SITE = "cell"  # code with no file on disk: a notebook cell's, or a function carried by value
