@@ -135,18 +135,21 @@ def _whole(value):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Partial
 
-    if not isinstance(value, DTensor):
+    from physicsnemo.domain_parallel import ShardTensor
+
+    if not isinstance(value, (DTensor, ShardTensor)):
         return value.detach()
-    if any(isinstance(p, Partial) for p in value.placements):
+    spec = value._spec
+    if any(isinstance(p, Partial) for p in spec.placements):
         return value.full_tensor().detach()
     with torch.no_grad():
         local = value._local_tensor.detach().cpu()
-    global_shape = tuple(value.shape)
+    global_shape = tuple(spec.tensor_meta.shape)
     split = [d for d in range(local.ndim) if local.shape[d] != global_shape[d]]
     if not split:
         return local
-    pieces: list = [None] * value.device_mesh.size()
-    dist.all_gather_object(pieces, local, group=value.device_mesh.get_group())
+    pieces: list = [None] * spec.mesh.size()
+    dist.all_gather_object(pieces, local, group=spec.mesh.get_group())
     return torch.cat(pieces, dim=split[0])
 
 
