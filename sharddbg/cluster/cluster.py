@@ -1393,8 +1393,24 @@ class Cluster:
         ----------
         stmt : str
             The statement (Python source).
-        inputs, outputs, model, loss, rtol, atol, grads, timeout, display
-            As for ``check()``.
+        inputs : str, list of str or None
+            As for ``check()``: the names bound to their ``full_tensor()`` in the reference.
+        outputs : str, list of str or None
+            As for ``check()``: the names compared after it (their ops are compared whatever this says).
+        model : str, list of str or None
+            As for ``check()``: the modules copied with the group's first rank's weights.
+        loss : str or None
+            As for ``check()``: the loss the backward starts from.
+        rtol : float or None
+            Relative tolerance per op output (0 or more); None: by dtype.
+        atol : float or None
+            Absolute tolerance (0 or more); None: ``rtol`` times each reference output's largest magnitude.
+        grads : bool
+            Compare the backward too (the gradient reaching each op, the parameters' gradients).
+        timeout : float or None
+            Seconds each step may take; None: the cluster's ``timeout``.
+        display : bool
+            Show the statement's output as a cell's.
         ops : str, list of str, callable or None
             The ops to compare: names (``"conv2d"`` or ``"torch.conv2d"``), or a function of the op's name
             returning True for those to compare; None: every op.
@@ -1425,7 +1441,7 @@ class Cluster:
 
         Examples
         --------
-        >>> r = cl.diff("with sharddbg.engine.without_patches(F.conv2d):\n    y = net(x)")
+        >>> r = cl.diff("with sharddbg.engine.without_patches(F.conv2d):\\n    y = net(x)")
         >>> r.first.op, r.first.rows
         ('torch.conv2d', '16-18, 33-35, 49-51')
         >>> cl.diff("y = net(x)").ok

@@ -8,7 +8,9 @@ inputs, sharded again on a plain ``("ddp", "domain")`` mesh as the ranks had the
 statement reads), runs the statement, the loss and its backward, and gathers every output and gradient whole.
 The first rank compares them with the unsharded reference the check wrote and writes the answer as JSON.
 
-The statement's uses of sharddbg's own helpers are replaced by plain equivalents written here:
+Where CUDA is not available it registers physicsnemo's ShardTensor patches itself (``register_custom_ops()``), as
+the ranks did and as a CPU script must. The statement's uses of sharddbg's own helpers are replaced by plain
+equivalents written here:
 ``scatter`` (physicsnemo's ``scatter_tensor``, then balanced pieces) and ``without_patches`` (ShardTensor's
 function registry entries removed for the block).
 """
@@ -163,6 +165,12 @@ def run(job: dict) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial, Replicate, Shard
 
+    registries = ("_function_registry", "_named_function_registry", "_dispatch_registry", "_dispatch_registry_by_name")
+    if not sum(len(getattr(ShardTensor, name, {}) or {}) for name in registries):
+        # physicsnemo registers its ShardTensor patches itself only where CUDA is available; a CPU script calls this
+        import physicsnemo.domain_parallel as domain_parallel
+
+        domain_parallel.register_custom_ops()
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", tuple(job["mesh_shape"]), mesh_dim_names=("ddp", "domain"))

@@ -379,8 +379,8 @@ def run_group(job: dict, job_dir: str, group: int) -> float | None:
     unavailable = bundle["unavailable"]
     stmt = job["stmt"]
     ops = None
-    if job.get("diff") is not None:  # Cluster.diff: every op's output kept too (engine.diff)
-        from .diff import ReferenceOps
+    if job.get("diff") is not None:  # Cluster.diff: every op's output kept too (engine.reference_ops)
+        from .reference_ops import ReferenceOps
 
         ops = ReferenceOps(stmt, job["diff"]["selected"])
     try:
