@@ -189,8 +189,8 @@ def test_blame_tells_a_failure_of_your_own_from_one_of_sharddbgs(cl):
     assert "df_y max abs " in r.verdict and "still departs from the single-device run: not sharddbg's doing" in r.verdict
     # the recorder itself breaks the first conv's output on rank 2 (a test-only hook): the same statement in plain
     # processes agrees with the single-device run, so the diff's departure is sharddbg's own
-    with changed_on_ranks(cl, "sharddbg.engine.recorder.outputs.TEST_CORRUPTION = ('torch.conv2d', 2)",
-                          "sharddbg.engine.recorder.outputs.TEST_CORRUPTION = None"):
+    with changed_on_ranks(cl, "import sharddbg.engine.recorder.outputs as _df_outputs\n"
+                              "_df_outputs.TEST_CORRUPTION = ('torch.conv2d', 2)", "_df_outputs.TEST_CORRUPTION = None"):
         r = cl.diff("df_y = df_net(df_x)", grads=False, blame=True)
     assert (r.first.op, r.first.call, r.first.ranks) == ("torch.conv2d", 1, (2,))
     assert r.blame.fails_without is False and r.blame.sharddbg_loaded == []

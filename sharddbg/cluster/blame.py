@@ -25,6 +25,7 @@ from .execution import RankExecution
 
 __all__ = ["blame_run", "PLAIN_RERUN_SCRIPT"]
 
+START_ALLOWANCE_S = 300.0  # the least time the plain processes get: fresh interpreters importing torch
 PLAIN_RERUN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine",
                                   "plain_rerun.py")
 
@@ -62,7 +63,8 @@ def blame_run(execution: RankExecution, job_dir: str, job: dict, prepared: list[
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(execution.n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout
+    # each process starts a Python and imports torch and physicsnemo first (the ranks had them preloaded)
+    deadline = time.monotonic() + max(timeout, START_ALLOWANCE_S)
     codes, errors = [], []
     for proc in procs:
         try:
@@ -73,7 +75,7 @@ def blame_run(execution: RankExecution, job_dir: str, job: dict, prepared: list[
             for other in procs:
                 other.wait()
             return Blame(fails_without=None, command=" ".join(command), tensors=[], raised=None, versions={},
-                         sharddbg_loaded=[], problem=f"the plain processes did not finish within {timeout:g} s")
+                         sharddbg_loaded=[], problem=f"the plain processes did not finish within {max(timeout, START_ALLOWANCE_S):g} s")
         codes.append(proc.returncode)
         errors.append(err or "")
     answers = {}
