@@ -92,7 +92,6 @@ def diff_tables(ops: list[dict], records: list[dict], check: CheckResult, stmt: 
     """(``get_ops()``'s table, ``get_ranks()``'s table) from rank 0's kept calls (``ops``), the ranks' records
     of every kept output and gradient (``records``) and the check's result (whose parameter gradients are
     attributed to the op that read each parameter)."""
-    by_key = {op["key"]: op for op in ops}
     per_rank = pd.DataFrame([{"key": r["key"], "phase": r["phase"], "tensor": "output" if r["phase"] == "forward"
                               else "gradient", "rank": r["rank"], "ok": bool(r["ok"]), "max_abs": r["max_abs"],
                               "max_rel": r["max_rel"], "ratio": r["ratio"], "rtol": r["rtol"], "atol": r["atol"],

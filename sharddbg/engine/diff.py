@@ -19,7 +19,6 @@ keeps the same outputs and gradients (``group<g>/diff-reference.pt``).
 from __future__ import annotations
 
 import os
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
