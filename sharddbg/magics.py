@@ -5,7 +5,7 @@
 ``--targets``, ``--block`` / ``--noblock``, ``--group-outputs``, ``--stream``, ``--local``, ``--verbose``, ``-o``;
 every wait bounded by ``--timeout`` or the cluster's), ``%pxresult``, ``%pxconfig``, ``%autopx``;
 ``%%shard_trace`` (run a cell under the recorder on every rank), ``%shard_inspect``, ``%%shard_check`` (the
-numerical check), ``%shard_doctor`` (the pitfall doctor). Every magic is declared
+numerical check), ``%%shard_diff`` (the op-by-op diff), ``%shard_doctor`` (the pitfall doctor). Every magic is declared
 with IPython's ``magic_arguments``: ``%px?`` shows its options, bad arguments give a ``UsageError``.
 """
 
@@ -55,6 +55,11 @@ def count(text: str) -> int:
 def tolerance(text: str) -> float:
     """An argparse type: a finite number of at least 0."""
     return _bounded(text, float, "is not a number", lambda v: v >= 0, "is not a finite number of at least 0")
+
+
+def memory_bytes(text: str) -> float:
+    """An argparse type: a finite number of bytes above 0."""
+    return _bounded(text, float, "is not a number of bytes", lambda v: v > 0, "is not a number of bytes above 0")
 
 
 def split_words(line: str, prog: str) -> list[str]:
@@ -692,6 +697,43 @@ class ShardMagics(Magics):
         return active_cluster().check(cell, inputs=args.inputs, outputs=args.outputs, model=args.model,
                                       loss=args.loss, rtol=args.rtol, atol=args.atol, grads=not args.no_grads,
                                       timeout=args.timeout)
+
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument("--inputs", default=None, metavar="NAMES",
+                              help="the names bound to their full_tensor() in the unsharded reference, comma-separated "
+                                   "(default: the tensors the cell reads)")
+    @magic_arguments.argument("--outputs", default=None, metavar="NAMES",
+                              help="the names compared after the cell (default: those it binds)")
+    @magic_arguments.argument("--model", default=None, metavar="NAMES",
+                              help="the modules copied with rank 0's weights (default: the modules the cell reads)")
+    @magic_arguments.argument("--loss", default=None, metavar="EXPR",
+                              help="the loss the backward starts from (default: the sum of the mean squares of the "
+                                   "outputs)")
+    @magic_arguments.argument("--rtol", type=tolerance, default=None, metavar="R",
+                              help="relative tolerance (default by dtype: float32 1e-4, float64 1e-7, ...)")
+    @magic_arguments.argument("--atol", type=tolerance, default=None, metavar="A",
+                              help="absolute tolerance (default: rtol x the largest magnitude of each reference tensor)")
+    @magic_arguments.argument("--ops", default=None, metavar="NAMES",
+                              help="the ops to compare, comma-separated (conv2d or torch.conv2d; default: every op)")
+    @magic_arguments.argument("--max-memory", type=memory_bytes, default=2 * 1024 ** 3, metavar="BYTES",
+                              help="bytes the diff may keep on a rank and in the reference (default 2 GiB)")
+    @magic_arguments.argument("--no-grads", action="store_true", help="compare the forward only (no backward)")
+    @magic_arguments.argument("--blame", action="store_true",
+                              help="when an op departs, re-run the cell in plain processes without sharddbg")
+    @magic_arguments.argument("--timeout", type=seconds, default=None, metavar="S",
+                              help="seconds to wait for each step (default: the cluster's)")
+    @cell_magic
+    def shard_diff(self, line, cell):
+        """Run the cell sharded and unsharded as ``%%shard_check`` does, compare every op's output and gradient,
+        and name the first op that departs (``Cluster.diff``)."""
+        __tracebackhide__ = hide_own_frames()
+        from .cluster import active_cluster
+
+        args = parse_options(self.shard_diff, split_words(line, "%%shard_diff"), "%%shard_diff")
+        return active_cluster().diff(cell, inputs=args.inputs, outputs=args.outputs, model=args.model,
+                                     loss=args.loss, rtol=args.rtol, atol=args.atol, grads=not args.no_grads,
+                                     ops=args.ops, max_memory=args.max_memory, blame=args.blame,
+                                     timeout=args.timeout)
 
     @magic_arguments.magic_arguments()
     @magic_arguments.argument("name", nargs="*", metavar="NAME",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .analysis.check import CheckResult
+    from .analysis.diff import DiffResult
     from .analysis.doctor import DoctorReport
     from .analysis.layout import ShardLayout
     from .analysis.patch_check import PatchCheck
@@ -100,6 +101,20 @@ def patch_check_view(result: PatchCheck) -> Any:
     from .views.patch_check import PatchCheckView
 
     return PatchCheckView(result)
+
+
+def diff_view(result: DiffResult) -> Any:
+    """The op-by-op diff's view: the answer, then the table (``views.diff.DiffView``)."""
+    from .views.diff import DiffView
+
+    return DiffView(result)
+
+
+def diff_html(result: DiffResult) -> str:
+    """The op-by-op diff as static HTML (``views.diff.diff_html``)."""
+    from .views.diff import diff_html as html
+
+    return html(result)
 
 
 def check_rows_figure(result: CheckResult, tensor: str | None = None, group: int = 0) -> Any:

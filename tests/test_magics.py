@@ -21,7 +21,7 @@ from sharddbg.magics import PxDefaults, parse_targets, split_px_line
 pytestmark = pytest.mark.cluster
 
 MAGICS = {"line": ["shard_cluster", "px", "pxresult", "pxconfig", "autopx", "shard_inspect", "shard_doctor"],
-          "cell": ["px", "shard_trace", "shard_check", "shard_patch"]}
+          "cell": ["px", "shard_trace", "shard_check", "shard_patch", "shard_diff"]}
 
 
 @pytest.fixture(scope="module")

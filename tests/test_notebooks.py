@@ -276,3 +276,20 @@ def test_07_write_a_patch():
     # 5. taken back
     assert "PatchRecord(op='torch.diff', kind='function', handler='__main__.diff_handler'" in \
         outputs_text(cell_with(nb, 'cl.unpatch("torch.diff")'))
+
+
+def test_06_which_op():
+    nb = run_notebook("06_which_op.ipynb")
+    check_common(nb)
+    # without the conv2d patch: the first conv departs, at the shard boundaries, its inputs agreeing; the table follows
+    no_halo = outputs_text(cell_with(nb, "%%shard_diff --no-grads"))
+    assert no_halo.startswith("the first op that departs: `torch.conv2d` (1st call) at line 2 of the statement "
+                              "(`y = net(x)`), module net.0: output max abs ")
+    assert "on ranks 0-3, rows 16-17, 33-34, 49-50 (the shard boundaries are at rows 17, 34, 50): its inputs agreed" \
+        in no_halo
+    assert no_halo.count("sd-diff-departs") == 5 and "sd-diff-fail" in no_halo
+    # with it: every op agrees, the backward too; ops= narrows the comparison
+    agree = outputs_text(cell_with(nb, 'r = cl.diff("y = net(x)")'))
+    assert agree.startswith("every op agrees with the single-device run: 16 op outputs and gradients compared on 4 ranks")
+    assert agree.count("<td>agrees</td>") == 16 and "<td>net.0.weight.grad</td>" in agree
+    assert outputs_text(cell_with(nb, 'ops="conv2d"')).count("<td>torch.conv2d</td>") == 3

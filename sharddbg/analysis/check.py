@@ -137,6 +137,7 @@ class CheckResult:
         self.groups = groups
         # plain parameters whose values differ across the ranks of a domain group (the reference has the first's)
         self.unsynced = list(unsynced)
+        self.blame = None  # analysis.blame.Blame of a re-run without sharddbg (check(blame=True) of a failure)
 
     # ---- the verdict ----------------------------------------------------------------------------------
     @property
@@ -308,7 +309,8 @@ class CheckResult:
                           f"group's first rank's): weights not broadcast at start-up? (cl.doctor())")
         # the reason it failed first when every compared tensor agrees
         order = pieces if parts else pieces[1:] + pieces[:1]
-        return "check FAILED: " + "; ".join(order) + f"; {settings}"
+        blame = f". Without sharddbg: {self.blame.summary}" if self.blame is not None else ""
+        return "check FAILED: " + "; ".join(order) + f"; {settings}{blame}"
 
     def _failure_text(self, tensor: str, rows: pd.DataFrame) -> str:
         first = rows.iloc[0]

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     import psutil
 
     from ..analysis.check import CheckResult
+    from ..analysis.diff import DiffResult
     from ..analysis.doctor import DoctorReport
     from ..analysis.patch_check import PatchCheck
     from ..analysis.replica_check import ReplicaCheck
@@ -1304,7 +1305,7 @@ class Cluster:
 
     def check(self, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
               rtol: float | None = None, atol: float | None = None, grads: bool = True,
-              timeout: float | None = None, display: bool = True) -> CheckResult:
+              timeout: float | None = None, display: bool = True, blame: bool = False) -> CheckResult:
         """Run ``stmt`` sharded on the ranks and unsharded in a separate process; compare outputs and gradients.
 
         Every output, input gradient and parameter gradient is compared per tensor and rank. The result is also
@@ -1335,6 +1336,9 @@ class Cluster:
             ``timeout``.
         display : bool
             Show the statement's output as a cell's.
+        blame : bool
+            When the check fails, run the statement again in plain processes without any sharddbg code (as
+            torchrun would) and say whether it fails there too (``result.blame``, and in the verdict).
 
         Returns
         -------
@@ -1372,7 +1376,8 @@ class Cluster:
 
         self._require_running()
         self._last_check = run_check(self._execution, stmt, inputs=inputs, outputs=outputs, model=model, loss=loss,
-                                     rtol=rtol, atol=atol, grads=grads, timeout=timeout, display=display)
+                                     rtol=rtol, atol=atol, grads=grads, timeout=timeout, display=display,
+                                     blame=blame)
         return self._last_check
 
     # ------------------------------------------------------------------ handlers written in the notebook
@@ -1541,6 +1546,84 @@ class Cluster:
         return check_patch(self, self._execution, op, stmt, handler, kind=kind, inputs=inputs, outputs=outputs,
                            model=model, loss=loss, rtol=rtol, atol=atol, grads=grads, repeat=repeat, keep=keep,
                            before=before, timeout=timeout)
+
+    def diff(self, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
+             rtol: float | None = None, atol: float | None = None, grads: bool = True, ops=None,
+             max_memory: float = 2 * 1024 ** 3, blame: bool = False, timeout: float | None = None,
+             display: bool = True) -> DiffResult:
+        """Which op broke it: ``stmt`` sharded on the ranks and unsharded in one process, compared op by op.
+
+        Runs as ``check()`` does (same inputs, weights, RNG state, TF32 off, the same reference process) and
+        keeps every op the user's code calls on both sides, matched by call site, op and occurrence. Each
+        rank compares its pieces with its slice of the reference's; the answer names the first op whose
+        output (or, in the backward, the gradient reaching it or a parameter's gradient) departs. See
+        ``sharddbg.engine.diff``.
+
+        Parameters
+        ----------
+        stmt : str
+            The statement (Python source).
+        inputs : str, list of str or None
+            As for ``check()``: the names bound to their ``full_tensor()`` in the reference.
+        outputs : str, list of str or None
+            As for ``check()``: the names compared after it (their ops are compared whatever this says).
+        model : str, list of str or None
+            As for ``check()``: the modules copied with the group's first rank's weights.
+        loss : str or None
+            As for ``check()``: the loss the backward starts from.
+        rtol : float or None
+            Relative tolerance per op output (0 or more); None: by dtype.
+        atol : float or None
+            Absolute tolerance (0 or more); None: ``rtol`` times each reference output's largest magnitude.
+        grads : bool
+            Compare the backward too (the gradient reaching each op, the parameters' gradients).
+        timeout : float or None
+            Seconds each step may take; None: the cluster's ``timeout``.
+        display : bool
+            Show the statement's output as a cell's.
+        ops : str, list of str, callable or None
+            The ops to compare: names (``"conv2d"`` or ``"torch.conv2d"``), or a function of the op's name
+            returning True for those to compare; None: every op.
+        max_memory : float
+            Bytes the diff may keep on a rank and in the reference (outputs and their gradients); above it
+            the diff is refused, saying what it needs, before the reference runs. Default 2 GiB.
+        blame : bool
+            When an op departs (or the check fails), re-run the statement in plain processes without any
+            sharddbg code and say whether it departs there too (``result.blame``).
+
+        Returns
+        -------
+        DiffResult
+            ``answer`` (also the repr), ``first``, ``ok``, ``get_ops()``, ``get_ranks()``, ``get_skipped()``,
+            ``check`` (the ``CheckResult`` of the same run), ``blame`` and ``show()``.
+
+        Raises
+        ------
+        DiffError
+            Bad arguments (as for ``check()``; ``ops`` naming nothing or of the wrong type, ``max_memory`` not
+            above 0), ``ops`` matching no op the statement called, or more memory than ``max_memory``.
+        CheckError
+            The ranks refused the request, or the unsharded reference raised, failed or timed out.
+        ClusterError
+            The cluster is not running, the process group is broken, a rank is dead.
+        RankError
+            The statement raised on a rank.
+
+        Examples
+        --------
+        >>> r = cl.diff("with sharddbg.engine.without_patches(F.conv2d):\\n    y = net(x)")
+        >>> r.first.op, r.first.rows
+        ('torch.conv2d', '16-18, 33-35, 49-51')
+        >>> cl.diff("y = net(x)").ok
+        True
+        """
+        __tracebackhide__ = hide_own_frames()
+        from .verify import run_diff
+
+        self._require_running()
+        return run_diff(self._execution, stmt, inputs=inputs, outputs=outputs, model=model, loss=loss, rtol=rtol,
+                        atol=atol, grads=grads, ops=ops, max_memory=max_memory, blame=blame, timeout=timeout,
+                        display=display)
 
     def doctor(self, *names: str, check=None, trace=None, timeout: float | None = None) -> DoctorReport:
         """The pitfall doctor: one row per known ShardTensor pitfall (ok / warn / fail / skip, what was found, the fix).

@@ -84,8 +84,9 @@ def _source(what: str, text, mode: str) -> str:
 # ---- the check --------------------------------------------------------------------------------------------
 def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
               rtol: float | None = None, atol: float | None = None, grads: bool = True,
-              timeout: float | None = None, display: bool = True) -> CheckResult:
-    """``Cluster.check`` on the ranks of ``execution``: see the module docstring."""
+              timeout: float | None = None, display: bool = True, blame: bool = False) -> CheckResult:
+    """``Cluster.check`` on the ranks of ``execution``: see the module docstring. ``blame``: a failing check
+    is run again without sharddbg (``cluster.blame``)."""
     __tracebackhide__ = hide_own_frames()
     stmt = _source("the statement", stmt, "exec")
     inputs = _names("inputs", inputs, allow_empty=True)
@@ -93,8 +94,9 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
     models = _names("model", model, allow_empty=True)
     loss = None if loss is None else _source("loss", loss, "eval")
     rtol, atol = _tolerance("rtol", rtol), _tolerance("atol", atol)
-    if not isinstance(grads, bool):
-        raise CheckError(f"grads must be True or False, got {grads!r}")
+    for name, value in (("grads", grads), ("blame", blame)):
+        if not isinstance(value, bool):
+            raise CheckError(f"{name} must be True or False, got {value!r}")
     timeout = arguments.seconds("timeout", timeout, allow_none=True) or execution.default_timeout
     overlap = sorted(set(inputs or ()) & set(models or ()))
     if overlap:
@@ -103,6 +105,7 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
         raise ClusterError(f"the process group is broken ({execution.broken.cause}): the check's collectives would "
                            f"fail; cl.recover() first")
     job_dir = tempfile.mkdtemp(prefix="sharddbg-check-")  # private (0700): the engines run as this user
+    blamed = None
     try:
         prepared = _on_ranks(execution, api.check_prepare, job_dir, stmt, loss, inputs, outputs, models, grads,
                              timeout=timeout)
@@ -113,6 +116,11 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
                "groups": sorted({p["group"] for p in prepared})}
         reference_losses = _run_reference(job_dir, job, timeout)
         records = _on_ranks(execution, api.check_compare, rtol, atol, timeout=timeout)
+        _finish(execution, timeout)
+        if blame and not all(r["ok"] for rank in records for r in rank):
+            from .blame import blame_run
+
+            blamed = blame_run(execution, job_dir, job, prepared, rtol=rtol, atol=atol, timeout=timeout)
     finally:
         _finish(execution, timeout)
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -121,6 +129,7 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
                          models=first["models"], backward=after[0]["backward"], backward_note=after[0]["note"],
                          loss=after[0]["loss"], reference_loss=reference_losses.get(0), tf32=first["tf32"],
                          groups=job["groups"], unsynced=list(dict.fromkeys(n for p in prepared for n in p["unsynced"])))
+    result.blame = blamed
     return result
 
 
@@ -220,3 +229,135 @@ def _user_lines(traceback_text: str) -> str:
         if STATEMENT_FILENAME in line or LOSS_FILENAME in line:
             return "\n".join(["Traceback (the reference):"] + lines[i:])
     return traceback_text
+
+
+# ---- the op-by-op diff --------------------------------------------------------------------------------------
+DEFAULT_DIFF_MEMORY = 2 * 1024 ** 3  # bytes the diff may keep on a rank, and in the reference, unless raised
+
+
+class DiffError(CheckError):
+    """The diff could not run as asked (bad arguments, an ``ops=`` that names no op the statement called,
+    more memory than ``max_memory`` allows); nothing was compared."""
+
+
+def _ops_argument(ops):
+    """``ops`` as the ranks take it: None, a callable, or a list of op names."""
+    if ops is None or callable(ops):
+        return ops
+    if isinstance(ops, str):
+        ops = [o.strip() for o in ops.replace(",", " ").split()]
+    if not isinstance(ops, (list, tuple, set)) or not all(isinstance(o, str) and o for o in ops):
+        raise DiffError(f"ops must be op names (\"conv2d\", \"torch.conv2d\"), a list of them, or a function of the "
+                        f"op's name, got {ops!r}")
+    if not ops:
+        raise DiffError("ops= names no op: leave it out to compare every op")
+    return sorted(set(ops))
+
+
+def _size_text(nbytes: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "bytes" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GiB"
+
+
+def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, model=None, loss: str | None = None,
+             rtol: float | None = None, atol: float | None = None, grads: bool = True, ops=None,
+             max_memory: int = DEFAULT_DIFF_MEMORY, blame: bool = False, timeout: float | None = None,
+             display: bool = True):
+    """``Cluster.diff`` on the ranks of ``execution``: the check's steps (module docstring) with every op's
+    output kept on both sides (``engine.diff``), compared op by op."""
+    __tracebackhide__ = hide_own_frames()
+    from ..analysis.diff import DiffResult, diff_tables
+    from ..engine import diff
+
+    stmt = _source("the statement", stmt, "exec")
+    inputs = _names("inputs", inputs, allow_empty=True)
+    outputs = _names("outputs", outputs, allow_empty=False)
+    models = _names("model", model, allow_empty=True)
+    loss = None if loss is None else _source("loss", loss, "eval")
+    rtol, atol = _tolerance("rtol", rtol), _tolerance("atol", atol)
+    ops = _ops_argument(ops)
+    if isinstance(max_memory, bool) or not isinstance(max_memory, numbers.Real) or not max_memory > 0 \
+            or math.isinf(max_memory):
+        raise DiffError(f"max_memory must be a number of bytes above 0, got {max_memory!r}")
+    for name, value in (("grads", grads), ("blame", blame)):
+        if not isinstance(value, bool):
+            raise DiffError(f"{name} must be True or False, got {value!r}")
+    timeout = arguments.seconds("timeout", timeout, allow_none=True) or execution.default_timeout
+    overlap = sorted(set(inputs or ()) & set(models or ()))
+    if overlap:
+        raise DiffError(f"{', '.join(overlap)} cannot be both an input and a model")
+    if execution.broken is not None:
+        raise ClusterError(f"the process group is broken ({execution.broken.cause}): the diff's collectives would "
+                           f"fail; cl.recover() first")
+    job_dir = tempfile.mkdtemp(prefix="sharddbg-diff-")
+    try:
+        prepared = _on_ranks(execution, diff.diff_prepare, job_dir, stmt, loss, inputs, outputs, models, grads, ops,
+                             int(max_memory), timeout=timeout)
+        execution.run(stmt, execution.ranks(None), timeout, display)
+        after = _on_ranks(execution, diff.diff_backward, timeout=timeout)
+        _refuse_memory(after, max_memory, grads)
+        selected = sorted({name for a in after for name in a["selected"]})
+        if ops is not None and not selected:
+            called = sorted({name for a in after for name in a["seen"]})
+            raise DiffError(f"ops={ops if not callable(ops) else getattr(ops, '__name__', 'the function')!r} names no "
+                            f"op the statement called; it called {', '.join(called) or 'no op on a ShardTensor'}. "
+                            f"Nothing was compared")
+        first = prepared[0]
+        check_after = after[0]["check"]
+        job = {"stmt": stmt, "loss": loss, "outputs": check_after["outputs"], "backward": check_after["backward"],
+               "groups": sorted({p["group"] for p in prepared}), "diff": {"selected": selected}}
+        reference_losses = _run_reference(job_dir, job, timeout)
+        records = _on_ranks(execution, diff.diff_compare, rtol, atol, timeout=timeout)
+    finally:
+        _finish_diff(execution, timeout)
+    try:
+        table, rows = check_tables([r["check"] for r in records])
+        check = CheckResult(stmt, table, rows, inputs=first["inputs"], outputs=check_after["outputs"],
+                            models=first["models"], backward=check_after["backward"],
+                            backward_note=check_after["note"], loss=check_after["loss"],
+                            reference_loss=reference_losses.get(0), tf32=first["tf32"], groups=job["groups"],
+                            unsynced=list(dict.fromkeys(n for p in prepared for n in p["unsynced"])))
+        described = after[0]["ops"]
+        ops_table, ranks_table = diff_tables(described, [r for rank in records for r in rank["ops"]], check, stmt)
+        memory = {"rank_bytes": max(a["kept_bytes"] for a in after), "reference_bytes": after[0]["global_bytes"],
+                  "limit": int(max_memory)}
+        result = DiffResult(stmt, ops_table, ranks_table, check=check, skipped=after[0]["nested"],
+                            inputs_of={op["key"]: op["sources"] for op in described}, memory=memory)
+        if blame and not (result.ok and check.ok):
+            from .blame import blame_run
+
+            result.blame = blame_run(execution, job_dir, job, prepared, rtol=rtol, atol=atol, timeout=timeout)
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+    return result
+
+
+def _refuse_memory(after: list[dict], max_memory: float, grads: bool) -> None:
+    """Refuse, before the reference runs, a diff that keeps more than ``max_memory`` on a rank or in the
+    reference (whole outputs, and their gradients when compared)."""
+    rank_need = max(a["needed_bytes"] for a in after) * (2 if grads else 1)
+    reference_need = after[0]["global_bytes"] * (2 if grads else 1)
+    if not any(a["over_limit"] for a in after) and reference_need <= max_memory:
+        return
+    raise DiffError(
+        f"cl.diff would keep {_size_text(rank_need)} on a rank and {_size_text(reference_need)} in the single-device "
+        f"reference (every compared op's output{' and its gradient' if grads else ''}), above max_memory="
+        f"{_size_text(max_memory)}. Nothing was compared: the statement ran on the ranks (its outputs are there), "
+        f"the reference did not. Narrow ops= to the ops you suspect, or raise max_memory=")
+
+
+def _finish_diff(execution: RankExecution, timeout: float) -> None:
+    """Every live rank removes the diff's keeper and puts back what the check changed."""
+    from ..engine import diff
+
+    if execution.closed:
+        return
+    alive = [r for r in range(execution.n) if r not in execution.processes.dead_ranks()]
+    try:
+        if alive:
+            execution.apply(diff.diff_finish, (), {}, alive, min(timeout, 30.0))
+    except ShardDbgError:
+        pass

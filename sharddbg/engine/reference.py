@@ -23,6 +23,7 @@ the rank, ``rebuild_tensor`` here), the environment file, the default loss and t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import json
@@ -377,8 +378,14 @@ def run_group(job: dict, job_dir: str, group: int) -> float | None:
     torch.set_rng_state(bundle["rng"])
     unavailable = bundle["unavailable"]
     stmt = job["stmt"]
+    ops = None
+    if job.get("diff") is not None:  # Cluster.diff: every op's output kept too (engine.reference_ops)
+        from .reference_ops import ReferenceOps
+
+        ops = ReferenceOps(stmt, job["diff"]["selected"])
     try:
-        exec(compile(stmt, STATEMENT_FILENAME, "exec"), namespace)  # noqa: S102 - the user's own statement
+        with ops if ops is not None else contextlib.nullcontext():
+            exec(compile(stmt, STATEMENT_FILENAME, "exec"), namespace)  # noqa: S102 - the user's own statement
     except Exception as exc:
         raise _failure(group, "the statement", exc, stmt, STATEMENT_FILENAME, unavailable) from None
     outputs = {}
@@ -409,6 +416,8 @@ def run_group(job: dict, job_dir: str, group: int) -> float | None:
         "loss": loss_value,
     }
     torch.save(result, os.path.join(group_dir(job_dir, group), REFERENCE_FILE))
+    if ops is not None:
+        ops.save(group_dir(job_dir, group))
     return loss_value
 
 

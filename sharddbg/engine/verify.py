@@ -1089,3 +1089,11 @@ def _shard_facts(name: str, value) -> dict:
             "mesh_dims": list(spec.mesh.mesh_dim_names or ()), "requires_grad": bool(value.requires_grad),
             "wrapper_requires_grad": wrapper_flag, "local_requires_grad": bool(value._local_tensor.requires_grad),
             "is_leaf": bool(value.is_leaf)}
+
+
+# ---- shared with the op-by-op diff (engine.diff), which runs the check's steps around its own -------------
+gather = _gather
+place = _place
+compare = _compare
+placement = _placement
+namespace = _namespace

@@ -147,6 +147,8 @@ def end(rec: RecordingState, st: ThreadState, ev: OpEvent, res: Any, args: tuple
             ev.out_bytes = sum(i.local_bytes for i in infos)
             hook_backward(rec, ev, outs)
     rec.keep(ev)
+    if rec.outputs is not None and not ev.not_implemented:  # a diff keeps the outputs (outputs.py)
+        rec.outputs.after_op(ev, res, args, kwargs)
     if rec.replicas is not None and ev.phase == "forward" and not ev.not_implemented:
         if args is not None and ev.parent is None:  # a call from the user's code: the parameters it read too
             rec.replicas.after_op(ev, res, rec.shard_tensor_cls, (args, kwargs), lambda t: name_of(rec, t))

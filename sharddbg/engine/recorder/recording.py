@@ -23,6 +23,11 @@ _active: "Recorder | None" = None  # the one recorder of this process (nested on
 _preflights = 0  # recordings with preflight in this process (names their store keys when no token is given)
 
 
+def active_recorder() -> "Recorder | None":
+    """The recorder running in this process, if any."""
+    return _active
+
+
 class Recorder(RecordingState):
     """Record ShardTensor ops (and, with ``comm``, every collective) on this rank::
 

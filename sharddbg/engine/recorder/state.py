@@ -151,6 +151,8 @@ class RecordingState:
         self.collectives = CollectiveState()
         # ---- DTensor's redistribution plan cache: its misses (plan_cache.PlanCacheWatch, set by the Recorder)
         self.plan_cache: Any = None
+        # ---- Cluster.diff: outputs.OutputKeeper keeping each user-called op's output, else None
+        self.outputs: Any = None
         # ---- after recording: seq of a forward op -> local_ms (local_timing.py)
         self.local_ms: dict[int, float] = {}
 

@@ -1,0 +1,211 @@
+"""What runs on a rank (and in the reference process) for ``Cluster.diff``: the check's steps with every op's
+output kept on both sides and compared op by op.
+
+On the ranks, around the check's own calls (``engine.verify``):
+
+1. ``diff_prepare``: ``check_prepare`` (names agreed, TF32 off, the reference's bundle), then an
+   ``OutputKeeper`` (``recorder.outputs``) on the running recording, or on a recording of the diff's own;
+2. (the statement runs as a cell: every op the user's code calls is kept, with its call site and occurrence);
+3. ``diff_backward``: the keeper stops taking ops, ``check_backward`` runs the loss and the backward (the
+   gradient reaching each kept output is kept by its node's pre-hook), and every kept tensor is placed in its
+   global tensor (one ``all_gather_object``);
+4. ``diff_compare``: each kept output and gradient against this rank's slice of the reference's, matched by
+   (call site, op, occurrence); no communication. ``diff_finish`` removes the keeper, then ``check_finish``.
+
+In the reference process ``ReferenceOps`` (a ``TorchFunctionMode``) sees the same calls on plain tensors and
+keeps the same outputs and gradients (``group<g>/diff-reference.pt``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import reference, verify
+from .rank_state import current_rank
+from .recorder import outputs as kept_outputs
+from .reference_ops import DIFF_REFERENCE_FILE
+
+__all__ = ["diff_prepare", "diff_backward", "diff_compare", "diff_finish", "selector", "input_layouts"]
+
+
+def selector(ops) -> Any:
+    """The predicate over op names that ``ops=`` stands for: None (every op), names (an op's full name,
+    ``torch.conv2d``, or its last part, ``conv2d``), or a callable taking the name."""
+    if ops is None or callable(ops):
+        return ops
+    names = set(ops)
+    return lambda name: name in names or name.rsplit(".", 1)[-1] in names
+
+
+@dataclass
+class DiffState:
+    """The diff in progress on this rank (between diff_prepare and diff_finish)."""
+
+    keeper: kept_outputs.OutputKeeper
+    recording: Any  # the Recorder the keeper rides on
+    own_recording: bool  # started for the diff (stopped by it) rather than the user's
+    module_names: dict  # the recorder's module path -> the path from the model's name
+    entries: list = field(default_factory=list)  # [(KeptOp, "output"/"gradient", index, verify.Compared)]
+
+
+CURRENT: DiffState | None = None
+
+
+def diff_prepare(job_dir: str, stmt: str, loss, inputs, outputs, models, grads: bool, ops, max_bytes: int) -> dict:
+    """``check_prepare``, then the keeper on a running recording (see the module docstring)."""
+    global CURRENT
+    from ..options import RecordingOptions
+    from .recorder import recording
+
+    if CURRENT is not None:
+        diff_finish()
+    prepared = verify.check_prepare(job_dir, stmt, loss, inputs, outputs, models, grads)
+    state = verify.CURRENT
+    params = {id(p): f"{m}.{name}" for m, module in state.models.items() for name, p in module.named_parameters()}
+    # the recorder names a module by its path in the outermost module (that one by its class): by the model's name here
+    modules = {(path or type(module).__name__): (f"{m}.{path}" if path else m)
+               for m, module in state.models.items() for path, _ in module.named_modules()}
+    rec = recording.active_recorder()
+    own = rec is None
+    if own:  # ops only: no collectives, no spec check, a small buffer (the keeper keeps what the diff needs)
+        rec = recording.Recorder(RecordingOptions(max_events=1, comm=False, spec_check=False))
+        rec.__enter__()
+    keeper = kept_outputs.OutputKeeper(selector(ops), params, stmt, max_bytes, rank=current_rank(), corrupt=kept_outputs.TEST_CORRUPTION,
+                                       shard_tensor_cls=rec.shard_tensor_cls)
+    rec.outputs = keeper
+    CURRENT = DiffState(keeper, rec, own, modules)
+    return prepared
+
+
+def _layout(spec, local) -> verify.TensorLayout:
+    mesh = spec.mesh
+    return verify.TensorLayout(mesh_ranks=tuple(int(r) for r in mesh.mesh.flatten().tolist()),
+                               coordinate=tuple(int(c) for c in mesh.get_coordinate()),
+                               placements=tuple(verify.placement(p) for p in spec.placements),
+                               local_shape=tuple(int(s) for s in local.shape),
+                               global_shape=tuple(int(s) for s in spec.tensor_meta.shape))
+
+
+def _compared(name: str, kind: str, kept: kept_outputs.KeptTensor, like: kept_outputs.KeptTensor | None) -> verify.Compared:
+    """The Compared record of a kept tensor: a Partial one summed (``full_tensor()``), a plain one placed like
+    ``like`` (the output it is the gradient of) when it has that output's local shape."""
+    if kept.partial is not None:
+        return verify.Compared(name, kind, ("", name), kept.partial.full_tensor().detach(), None, "full_tensor()")
+    if kept.spec is not None:
+        return verify.Compared(name, kind, ("", name), kept.local, _layout(kept.spec, kept.local), "local shard")
+    if like is not None and like.spec is not None and tuple(kept.local.shape) == tuple(like.local.shape) \
+            and like.partial is None:
+        return verify.Compared(name, kind, ("", name), kept.local, _layout(like.spec, kept.local), "local shard")
+    return verify.Compared(name, kind, ("", name), kept.local, None, "whole")
+
+
+def _detach_keeper(state: DiffState) -> None:
+    if state.recording.outputs is state.keeper:
+        state.recording.outputs = None
+
+
+def diff_backward() -> dict:
+    """The keeper stops taking ops; the check's loss and backward; every kept tensor placed. Returns the
+    check's answer with what was kept (``ops``: each kept call, in order), what it would need (bytes) and
+    the op names seen (kept or not, and those nested inside other ops)."""
+    state = _require()
+    _detach_keeper(state)
+    after = verify.check_backward()
+    keeper = state.keeper
+    keeper.close()
+    limit_everywhere = verify.gather(keeper.over_limit)
+    described = []
+    if not any(limit_everywhere):
+        for op in keeper.kept:
+            for i, out in enumerate(op.outputs):
+                state.entries.append((op, "output", i, _compared(f"{op.key}#{i}", "op output", out, None)))
+            if op.grad is not None:
+                state.entries.append((op, "gradient", 0, _compared(f"{op.key}#grad", "op gradient", op.grad,
+                                                                     op.outputs[0])))
+        verify.place([e for *_, e in state.entries])
+    for op in keeper.kept:
+        described.append({"key": op.key, "op": op.op, "site": op.site, "module": state.module_names.get(op.module, op.module), "seq": op.seq,
+                          "occurrence": op.occurrence, "sources": op.sources, "gradient": op.grad is not None,
+                          "outputs": len(op.outputs), "position": _position(op.frame, op.site)})
+    return {"check": after, "ops": described, "needed_bytes": keeper.needed, "kept_bytes": keeper.nbytes,
+            "global_bytes": keeper.global_bytes, "over_limit": keeper.over_limit, "seen": dict(keeper.seen),
+            "nested": dict(keeper.nested), "selected": sorted({op.op for op in keeper.kept})}
+
+
+def _position(frame, site) -> str | None:
+    """'cell [3], line 7: `...`' or 'model.py:12 in forward: `...`' (None in the statement: the client names its
+    lines itself)."""
+    if not frame or not site or site[0] == kept_outputs.STATEMENT_SITE:
+        return None
+    from .recorder.cells import position
+
+    return position(*frame)
+
+
+def diff_compare(rtol: float | None, atol: float | None) -> dict:
+    """The check's records, and one record per kept output and gradient against its reference partner."""
+    import torch
+
+    state = _require()
+    check_records = verify.check_compare(rtol, atol)
+    group = verify.CURRENT.group
+    path = os.path.join(reference.group_dir(verify.CURRENT.job_dir, group), DIFF_REFERENCE_FILE)
+    ref = torch.load(path, weights_only=True)
+    records = []
+    for op, what, index, entry in state.entries:
+        partner = ref["ops"].get(op.key)
+        if partner is None:
+            expected = None
+        elif what == "output":
+            expected = partner["outputs"][index] if index < len(partner["outputs"]) else None
+        else:
+            expected = partner["grad"]
+        record = verify.compare(entry, expected, rtol, atol, group)
+        if partner is None:
+            record["note"] = "no call of this op at this site in the single-device run"
+        elif expected is None and what == "gradient":
+            record["note"] = "no gradient reached this op in the single-device run"
+        record.update(key=op.key, op=op.op, seq=op.seq, occurrence=op.occurrence, phase=(
+            "forward" if what == "output" else "backward"), output=index, matched=partner is not None)
+        records.append(record)
+    return {"check": check_records, "ops": records, "reference_errors": ref.get("errors", [])}
+
+
+def diff_finish() -> None:
+    """Remove the keeper (and the diff's own recording), then ``check_finish``; safe after a failure."""
+    global CURRENT
+    state, CURRENT = CURRENT, None
+    try:
+        if state is not None:
+            _detach_keeper(state)
+            state.keeper.close()
+            if state.own_recording:
+                state.recording.close()
+    finally:
+        verify.check_finish()
+
+
+def _require() -> DiffState:
+    if CURRENT is None:
+        raise verify.CheckSetupError("cl.diff: no diff is in progress on this rank (diff_prepare first)")
+    return CURRENT
+
+
+# ---- what a re-run without sharddbg needs (cluster.blame) ---------------------------------------------------
+def input_layouts(names: list[str]) -> dict:
+    """How each distributed input among ``names`` is laid out on this rank: its mesh dims, placements and
+    every rank's piece shapes (a plain input: absent), for the re-run without sharddbg to shard it alike."""
+    layouts = {}
+    namespace = verify.namespace()
+    for name in names:
+        value = namespace.get(name)
+        spec = getattr(value, "_spec", None)
+        if spec is None or not reference.is_distributed(value):
+            continue
+        shapes = getattr(spec, "_sharding_shapes", None) or {}
+        layouts[name] = {"mesh_dims": list(spec.mesh.mesh_dim_names or ()),
+                         "placements": [list(verify.placement(p)) for p in spec.placements],
+                         "sharding_shapes": {str(k): [[int(x) for x in s] for s in v] for k, v in shapes.items()}}
+    return layouts
