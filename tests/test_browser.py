@@ -84,6 +84,21 @@ def _settings(directory: Path, save_widget_state: bool) -> None:
         p.write_text(json.dumps(content))
 
 
+def _this_checkouts_extension(work: Path) -> dict[str, str]:
+    """The environment that has JupyterLab load this checkout's extension: its build (sharddbg/labextension,
+    made by ``bash .ci/setup``) ahead of any copy installed in the venv, and its server extension by the
+    config file the wheel installs."""
+    built = ROOT / "sharddbg" / "labextension"
+    assert (built / "package.json").exists(), \
+        f"{built} is missing: the JupyterLab extension is not built (bash .ci/setup builds it)"
+    data = work / "jupyter-path"
+    (data / "labextensions").mkdir(parents=True, exist_ok=True)
+    link = data / "labextensions" / "sharddbg-jupyterlab"
+    if not link.exists():
+        link.symlink_to(built, target_is_directory=True)
+    return {"JUPYTER_PATH": str(data), "JUPYTER_CONFIG_PATH": str(ROOT / "jupyter-config")}
+
+
 @contextlib.contextmanager
 def _jupyterlab(work: Path, root: Path, save_widget_state: bool):
     """A JupyterLab server on 127.0.0.1 serving ``root``, with its own settings and data folders under
@@ -93,7 +108,8 @@ def _jupyterlab(work: Path, root: Path, save_widget_state: bool):
     token, port = secrets.token_hex(16), _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"), JUPYTER_CONFIG_DIR=str(work / "config"),
-               JUPYTER_RUNTIME_DIR=str(work / "runtime"), JUPYTER_DATA_DIR=str(work / "data"))
+               JUPYTER_RUNTIME_DIR=str(work / "runtime"), JUPYTER_DATA_DIR=str(work / "data"),
+               **_this_checkouts_extension(work))
     log = open(work / "lab.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
