@@ -62,7 +62,7 @@ def build(target_name: str, version: str, **_: object) -> None:
     steps = [["npm", "run", "build"]]
     installed = HERE / "node_modules" / ".package-lock.json"
     if not installed.exists() or installed.stat().st_mtime < (HERE / "package-lock.json").stat().st_mtime:
-        steps.insert(0, ["npm", "ci", "--no-audit", "--no-fund"])  # exactly the lockfile's packages
+        steps.insert(0, ["npm", "ci", "--prefer-offline", "--no-audit", "--no-fund"])  # exactly the lockfile's packages
     for step in steps:
         say(f"sharddbg: building the JupyterLab extension: {' '.join(step)}")
         subprocess.run(step, cwd=HERE, env=env, check=True)

@@ -5,6 +5,11 @@ command line, that reads what the user has saved and answers the extension's req
 static HTML for a trace file (``*.sdtrace.json``) opened as a document, or the ``TraceFileError`` text of one
 that fails validation. The file is only read.
 
+``GET <base_url>sharddbg/clusters``: this user's clusters (the state files their owning processes keep under
+``SHARDDBG_HOME``, ``sharddbg.cluster.state_file``), each running or gone with the reason.
+``POST <base_url>sharddbg/clusters/<id>/stop``: kill every process of that cluster and forget it (its owner's
+``Cluster`` finds its ranks dead); for a cluster whose owner has ended, the same reaps it.
+
 The handlers are Jupyter's own ``APIHandler``: they go through the server's authentication and XSRF
 protection and open no port of their own. The extension is enabled by
 ``jupyter-config/jupyter_server_config.d/sharddbg.json``, which the wheel installs.
@@ -13,12 +18,14 @@ protection and open no port of their own. The extension is enabled by
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 
+from .cluster import registry, state_file
 from .errors import TraceFileError
 from .trace import load_trace
 from .views.explorer import explorer_data, explorer_html, explorer_text
@@ -81,6 +88,40 @@ class TraceHandler(APIHandler):
                                 "text": explorer_text(trace)}, default=str))
 
 
+class ClustersHandler(APIHandler):
+    """This user's clusters as their state files tell them."""
+
+    @web.authenticated
+    def get(self) -> None:
+        """Answer ``{"clusters": [...]}``: each a running cluster's state, or ``{"gone": reason}``."""
+        clusters = []
+        for entry in state_file.read_states():
+            if isinstance(entry, state_file.GoneCluster):
+                clusters.append({"cluster_id": entry.cluster_id, "gone": entry.reason, "owner_pid": entry.owner_pid})
+            else:
+                clusters.append(asdict(entry))
+        self.finish(json.dumps({"clusters": clusters}))
+
+
+class StopClusterHandler(APIHandler):
+    """Stop (kill and forget) one of this user's clusters."""
+
+    @web.authenticated
+    def post(self, cluster_id: str) -> None:
+        """Answer ``{"stopped": cluster_id, "pids": [...]}``; 404 for a cluster this user has no record of."""
+        path = registry.clusters_dir() / f"{cluster_id}.json"
+        try:
+            record = registry.ClusterRecord.load(path)
+        except FileNotFoundError:
+            state_file.state_path(cluster_id).unlink(missing_ok=True)
+            raise web.HTTPError(404, f"no cluster {cluster_id} (stopped already?)") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise web.HTTPError(409, f"the record of cluster {cluster_id} is corrupt ({exc})") from None
+        pids = registry.reap(record)
+        state_file.state_path(cluster_id).unlink(missing_ok=True)
+        self.finish(json.dumps({"stopped": cluster_id, "pids": pids}))
+
+
 def _load_jupyter_server_extension(serverapp) -> None:
     """Add the handlers under the server's base URL.
 
@@ -99,4 +140,8 @@ def _load_jupyter_server_extension(serverapp) -> None:
     """
     web_app = serverapp.web_app
     base = web_app.settings["base_url"]
-    web_app.add_handlers(".*$", [(url_path_join(base, "sharddbg", "trace"), TraceHandler)])
+    web_app.add_handlers(".*$", [
+        (url_path_join(base, "sharddbg", "trace"), TraceHandler),
+        (url_path_join(base, "sharddbg", "clusters"), ClustersHandler),
+        (url_path_join(base, "sharddbg", "clusters", r"([0-9a-zA-Z_-]+)", "stop"), StopClusterHandler),
+    ])

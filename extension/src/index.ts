@@ -1,7 +1,8 @@
-import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IRenderMimeRegistry } from '@jupyterlab/rendermime';
 
+import { ClusterPanel } from './panel';
 import { TRACE_FACTORY, TRACE_FILE_TYPE, TraceViewFactory } from './document';
 import { viewRendererFactory } from './renderer';
 
@@ -45,4 +46,20 @@ const traceFiles: JupyterFrontEndPlugin<void> = {
   }
 };
 
-export default [views, traceFiles];
+/** The left side bar's cluster panel. */
+const clusters: JupyterFrontEndPlugin<void> = {
+  id: 'sharddbg-jupyterlab:clusters',
+  description: "this user's sharddbg clusters, live",
+  autoStart: true,
+  optional: [ILabShell],
+  activate: (app: JupyterFrontEnd, shell: ILabShell | null) => {
+    if (!shell) {
+      return;
+    }
+    const panel = new ClusterPanel();
+    panel.title.iconClass = 'sd-ext-panel-icon';
+    shell.add(panel, 'left', { rank: 900 });
+  }
+};
+
+export default [views, traceFiles, clusters];
