@@ -820,7 +820,10 @@ def test_saved_notebook(session):
 
     page, url, token, root, work = session
     # while the kernel runs, each view is its live widget (its selection reaches Python), not the saved drawing
-    expect(page.locator(".sd-ext-view[data-sd-drawn-by='widget']")).to_have_count(4)
+    widgets = page.locator(".sd-ext-view[data-sd-drawn-by='widget']")
+    expect(widgets).to_have_count(4)
+    expect(widgets.locator(".sd-explorer")).to_have_count(1)
+    expect(widgets.locator(".sd-inspector")).to_have_count(3)
     page.locator(".jp-Notebook").click()
     page.keyboard.press("Control+s")
     path = root / NOTEBOOK

@@ -94,7 +94,8 @@ export class ViewRenderer extends Widget implements IRenderMime.IRenderer {
     if (!panel || !factory) {
       return;
     }
-    const renderer = factory.createRenderer(this.options) as IRenderMime.IRenderer & { _manager?: { promise: Promise<any> } };
+    // the widget's renderer reads the bundle under its own MIME type
+    const renderer = factory.createRenderer({ ...this.options, mimeType: WIDGET_MIMETYPE }) as IRenderMime.IRenderer & { _manager?: { promise: Promise<any> } };
     let manager: any;
     try {
       manager = await renderer._manager?.promise;
@@ -123,6 +124,13 @@ export class ViewRenderer extends Widget implements IRenderMime.IRenderer {
     this.node.dataset.sdDrawnBy = 'widget';
     Widget.attach(renderer, this.node);
     await renderer.renderModel(model);
+    if (renderer.node.textContent?.startsWith('Error displaying widget')) {
+      // the kernel let the model go meanwhile: the saved drawing again
+      this.live = null;
+      Widget.detach(renderer);
+      renderer.dispose();
+      await this.renderModel(model);
+    }
   }
 
   private onRestored(): void {
