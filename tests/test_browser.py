@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import colorsys
 import contextlib
+import copy
 import json
 import os
 import re
@@ -27,12 +28,15 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 import pytest
+
+import sharddbg
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts"
@@ -43,7 +47,8 @@ NOTEBOOK = "quickstart_checked.ipynb"
 N = 4
 ROWS = [66 // N + (1 if r < 66 % N else 0) for r in range(N)]  # 17, 17, 16, 16
 OFFS = [sum(ROWS[:r]) for r in range(N)]
-VIEW_MIMETYPES = {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain", "application/vnd.sharddbg.trace+json"}
+VIEW_MIMETYPE = "application/vnd.sharddbg.trace+json"
+VIEW_MIMETYPES = {"application/vnd.jupyter.widget-view+json", "text/html", "text/plain", VIEW_MIMETYPE}
 # Cells the browser checks need beyond the quickstart, run before its last cell (%shard_cluster stop): a
 # tensor on a 2 x 2 (ddp x domain) mesh, a conv through the DTensor fallback (its output's spec says
 # Replicate while each rank holds its own rows), and %shard_cluster diagnose.
@@ -84,6 +89,21 @@ def _settings(directory: Path, save_widget_state: bool) -> None:
         p.write_text(json.dumps(content))
 
 
+def _this_checkouts_extension(work: Path) -> dict[str, str]:
+    """The environment that has JupyterLab load this checkout's extension: its build (sharddbg/labextension,
+    made by ``bash .ci/setup``) ahead of any copy installed in the venv, and its server extension by the
+    config file the wheel installs."""
+    built = ROOT / "sharddbg" / "labextension"
+    assert (built / "package.json").exists(), \
+        f"{built} is missing: the JupyterLab extension is not built (bash .ci/setup builds it)"
+    data = work / "jupyter-path"
+    (data / "labextensions").mkdir(parents=True, exist_ok=True)
+    link = data / "labextensions" / "sharddbg-jupyterlab"
+    if not link.exists():
+        link.symlink_to(built, target_is_directory=True)
+    return {"JUPYTER_PATH": str(data), "JUPYTER_CONFIG_PATH": str(ROOT / "jupyter-config")}
+
+
 @contextlib.contextmanager
 def _jupyterlab(work: Path, root: Path, save_widget_state: bool):
     """A JupyterLab server on 127.0.0.1 serving ``root``, with its own settings and data folders under
@@ -93,7 +113,8 @@ def _jupyterlab(work: Path, root: Path, save_widget_state: bool):
     token, port = secrets.token_hex(16), _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(work / "workspaces"), JUPYTER_CONFIG_DIR=str(work / "config"),
-               JUPYTER_RUNTIME_DIR=str(work / "runtime"), JUPYTER_DATA_DIR=str(work / "data"))
+               JUPYTER_RUNTIME_DIR=str(work / "runtime"), JUPYTER_DATA_DIR=str(work / "data"),
+               **_this_checkouts_extension(work))
     log = open(work / "lab.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
@@ -703,13 +724,106 @@ def _pixel_shares(png: Path) -> PixelShares:
     return PixelShares(bright=float((pixels.min(axis=2) > 230).mean()), dark=float((pixels.max(axis=2) < 50).mean()))
 
 
+def _request(url: str, method: str = "GET", headers: dict | None = None) -> int:
+    """The HTTP status of a request to the session's server."""
+    req = urllib.request.Request(url, method=method, headers=headers or {}, data=b"" if method == "POST" else None)
+    try:
+        return urllib.request.urlopen(req, timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_cluster_panel(session):
+    """The side bar's cluster panel, from the state file a cluster's owner keeps (here this test's process):
+    the cluster and its ranks within 5 s, a killed rank dead with its signal, stop from the panel stopping
+    every process of it. The state file is private and refreshed; the server's endpoint refuses a request
+    without authentication and a cookie-authenticated one without the XSRF token; a corrupt state file shows
+    its cluster as gone with the reason."""
+    import signal
+
+    import psutil
+    from playwright.sync_api import expect
+
+    from sharddbg.cluster import state_file
+
+    page, url, token, root, work = session
+    # Jupyter's own authentication and XSRF protection: nothing without them, even on loopback
+    assert _request(f"{url}/sharddbg/clusters") == 403
+    assert _request(f"{url}/sharddbg/clusters?token={token}") == 200
+    cookies = "; ".join(f"{c['name']}={c['value']}" for c in page.context.cookies(url))
+    assert _request(f"{url}/sharddbg/clusters", headers={"Cookie": cookies}) == 200  # the page's own login
+    assert _request(f"{url}/sharddbg/clusters/0000/stop", "POST", headers={"Cookie": cookies}) == 403  # forged
+
+    cl = sharddbg.Cluster(n=2, timeout=60).start()
+    try:
+        path = state_file.state_path(cl.cluster_id)
+        assert path.exists() and (path.stat().st_mode & 0o777) == 0o600
+        first = json.loads(path.read_text())["updated"]
+        deadline = time.monotonic() + 10
+        while json.loads(path.read_text())["updated"] == first:  # refreshed (every second)
+            assert time.monotonic() < deadline, "the state file was not refreshed"
+            time.sleep(0.2)
+        page.locator(".jp-SideBar .lm-TabBar-tab[title='sharddbg clusters']").click()
+        panel = page.locator("#sharddbg-clusters")
+        card = panel.locator(f".sd-ext-cluster[data-cluster-id='{cl.cluster_id}']")
+        expect(card).to_be_visible(timeout=5_000)
+        expect(card.locator(".sd-ext-rank[data-state='idle']")).to_have_count(2)
+        expect(card.locator(".sd-ext-cluster-facts")).to_contain_text("2 ranks")
+        os.kill(cl.pids[1], signal.SIGKILL)
+        expect(card.locator(".sd-ext-rank[data-rank='1'] .sd-ext-rank-state")).to_contain_text("signal 9", timeout=10_000)
+        expect(card.locator(".sd-ext-rank[data-rank='0']")).to_have_attribute("data-state", "idle")
+        panel.screenshot(path=str(ARTIFACTS / "browser_cluster_panel.png"))
+        # a corrupt state file: that cluster, gone, with the reason
+        bad = state_file.state_path("corrupt0")
+        bad.write_text('{"format": "sharddbg.cluster-state", "vers')
+        gone = panel.locator(".sd-ext-cluster[data-cluster-id='corrupt0']")
+        expect(gone.locator(".sd-ext-gone")).to_contain_text("its state file is corrupt", timeout=5_000)
+        bad.unlink()
+        processes = cl.processes()
+        assert processes
+        card.locator("button.sd-ext-stop").click()
+        expect(card).to_have_count(0, timeout=20_000)
+        _, alive = psutil.wait_procs(processes, timeout=10)
+        assert not alive, alive
+        assert not path.exists()
+    finally:
+        with contextlib.suppress(Exception):
+            cl.stop()
+        page.locator(".jp-SideBar .lm-TabBar-tab[title='sharddbg clusters']").click()  # the panel closed again
+
+
+def _with_payload(output: dict, change) -> dict:
+    """A copy of a view's output whose payload ``change(payload)`` returns."""
+    out = copy.deepcopy(output)
+    out["data"][VIEW_MIMETYPE] = change(out["data"][VIEW_MIMETYPE])
+    return out
+
+
+# saved payloads the extension cannot draw, each with the start of the one line it says why
+BAD_PAYLOADS = {
+    "newer": (lambda p: p | {"version": 99}, "the view was saved by a newer sharddbg (data version 99"),
+    "format": (lambda p: p | {"format": "someone.else"}, 'the view\'s data is of format "someone.else"'),
+    "truncated": (lambda p: p | {"drawn": {"rows": [[1, 2]]}}, "the view could not be drawn from its saved data"),
+    "not an object": (lambda p: "{\"format\": \"sharddbg.view\", \"vers", "the view's data is not an object"),
+    "no drawn data": (lambda p: {k: v for k, v in p.items() if k != "drawn"}, "the view was saved by an older sharddbg"),
+}
+
+
 def test_saved_notebook(session):
     """Save, shut the kernel down, reopen: the owner's JupyterLab draws the widgets from the state saved with
-    the notebook (no kernel); another JupyterLab (another signing key: the notebook is not trusted there)
-    shows each view's static rendering."""
+    the notebook (no kernel); another JupyterLab (another signing key: the notebook is not trusted there, and
+    no widget state is saved) shows every view live, drawn by the extension from the payload saved in its
+    output. There, a payload the extension cannot draw shows the view's static rendering under one line
+    saying why, with no error in the console; a trace file opens from the file browser with the explorer,
+    a broken one with its TraceFileError; nothing opened is rewritten."""
     from playwright.sync_api import expect
 
     page, url, token, root, work = session
+    # while the kernel runs, each view is its live widget (its selection reaches Python), not the saved drawing
+    widgets = page.locator(".sd-ext-view[data-sd-drawn-by='widget']")
+    expect(widgets).to_have_count(4)
+    expect(widgets.locator(".sd-explorer")).to_have_count(1)
+    expect(widgets.locator(".sd-inspector")).to_have_count(3)
     page.locator(".jp-Notebook").click()
     page.keyboard.press("Control+s")
     path = root / NOTEBOOK
@@ -721,14 +835,15 @@ def test_saved_notebook(session):
             time.sleep(0.5)
             continue
         outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
-        if any("application/vnd.sharddbg.trace+json" in o.get("data", {}) for o in outputs) and nb.metadata.get("widgets"):
+        # every view's output (an autosave made while the notebook ran has fewer), and the widgets' state
+        if sum(VIEW_MIMETYPE in o.get("data", {}) for o in outputs) == 4 and nb.metadata.get("widgets"):
             break
         assert time.monotonic() < deadline, "the notebook was not saved with its outputs"
         time.sleep(0.5)
-    # each view left one output bundle: widget, static HTML, text, payload
-    views = [o for o in outputs if "application/vnd.sharddbg.trace+json" in o.get("data", {})]
+    # each view left one output bundle: widget, static HTML, text, payload (with what its front end draws)
+    views = [o for o in outputs if VIEW_MIMETYPE in o.get("data", {})]
     assert len(views) == 4 and all(set(o["data"]) == VIEW_MIMETYPES for o in views)  # 3 inspectors, 1 explorer
-    assert all(o["data"]["application/vnd.sharddbg.trace+json"]["version"] == 1 for o in views)
+    assert all(o["data"][VIEW_MIMETYPE]["version"] == 1 and o["data"][VIEW_MIMETYPE]["drawn"] for o in views)
     for s in _api(url, token, "/api/sessions"):
         _api(url, token, f"/api/sessions/{s['id']}", method="DELETE")
     assert _api(url, token, "/api/kernels") == []
@@ -746,31 +861,86 @@ def test_saved_notebook(session):
     assert set(exp.locator(".sd-list tr.sd-op").evaluate_all("rs => rs.map(r => r.dataset.rank)")) == {"3"}
     expect(_inspector(page, "x").locator(".sd-block")).to_have_count(N)
 
-    # someone else opens the saved file: the static views
+    # someone else opens the saved file (default settings: no widget state), with a copy whose payloads the
+    # extension cannot draw, and two trace files
     other = work / "other"
     other_root = other / "root"
     other_root.mkdir(parents=True)
     shutil.copy(path, other_root / NOTEBOOK)
-    with _jupyterlab(other, other_root, save_widget_state=False) as (url2, token2):
-        page.goto(f"{url2}/lab/tree/{NOTEBOOK}?token={token2}", wait_until="domcontentloaded")
-        expect(page.locator(".sd-static.sd-explorer")).to_have_count(1, timeout=60_000)
-        expect(page.get_by_text("Error displaying widget")).to_have_count(0)
-        grid = page.locator(".sd-static.sd-inspector pre.sd-grid").first
-        for r in range(N):
-            expect(grid).to_contain_text(f"rank {r}")
-        for r in range(1, N):
-            expect(grid).to_contain_text(f"┤ {OFFS[r]}")
-        static_exp = page.locator(".sd-static.sd-explorer")
-        # the op summary first, each row with its calls on each rank (identical ones as one row), then the calls
-        expect(static_exp.locator("tr.sd-summary-row").first).to_have_class(re.compile(r"\bsd-kind-fallback\b"))
-        expect(static_exp.locator("tr.sd-summary-row.sd-kind-error")).to_have_count(0)  # the exception was caught
-        expect(static_exp.locator("tr.sd-call-group td", has_text=re.compile(r"^ranks 0-3$")).first).to_be_visible()
-        expect(static_exp.locator("tr.sd-op.sd-kind-error")).to_have_count(0)
-        expect(static_exp).to_contain_text("broken_add: expected <ShardTensor> & got <b>None</b>")
-        expect(static_exp.locator("b", has_text="None")).to_have_count(0)
-        for name, view in (("inspector", page.locator(".sd-static.sd-inspector").first), ("explorer", static_exp)):
-            view.scroll_into_view_if_needed()
-            page.screenshot(path=str(ARTIFACTS / f"browser_saved_static_{name}.png"))
+    explorer_output = next(o for o in views if o["data"][VIEW_MIMETYPE]["view"] == "explorer")
+    bad = nbformat.v4.new_notebook(metadata=nb.metadata)
+    for case, (change, _) in BAD_PAYLOADS.items():
+        cell = nbformat.v4.new_code_cell(f"# {case}")
+        cell.outputs = [nbformat.from_dict(_with_payload(explorer_output, change))]
+        bad.cells.append(cell)
+    bad.metadata.pop("widgets", None)
+    nbformat.write(bad, other_root / "unreadable_payloads.ipynb")
+    shutil.copy(ROOT / "tests" / "data" / "conv4.sdtrace.json", other_root / "conv4.sdtrace.json")
+    (other_root / "broken.sdtrace.json").write_text('{"format": "sharddbg.trace", "version": 1')
+    saved = {p.name: p.read_bytes() for p in other_root.iterdir()}
+    console: list[str] = []
+    on_console = lambda m: console.append(m.text) if m.type == "error" else None  # noqa: E731
+    page.on("console", on_console)
+    try:
+        with _jupyterlab(other, other_root, save_widget_state=False) as (url2, token2):
+            page.goto(f"{url2}/lab/tree/{NOTEBOOK}?token={token2}", wait_until="domcontentloaded")
+            live = page.locator(".sd-ext-view[data-sd-drawn-by='extension']")
+            expect(live).to_have_count(4, timeout=60_000)
+            expect(page.get_by_text("Error displaying widget")).to_have_count(0)
+            expect(page.locator(".sd-static")).to_have_count(0)
+            # live: a filter narrows the explorer, a click opens a call's detail, the inspector draws every rank
+            exp = page.locator(".sd-ext-view .sd-explorer")
+            expect(exp.locator(".sd-findings .sd-finding").first).to_contain_text("raised and the cell handled them")
+            exp.locator("select.sd-f-view").select_option("calls")
+            exp.locator("select.sd-f-rank").select_option("2")
+            assert set(exp.locator(".sd-list tr.sd-op").evaluate_all("rs => rs.map(r => r.dataset.rank)")) == {"2"}
+            exp.locator(".sd-list tr.sd-op").first.click()
+            expect(exp.locator(".sd-detail")).to_be_visible()
+            expect(exp.locator(".sd-detail")).to_have_attribute("data-rank", "2")
+            for name in ("x", "x22", "y_fb"):
+                expect(_inspector(page, name).locator(".sd-block")).not_to_have_count(0)
+            expect(_inspector(page, "x").locator(".sd-block")).to_have_count(N)
+            for theme in ("light", "dark"):
+                if theme == "dark":
+                    page.locator(".lm-MenuBar-itemLabel").get_by_text("Settings", exact=True).click()
+                    page.locator(".lm-Menu-itemLabel").get_by_text("Theme", exact=True).hover()
+                    page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
+                    expect(page.locator("body[data-jp-theme-light='false']")).to_have_count(1, timeout=20_000)
+                    page.wait_for_timeout(500)
+                for name, view in (("explorer", exp), ("inspector", _inspector(page, "x"))):
+                    view.scroll_into_view_if_needed()
+                    view.screenshot(path=str(ARTIFACTS / f"browser_kernelless_{name}_{theme}.png"))
+
+            # the payloads it cannot draw: the static rendering, under one line saying why
+            page.goto(f"{url2}/lab/tree/unreadable_payloads.ipynb?token={token2}", wait_until="domcontentloaded")
+            static = page.locator(".sd-ext-view[data-sd-drawn-by='static']")
+            expect(static).to_have_count(len(BAD_PAYLOADS), timeout=60_000)
+            for k, (_, why) in enumerate(BAD_PAYLOADS.values()):
+                expect(static.nth(k).locator(".sd-ext-why")).to_contain_text(why)
+                expect(static.nth(k).locator(".sd-static.sd-explorer tr.sd-summary-row").first).to_be_visible()
+            static_exp = static.first.locator(".sd-static.sd-explorer")
+            # the op summary first, each row with its calls on each rank (identical ones as one row), then the calls
+            expect(static_exp.locator("tr.sd-summary-row").first).to_have_class(re.compile(r"\bsd-kind-fallback\b"))
+            expect(static_exp.locator("tr.sd-summary-row.sd-kind-error")).to_have_count(0)  # the exception was caught
+            expect(static_exp.locator("tr.sd-call-group td", has_text=re.compile(r"^ranks 0-3$")).first).to_be_visible()
+            expect(static_exp).to_contain_text("broken_add: expected <ShardTensor> & got <b>None</b>")
+            expect(static_exp.locator("b", has_text="None")).to_have_count(0)
+            static.first.scroll_into_view_if_needed()
+            page.screenshot(path=str(ARTIFACTS / "browser_kernelless_unreadable_dark.png"))
+
+            # trace files open from the file browser: the explorer, or the file's TraceFileError
+            page.goto(f"{url2}/lab?token={token2}", wait_until="domcontentloaded")
+            page.locator(".jp-DirListing-item", has_text="conv4.sdtrace.json").dblclick(timeout=60_000)
+            doc = page.locator(".sd-ext-document[data-sd-drawn-by='extension']")
+            expect(doc.locator(".sd-explorer .sd-list tr.sd-summary-row").first).to_be_visible(timeout=60_000)
+            doc.locator("select.sd-f-rank").select_option("1")
+            page.screenshot(path=str(ARTIFACTS / "browser_trace_document_dark.png"))
+            page.locator(".jp-DirListing-item", has_text="broken.sdtrace.json").dblclick()
+            expect(page.locator(".sd-ext-document .sd-ext-error")).to_contain_text("broken.sdtrace.json", timeout=30_000)
+        assert not console, console
+        assert {p.name: p.read_bytes() for p in other_root.iterdir() if p.name in saved} == saved
+    finally:
+        page.remove_listener("console", on_console)
 
 
 def test_report_light_and_dark(session, tmp_path):

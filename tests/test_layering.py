@@ -126,7 +126,7 @@ def _in(name: str, prefix: str) -> bool:
 # The seam between the data and its views: its imports of views and exporters run only when a view is asked for.
 SEAM = "sharddbg.rendering"
 # The front ends: they parse what a person typed and call the API (and may show a view directly).
-FRONT_ENDS = ("sharddbg.magics", "sharddbg.cli")
+FRONT_ENDS = ("sharddbg.magics", "sharddbg.cli", "sharddbg.labserver")
 RENDERED = ("sharddbg.views", "sharddbg.exporters")
 
 

@@ -762,10 +762,12 @@ def test_explorer_output_bundle(trace, tmp_path, monkeypatch):
     (tmp_path / "back.sdtrace.json").write_text(json.dumps(payload["data"]))
     back = sharddbg.load_trace(tmp_path / "back.sdtrace.json")
     assert back.get_ops()[["rank", "seq", "op"]].equals(ops[["rank", "seq", "op"]])
-    # above the cap: a summary and a note instead of the trace
+    # and what the widget's front end draws, as JSON (the JupyterLab extension draws it without the kernel)
+    assert payload["drawn"] == json.loads(json.dumps(w.data, allow_nan=False))
+    # above the cap: a summary and a note instead of the trace and the drawn data
     monkeypatch.setattr(bundle, "PAYLOAD_MAX_BYTES", 1000)
     big = w._repr_mimebundle_()[0][bundle.VIEW_MIMETYPE]
-    assert big["data"] is None and big["data_bytes"] > 1000 and "t.save(" in big["note"]
+    assert big["data"] is None and big["drawn"] is None and big["data_bytes"] > 1000 and "t.save(" in big["note"]
     assert big["summary"] == payload["summary"] and big["version"] == 1
 
 
@@ -785,6 +787,7 @@ def test_inspector_output_bundle():
     assert payload["view"] == "inspector" and payload["data"]["snapshots"] == lay.snapshots
     again = ShardLayout(payload["data"]["snapshots"], world_mesh=payload["data"]["world_mesh"])
     assert again.to_json() == lay.to_json()
+    assert payload["drawn"] == lay.to_json()  # what the widget draws, for the JupyterLab extension
 
 
 def html_escape(text: str) -> str:

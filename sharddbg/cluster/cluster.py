@@ -41,6 +41,7 @@ from .group import DistributedGroup
 from .mesh import MeshSpec, resolve_mesh
 from .processes import ClusterProcesses, choose_backend
 from .recording import CellTracer
+from .state_file import StateFileWriter
 from .versions import TESTED_VERSIONS, check_versions
 
 if TYPE_CHECKING:
@@ -165,6 +166,7 @@ class Cluster:
         self._control: ControlChannel | None = None
         self._tracer = CellTracer()
         self._last_check = None  # the CheckResult of the last check() (the doctor reads it)
+        self._state_file: StateFileWriter | None = None  # the live state readers outside this process see
 
     # ------------------------------------------------------------------ what it is
     def __repr__(self) -> str:
@@ -339,6 +341,7 @@ class Cluster:
             self._launch_engines(choose_backend(self.requested_backend, int(facts.get("cuda_count", 0)), self.n))
             self.running = True
             _STARTED[:] = [c for c in _STARTED if c is not self and c.running] + [self]
+            self._state_file = StateFileWriter(self).start()
         except BaseException as exc:
             self._shut_down()
             _advise_start_again(exc, "start")
@@ -363,6 +366,7 @@ class Cluster:
         self._execution = self._control = None
 
     def _shut_down(self) -> None:
+        self._stop_state_file()
         self._close_client()
         if self._processes is not None:
             self._processes.shut_down()
@@ -392,11 +396,17 @@ class Cluster:
         if not self.running and (self._processes is None or self._processes.fork_server is None):
             raise ClusterError("this cluster is not running (it was never started, or was stopped already)")
         t0 = time.perf_counter()
+        self._stop_state_file()
         self._close_client()
         self._processes.stop()
         self.running = False
         _STARTED[:] = [c for c in _STARTED if c is not self]
         self.timings["stop_s"] = time.perf_counter() - t0
+
+    def _stop_state_file(self) -> None:
+        if self._state_file is not None:
+            self._state_file.stop()
+            self._state_file = None
 
     def restart(self) -> "Cluster":
         """Replace every engine with a fresh one (new processes, new process group); the same mesh and settings.

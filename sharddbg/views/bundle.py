@@ -8,8 +8,9 @@ Every view's bundle holds
   front ends without the kernel or the widget (a notebook opened elsewhere, nbconvert, GitHub);
 - ``text/plain``: a summary in words (terminals, logs, ``print``);
 - ``application/vnd.sharddbg.trace+json``: the data behind the view, versioned (``format``,
-  ``version``, ``view``), for a front end that draws it again without the kernel. Above
-  ``PAYLOAD_MAX_BYTES`` it holds a summary and a note instead of the data.
+  ``version``, ``view``), and ``drawn``: what the widget's front end draws (the same dict its ``data``
+  trait holds), so that the JupyterLab extension (``extension/``) draws the view live without the kernel,
+  with the widget's own script. Above ``PAYLOAD_MAX_BYTES`` it holds a summary and a note instead of both.
 """
 
 from __future__ import annotations
@@ -22,17 +23,20 @@ PAYLOAD_VERSION = 1
 PAYLOAD_MAX_BYTES = 5 * 1024 * 1024
 
 
-def view_payload(view: str, data: dict, summary: dict, keep_it: str) -> dict:
-    """The versioned payload of ``view``: ``data`` (JSON-able) and a ``summary``; when ``data`` is larger
-    than ``PAYLOAD_MAX_BYTES`` as JSON, only the summary, its size and ``note`` (``keep_it``: how to keep
-    the whole data, e.g. "t.save('run.sdtrace.json')")."""
+def view_payload(view: str, data: dict, summary: dict, keep_it: str, drawn: dict | None = None) -> dict:
+    """The versioned payload of ``view``: ``data`` (JSON-able), a ``summary`` and ``drawn`` (what the
+    view's front end draws); when ``data`` and ``drawn`` together are larger than ``PAYLOAD_MAX_BYTES``
+    as JSON, only the summary, the size and ``note`` (``keep_it``: how to keep the whole data, e.g.
+    "t.save('run.sdtrace.json')")."""
     size = len(json.dumps(data, separators=(",", ":"), allow_nan=False, default=str))
+    drawn_size = len(json.dumps(drawn, separators=(",", ":"), allow_nan=False, default=str))
     head = {"format": PAYLOAD_FORMAT, "version": PAYLOAD_VERSION, "view": view, "summary": summary}
-    if size > PAYLOAD_MAX_BYTES:
-        return head | {"data": None, "data_bytes": size,
-                       "note": f"the data behind this view is {size / 2**20:.1f} MB, more than the "
+    if size + drawn_size > PAYLOAD_MAX_BYTES:
+        total = size + drawn_size
+        return head | {"data": None, "drawn": None, "data_bytes": size,
+                       "note": f"the data behind this view is {total / 2**20:.1f} MB, more than the "
                                f"{PAYLOAD_MAX_BYTES / 2**20:.0f} MB a notebook keeps; {keep_it} keeps all of it"}
-    return head | {"data": data, "data_bytes": size}
+    return head | {"data": data, "drawn": drawn, "data_bytes": size}
 
 
 def output_bundle(widget_bundle, *, html: str, text: str, payload: dict) -> tuple[dict, dict]:

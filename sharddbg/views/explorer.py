@@ -563,6 +563,6 @@ class TraceExplorer(anywidget.AnyWidget):
     def _repr_mimebundle_(self, **kwargs):
         """The live widget, a static rendering, the text and the trace (see ``sharddbg.views.bundle``)."""
         payload = view_payload("explorer", self.trace.to_dict(), explorer_summary(self.trace),
-                               "t.save('run.sdtrace.json')")
+                               "t.save('run.sdtrace.json')", drawn=self.data)
         return output_bundle(super()._repr_mimebundle_(**kwargs), html=_html(self.trace, self._tables, STATIC_ROWS),
                              text=self.text(), payload=payload)

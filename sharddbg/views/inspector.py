@@ -73,6 +73,6 @@ class ShardInspector(anywidget.AnyWidget):
         payload = view_payload("inspector", {"name": lay.name, "snapshots": lay.snapshots, "world_mesh": lay.world_mesh},
                                {"name": lay.name, "kind": lay.kind, "global_shape": lay.global_shape,
                                 "ranks": lay.ranks, "warnings": len(lay.warnings)},
-                               "cl.inspect(name) on a running cluster")
+                               "cl.inspect(name) on a running cluster", drawn=self.data)
         return output_bundle(super()._repr_mimebundle_(**kwargs), html=inspector_html(lay), text=self.text(),
                              payload=payload)

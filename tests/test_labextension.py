@@ -1,0 +1,124 @@
+"""The JupyterLab extension as a wheel carries it, on a clean clone of this repository: a source install without
+Node.js installs the Python package and says the extension was not built; ``pip wheel`` with Node builds it once
+(``npm ci`` from the committed lockfile, then JupyterLab's builder) into the wheel, whose install JupyterLab
+finds enabled (the labextension and the server extension), with no build step of its own.
+
+What the extension draws is checked in a real browser by tests/test_browser.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# a real build: npm ci and JupyterLab's builder, about a minute here
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[1]
+LABEXTENSION = "share/jupyter/labextensions/sharddbg-jupyterlab"
+SERVER_CONFIG = "etc/jupyter/jupyter_server_config.d/sharddbg.json"
+PURELIB = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+
+
+@dataclass
+class Builds:
+    """The clean clone, the source install made without Node, and the wheel built with it."""
+
+    clone: Path
+    without_node: subprocess.CompletedProcess
+    without_node_prefix: Path
+    wheel: Path
+    wheel_prefix: Path
+
+
+def _clean_clone(where: Path) -> Path:
+    """A clone of this repository with the working tree's tracked files (committed or not), nothing built."""
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(where)], check=True, timeout=120)
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for rel in filter(None, tracked.decode().split("\0")):
+        if (REPO / rel).is_file():
+            (where / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, where / rel)
+    assert not (where / "sharddbg" / "labextension").exists() and not (where / "extension" / "node_modules").exists()
+    return where
+
+
+def _pip(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}, **extra}
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> Builds:
+    work = tmp_path_factory.mktemp("labextension")
+    clone = _clean_clone(work / "sharddbg")
+    # no Node.js: a PATH with Python and git only
+    bare_bin = work / "bin-without-node"
+    bare_bin.mkdir()
+    for tool in ("git",):
+        (bare_bin / tool).symlink_to(shutil.which(tool))
+    (bare_bin / "python").symlink_to(sys.executable)
+    without_node_prefix = work / "without-node"
+    without_node = _pip("install", "-v", "--no-deps", "--prefix", str(without_node_prefix), ".",
+                        env=_env(PATH=str(bare_bin)), cwd=clone)
+    # with Node: the one build of the extension
+    wheels = work / "wheels"
+    built = _pip("wheel", "--no-deps", "-w", str(wheels), ".", env=_env(), cwd=clone)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = wheels.glob("sharddbg-*.whl")
+    wheel_prefix = work / "from-wheel"
+    installed = _pip("install", "--no-deps", "--prefix", str(wheel_prefix), str(wheel), env=_env(), cwd=work)
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    return Builds(clone, without_node, without_node_prefix, wheel, wheel_prefix)
+
+
+def test_a_source_install_without_node_installs_the_package_and_says_the_extension_was_not_built(builds):
+    done = builds.without_node
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "sharddbg: the JupyterLab extension was NOT built: node and npm not found on PATH." in said, said[-3000:]
+    assert "Install Node.js 20 (with npm) and install sharddbg again, or install it from a wheel." in said
+    assert (builds.without_node_prefix / PURELIB / "sharddbg" / "labserver.py").exists()
+    assert not (builds.without_node_prefix / LABEXTENSION).exists()
+
+
+def test_the_wheel_carries_the_extension_and_jupyterlab_finds_it_enabled(builds):
+    names = zipfile.ZipFile(builds.wheel).namelist()
+    data = "sharddbg-0.1.0.data/data/"
+    assert data + LABEXTENSION + "/package.json" in names
+    assert any(n.startswith(data + LABEXTENSION + "/static/remoteEntry.") for n in names), names
+    assert data + SERVER_CONFIG in names
+    # the views' own front end, bundled once into the extension, still ships with the package for the widgets
+    assert {"sharddbg/views/_static/explorer.js", "sharddbg/views/_static/style.css",
+            "sharddbg/views/templates/explorer.html"} <= set(names)
+    # the lockfile made the build: npm ci left node_modules in the clone
+    assert (builds.clone / "extension" / "node_modules" / ".package-lock.json").exists()
+    prefix = builds.wheel_prefix
+    env = _env(JUPYTER_PATH=str(prefix / "share" / "jupyter"), JUPYTER_CONFIG_PATH=str(prefix / "etc" / "jupyter"),
+               PYTHONPATH=str(prefix / PURELIB), JUPYTER_CONFIG_DIR=str(prefix / "user-config"))
+    jupyter = [sys.executable, "-m", "jupyter"]
+    lab = subprocess.run([*jupyter, "labextension", "list"], env=env, capture_output=True, text=True, timeout=120)
+    listed = lab.stdout + lab.stderr
+    line = next((x for x in listed.splitlines() if "sharddbg-jupyterlab" in x), "")
+    assert str(prefix / "share" / "jupyter" / "labextensions") in listed and "enabled" in line and "OK" in line, listed
+    # the server extension: enabled by the config file the wheel installs, read as Jupyter Server reads it
+    # (`jupyter server extension list` reads only the user's, the prefix's and the system's folders)
+    code = ("from jupyter_core.paths import jupyter_config_path; "
+            "from jupyter_server.extension.config import ExtensionConfigManager; "
+            "import sharddbg.labserver as m; "
+            "print(ExtensionConfigManager(read_config_path=jupyter_config_path()).get_jpserver_extensions(), "
+            "m.__file__, m._jupyter_server_extension_points())")
+    server = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                            cwd=prefix)
+    assert server.returncode == 0, server.stderr
+    assert "'sharddbg.labserver': True" in server.stdout and str(prefix / PURELIB) in server.stdout, server.stdout
