@@ -385,12 +385,18 @@ _ddp = torch.nn.parallel.DistributedDataParallel(_dnet, process_group=mesh["ddp"
 
 
 def test_plain_dtensor_is_recorded_as_the_readme_says(cl):
-    """docs/dtensor.md ("Plain torch DTensor"): no op records, collectives recorded without an owning op."""
+    """docs/dtensor.md ("Plain torch DTensor"): the user's DTensor calls are ops with DTensor's own paths, the
+    collectives under the call that issued them."""
     cl.run("_dt = distribute_tensor(torch.randn(8, 8), dmesh, [Shard(0)])", timeout=30)
     t = _trace(cl, "_full = (_dt + _dt).full_tensor()")
-    assert t.get_ops().empty
+    ops = t.get_ops()
+    for r in range(N):
+        mine = ops[ops["rank"] == r]
+        assert list(zip(mine["op"], mine["path"])) == [("Tensor.add", "dtensor_propagation"),
+                                                      ("DTensor.full_tensor", "dtensor_redistribute")]
     colls = t.get_collectives()
-    assert len(colls) == N and set(colls["kind"]) == {"all_gather_into_tensor"} and colls["op"].isna().all()
+    assert len(colls) == N and set(colls["kind"]) == {"all_gather_into_tensor"}
+    assert set(colls["op"]) == {"DTensor.full_tensor"}
     layout = cl.inspect("_dt").shard_layout
     assert len(layout.get_ranks()) == N
 

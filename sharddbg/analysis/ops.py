@@ -195,16 +195,22 @@ def cell_errors_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
     return df
 
 
+def in_a_script(user_frame) -> bool:
+    """An error record's ``user_frame`` names a file of a script ('train.py:47 in train_step'), not a cell ('cell
+    [6], line 5 in f', 'cell sent by cl.run, line 4 in <module>')."""
+    return isinstance(user_frame, str) and not user_frame.startswith("cell ")
+
+
 def error_location(row: dict) -> str | None:
     """Where an exception that ended the cell (or a script) went through the user's code: the cell's line
     ('cell [6], line 5: `y = x + x`'); in a script, which has no cell, its innermost frame of the user's code
     ('train.py:47 in train_step: `dist.all_reduce(g)`')."""
     cell = row.get("cell")
-    if (cell is None or pd.isna(cell)) and isinstance(row.get("user_frame"), str) and \
-            not row["user_frame"].startswith("cell ["):
+    line = row.get("cell_line")
+    if in_a_script(row.get("user_frame")):
         code = row.get("user_code")
         return f"{row['user_frame']}: `{code}`" if isinstance(code, str) and code else row["user_frame"]
-    return cell_location(cell, row.get("cell_line"), row.get("cell_code"))
+    return cell_location(cell, line, row.get("cell_code"))
 
 
 def cell_location(cell, line, code) -> str | None:
@@ -257,9 +263,9 @@ def errors(ops: pd.DataFrame, include_propagated: bool = False, cell_errors: pd.
                 "rank": own["rank"].to_numpy(), "seq": own["seq"].to_numpy(), "op": NO_OP, "path": None,
                 "exc_type": own["exc_type"].to_numpy(), "message": own["message"].to_numpy(),
                 "traceback": own["traceback"].to_numpy(),
-                "user_frame": [f if isinstance(f, str) and pd.isna(c) else f"line {int(n)} of the cell"
-                               if not pd.isna(n) else "the cell"
-                               for f, c, n in zip(own["user_frame"], own["cell"], own["cell_line"])],
+                # a script has no cell: its innermost frame of the user's code
+                "user_frame": [f if in_a_script(f) else f"line {int(n)} of the cell" if not pd.isna(n)
+                               else "the cell" for f, n in zip(own["user_frame"], own["cell_line"])],
                 "phase": "cell", "unmasked": False, "handled": False, "propagated_to": [[] for _ in range(len(own))],
                 "cell_line": own["cell_line"].to_numpy(), "cell_code": own["cell_code"].to_numpy(),
                 "location": own["location"].to_numpy()}))

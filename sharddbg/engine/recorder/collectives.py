@@ -60,6 +60,8 @@ from .comm_bytes import BYTE_COUNTS, first_tensor, no_bytes
 from .cuda import CudaSpan
 from .events import CollectiveEvent
 from .params import deferred_gradient_owner, name_of, parameter_of
+
+DTENSOR_PROPAGATION = "dtensor_propagation"  # schema.PATHS: a plain DTensor call of the user's (dtensor.py)
 from .preflight import CollectiveMismatchError, mismatch_message
 from .state import GroupInfo, RecordingState, ThreadState
 from .tensors import compile_tracing, node_name
@@ -672,20 +674,23 @@ class CollectiveHooks:
                     ev.param = state.param_name
         else:
             stack = st.op_stack
-            if stack:
+            # a reduction of a parameter's distributed gradient, reduced at its first use (the optimizer's step),
+            # outside every recorded op or inside a plain DTensor call of the user's (the optimizer's update of a
+            # DTensor parameter): it belongs to the backward of the op that used the parameter
+            owner = None
+            if (s.kind in _GRAD_REDUCTIONS and t0 is not None and rec.roots
+                    and (not stack or stack[0].path == DTENSOR_PROPAGATION)):
+                owner = deferred_gradient_owner(rec, t0)
+            if owner is not None:
+                ev.frame = user_frame(3)
+                ev.param = owner
+                ev.deferred_gradient = True
+                ev.forward_ops_ended = len(rec.forward_ops)
+            elif stack:
                 ev.op = stack[-1]
                 ev.outer = stack[0]
             else:
-                # outside every recorded op: the user's line that issued it, and, for a reduction of a
-                # parameter's distributed gradient (reduced at its first use, e.g. the optimizer's step),
-                # that parameter
-                ev.frame = user_frame(3)
-                if s.kind in _GRAD_REDUCTIONS and t0 is not None and rec.roots:
-                    name = deferred_gradient_owner(rec, t0)
-                    if name is not None:
-                        ev.param = name
-                        ev.deferred_gradient = True
-                        ev.forward_ops_ended = len(rec.forward_ops)
+                ev.frame = user_frame(3)  # outside every recorded op: the user's line that issued it
         # is_async is True unless set here: functional collectives and point-to-point calls always complete at a
         # later wait
         if s.synchronous:
