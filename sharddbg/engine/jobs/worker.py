@@ -424,6 +424,7 @@ class JobRecording:
                     "dropped": rec.dropped if rec is not None else 0, "meta": meta,
                     "clock": {"t_stop_ns": rec.t_stop_ns if rec is not None else None},
                     "recorded": rec is not None, "largest_flush_ms": round(self.stream.largest_flush_ms, 3),
+                    "largest_piece_ms": round(self.stream.largest_piece_ms, 3),
                 }}])
         finally:
             for undo in reversed(self._undo):
