@@ -6,8 +6,9 @@ with a window the job never reaches (nothing recorded: the cost of being ready).
 
 Each launch is a fresh torchrun; modes rotate round by round. The step time is rank 0's wall time per step
 (the first ``--warmup`` steps left out); the ratio of a mode is the median of its per-round ratios to the
-unrecorded run of the same round. For ``sharddbg record`` the largest flush of any rank (formatting and writing,
-on the rank's background thread: the GIL it holds is time the step may wait) and the bytes written per rank.
+unrecorded run of the same round. For ``sharddbg record``: the longest piece of a flush (the time the rank's
+background thread held the GIL without giving it back: the most a step waits for it), the largest whole flush
+(formatting and writing, in pieces) and the bytes written per rank.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_record.py --rounds 3 --steps 20
 """
@@ -52,12 +53,13 @@ def launch(mode: str, steps: int, workdir: Path, index: int, nproc: int = 4, dev
         raise SystemExit(f"{mode}: exit status {done.returncode}\n{done.stderr[-3000:]}")
     result = {"times": json.loads(times.read_text())}
     if mode == "sharddbg record":
-        flushes, sizes = [], []
+        flushes, pieces, sizes = [], [], []
         for stream in sorted(out.glob("rank-*.jsonl")):
             last = json.loads(stream.read_text().splitlines()[-1])
             flushes.append(last["end"]["largest_flush_ms"])
+            pieces.append(last["end"]["largest_piece_ms"])
             sizes.append(stream.stat().st_size)
-        result.update(largest_flush_ms=max(flushes), bytes_per_rank=statistics.median(sizes))
+        result.update(largest_flush_ms=max(flushes), largest_piece_ms=max(pieces), bytes_per_rank=statistics.median(sizes))
     return result
 
 
@@ -77,7 +79,7 @@ def main() -> None:
           f"(first {args.warmup} left out)")
     ratios: dict[str, list[float]] = {m: [] for m in MODES}
     step_ms: dict[str, list[float]] = {m: [] for m in MODES}
-    flush, size = [], []
+    flush, piece, size = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         index = 0
@@ -90,6 +92,7 @@ def main() -> None:
                 here[mode] = statistics.median(result["times"][args.warmup:])
                 if "largest_flush_ms" in result:
                     flush.append(result["largest_flush_ms"])
+                    piece.append(result["largest_piece_ms"])
                     size.append(result["bytes_per_rank"])
             for mode in MODES:
                 step_ms[mode].append(here[mode])
@@ -102,7 +105,9 @@ def main() -> None:
         rs = ratios[mode]
         print(f"| {mode} | {statistics.median(step_ms[mode]):.1f} | {statistics.median(rs):.3f} "
               f"[{min(rs):.3f}, {max(rs):.3f}] |")
-    print(f"\nsharddbg record: largest flush of any rank {max(flush):.1f} ms (median over runs "
+    print(f"\nsharddbg record: the longest the background thread held the GIL in one piece of a flush "
+          f"{max(piece):.2f} ms (median over runs {statistics.median(piece):.2f} ms)")
+    print(f"sharddbg record: largest flush of any rank {max(flush):.1f} ms (median over runs "
           f"{statistics.median(flush):.1f} ms); stream {statistics.median(size) / 1024:.0f} KiB per rank for "
           f"{args.steps} steps")
 

@@ -1,7 +1,9 @@
 """The JupyterLab extension as a wheel carries it, on a clean clone of this repository: a source install without
-Node.js installs the Python package and says the extension was not built; ``pip wheel`` with Node builds it once
-(``npm ci`` from the committed lockfile, then JupyterLab's builder) into the wheel, whose install JupyterLab
-finds enabled (the labextension and the server extension), with no build step of its own.
+Node.js installs the Python package and says the extension was not built. ``pip wheel`` of a clean clone that
+``.ci/setup`` set up (``npm ci`` from the committed lockfile, then JupyterLab's builder) carries the extension,
+and its install JupyterLab finds enabled (the labextension and the server extension), with no build step of its
+own: that check (``wheel_carries_the_extension``) runs in tests/test_setup.py, on the clean clone it sets up
+from nothing, so that the suite builds the extension once.
 
 What the extension draws is checked in a real browser by tests/test_browser.py."""
 
@@ -17,24 +19,13 @@ from pathlib import Path
 
 import pytest
 
-# a real build: npm ci and JupyterLab's builder, about a minute here
+# a real source install (hatchling in pip's isolated build environment)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 LABEXTENSION = "share/jupyter/labextensions/sharddbg-jupyterlab"
 SERVER_CONFIG = "etc/jupyter/jupyter_server_config.d/sharddbg.json"
 PURELIB = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
-
-
-@dataclass
-class Builds:
-    """The clean clone, the source install made without Node, and the wheel built with it."""
-
-    clone: Path
-    without_node: subprocess.CompletedProcess
-    without_node_prefix: Path
-    wheel: Path
-    wheel_prefix: Path
 
 
 def _clean_clone(where: Path) -> Path:
@@ -58,8 +49,16 @@ def _env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}, **extra}
 
 
+@dataclass
+class SourceInstall:
+    """A source install from a clean clone on a PATH without Node.js."""
+
+    done: subprocess.CompletedProcess
+    prefix: Path
+
+
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory) -> Builds:
+def without_node(tmp_path_factory) -> SourceInstall:
     work = tmp_path_factory.mktemp("labextension")
     clone = _clean_clone(work / "sharddbg")
     # no Node.js: a PATH with Python and git only
@@ -68,32 +67,35 @@ def builds(tmp_path_factory) -> Builds:
     for tool in ("git",):
         (bare_bin / tool).symlink_to(shutil.which(tool))
     (bare_bin / "python").symlink_to(sys.executable)
-    without_node_prefix = work / "without-node"
-    without_node = _pip("install", "-v", "--no-deps", "--prefix", str(without_node_prefix), ".",
-                        env=_env(PATH=str(bare_bin)), cwd=clone)
-    # with Node: the one build of the extension
+    prefix = work / "without-node"
+    done = _pip("install", "-v", "--no-deps", "--prefix", str(prefix), ".", env=_env(PATH=str(bare_bin)), cwd=clone)
+    return SourceInstall(done, prefix)
+
+
+def wheel_carries_the_extension(clone: Path, work: Path) -> None:
+    """``pip wheel`` of ``clone`` (whose ``.ci/setup`` built the extension with ``npm ci``: the wheel's build finds
+    it up to date) carries the extension; installed, JupyterLab finds it enabled, the server extension too.
+    Called by tests/test_setup.py on its clean clone, which has just been set up from nothing."""
     wheels = work / "wheels"
     built = _pip("wheel", "--no-deps", "-w", str(wheels), ".", env=_env(), cwd=clone)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = wheels.glob("sharddbg-*.whl")
-    wheel_prefix = work / "from-wheel"
-    installed = _pip("install", "--no-deps", "--prefix", str(wheel_prefix), str(wheel), env=_env(), cwd=work)
+    prefix = work / "from-wheel"
+    installed = _pip("install", "--no-deps", "--prefix", str(prefix), str(wheel), env=_env(), cwd=work)
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
-    return Builds(clone, without_node, without_node_prefix, wheel, wheel_prefix)
-
-
-def test_a_source_install_without_node_installs_the_package_and_says_the_extension_was_not_built(builds):
-    done = builds.without_node
+    _wheel_checks(clone, wheel, prefix)
+def test_a_source_install_without_node_installs_the_package_and_says_the_extension_was_not_built(without_node):
+    done = without_node.done
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     said = done.stdout + done.stderr
     assert "sharddbg: the JupyterLab extension was NOT built: node and npm not found on PATH." in said, said[-3000:]
     assert "Install Node.js 20 (with npm) and install sharddbg again, or install it from a wheel." in said
-    assert (builds.without_node_prefix / PURELIB / "sharddbg" / "labserver.py").exists()
-    assert not (builds.without_node_prefix / LABEXTENSION).exists()
+    assert (without_node.prefix / PURELIB / "sharddbg" / "labserver.py").exists()
+    assert not (without_node.prefix / LABEXTENSION).exists()
 
 
-def test_the_wheel_carries_the_extension_and_jupyterlab_finds_it_enabled(builds):
-    names = zipfile.ZipFile(builds.wheel).namelist()
+def _wheel_checks(clone: Path, wheel: Path, prefix: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
     data = "sharddbg-0.1.0.data/data/"
     assert data + LABEXTENSION + "/package.json" in names
     assert any(n.startswith(data + LABEXTENSION + "/static/remoteEntry.") for n in names), names
@@ -102,8 +104,7 @@ def test_the_wheel_carries_the_extension_and_jupyterlab_finds_it_enabled(builds)
     assert {"sharddbg/views/_static/explorer.js", "sharddbg/views/_static/style.css",
             "sharddbg/views/templates/explorer.html"} <= set(names)
     # the lockfile made the build: npm ci left node_modules in the clone
-    assert (builds.clone / "extension" / "node_modules" / ".package-lock.json").exists()
-    prefix = builds.wheel_prefix
+    assert (clone / "extension" / "node_modules" / ".package-lock.json").exists()
     env = _env(JUPYTER_PATH=str(prefix / "share" / "jupyter"), JUPYTER_CONFIG_PATH=str(prefix / "etc" / "jupyter"),
                PYTHONPATH=str(prefix / PURELIB), JUPYTER_CONFIG_DIR=str(prefix / "user-config"))
     jupyter = [sys.executable, "-m", "jupyter"]

@@ -113,6 +113,14 @@ def test_the_demo_install_says_what_it_does_without_error_lines(clone, demo_inst
     assert importable(clone, TEST_TOOLS) == []
 
 
+def test_the_wheel_of_the_set_up_clone_carries_the_jupyterlab_extension(clone, demo_installed, tmp_path):
+    """``pip wheel`` of the clone its setup built the extension in: the wheel carries it, JupyterLab finds it."""
+    from test_labextension import wheel_carries_the_extension
+
+    assert demo_installed[0].returncode == 0
+    wheel_carries_the_extension(clone, tmp_path)
+
+
 def test_the_tests_then_add_their_tools_and_only_them(clone, demo_installed, tests_added):
     _, logged = demo_installed
     out = [line for line in tests_added.stdout.splitlines() if not CHROMIUM.match(line)]

@@ -22,8 +22,16 @@ from ..recorder import export
 from ..recorder.events import CollectiveEvent, OpEvent
 
 
+PIECE = 8  # events formatted between two moments the background thread gives the GIL back
+
+
 def _default(value: Any) -> Any:
     return job_files.as_plain(value)
+
+
+def encode(line: dict) -> str:
+    """One stream line: compact JSON and a newline."""
+    return json.dumps(line, separators=(",", ":"), default=_default, allow_nan=False) + "\n"
 
 
 class RankStreamWriter:
@@ -37,6 +45,7 @@ class RankStreamWriter:
         self.lock = threading.RLock()
         self.failed: str | None = None  # why writing stopped, once it did
         self.largest_flush_ms = 0.0  # the longest flush so far (formatting and writing), for the bench
+        self.largest_piece_ms = 0.0  # the longest the flush held the GIL without giving it back, for the bench
         self.bytes_written = 0
         # the recorder's buffer: how far it was scanned, and the kept events not complete yet
         self._scanned = 0
@@ -49,8 +58,12 @@ class RankStreamWriter:
         """Append ``lines`` (each a {kind: body} object) in one write; False once writing failed."""
         if self.failed is not None or not lines:
             return self.failed is None
-        data = "".join(json.dumps(line, separators=(",", ":"), default=_default, allow_nan=False) + "\n"
-                       for line in lines).encode()
+        return self.write_encoded("".join(encode(line) for line in lines).encode())
+
+    def write_encoded(self, data: bytes) -> bool:
+        """Append lines already encoded, in one write; False once writing failed."""
+        if self.failed is not None or not data:
+            return self.failed is None
         with self.lock:
             try:
                 view = memoryview(data)
@@ -79,7 +92,11 @@ class RankStreamWriter:
     # ---- the recorder's events -------------------------------------------------------------------------
     def flush(self, rec, step: int | None, final: bool = False) -> bool:
         """Append what completed since the last flush, then a ``state`` line (``final``: every kept event, the
-        settled ``handled`` of op errors, no state line). False once writing failed."""
+        settled ``handled`` of op errors, no state line). False once writing failed.
+
+        On the background thread (not ``final``) the events are formatted in pieces of ``PIECE`` and the GIL is
+        given back between pieces, so that the job's thread waits at most one piece's time for it
+        (``largest_piece_ms``), not the whole flush's."""
         t0 = time.perf_counter()
         with self.lock:
             buf = rec.buffer
@@ -92,7 +109,14 @@ class RankStreamWriter:
             extra, self._extra = self._extra, []
             lines += extra
             still = []
-            for ev in self._pending:
+            encoded: list[str] = [encode(line) for line in lines]
+            lines = []
+            piece_start = time.perf_counter()
+            for i, ev in enumerate(self._pending):
+                if not final and i and i % PIECE == 0:
+                    self._piece_done(piece_start)
+                    time.sleep(0)  # the GIL goes to the job's thread if it waits for it
+                    piece_start = time.perf_counter()
                 if not final and type(ev) is CollectiveEvent and ev.t_done_ns is None and ev.error is None:
                     still.append(ev)
                     continue
@@ -101,9 +125,10 @@ class RankStreamWriter:
                 except Exception:  # noqa: BLE001 - e.g. its mesh is gone (the group destroyed): kept unchecked
                     rec.internal_errors.append(traceback.format_exc())
                     record = export.record_of(ev, rec, None)
-                lines.append({"event": record})
+                encoded.append(encode({"event": record}))
                 if type(ev) is OpEvent and ev.error is not None and record["error"]["handled"] is None:
                     self._unsettled_errors.append(ev)
+            self._piece_done(piece_start)
             self._pending = still
             if final:
                 for ev in self._unsettled_errors:
@@ -115,9 +140,13 @@ class RankStreamWriter:
                 in_flight += export.in_flight_ops(rec, None)
                 lines.append({"state": {"t_ns": clock.now_ns(), "dropped": rec.dropped, "step": step,
                                         "in_flight": in_flight, "recording": rec.running}})
-            ok = self.write_lines(lines)
+            encoded += [encode(line) for line in lines]
+            ok = self.write_encoded("".join(encoded).encode())
         self.largest_flush_ms = max(self.largest_flush_ms, (time.perf_counter() - t0) * 1e3)
         return ok
+
+    def _piece_done(self, started: float) -> None:
+        self.largest_piece_ms = max(self.largest_piece_ms, (time.perf_counter() - started) * 1e3)
 
     def pending_collectives(self) -> list[CollectiveEvent]:
         """The kept collectives not completed at the last flush (the hang watch reads them)."""

@@ -287,6 +287,8 @@ class JobRecording:
             return
         now = clock.now_ns()
         limit = int(self.settings.hang_after_s * 1e9)
+        if any(ev.error is not None for ev in self.stream.pending_collectives()):
+            self.flush()  # a collective failed (its timeout, a peer gone): on disk now, before what follows it
         size = len(rec.buffer) + rec.dropped
         if size != self._buffer_size:  # the rank made progress: nothing it waits in is a hang yet
             self._buffer_size, self._progress_ns = size, now
@@ -424,6 +426,7 @@ class JobRecording:
                     "dropped": rec.dropped if rec is not None else 0, "meta": meta,
                     "clock": {"t_stop_ns": rec.t_stop_ns if rec is not None else None},
                     "recorded": rec is not None, "largest_flush_ms": round(self.stream.largest_flush_ms, 3),
+                    "largest_piece_ms": round(self.stream.largest_piece_ms, 3),
                 }}])
         finally:
             for undo in reversed(self._undo):
