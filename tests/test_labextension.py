@@ -41,6 +41,8 @@ def _clean_clone(where: Path) -> Path:
 
 
 def _pip(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    # every install here is into a prefix of its own, with --ignore-installed: pip would otherwise uninstall the
+    # sharddbg of the environment running the tests (pip's --prefix looks at the running environment)
     return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
@@ -68,7 +70,8 @@ def without_node(tmp_path_factory) -> SourceInstall:
         (bare_bin / tool).symlink_to(shutil.which(tool))
     (bare_bin / "python").symlink_to(sys.executable)
     prefix = work / "without-node"
-    done = _pip("install", "-v", "--no-deps", "--prefix", str(prefix), ".", env=_env(PATH=str(bare_bin)), cwd=clone)
+    done = _pip("install", "-v", "--no-deps", "--ignore-installed", "--prefix", str(prefix), ".", env=_env(PATH=str(bare_bin)),
+                cwd=clone)
     return SourceInstall(done, prefix)
 
 
@@ -81,7 +84,7 @@ def wheel_carries_the_extension(clone: Path, work: Path) -> None:
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = wheels.glob("sharddbg-*.whl")
     prefix = work / "from-wheel"
-    installed = _pip("install", "--no-deps", "--prefix", str(prefix), str(wheel), env=_env(), cwd=work)
+    installed = _pip("install", "--no-deps", "--ignore-installed", "--prefix", str(prefix), str(wheel), env=_env(), cwd=work)
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     _wheel_checks(clone, wheel, prefix)
 def test_a_source_install_without_node_installs_the_package_and_says_the_extension_was_not_built(without_node):
