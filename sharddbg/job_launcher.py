@@ -107,24 +107,11 @@ def _move_previous_run(out: str) -> str | None:
     return aside
 
 
-def _launcher_of(command: list[str]) -> str:
-    """"torchrun" when the command starts torchrun (its workers record), else "python" (its first Python process
-    records)."""
-    words = [os.path.basename(w) for w in command[:4]]
-    if words and words[0] == "torchrun":
-        return "torchrun"
-    if "-m" in command[:3]:
-        module = command[command.index("-m") + 1] if command.index("-m") + 1 < len(command) else ""
-        if module in ("torch.distributed.run", "torch.distributed.launch"):
-            return "torchrun"
-    return "python"
-
-
-def _job_record(request: RecordRequest, run_id: str, launcher: str, **more) -> dict:
+def _job_record(request: RecordRequest, run_id: str, **more) -> dict:
     from . import __version__
 
     return {"format": job_files.JOB_FORMAT, "version": job_files.JOB_VERSION, "run_id": run_id,
-            "command": request.command, "cwd": os.getcwd(), "host": platform.node(), "launcher": launcher,
+            "command": request.command, "cwd": os.getcwd(), "host": platform.node(),
             "sharddbg": __version__, "steps": list(request.steps) if request.steps else None,
             "hang_after_s": request.hang_after_s, "options": request.options.as_dict(), **more}
 
@@ -161,11 +148,10 @@ def record(request: RecordRequest) -> int:
     os.makedirs(request.out, exist_ok=True)
     aside = _move_previous_run(request.out) if request.force else None
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    launcher = _launcher_of(request.command)
     out = os.path.abspath(request.out)
     job_path = os.path.join(out, job_files.JOB_FILE)
     started = time.time()
-    write_file_atomically(job_path, lambda f: json.dump(_job_record(request, run_id, launcher, started=started,
+    write_file_atomically(job_path, lambda f: json.dump(_job_record(request, run_id, started=started,
                                                                      replaced_into=aside), f, indent=1))
     env = dict(os.environ)
     env.pop(ENV_CLAIMED, None)
@@ -173,7 +159,7 @@ def record(request: RecordRequest) -> int:
     # nothing the job computes changes; a size the user set is kept
     env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     env["PYTHONPATH"] = SITE_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env[ENV_SETTINGS] = JobSettings(out, run_id, launcher, request.options.as_dict(), request.steps,
+    env[ENV_SETTINGS] = JobSettings(out, run_id, request.options.as_dict(), request.steps,
                                     request.hang_after_s).to_env()
     # Ctrl-C reaches the job itself (same process group); the launcher waits for it to end
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -190,7 +176,7 @@ def record(request: RecordRequest) -> int:
                 rank_exits = json.load(f)
         except (OSError, ValueError):
             pass
-    elif launcher == "python" and returncode < 0:
+    elif returncode < 0 and _one_process(out):  # no torchrun agent: the signal ended the one recording process
         rank_exits = {"0": f"its process (pid {proc.pid}) was killed by {signal.Signals(-returncode).name}"}
     for name in os.listdir(out):
         if name.startswith(".hang-"):
@@ -199,9 +185,14 @@ def record(request: RecordRequest) -> int:
             except OSError:
                 pass
     write_file_atomically(job_path, lambda f: json.dump(_job_record(
-        request, run_id, launcher, started=started, replaced_into=aside, ended=time.time(),
+        request, run_id, started=started, replaced_into=aside, ended=time.time(),
         wall_s=round(time.time() - started, 3), returncode=returncode, rank_exits=rank_exits), f, indent=1))
     return returncode
+
+
+def _one_process(out: str) -> bool:
+    """The folder holds rank 0's stream only: the job was one recording process."""
+    return sorted(n for n in os.listdir(out) if job_files.RANK_FILE_PATTERN.match(n)) == [job_files.rank_file_name(0)]
 
 
 def summary_text(trace, width: int = 100) -> str:

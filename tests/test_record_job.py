@@ -339,3 +339,19 @@ def test_load_trace_refuses_broken_folders_and_reads_a_cut_file_up_to_its_last_l
     empty.mkdir()
     with pytest.raises(TraceFileError, match="is a folder, not a trace file or a recorded job"):
         sharddbg.load_trace(empty)
+
+
+@pytest.mark.parametrize("argv, agent", [
+    (["/venv/bin/python", "/venv/bin/torchrun", "--nproc-per-node", "4", "train.py"], True),
+    (["python", "-m", "torch.distributed.run", "--nproc-per-node", "4", "train.py"], True),
+    (["python", "-m", "torch.distributed.launch", "train.py"], True),
+    (["python", "train.py", "--torchrun"], False),
+    (["bash", "run.sh"], False),
+    (["python", "-m", "train"], False),
+])
+def test_each_process_tells_whether_it_is_torchruns_agent_from_its_own_command_line(argv, agent):
+    """A job started through a script that calls torchrun: the agent is known by its own command, not by the
+    command given to sharddbg record."""
+    from sharddbg.engine.jobs.bootstrap import is_torchrun_agent
+
+    assert is_torchrun_agent(argv) is agent

@@ -15,7 +15,8 @@ def start_from_environment() -> str:
     settings = JobSettings.from_env()
     if settings is None or os.environ.get(ENV_CLAIMED):
         return "none"
-    if settings.launcher == "torchrun" and "RANK" not in os.environ:
+    # each process tells what it is itself: the command may be a script that starts torchrun somewhere inside
+    if "RANK" not in os.environ and is_torchrun_agent():
         from . import agent
 
         agent.install(settings)
@@ -35,3 +36,17 @@ def start_from_environment() -> str:
               f"goes on unrecorded", file=sys.stderr, flush=True)
     return "rank"
 
+
+def is_torchrun_agent(argv: list[str] | None = None) -> bool:
+    """This process runs torchrun (its console script, or ``python -m torch.distributed.run`` / ``.launch``):
+    read from the command line it was started with (``sys.orig_argv``: ``sys.argv`` is not set yet when
+    sitecustomize runs)."""
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", None) or sys.argv) if argv is None else argv
+    if any(os.path.basename(word) == "torchrun" for word in argv[:2]):
+        return True
+    if "-m" in argv[:3]:
+        module = argv[argv.index("-m") + 1] if argv.index("-m") + 1 < len(argv) else ""
+        return module in ("torch.distributed.run", "torch.distributed.launch")
+    return False

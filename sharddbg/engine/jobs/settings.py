@@ -16,7 +16,6 @@ class JobSettings:
 
     out: str  # the job's folder (absolute)
     run_id: str  # names this run in every file it writes
-    launcher: str  # "torchrun" (workers record, the agent notes exits) or "python" (the one process records)
     options: dict  # RecordingOptions.as_dict()
     steps: tuple[int, int] | None = None  # record optimizer steps first..last only (1-based, inclusive)
     hang_after_s: float = 60.0  # a collective not done after this long: every rank writes where it is
