@@ -266,6 +266,33 @@ def test_a_plain_python_job_records_one_rank_and_a_full_disk_stops_only_the_reco
     assert "the job goes on unrecorded" in done.stderr
 
 
+def test_sigterm_while_the_job_runs_python_ends_the_stream_before_the_process_dies(tmp_path):
+    # SIGTERM reaches both the main thread's handler and the background thread's wakeup fd: whichever comes
+    # second must wait for the first one's last flush instead of killing the process under it
+    script = tmp_path / "term.py"
+    script.write_text("import os, signal, torch, torch.distributed as dist\n"
+                      "from torch.distributed.tensor import distribute_tensor, init_device_mesh, Replicate\n"
+                      "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29593')\n"
+                      "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+                      "x = distribute_tensor(torch.ones(8), init_device_mesh('cpu', (1,)), [Replicate()])\n"
+                      "for i in range(1500):\n    x = torch.relu(x)\n"
+                      "import threading\n"
+                      "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+                      "a = torch.randn(700, 700)\n"
+                      "while True:\n    a = torch.tanh(a @ a)\n")  # mostly inside C: the wakeup fd is first
+    for attempt in range(3):
+        out = tmp_path / f"term{attempt}"
+        done = sharddbg_cli("record", "--out", out, "--", sys.executable, script, timeout=120)
+        assert done.returncode != 0, done.stdout
+        job = job_files.read_job(str(out))
+        assert job.ranks[0].ended, (attempt, done.stderr)
+        ends = [json.loads(line)["end"] for line in (out / "rank-00000.jsonl").read_text().splitlines()
+                if line.startswith('{"end"')]
+        assert [e["exit"] for e in ends] == ["SIGTERM"]
+        t = sharddbg.load_trace(out)
+        assert (t.get_ops()["op"] == "torch.relu").sum() == 1500
+
+
 # ---- bad input --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, words", [

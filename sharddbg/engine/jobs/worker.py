@@ -68,6 +68,9 @@ class JobRecording:
         self._progress_ns = 0
         self._sigterm_fd: int | None = None  # wakes the background thread when SIGTERM arrives
         self._end_lock = threading.Lock()
+        self._ended_fully = threading.Event()  # set when the last flush is written, by whichever thread wrote it
+        self._ending_thread: int | None = None
+        self._die_after_end = False  # SIGTERM came while this thread wrote the last flush: die once it is written
 
     # ---- start -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -395,12 +398,18 @@ class JobRecording:
             pass
 
     def _sigterm_from_watch(self) -> None:
-        """SIGTERM arrived: end the stream, then die of it as the job would have."""
+        """SIGTERM arrived: end the stream, then die of it as the job would have. The signal reaches both
+        threads (the main thread's handler and the background thread's wakeup fd): whichever comes second waits
+        for the first one's last flush, so neither kills the process while the other still writes."""
+        if self._ending_thread == threading.get_ident():
+            # the handler interrupted this very thread's last flush: it dies once that flush is written
+            self._die_after_end = True
+            return
         try:
             self.end("SIGTERM")
         finally:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            self._ended_fully.wait(timeout=10.0)
+            _die_of_sigterm()
 
     def end(self, how: str) -> None:
         """The last flush: stop recording, write every event kept, the end line; once (from whichever thread
@@ -409,6 +418,7 @@ class JobRecording:
             if self.ended:
                 return
             self.ended = True
+            self._ending_thread = threading.get_ident()
         self._stop.set()
         rec = self.recorder
         try:
@@ -435,6 +445,25 @@ class JobRecording:
                 except Exception:  # noqa: BLE001
                     pass
             self.stream.close()
+            self._ended_fully.set()
+            if self._die_after_end:
+                _die_of_sigterm()
+
+
+def _die_of_sigterm() -> None:
+    """End the process by SIGTERM's default action, as it would have ended without sharddbg. Python lets only
+    the main thread set a handler, and the background thread ends the stream while the main thread may wait
+    in a collective forever: that thread sets the default action through the C library."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    else:
+        import ctypes
+
+        try:
+            ctypes.CDLL(None).signal(int(signal.SIGTERM), ctypes.c_void_p(0))  # 0 is SIG_DFL
+        except (OSError, AttributeError):
+            os._exit(128 + int(signal.SIGTERM))
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 _DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
