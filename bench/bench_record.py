@@ -52,6 +52,17 @@ def launch(mode: str, steps: int, workdir: Path, index: int, nproc: int = 4, dev
     if done.returncode != 0:
         raise SystemExit(f"{mode}: exit status {done.returncode}\n{done.stderr[-3000:]}")
     result = {"times": json.loads(times.read_text())}
+    if mode == "record, outside the window":
+        # sharddbg's own CPU time in each rank (its background thread, its step hook) over the rank's life: what
+        # being ready costs, measured in the process itself, free of the launch-to-launch noise of step times
+        shares = []
+        for stream in sorted(out.glob("rank-*.jsonl")):
+            lines = stream.read_text().splitlines()
+            head, end = json.loads(lines[0])["header"], json.loads(lines[-1])["end"]
+            wall_ms = (end["t_ns"] - head["clock"]["t_start_ns"]) / 1e6
+            own = end["sharddbg_cpu_ms"]
+            shares.append((own["background"] + own["step_hook"]) / wall_ms)
+        result["own_cpu_share"] = max(shares)
     if mode == "sharddbg record":
         flushes, pieces, sizes = [], [], []
         for stream in sorted(out.glob("rank-*.jsonl")):
@@ -70,42 +81,56 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=4, help="ranks (an even number: a 2 x n/2 mesh; odd: 1 x n)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: one GPU per rank, NCCL")
+    parser.add_argument("--modes", default=";".join(MODES),
+                        help=f"which modes, separated by semicolons (the unrecorded one always runs): {', '.join(MODES)}")
     args = parser.parse_args()
+    modes = tuple(m for m in MODES if m == "unrecorded" or m in args.modes.split(";"))
+    unknown = set(args.modes.split(";")) - set(MODES)
+    if unknown:
+        parser.error(f"--modes: unknown {sorted(unknown)}; choose among {', '.join(MODES)}")
     import torch
 
     print(f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.nproc} {args.device} ranks; {args.rounds} rounds x {len(MODES)} "
+          f"{time.strftime('%Y-%m-%d %H:%M')}; {args.nproc} {args.device} ranks; {args.rounds} rounds x {len(modes)} "
           f"modes x {args.steps} steps "
           f"(first {args.warmup} left out)")
-    ratios: dict[str, list[float]] = {m: [] for m in MODES}
-    step_ms: dict[str, list[float]] = {m: [] for m in MODES}
-    flush, piece, size = [], [], []
+    ratios: dict[str, list[float]] = {m: [] for m in modes}
+    step_ms: dict[str, list[float]] = {m: [] for m in modes}
+    flush, piece, size, own_share = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         index = 0
         for r in range(args.rounds):
-            order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
+            order = modes[r % len(modes):] + modes[:r % len(modes)]
             here = {}
             for mode in order:
                 index += 1
                 result = launch(mode, args.steps, workdir, index, args.nproc, args.device)
                 here[mode] = statistics.median(result["times"][args.warmup:])
+                if "own_cpu_share" in result:
+                    own_share.append(result["own_cpu_share"])
                 if "largest_flush_ms" in result:
                     flush.append(result["largest_flush_ms"])
                     piece.append(result["largest_piece_ms"])
                     size.append(result["bytes_per_rank"])
-            for mode in MODES:
+            for mode in modes:
                 step_ms[mode].append(here[mode])
                 ratios[mode].append(here[mode] / here["unrecorded"])
-            print(f"round {r + 1}: " + ", ".join(f"{m} {here[m]:.1f} ms" for m in MODES), flush=True)
+            print(f"round {r + 1}: " + ", ".join(f"{m} {here[m]:.1f} ms" for m in modes), flush=True)
     print()
     print("| mode | median step ms | ratio to unrecorded (median of rounds) [min, max] |")
     print("|---|---|---|")
-    for mode in MODES:
+    for mode in modes:
         rs = ratios[mode]
         print(f"| {mode} | {statistics.median(step_ms[mode]):.1f} | {statistics.median(rs):.3f} "
               f"[{min(rs):.3f}, {max(rs):.3f}] |")
-    print(f"\nsharddbg record: the longest the background thread held the GIL in one piece of a flush "
+    if own_share:
+        print(f"\nrecord, outside the window: sharddbg's own CPU time (its background thread and step hook) is "
+              f"{100 * max(own_share):.3f} % of a rank's life at most (median over runs "
+              f"{100 * statistics.median(own_share):.3f} %): about the share of a step it can take")
+    if not piece:
+        return
+    print(f"\nsharddbg record: the most CPU time the background thread ran between two hand-overs of the GIL "
           f"{max(piece):.2f} ms (median over runs {statistics.median(piece):.2f} ms)")
     print(f"sharddbg record: largest flush of any rank {max(flush):.1f} ms (median over runs "
           f"{statistics.median(flush):.1f} ms); stream {statistics.median(size) / 1024:.0f} KiB per rank for "

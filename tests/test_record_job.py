@@ -237,6 +237,12 @@ def test_a_plain_python_job_records_one_rank_and_a_full_disk_stops_only_the_reco
     t = sharddbg.load_trace(tmp_path / "one")
     assert t.ranks == [0] and t.incomplete_ranks == [] and t.world_size == 1
     assert (t.get_ops()["op"] == "Tensor.matmul").sum() == 20
+    # sharddbg's own CPU time in the process, for the bench: some, and far less than the process's life
+    lines = (tmp_path / "one" / "rank-00000.jsonl").read_text().splitlines()
+    end, head = json.loads(lines[-1])["end"], json.loads(lines[0])["header"]
+    own = end["sharddbg_cpu_ms"]
+    assert 0 < own["background"] < 0.5 * (end["t_ns"] - head["clock"]["t_start_ns"]) / 1e6, own
+    assert own["step_hook"] == 0  # the job has no optimizer
 
     # steps marked by the job's own blocks: --steps 2:2 records the second block only, from its start to its end
     blocks = tmp_path / "blocks.py"

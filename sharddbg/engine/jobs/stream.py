@@ -22,7 +22,12 @@ from ..recorder import export
 from ..recorder.events import CollectiveEvent, OpEvent
 
 
-PIECE = 8  # events formatted between two moments the background thread gives the GIL back
+# The background thread formats events in pieces and gives the GIL back between two: a piece ends once the
+# thread has run PIECE_CPU_NS of CPU time (its own CPU clock: time it waited for the GIL is not counted), so the
+# job's thread never waits longer than about that for the GIL. The hand-over sleeps HANDOVER_S, not 0: a
+# thread that only releases and retakes the GIL at once usually takes it again before the waiting thread wakes.
+PIECE_CPU_NS = 250_000
+HANDOVER_S = 50e-6
 
 
 def _default(value: Any) -> Any:
@@ -45,7 +50,9 @@ class RankStreamWriter:
         self.lock = threading.RLock()
         self.failed: str | None = None  # why writing stopped, once it did
         self.largest_flush_ms = 0.0  # the longest flush so far (formatting and writing), for the bench
-        self.largest_piece_ms = 0.0  # the longest the flush held the GIL without giving it back, for the bench
+        # the most CPU time the flush ran between two hand-overs of the GIL (what the job's thread may wait), for
+        # the bench
+        self.largest_piece_ms = 0.0
         self.bytes_written = 0
         # the recorder's buffer: how far it was scanned, and the kept events not complete yet
         self._scanned = 0
@@ -94,9 +101,9 @@ class RankStreamWriter:
         """Append what completed since the last flush, then a ``state`` line (``final``: every kept event, the
         settled ``handled`` of op errors, no state line). False once writing failed.
 
-        On the background thread (not ``final``) the events are formatted in pieces of ``PIECE`` and the GIL is
-        given back between pieces, so that the job's thread waits at most one piece's time for it
-        (``largest_piece_ms``), not the whole flush's."""
+        On the background thread (not ``final``) the events are formatted and written in pieces of at most
+        ``PIECE_CPU_NS`` of this thread's CPU time, and the GIL is handed to the job's thread between pieces:
+        the job's thread waits at most about one piece for it (``largest_piece_ms``), not the whole flush."""
         t0 = time.perf_counter()
         with self.lock:
             buf = rec.buffer
@@ -105,18 +112,18 @@ class RankStreamWriter:
                 self._pending.extend(buf[self._scanned:n])
                 self._scanned = n
             meshes = {} if rec.spec_check else None
-            lines: list[dict] = []
             extra, self._extra = self._extra, []
-            lines += extra
             still = []
-            encoded: list[str] = [encode(line) for line in lines]
-            lines = []
-            piece_start = time.perf_counter()
-            for i, ev in enumerate(self._pending):
-                if not final and i and i % PIECE == 0:
+            encoded: list[str] = [encode(line) for line in extra]
+            piece_start = time.thread_time_ns()
+            for ev in self._pending:
+                if not final and time.thread_time_ns() - piece_start >= PIECE_CPU_NS:
                     self._piece_done(piece_start)
-                    time.sleep(0)  # the GIL goes to the job's thread if it waits for it
-                    piece_start = time.perf_counter()
+                    if not self.write_encoded("".join(encoded).encode()):  # the write gives the GIL up too
+                        return False
+                    encoded = []
+                    time.sleep(HANDOVER_S)
+                    piece_start = time.thread_time_ns()
                 if not final and type(ev) is CollectiveEvent and ev.t_done_ns is None and ev.error is None:
                     still.append(ev)
                     continue
@@ -130,6 +137,7 @@ class RankStreamWriter:
                     self._unsettled_errors.append(ev)
             self._piece_done(piece_start)
             self._pending = still
+            lines: list[dict] = []
             if final:
                 for ev in self._unsettled_errors:
                     lines.append({"amend": {"seq": ev.seq, "handled": export.error_handled(rec, ev)}})
@@ -145,8 +153,8 @@ class RankStreamWriter:
         self.largest_flush_ms = max(self.largest_flush_ms, (time.perf_counter() - t0) * 1e3)
         return ok
 
-    def _piece_done(self, started: float) -> None:
-        self.largest_piece_ms = max(self.largest_piece_ms, (time.perf_counter() - started) * 1e3)
+    def _piece_done(self, started_cpu_ns: int) -> None:
+        self.largest_piece_ms = max(self.largest_piece_ms, (time.thread_time_ns() - started_cpu_ns) / 1e6)
 
     def pending_collectives(self) -> list[CollectiveEvent]:
         """The kept collectives not completed at the last flush (the hang watch reads them)."""

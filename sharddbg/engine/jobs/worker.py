@@ -71,6 +71,10 @@ class JobRecording:
         self._ended_fully = threading.Event()  # set when the last flush is written, by whichever thread wrote it
         self._ending_thread: int | None = None
         self._die_after_end = False  # SIGTERM came while this thread wrote the last flush: die once it is written
+        # sharddbg's own CPU time in this process, written at the end (the bench reads what being ready costs
+        # outside a window): the background thread's, and the main thread's in the step hook
+        self.watch_cpu_ns = 0
+        self.step_hook_cpu_ns = 0
 
     # ---- start -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,7 +167,12 @@ class JobRecording:
             from torch.optim.optimizer import register_optimizer_step_post_hook
         except ImportError:
             return
-        handle = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: self.step_ended())
+        def optimizer_stepped(optimizer, args, kwargs) -> None:
+            t0 = time.thread_time_ns()
+            self.step_ended()
+            self.step_hook_cpu_ns += time.thread_time_ns() - t0
+
+        handle = register_optimizer_step_post_hook(optimizer_stepped)
         self._undo.append(handle.remove)
 
     # ---- the process group: clock -------------------------------------------------------------------
@@ -257,6 +266,7 @@ class JobRecording:
 
         period = min(0.2, self.settings.flush_every_s / 2)
         while not self._stop.is_set():
+            self.watch_cpu_ns = time.thread_time_ns()  # this thread's CPU time so far (it started at 0)
             woken = []
             try:
                 if self._sigterm_fd is not None:
@@ -437,6 +447,8 @@ class JobRecording:
                     "clock": {"t_stop_ns": rec.t_stop_ns if rec is not None else None},
                     "recorded": rec is not None, "largest_flush_ms": round(self.stream.largest_flush_ms, 3),
                     "largest_piece_ms": round(self.stream.largest_piece_ms, 3),
+                    "sharddbg_cpu_ms": {"background": round(self.watch_cpu_ns / 1e6, 3),
+                                        "step_hook": round(self.step_hook_cpu_ns / 1e6, 3)},
                 }}])
         finally:
             for undo in reversed(self._undo):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sys
 import traceback
 from types import FrameType
 from typing import Any
@@ -87,11 +88,9 @@ def is_cell_file(filename: str | None) -> bool:
     if filename in _notebook_cells:
         return True
     try:
-        from IPython import get_ipython
-
-        shell = get_ipython()
+        shell = _shell()
         return shell is not None and shell.compile.format_code_name(filename) is not None
-    except Exception:  # noqa: BLE001 - no IPython, or another compiler
+    except Exception:  # noqa: BLE001 - another compiler
         return False
 
 
@@ -116,12 +115,7 @@ def cell_number(filename: str | None) -> int | None:
     except KeyError:
         pass
     number = None
-    try:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-    except Exception:  # noqa: BLE001 - no IPython: no cells
-        shell = None
+    shell = _shell()
     if shell is None:
         return None  # not cached: a shell may exist later
     try:
@@ -134,6 +128,19 @@ def cell_number(filename: str | None) -> int | None:
             number = int(m.group(1))
     _cells[filename] = number
     return number
+
+
+def _shell() -> Any:
+    """This process's IPython shell, or None. Read from the module IPython keeps it in, without importing
+    anything: a process that never imported IPython runs no shell, and a recorded job's stream asks this for
+    every event it writes."""
+    getipython = sys.modules.get("IPython.core.getipython")
+    if getipython is None:
+        return None
+    try:
+        return getipython.get_ipython()
+    except Exception:  # noqa: BLE001 - a half-imported IPython: no shell
+        return None
 
 
 def line_text(filename: str | None, line: int | None) -> str | None:
