@@ -1,12 +1,18 @@
-"""``blame=True``: is it sharddbg or is it you? The statement of a failing ``check`` or ``diff`` run again in
-plain processes with no sharddbg code loaded, and whether it fails there too.
+"""``blame=True``: is it sharddbg or is it you? The statement of a failing ``check`` or ``diff``, or a wrong
+configuration of the smoke matrix, run again in plain processes with no sharddbg code loaded, and whether it
+fails there too.
 
-The processes are spawned as torchrun spawns its workers (one per rank, ``RANK`` / ``WORLD_SIZE`` /
-``MASTER_ADDR`` / ``MASTER_PORT``, plain ``torch.distributed`` over gloo), each running the script
-``sharddbg/engine/plain_rerun.py`` by its path (so that the ``sharddbg`` package is never imported). They
-read the check's reference bundle (inputs, models, values, RNG state), shard the inputs as the ranks had them
-(``engine.diff.input_layouts``), run the statement, the loss and the backward, and the first rank compares
-every output and gradient with the unsharded reference the check wrote.
+The ranks are plain processes as torchrun's workers (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` /
+``MASTER_PORT``, plain ``torch.distributed`` over gloo) running ``sharddbg/engine/plain_rerun.py``, a script
+loaded by its path (so that the ``sharddbg`` package is never imported). ``PlainServer`` keeps one such Python
+(``plain_rerun.py --serve``) that imported torch and physicsnemo once and forks the ranks of each re-run: a
+re-run costs no fresh imports after the first (four ranks importing them at once take four times the CPU).
+
+For ``check`` and ``diff`` (``blame_run``) the ranks read the check's reference bundle (inputs, models, values,
+RNG state), shard the inputs as the ranks had them (``engine.diff.input_layouts``), run the statement, the loss
+and the backward, and the first rank compares every output and gradient with the unsharded reference the check
+wrote. For the smoke matrix (``blame_smoke``) they run the configuration's steps from ``setup`` and ``step``, and
+the losses and first-step gradients are held to the single-device run the matrix compared with.
 """
 
 from __future__ import annotations
