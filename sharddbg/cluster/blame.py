@@ -82,6 +82,13 @@ class PlainServer:
             return server._run(job, world_size, timeout)
 
     @classmethod
+    def start(cls) -> None:
+        """Start the server now without waiting for it: its imports overlap the run whose failure it may re-run."""
+        with cls._lock:
+            if cls._current is None or cls._current.proc.poll() is not None:
+                cls._current = PlainServer()
+
+    @classmethod
     def close(cls) -> None:
         """End the server (a later re-run starts another)."""
         with cls._lock:

@@ -92,6 +92,10 @@ def run_smoke(execution: RankExecution, group: DistributedGroup, setup, step, co
         raise SmokeError(f"blame must be True or False, got {blame!r}")
     chosen = resolve_configs(configs, execution.n)
     setup, step = portable_function(setup), portable_function(step)
+    if blame:
+        from .blame import PlainServer
+
+        PlainServer.start()  # its imports overlap the matrix
     runner = _MatrixRunner(execution, group, setup, step, steps=steps, seed=seed, lr=lr, rtol=rtol, timeout=timeout)
     outcomes = runner.run_all(chosen)
     table = smoke_table(chosen, outcomes, runner.references, rtol)

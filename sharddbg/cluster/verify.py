@@ -106,6 +106,10 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
                            f"fail; cl.recover() first")
     job_dir = tempfile.mkdtemp(prefix="sharddbg-check-")  # private (0700): the engines run as this user
     blamed = None
+    if blame:
+        from .blame import PlainServer
+
+        PlainServer.start()  # its imports overlap the check
     try:
         prepared = _on_ranks(execution, api.check_prepare, job_dir, stmt, loss, inputs, outputs, models, grads,
                              timeout=timeout)
@@ -293,6 +297,10 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
         raise ClusterError(f"the process group is broken ({execution.broken.cause}): the diff's collectives would "
                            f"fail; cl.recover() first")
     job_dir = tempfile.mkdtemp(prefix="sharddbg-diff-")
+    if blame:
+        from .blame import PlainServer
+
+        PlainServer.start()  # its imports overlap the diff
     try:
         prepared = _on_ranks(execution, diff.diff_prepare, job_dir, stmt, loss, inputs, outputs, models, grads, ops,
                              int(max_memory), timeout=timeout)
