@@ -129,7 +129,10 @@ class PlainServer:
         line = None if problem else self._line(deadline)
         while line == "ready":  # the first job waits for the imports
             line = self._line(deadline)
-        if problem is None and line is None:
+        if problem is None and line is None and self.proc.poll() is not None:
+            problem = (f"the plain Python that runs them ended (exit status {self.proc.returncode}) before answering: "
+                       f"run `{sys.executable} {PLAIN_RERUN_SCRIPT} --serve` to see why")
+        elif problem is None and line is None:
             problem = f"the plain processes did not finish within {max(timeout, START_ALLOWANCE_S):g} s"
             self._kill_ranks(out_dir)
             if self._line(time.monotonic() + 10.0) is None:  # the server itself is stuck: start another next time
