@@ -202,9 +202,10 @@ class DiffResult:
         ``limit``.
     blame : object, optional
         The ``analysis.blame.Blame`` of a re-run without sharddbg, or None.
-    trace : Trace, optional
-        The sharded run as the recorder saw it (the diff's own recording), for ``explore()``; None when the
-        diff ran inside a recording of the user's (its events are there).
+    trace : Trace or callable, optional
+        The sharded run as the recorder saw it (the diff's own recording), for ``explore()``, or a function
+        that builds it when first asked for; None when the diff ran inside a recording of the user's (its
+        events are there).
 
     Examples
     --------
@@ -227,7 +228,19 @@ class DiffResult:
         self.inputs_of = inputs_of
         self.memory = memory
         self.blame = blame
-        self.trace = trace
+        self._trace = trace  # a Trace, or a function that builds it (on first use: most diffs never open it)
+
+    @property
+    def has_trace(self) -> bool:
+        """Whether ``trace`` (and so ``explore()``) is there, without building it."""
+        return self._trace is not None
+
+    @property
+    def trace(self) -> Any:
+        """The sharded run as the diff's own recording saw it (a ``Trace``), or None (see ``explore``)."""
+        if callable(self._trace):
+            self._trace = self._trace()
+        return self._trace
 
     # ---- tables ----------------------------------------------------------------------------------------
     def get_ops(self, phase: str | None = None) -> pd.DataFrame:
@@ -432,7 +445,7 @@ class DiffResult:
         >>> r.explore().selected  # doctest: +SKIP
         [0, 12]
         """
-        if self.trace is None:
+        if not self.has_trace:
             raise ValueError("this diff ran inside your own recording: its ops are in that recording's trace "
                              "(the first departing op's seq on each rank: r.get_ranks()['seq'])")
         first = self.first

@@ -338,7 +338,8 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
         if all(p is not None for p in payloads):
             from ..trace import Trace
 
-            trace = Trace.from_payloads(payloads, meta={"code": stmt, "diff": True})
+            def trace():
+                return Trace.from_payloads(payloads, meta={"code": stmt, "diff": True})
         result = DiffResult(stmt, ops_table, ranks_table, check=check, skipped=after[0]["nested"],
                             inputs_of={op["key"]: op["sources"] for op in described}, memory=memory, trace=trace)
         if blame and not (result.ok and check.ok):

@@ -119,9 +119,9 @@ def estimate_bytes(stmt: str, select, state) -> int | None:
                 if isinstance(tensor, torch.nn.Parameter) else meta
         namespace[name] = copy.deepcopy(module, memo)
     for name, value in list(namespace.items()):
-        if value is scatter_function():
+        if value is _scatter_function():
             namespace[name] = lambda tensor, *args, **kwargs: tensor.to("meta")
-        elif value is without_patches_function():
+        elif value is _without_patches_function():
             namespace[name] = lambda *ops: contextlib.nullcontext()
     if "sharddbg" in namespace:
         import types
@@ -148,13 +148,13 @@ def estimate_bytes(stmt: str, select, state) -> int | None:
     return total[0]
 
 
-def scatter_function():
+def _scatter_function():
     from ._scatter import scatter
 
     return scatter
 
 
-def without_patches_function():
+def _without_patches_function():
     from .patches import without_patches
 
     return without_patches

@@ -40,7 +40,7 @@ def _cells(row) -> list[str]:
 def explore_line(result: DiffResult) -> str:
     """Where the explorer opens: the first departing op's call on its first departing rank ("" without one)."""
     first = result.first
-    if first is None or first.seq is None or result.trace is None:
+    if first is None or first.seq is None or not result.has_trace:
         return ""
     return (f"r.explore(): the trace explorer opened on this op's call on rank {first.rank} (seq {first.seq}), its "
             f"detail shown")
@@ -72,7 +72,7 @@ def diff_html(result: DiffResult) -> str:
         body.append(f"<tr class='sd-diff-{row['verdict'].replace(' ', '-')}' style='background:{tint}'>{cells}</tr>")
     verdict_class = "sd-diff-ok" if first is None else "sd-diff-fail"
     explore = ""
-    if first is not None and first.seq is not None and result.trace is not None:
+    if first is not None and first.seq is not None and result.has_trace:
         explore = (f"<p class='sd-diff-explore' data-rank='{first.rank}' data-seq='{first.seq}' style='margin:0 0 8px "
                    f"0;padding:0 6px'>{html.escape(explore_line(result))}</p>")
     return (f"<div class='sd-diff' style='color:var(--jp-ui-font-color1,#222);font-size:var(--jp-code-font-size,13px)'>"
