@@ -118,10 +118,11 @@ def estimate_bytes(stmt: str, select, state) -> int | None:
             memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
                 if isinstance(tensor, torch.nn.Parameter) else meta
         namespace[name] = copy.deepcopy(module, memo)
+    scatter, without_patches = _scatter_function(), _without_patches_function()
     for name, value in list(namespace.items()):
-        if value is _scatter_function():
+        if value is scatter:
             namespace[name] = lambda tensor, *args, **kwargs: tensor.to("meta")
-        elif value is _without_patches_function():
+        elif value is without_patches:
             namespace[name] = lambda *ops: contextlib.nullcontext()
     if "sharddbg" in namespace:
         import types
