@@ -1,18 +1,24 @@
-"""One rank of a re-run without sharddbg (``blame=True`` of ``Cluster.check`` and ``Cluster.diff``).
+"""The ranks of a re-run without sharddbg (``blame=True`` of ``Cluster.check``, ``Cluster.diff`` and
+``Cluster.smoke``).
 
-Started as a script by its path (``python .../plain_rerun.py JOB_FILE``, like torchrun's workers: ``RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment), never as ``sharddbg.engine.plain_rerun``:
-it imports torch, torch.distributed, physicsnemo and the user's code, and no sharddbg module (it says at the end
-whether one was loaded anyway). It rebuilds what the check's reference bundle holds for its domain group (the
-inputs, sharded again on a plain ``("ddp", "domain")`` mesh as the ranks had them, the models, the values the
-statement reads), runs the statement, the loss and its backward, and gathers every output and gradient whole.
-The first rank compares them with the unsharded reference the check wrote and writes the answer as JSON.
+Run as a script by its path, never as ``sharddbg.engine.plain_rerun``: it imports torch, torch.distributed,
+physicsnemo and the user's code, and no sharddbg module (it says at the end whether one was loaded anyway).
+``python .../plain_rerun.py --serve`` (``cluster.blame.PlainServer``) imports torch and physicsnemo once, then
+forks the ranks of each job it is sent (one line on stdin: the job file, the world size, the port), each with
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set as torchrun sets them for its workers;
+``python .../plain_rerun.py JOB_FILE`` with those set runs one rank by itself.
+
+A check or diff job rebuilds what the check's reference bundle holds for its domain group (the inputs, sharded
+again on a plain ``("ddp", "domain")`` mesh as the ranks had them, the models, the values the statement reads),
+runs the statement, the loss and its backward, and gathers every output and gradient whole; the first rank
+compares them with the unsharded reference the check wrote. A smoke job runs one configuration of the matrix
+from the user's ``setup`` and ``step`` (``run_smoke``). Each rank writes its answer as JSON.
 
 Where CUDA is not available it registers physicsnemo's ShardTensor patches itself (``register_custom_ops()``), as
-the ranks did and as a CPU script must. The statement's uses of sharddbg's own helpers are replaced by plain
-equivalents written here:
-``scatter`` (physicsnemo's ``scatter_tensor``, then balanced pieces) and ``without_patches`` (ShardTensor's
-function registry entries removed for the block).
+the ranks did and as a CPU script must. sharddbg's own helpers are replaced by plain equivalents written here:
+``scatter`` (the domain group's first rank's tensor broadcast, then balanced pieces) and ``without_patches``
+(ShardTensor's function registry entries removed for the block); a step function that imports them gets them
+from stand-in modules with no file.
 """
 
 from __future__ import annotations
