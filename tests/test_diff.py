@@ -59,6 +59,12 @@ def _df_blur_handler(func, types, args, kwargs):
     return ShardTensor.from_local(local.contiguous(), spec.mesh, spec.placements, sharding_shapes=spec._sharding_shapes)
 
 ShardTensor.register_function_handler(df_blur, _df_blur_handler)
+
+# a helper of the user's: its conv is called on the helper's line, reached from the statement's line
+df_w = torch.randn(2, 3, 3, 3)
+
+def df_block(x):
+    return torch.conv2d(x, df_w, padding=1)
 """
 
 
@@ -67,6 +73,33 @@ def cl(cluster4):
     cluster4.run(SETUP, timeout=60)
     yield cluster4
     cluster4.run("ShardTensor._function_registry.pop(df_blur, None)", timeout=30)
+
+
+def smoke_setup():
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1))
+
+
+def smoke_step(model, ctx):
+    import torch
+
+    return model(ctx.shard(torch.randn(1, 3, 16, 8), 2)).pow(2).mean()
+
+
+def smoke_setup_tokens():
+    from torch import nn
+
+    return nn.Linear(8, 8)
+
+
+def smoke_step_merging_batch_and_tokens(model, ctx):
+    """``x.reshape(B * N, C)`` merges the batch with the sharded dim: a batch of 2 per domain group raises."""
+    import torch
+
+    x = ctx.shard(torch.randn(1, 16, 8), 1)
+    b, n, c = x.shape
+    return model(x.reshape(b * n, c)).reshape(b, n, c).pow(2).mean()
 
 
 def _wrong(cl, rank=None, call=None) -> None:
@@ -101,10 +134,20 @@ def test_without_the_conv2d_patch_the_first_conv_departs_at_the_shard_boundaries
            "agreed: the statement's inputs (gathered whole); parameters df_net.0.weight, df_net.0.bias" in r.answer
     # the view: the answer first, then the table, the first departing row tinted most
     view = r.show()
-    assert view.text().splitlines()[0] == r.answer and "torch.conv2d" in view.text().splitlines()[2]
+    assert view.text().splitlines()[0] == r.answer and "torch.conv2d" in view.text().splitlines()[3]
+    # the explorer opens on the first departing op: that conv's call on the first departing rank, its detail shown
+    assert first.rank == 0 and first.seq == int(r.get_ranks().query("key == @first.key and rank == 0")["seq"].iloc[0])
+    explorer = r.explore()
+    assert explorer.selected == [0, first.seq]
+    detail = explorer.detail()["row"]
+    assert (detail["op"], detail["rank"], detail["seq"], detail["phase"]) == ("torch.conv2d", 0, first.seq, "forward")
+    assert view.text().splitlines()[1] == (f"r.explore(): the trace explorer opened on this op's call on rank 0 "
+                                           f"(seq {first.seq}), its detail shown")
+    assert f"class='sd-diff-explore' data-rank='0' data-seq='{first.seq}'" in view.html()
     assert view.html().index("sd-diff-fail") < view.html().index("<table") and "rgba(220, 40, 40, 0.32)" in view.html()
     shown, _ = InteractiveShell.instance().display_formatter.format(r)
     assert shown["text/plain"] == r.answer and "sd-diff" in shown["text/html"]
+
 
 
 def test_a_handler_that_gets_one_ranks_halo_wrong_is_named_with_that_rank(cl):
@@ -115,7 +158,8 @@ def test_a_handler_that_gets_one_ranks_halo_wrong_is_named_with_that_rank(cl):
     ops = r.get_ops()
     assert ops["op"].tolist() == ["__main__.df_blur", "Tensor.mul"] and ops["verdict"].tolist() == ["departs"] * 2
     assert r.answer.startswith("the first op that departs: `__main__.df_blur` (1st call) at cell sent by cl.run, "
-                               "line 18: `return torch.overrides.handle_torch_function(df_blur, (x,), x)`: output ")
+                               "line 18 in df_blur: `return torch.overrides.handle_torch_function(df_blur, (x,), x)`, called from line 1 "
+                                "of the statement (`df_b = df_blur(df_x) * 2`): output ")
     assert "on rank 2, rows 34 (the shard boundaries are at rows 17, 34, 50): its inputs agreed" in r.answer
     # the handler's own full_tensor() has no single-device partner: skipped, and said so
     assert r.get_skipped().set_index("op")["calls"].to_dict()["ShardTensor.full_tensor"] == 1
@@ -128,7 +172,9 @@ def test_an_op_called_in_a_loop_is_matched_call_by_call(cl):
     ops = r.get_ops()
     assert ops["call"].tolist() == [1, 2, 3, 4]
     assert ops["verdict"].tolist() == ["agrees", "agrees", "departs", "departs"]
-    assert r.first.call == 3 and r.first.site.startswith("cell sent by cl.run, line 18: ")
+    assert r.first.call == 3 and r.first.site == ("cell sent by cl.run, line 18 in df_blur: `return torch.overrides.handle_torch_"
+                                                "function(df_blur, (x,), x)`, called from line 3 of the statement "
+                                                "(`df_h = df_blur(df_h)`)")
     assert r.first.ranks == (1, 2, 3) and "its inputs agreed: the outputs of the 1 op before it (max abs 0)" in r.answer
     _wrong(cl)
 
@@ -154,9 +200,20 @@ def test_bad_requests_are_refused(cl):
     with pytest.raises(DiffError, match=r"ops=\['conv3d'\] names no op the statement called; it called "
                                         r"torch\.conv2d, torch\.nn\.functional\.relu"):
         cl.diff("df_y = df_net(df_x)", ops="conv3d", grads=False)
+    # the memory is said before the ranks run anything: the statement sized on the meta device (the
+    # custom op's 1 x 3 x 66 x 16 floats, two convs' and two relus' 1 x 4 x 66 x 16, and their gradients)
+    _wrong(cl)
+    with pytest.raises(DiffError, match=r"cl.diff would keep about 156\.8 KiB in the single-device reference \(every "
+                                        r"compared op's whole output and its gradient, sized by a run of the statement "
+                                        r"on the meta device\), above max_memory=1000 bytes\. Nothing ran: narrow ops= "
+                                        r"to the ops you suspect, or raise max_memory="):
+        cl.diff("df_m = df_net[:4](df_blur(df_x))", max_memory=1000)
+    # nothing ran: the custom op's handler was never called, the statement bound nothing
+    assert cl.eval("(df_wrong['calls'], 'df_m' in globals())") == [(0, False)] * N
+    # a statement the meta device cannot run is told after the sharded run, as before
     with pytest.raises(DiffError, match=r"cl.diff would keep .* on a rank and .* in the single-device reference "
                                         r".*above max_memory=1000 bytes\. Nothing was compared"):
-        cl.diff("df_y = df_net(df_x)", max_memory=1000)
+        cl.diff("df_y = df_net(df_x)\ndf_n = int(df_y.sum() > 0)", max_memory=1000)
     with pytest.raises(CheckError, match=r"the unsharded reference raised NameError: name 'mesh' is not defined"):
         cl.diff("df_y = df_net(df_x)\ndf_g = mesh['domain'].size()", grads=False)
     # every refusal put back what the diff changed: no keeper, no recording, no gradient
@@ -171,8 +228,13 @@ def test_shard_diff_magic(cl):
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "sharddbg")
     with capture_output():
-        r = ip.run_cell_magic("shard_diff", "--no-grads --ops conv2d", "df_y = df_net(df_x)")
-    assert isinstance(r, DiffResult) and r.ok and r.get_ops()["op"].tolist() == ["torch.conv2d"] * 3
+        r = ip.run_cell_magic("shard_diff", "--no-grads --ops conv2d", "df_y = df_net(df_x)\ndf_z = df_block(df_x)")
+    assert isinstance(r, DiffResult) and r.ok and r.get_ops()["op"].tolist() == ["torch.conv2d"] * 4
+    # an op inside a function of the user's: the function's line, then the statement's line that called it
+    line = SETUP.lstrip("\n").splitlines().index("    return torch.conv2d(x, df_w, padding=1)") + 1
+    assert r.get_ops()["site"].tolist()[3] == (f"cell sent by cl.run, line {line} in df_block: `return torch.conv2d(x, "
+                                              f"df_w, padding=1)`, called from line 2 of the statement "
+                                              f"(`df_z = df_block(df_x)`)")
     with pytest.raises(UsageError, match="is not a number of bytes above 0"):
         ip.run_cell_magic("shard_diff", "--max-memory -1", "df_y = df_net(df_x)")
     magic = ip.find_magic("shard_diff", "cell")
@@ -198,3 +260,20 @@ def test_blame_tells_a_failure_of_your_own_from_one_of_sharddbgs(cl):
                              + ", physicsnemo " + r.blame.versions["physicsnemo"] + "): in plain processes every "
                              "output and gradient (1) agrees with the single-device run, so sharddbg itself changed "
                              "the result: a sharddbg problem, please report it")
+    # the smoke matrix: a configuration whose step raises on the ranks raises without sharddbg too
+    result = cl.smoke(smoke_setup_tokens, smoke_step_merging_batch_and_tokens,
+                      ["domain=4, 2 samples per domain group"], steps=2, blame=True)
+    row = result.table.loc["domain=4, 2 samples per domain group"]
+    assert not row["ok"] and row["outcome"].startswith("ranks [0, 1, 2, 3] raised "), row["outcome"]
+    assert row["without_sharddbg"].startswith("fails without sharddbg too (") and \
+        row["without_sharddbg"].endswith(" on ranks 0, 1, 2, 3)") and row["outcome"].endswith(row["without_sharddbg"])
+    assert result.blames["domain=4, 2 samples per domain group"].sharddbg_loaded == []
+    # sharddbg's engines without physicsnemo's conv2d patch (as a fault of sharddbg's patch handling would leave
+    # them): the configuration is off on the ranks and matches the single device in plain processes
+    with changed_on_ranks(cl, "_df_unpatched = sharddbg.engine.without_patches(F.conv2d)\n_df_unpatched.__enter__()",
+                          "_df_unpatched.__exit__(None, None, None)"):
+        result = cl.smoke(smoke_setup, smoke_step, ["domain=4, inference"], steps=2, blame=True)
+    row = result.table.loc["domain=4, inference"]
+    assert row["outcome"].startswith("loss off from step 0") and \
+        row["without_sharddbg"] == "passes without sharddbg: sharddbg's doing", row["outcome"]
+    assert result.verdict.endswith("beyond rtol 0.001; passes without sharddbg: sharddbg's doing")

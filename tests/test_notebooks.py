@@ -288,6 +288,9 @@ def test_06_which_op():
     assert "on ranks 0-3, rows 16-17, 33-34, 49-50 (the shard boundaries are at rows 17, 34, 50): its inputs agreed" \
         in no_halo
     assert no_halo.count("sd-diff-departs") == 5 and "sd-diff-fail" in no_halo
+    # the view names the call the explorer opens on; explore() is the explorer (widget, static rendering, trace)
+    assert "r.explore(): the trace explorer opened on this op&#x27;s call on rank 0 (seq " in no_halo
+    assert "application/vnd.sharddbg.trace+json" in cell_with(nb, "_.explore()").outputs[0]["data"]
     # with it: every op agrees, the backward too; ops= narrows the comparison
     agree = outputs_text(cell_with(nb, 'r = cl.diff("y = net(x)")'))
     assert agree.startswith("every op agrees with the single-device run: 16 op outputs and gradients compared on 4 ranks")

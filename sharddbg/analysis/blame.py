@@ -38,6 +38,17 @@ class Blame:
     problem: str | None = None
 
     @property
+    def short(self) -> str:
+        """A few words for a table row (the smoke matrix): "fails without sharddbg too (what it raised, or what
+        is off)", "passes without sharddbg: sharddbg's doing", or why it could not be told."""
+        if self.fails_without is None:
+            return f"without sharddbg: could not be told ({self.problem})"
+        if self.fails_without:
+            what = self.raised or "; ".join(f"{t.name} off by {t.max_abs:.1e}" for t in self.tensors if not t.ok)
+            return f"fails without sharddbg too ({what})"
+        return "passes without sharddbg: sharddbg's doing"
+
+    @property
     def summary(self) -> str:
         """One sentence: fails there too (what, with which versions), passes there (sharddbg's doing), or why
         it could not be told."""

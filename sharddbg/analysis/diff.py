@@ -26,7 +26,7 @@ OP_COLUMNS = ["order", "phase", "op", "call", "site", "module", "tensor", "verdi
               "ranks", "rows", "rtol", "note", "key"]
 # One row per op output or gradient and rank.
 RANK_COLUMNS = ["key", "phase", "tensor", "rank", "ok", "max_abs", "max_rel", "ratio", "rtol", "atol", "shape",
-                "reference_shape", "compared", "rows", "note"]
+                "reference_shape", "compared", "rows", "note", "seq"]
 AGREES, DEPARTS, NOT_COMPARABLE = "agrees", "departs", "not comparable"
 
 
@@ -47,6 +47,8 @@ class DepartingOp:
     boundaries: tuple[int, ...]
     inputs: str
     key: str
+    rank: int | None = None  # the first departing rank, and its call of the op (the recorder's seq there):
+    seq: int | None = None  # where the explorer opens (``DiffResult.explore()``)
 
 
 def _ordinal(n: int) -> str:
@@ -77,15 +79,26 @@ def _row_ranges(rows) -> str:
     return ", ".join(out)
 
 
-def _site_text(site, position: str | None, stmt: str) -> str:
+def _statement_line(line: int, stmt: str) -> str:
+    lines = stmt.splitlines()
+    code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
+    return f"line {line} of the statement" + (f" (`{code}`)" if code else "")
+
+
+def _site_text(site, position: str | None, stmt: str, caller: int | None = None) -> str:
+    """Where the op was called: the innermost line of the user's code (in a function of theirs: that function's
+    line), then the statement's line that called it."""
     if not site:
         return "an unknown place"
     if site[0] == STATEMENT_SITE:
-        lines = stmt.splitlines()
-        line = int(site[1])
-        code = lines[line - 1].strip() if 0 < line <= len(lines) else ""
-        return f"line {line} of the statement" + (f" (`{code}`)" if code else "")
-    return position or f"{site[0]}:{site[1]}"
+        where = _statement_line(int(site[1]), stmt)
+        if site[2] != "<module>":
+            where += f" in {site[2]}"
+    else:
+        where = position or f"{site[0]}:{site[1]}"
+    if caller is not None and not (site[0] == STATEMENT_SITE and int(site[1]) == caller):
+        where += f", called from {_statement_line(caller, stmt)}"
+    return where
 
 
 def diff_tables(ops: list[dict], records: list[dict], check: CheckResult, stmt: str) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -97,7 +110,7 @@ def diff_tables(ops: list[dict], records: list[dict], check: CheckResult, stmt: 
                               "max_rel": r["max_rel"], "ratio": r["ratio"], "rtol": r["rtol"], "atol": r["atol"],
                               "shape": r["shape"], "reference_shape": r["reference_shape"], "compared": r["compared"],
                               "rows": [(row, ok) for row, _, ok in r["rows"]], "note": r["note"],
-                              "row_start": r["row_start"], "output": r["output"]}
+                              "seq": r.get("seq"), "row_start": r["row_start"], "output": r["output"]}
                              for r in records], columns=RANK_COLUMNS + [
         "row_start", "output"])
     rows = []
@@ -114,7 +127,7 @@ def diff_tables(ops: list[dict], records: list[dict], check: CheckResult, stmt: 
         bad = part[~part["ok"] & ~part["max_abs"].isna()]
         failing_rows = sorted({row for rs in bad["rows"] for row, ok in rs if not ok})
         rows.append({"order": order, "phase": phase, "op": op["op"], "call": op["occurrence"],
-                     "site": _site_text(op["site"], op.get("position"), stmt), "module": op.get("module"),
+                     "site": _site_text(op["site"], op.get("position"), stmt, op.get("caller")), "module": op.get("module"),
                      "tensor": tensor, "verdict": verdict,
                      "max_abs": float(compared["max_abs"].max()) if not compared.empty else math.nan,
                      "max_rel": float(compared["max_rel"].max()) if not compared.empty else math.nan,
@@ -189,6 +202,10 @@ class DiffResult:
         ``limit``.
     blame : object, optional
         The ``analysis.blame.Blame`` of a re-run without sharddbg, or None.
+    trace : Trace or callable, optional
+        The sharded run as the recorder saw it (the diff's own recording), for ``explore()``, or a function
+        that builds it when first asked for; None when the diff ran inside a recording of the user's (its
+        events are there).
 
     Examples
     --------
@@ -202,7 +219,7 @@ class DiffResult:
     """
 
     def __init__(self, stmt: str, ops: pd.DataFrame, ranks: pd.DataFrame, *, check: CheckResult, skipped: dict,
-                 inputs_of: dict, memory: dict, blame: Any = None):
+                 inputs_of: dict, memory: dict, blame: Any = None, trace: Any = None):
         self.stmt = stmt
         self._ops = ops
         self._ranks = ranks
@@ -211,6 +228,19 @@ class DiffResult:
         self.inputs_of = inputs_of
         self.memory = memory
         self.blame = blame
+        self._trace = trace  # a Trace, or a function that builds it (on first use: most diffs never open it)
+
+    @property
+    def has_trace(self) -> bool:
+        """Whether ``trace`` (and so ``explore()``) is there, without building it."""
+        return self._trace is not None
+
+    @property
+    def trace(self) -> Any:
+        """The sharded run as the diff's own recording saw it (a ``Trace``), or None (see ``explore``)."""
+        if callable(self._trace):
+            self._trace = self._trace()
+        return self._trace
 
     # ---- tables ----------------------------------------------------------------------------------------
     def get_ops(self, phase: str | None = None) -> pd.DataFrame:
@@ -295,10 +325,13 @@ class DiffResult:
         row = bad.iloc[0]
         part = self._ranks[self._ranks["key"] == row["key"]]
         starts = sorted({int(s) for s in part["row_start"] if s is not None and not pd.isna(s)})
+        rank = int(row["ranks"][0]) if len(row["ranks"]) else None
+        call = part[part["rank"] == rank]["seq"].dropna() if rank is not None else part["seq"].iloc[:0]
         return DepartingOp(phase=row["phase"], op=row["op"], call=int(row["call"]), site=row["site"],
                            module=row["module"], tensor=row["tensor"], max_abs=float(row["max_abs"]),
                            ranks=tuple(row["ranks"]), rows=row["rows"], boundaries=tuple(starts[1:]),
-                           inputs=self._inputs_text(row), key=row["key"])
+                           inputs=self._inputs_text(row), key=row["key"], rank=rank,
+                           seq=int(call.iloc[0]) if len(call) else None)
 
     def _verdict_of(self, key: str, phase: str, tensor: str | None = None) -> pd.Series | None:
         rows = self._ops[(self._ops["key"] == key) & (self._ops["phase"] == phase)]
@@ -392,6 +425,32 @@ class DiffResult:
 
     def _repr_html_(self) -> str:
         return rendering.diff_html(self)
+
+    def explore(self) -> Any:
+        """The trace explorer of the sharded run, opened on the first departing op: its call on the first
+        departing rank selected, its detail shown (the op summary row holding it expanded).
+
+        Returns
+        -------
+        sharddbg.views.explorer.TraceExplorer
+            The widget; ``selected`` is [rank, seq] of that call ([] when no op departs).
+
+        Raises
+        ------
+        ValueError
+            The diff has no trace: it ran inside a recording of the user's (its events are in that one).
+
+        Examples
+        --------
+        >>> r.explore().selected  # doctest: +SKIP
+        [0, 12]
+        """
+        if not self.has_trace:
+            raise ValueError("this diff ran inside your own recording: its ops are in that recording's trace "
+                             "(the first departing op's seq on each rank: r.get_ranks()['seq'])")
+        first = self.first
+        selected = [first.rank, first.seq] if first is not None and first.seq is not None else []
+        return rendering.explorer(self.trace, selected=selected)
 
     def show(self) -> Any:
         """The view: the answer first, then the table of every compared op (departing rows tinted).

@@ -31,6 +31,7 @@ WRAPPERS = ("none", "ddp", "fsdp2")
 TABLE_COLUMNS = ["ok", "outcome", "mesh", "wrapper", "compiled", "training", "expected_error", "loss_off_step",
                  "loss_off_error", "loss_error", "loss_error_step", "grad_error", "grad_error_param", "step_ms",
                  "first_step_ms", "fallbacks", "fallback_ops", "collectives_per_step", "losses", "reference_losses", "about"]
+BLAME_COLUMN = "without_sharddbg"  # after TABLE_COLUMNS when the wrong configurations were re-run (``blame=True``)
 
 class SmokeError(ClusterError):
     """The smoke matrix cannot run as asked (bad arguments, or the single-device reference run failed)."""
@@ -211,7 +212,8 @@ class SmokeResult:
     name (``TABLE_COLUMNS``: ok, outcome, mesh, wrapper, compiled, training, expected_error, loss_off_step
     and loss_off_error (the first step whose loss is beyond ``rtol``, and its relative error), loss_error and
     loss_error_step (the worst step's), grad_error, grad_error_param, step_ms, first_step_ms, fallbacks, fallback_ops,
-    collectives_per_step, losses, reference_losses, about); ``failed`` names the configurations that were
+    collectives_per_step, losses, reference_losses, about; after a re-run without sharddbg, ``blame=True``, also
+    without_sharddbg: what the re-run of each wrong configuration found); ``failed`` names the configurations that were
     not; ``trace(name)`` is the recorded step of a configuration (its fallbacks and collectives op by op);
     ``verdict`` is one line, also the repr; ``show()`` the view and ``plot_losses()`` the loss error per
     step. The constructor's arguments stay as attributes of the same names. ``Cluster.smoke`` builds it; its
@@ -259,6 +261,7 @@ class SmokeResult:
         self.steps = steps
         self.world_size = world_size
         self.traces = traces  # configuration name -> Trace of its recorded step
+        self.blames: dict = {}  # configuration name -> Blame of its re-run without sharddbg (``blame=True``)
 
     @property
     def ok(self) -> bool:
@@ -392,10 +395,13 @@ def _relative_errors(losses: list, reference: list) -> list[float]:
     return [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses, reference)]
 
 
-def smoke_table(configs: list[SmokeConfig], outcomes: dict[str, ConfigOutcome], references: dict, rtol: float):
+def smoke_table(configs: list[SmokeConfig], outcomes: dict[str, ConfigOutcome], references: dict, rtol: float,
+                blames: dict | None = None):
     """The result's table: one row per configuration (``TABLE_COLUMNS``), indexed by its name, with its verdict
     (``ok``, ``outcome``) against the single-device ``references`` ((samples per step, samples at once,
-    training) -> Reference)."""
+    training) -> Reference); ``blames``: configuration name -> the ``analysis.blame.Blame`` of its re-run
+    without sharddbg (said in ``without_sharddbg`` and after the outcome)."""
+    blames = blames or {}
 
     rows = []
     for config in configs:
@@ -421,8 +427,12 @@ def smoke_table(configs: list[SmokeConfig], outcomes: dict[str, ConfigOutcome], 
         if o.trace is not None:
             row.update(_comm_and_fallbacks(o.trace))
         row["ok"], row["outcome"] = _verdict(config, o, row, rtol)
+        blame = blames.get(config.name)
+        row[BLAME_COLUMN] = blame.short if blame is not None else ""
+        if blame is not None:
+            row["outcome"] += f"; {blame.short}"
         rows.append(row)
-    table = pd.DataFrame(rows).set_index("config")[TABLE_COLUMNS]
+    table = pd.DataFrame(rows).set_index("config")[TABLE_COLUMNS + ([BLAME_COLUMN] if blames else [])]
     for column in ("loss_off_step", "loss_error_step"):
         table[column] = table[column].astype("Int64")  # a step number, or <NA>
     return table

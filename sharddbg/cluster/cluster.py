@@ -1186,7 +1186,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ verification
     def smoke(self, setup, step, configs=None, *, steps: int = 3, seed: int = 0, lr: float = 0.01,
-              rtol: float = 1e-3, timeout: float | None = 300.0) -> SmokeResult:
+              rtol: float = 1e-3, timeout: float | None = 300.0, blame: bool = False) -> SmokeResult:
         """The smoke matrix: a model trained in each configuration on these ranks, against a single device.
 
         The model of ``setup()`` is trained with ``step(model, ctx)`` (which returns the loss) in each
@@ -1219,6 +1219,11 @@ class Cluster:
             The relative tolerance of the losses and gradients (above 0).
         timeout : float or None
             Seconds each configuration may take; None: 300.
+        blame : bool
+            Run each configuration that was wrong again in plain processes with no sharddbg code loaded (as
+            torchrun would: torch.distributed, physicsnemo, ``setup`` and ``step``) and say in its outcome whether
+            it "fails without sharddbg too" (what it raised, or how far off it is) or "passes without sharddbg:
+            sharddbg's doing" (``result.blames``).
 
         Returns
         -------
@@ -1259,7 +1264,7 @@ class Cluster:
         self._require_running()
         self._execution.check_group()
         return run_smoke(self._execution, self._group, setup, step, configs, steps=steps, seed=seed, lr=lr,
-                         rtol=rtol, timeout=timeout)
+                         rtol=rtol, timeout=timeout, blame=blame)
 
     def check_replicas(self, model: str, *, mesh_dim: str = "domain", timeout: float | None = None) -> ReplicaCheck:
         """Are the parameters and buffers of a model the same on every rank of each ``mesh_dim`` group?

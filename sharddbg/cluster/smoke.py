@@ -75,9 +75,9 @@ def _number(name: str, value, *, integral: bool = False, low: float | None = Non
 
 def run_smoke(execution: RankExecution, group: DistributedGroup, setup, step, configs=None, *, steps: int = 3,
               seed: int = 0, lr: float = 0.01,
-              rtol: float = 1e-3, timeout: float | None = DEFAULT_TIMEOUT_S) -> SmokeResult:
+              rtol: float = 1e-3, timeout: float | None = DEFAULT_TIMEOUT_S, blame: bool = False) -> SmokeResult:
     """``Cluster.smoke``: the matrix on the ranks of ``execution``, whose process ``group`` is rebuilt for each
-    mesh and put back at the end."""
+    mesh and put back at the end. ``blame``: each wrong configuration run again without sharddbg."""
     __tracebackhide__ = hide_own_frames()
     _check_callable("setup", setup, 0)
     _check_callable("step", step, 2)
@@ -88,12 +88,24 @@ def run_smoke(execution: RankExecution, group: DistributedGroup, setup, step, co
     if rtol <= 0:
         raise SmokeError(f"rtol must be above 0, got {rtol!r}")
     timeout = arguments.seconds("timeout", timeout, allow_none=True) or DEFAULT_TIMEOUT_S
+    if not isinstance(blame, bool):
+        raise SmokeError(f"blame must be True or False, got {blame!r}")
     chosen = resolve_configs(configs, execution.n)
     setup, step = portable_function(setup), portable_function(step)
+    if blame:
+        from .blame import PlainServer
+
+        PlainServer.start()  # its imports overlap the matrix
     runner = _MatrixRunner(execution, group, setup, step, steps=steps, seed=seed, lr=lr, rtol=rtol, timeout=timeout)
     outcomes = runner.run_all(chosen)
-    return SmokeResult(smoke_table(chosen, outcomes, runner.references, rtol), chosen,
-                       {name: o.trace for name, o in outcomes.items() if o.trace is not None}, rtol, steps, execution.n)
+    table = smoke_table(chosen, outcomes, runner.references, rtol)
+    blames = runner.blame_all(chosen, table) if blame else {}
+    if blames:
+        table = smoke_table(chosen, outcomes, runner.references, rtol, blames)
+    result = SmokeResult(table, chosen, {name: o.trace for name, o in outcomes.items() if o.trace is not None}, rtol,
+                         steps, execution.n)
+    result.blames = blames
+    return result
 
 
 def portable_function(fn):
@@ -160,6 +172,24 @@ class _MatrixRunner:
             self.references[key] = Reference(out["losses"], 1e3 * _median(out["step_s"][1:]),
                                              1e3 * out["step_s"][0], out["grads"])
         return self.references[key]
+
+    def blame_all(self, configs: list[SmokeConfig], table) -> dict:
+        """Each wrong configuration (not one expected to fail) run again without sharddbg (``cluster.blame``),
+        against the single-device run it was compared with: configuration name -> ``Blame``."""
+        from .blame import blame_smoke
+
+        blames = {}
+        for config in configs:
+            ref = self.references.get((config.samples, config.samples_per_domain, config.training))
+            if table.loc[config.name, "ok"] or config.expect_error or ref is None:
+                continue
+            plan = self.plan(config, single_device=config.single_device, samples=config.samples, record=False,
+                             return_grads=False)
+            blames[config.name] = blame_smoke(
+                plan, self.setup, self.step, ref.losses, ref.grads if config.training else None, rtol=self.rtol,
+                world_size=1 if config.single_device else self.execution.n, mesh_shape=[config.ddp, config.domain],
+                timeout=self.timeout)
+        return blames
 
     def run_all(self, configs: list[SmokeConfig]) -> dict[str, ConfigOutcome]:
         __tracebackhide__ = hide_own_frames()

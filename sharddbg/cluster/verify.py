@@ -106,6 +106,10 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
                            f"fail; cl.recover() first")
     job_dir = tempfile.mkdtemp(prefix="sharddbg-check-")  # private (0700): the engines run as this user
     blamed = None
+    if blame:
+        from .blame import PlainServer
+
+        PlainServer.start()  # its imports overlap the check
     try:
         prepared = _on_ranks(execution, api.check_prepare, job_dir, stmt, loss, inputs, outputs, models, grads,
                              timeout=timeout)
@@ -293,9 +297,14 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
         raise ClusterError(f"the process group is broken ({execution.broken.cause}): the diff's collectives would "
                            f"fail; cl.recover() first")
     job_dir = tempfile.mkdtemp(prefix="sharddbg-diff-")
+    if blame:
+        from .blame import PlainServer
+
+        PlainServer.start()  # its imports overlap the diff
     try:
         prepared = _on_ranks(execution, diff.diff_prepare, job_dir, stmt, loss, inputs, outputs, models, grads, ops,
                              int(max_memory), timeout=timeout)
+        _refuse_estimate(prepared[0].get("estimated_bytes"), max_memory, grads)
         execution.run(stmt, execution.ranks(None), timeout, display)
         after = _on_ranks(execution, diff.diff_backward, timeout=timeout)
         _refuse_memory(after, max_memory, grads)
@@ -323,9 +332,16 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
         described = after[0]["ops"]
         ops_table, ranks_table = diff_tables(described, [r for rank in records for r in rank["ops"]], check, stmt)
         memory = {"rank_bytes": max(a["kept_bytes"] for a in after), "reference_bytes": after[0]["global_bytes"],
-                  "limit": int(max_memory)}
+                  "limit": int(max_memory), "estimated_bytes": first.get("estimated_bytes")}
+        payloads = [r["payload"] for r in records]  # each names its rank
+        trace = None
+        if all(p is not None for p in payloads):
+            from ..trace import Trace
+
+            def trace():
+                return Trace.from_payloads(payloads, meta={"code": stmt, "diff": True})
         result = DiffResult(stmt, ops_table, ranks_table, check=check, skipped=after[0]["nested"],
-                            inputs_of={op["key"]: op["sources"] for op in described}, memory=memory)
+                            inputs_of={op["key"]: op["sources"] for op in described}, memory=memory, trace=trace)
         if blame and not (result.ok and check.ok):
             from .blame import blame_run
 
@@ -333,6 +349,20 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
     return result
+
+
+def _refuse_estimate(estimated: int | None, max_memory: float, grads: bool) -> None:
+    """Refuse, before the ranks run anything, a diff whose reference would keep more than ``max_memory``: every
+    compared op's whole output (and its gradient), as a run of the statement on the meta device sized them."""
+    if estimated is None:
+        return  # not runnable on the meta device: told after the sharded run (``_refuse_memory``)
+    need = estimated * (2 if grads else 1)
+    if need <= max_memory:
+        return
+    raise DiffError(
+        f"cl.diff would keep about {_size_text(need)} in the single-device reference (every compared op's whole "
+        f"output{' and its gradient' if grads else ''}, sized by a run of the statement on the meta device), above "
+        f"max_memory={_size_text(max_memory)}. Nothing ran: narrow ops= to the ops you suspect, or raise max_memory=")
 
 
 def _refuse_memory(after: list[dict], max_memory: float, grads: bool) -> None:

@@ -51,6 +51,7 @@ class DiffState:
 
 
 CURRENT: DiffState | None = None
+DIFF_MAX_EVENTS = 20_000  # the diff's own recording: the statement's ops, the loss and the backward
 
 
 def diff_prepare(job_dir: str, stmt: str, loss, inputs, outputs, models, grads: bool, ops, max_bytes: int) -> dict:
@@ -63,20 +64,101 @@ def diff_prepare(job_dir: str, stmt: str, loss, inputs, outputs, models, grads: 
         diff_finish()
     prepared = verify.check_prepare(job_dir, stmt, loss, inputs, outputs, models, grads)
     state = verify.CURRENT
+    if current_rank() == 0:
+        prepared["estimated_bytes"] = estimate_bytes(stmt, selector(ops), state)
     params = {id(p): f"{m}.{name}" for m, module in state.models.items() for name, p in module.named_parameters()}
     # the recorder names a module by its path in the outermost module (that one by its class): by the model's name here
     modules = {(path or type(module).__name__): (f"{m}.{path}" if path else m)
                for m, module in state.models.items() for path, _ in module.named_modules()}
     rec = recording.active_recorder()
     own = rec is None
-    if own:  # ops only: no collectives, no spec check, a small buffer (the keeper keeps what the diff needs)
-        rec = recording.Recorder(RecordingOptions(max_events=1, comm=False, spec_check=False))
+    if own:  # ops only (no collectives, no spec check): the explorer the result opens on the departing op
+        rec = recording.Recorder(RecordingOptions(max_events=DIFF_MAX_EVENTS, comm=False, spec_check=False))
         rec.__enter__()
     keeper = kept_outputs.OutputKeeper(selector(ops), params, stmt, max_bytes, rank=current_rank(), corrupt=kept_outputs.TEST_CORRUPTION,
                                        shard_tensor_cls=rec.shard_tensor_cls)
     rec.outputs = keeper
     CURRENT = DiffState(keeper, rec, own, modules)
     return prepared
+
+
+def _global_meta(value):
+    """A tensor of ``value``'s whole shape and dtype on the meta device (no data)."""
+    import torch
+
+    spec = getattr(value, "_spec", None)
+    shape = tuple(spec.tensor_meta.shape) if reference.is_distributed(value) and spec is not None and \
+        spec.tensor_meta is not None else tuple(value.shape)
+    return torch.empty(shape, dtype=value.dtype, device="meta")
+
+
+def estimate_bytes(stmt: str, select, state) -> int | None:
+    """The bytes of every selected op's whole output, as the single-device reference would keep them, from a run
+    of the statement before the ranks run it: on the meta device (shapes, no data, no communication), with the
+    inputs and the models' tensors in their whole shapes, ``scatter`` as the identity, its printing swallowed
+    and torch's random state put back. None where the statement cannot run there (data-dependent code, a tensor
+    of its own on a real device): the diff then tells after the sharded run."""
+    import contextlib
+    import copy
+    import io
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from .recorder.tensors import op_name, result_tensors
+
+    namespace = dict(verify.namespace())
+    for name, value in state.inputs.items():
+        namespace[name] = _global_meta(value).requires_grad_(bool(value.requires_grad)
+                                                             and value.is_floating_point())
+    for name, module in state.models.items():
+        memo = {}
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            meta = _global_meta(tensor)
+            memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+                if isinstance(tensor, torch.nn.Parameter) else meta
+        namespace[name] = copy.deepcopy(module, memo)
+    scatter, without_patches = _scatter_function(), _without_patches_function()
+    for name, value in list(namespace.items()):
+        if value is scatter:
+            namespace[name] = lambda tensor, *args, **kwargs: tensor.to("meta")
+        elif value is without_patches:
+            namespace[name] = lambda *ops: contextlib.nullcontext()
+    if "sharddbg" in namespace:
+        import types
+
+        namespace["sharddbg"] = types.SimpleNamespace(engine=types.SimpleNamespace(
+            scatter=lambda tensor, *args, **kwargs: tensor.to("meta"), without_patches=lambda *ops: contextlib.nullcontext()))
+    total = [0]
+
+    class Outputs(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            res = func(*args, **(kwargs or {}))  # the calls inside it are not seen: the mode is off while it runs
+            if select is None or select(op_name(func)):
+                total[0] += sum(t.numel() * t.element_size() for t in result_tensors(res))
+            return res
+
+    rng = torch.get_rng_state()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), Outputs():
+            exec(compile(stmt, kept_outputs.STATEMENT_SITE, "exec"), namespace)  # noqa: S102 - the user's statement
+    except Exception:  # noqa: BLE001 - not runnable on the meta device: no estimate
+        return None
+    finally:
+        torch.set_rng_state(rng)
+    return total[0]
+
+
+def _scatter_function():
+    from ._scatter import scatter
+
+    return scatter
+
+
+def _without_patches_function():
+    from .patches import without_patches
+
+    return without_patches
 
 
 def _layout(spec, local) -> verify.TensorLayout:
@@ -128,7 +210,8 @@ def diff_backward() -> dict:
     for op in keeper.kept:
         described.append({"key": op.key, "op": op.op, "site": op.site, "module": state.module_names.get(op.module, op.module), "seq": op.seq,
                           "occurrence": op.occurrence, "sources": op.sources, "gradient": op.grad is not None,
-                          "outputs": len(op.outputs), "position": _position(op.frame, op.site)})
+                          "outputs": len(op.outputs), "position": _position(op.frame, op.site),
+                          "caller": op.caller})
     return {"check": after, "ops": described, "needed_bytes": keeper.needed, "kept_bytes": keeper.nbytes,
             "global_bytes": keeper.global_bytes, "over_limit": keeper.over_limit, "seen": dict(keeper.seen),
             "nested": dict(keeper.nested), "selected": sorted({op.op for op in keeper.kept})}
@@ -139,9 +222,13 @@ def _position(frame, site) -> str | None:
     lines itself)."""
     if not frame or not site or site[0] == kept_outputs.STATEMENT_SITE:
         return None
-    from .recorder.cells import position
+    from .recorder.cells import cell_name, position
 
-    return position(*frame)
+    filename, line, function = frame
+    if cell_name(filename) is None or function == "<module>":
+        return position(*frame)
+    where = position(filename, line)  # a cell's line: the function it is in named too, as a file's line has it
+    return where.replace(f", line {line}", f", line {line} in {function}", 1)
 
 
 def diff_compare(rtol: float | None, atol: float | None) -> dict:
@@ -170,7 +257,12 @@ def diff_compare(rtol: float | None, atol: float | None) -> dict:
         record.update(key=op.key, op=op.op, seq=op.seq, occurrence=op.occurrence, phase=(
             "forward" if what == "output" else "backward"), output=index, matched=partner is not None)
         records.append(record)
-    return {"check": check_records, "ops": records, "reference_errors": ref.get("errors", [])}
+    payload = None
+    if state.own_recording:  # the run as the explorer shows it (the user's own recording keeps its events itself)
+        _detach_keeper(state)
+        state.recording.close()
+        payload = state.recording.payload(complete=True)
+    return {"check": check_records, "ops": records, "reference_errors": ref.get("errors", []), "payload": payload}
 
 
 def diff_finish() -> None:

@@ -37,11 +37,22 @@ def _cells(row) -> list[str]:
             str(row["rows"] or ""), str(row["note"] or "")]
 
 
+def explore_line(result: DiffResult) -> str:
+    """Where the explorer opens: the first departing op's call on its first departing rank ("" without one)."""
+    first = result.first
+    if first is None or first.seq is None or not result.has_trace:
+        return ""
+    return (f"r.explore(): the trace explorer opened on this op's call on rank {first.rank} (seq {first.seq}), its "
+            f"detail shown")
+
+
 def diff_text(result: DiffResult) -> str:
-    """The diff as text: the answer, then one aligned line per compared op output and gradient."""
+    """The diff as text: the answer, where the explorer opens, then one aligned line per compared op output and
+    gradient."""
     lines = [_cells(row) for _, row in result.get_ops().iterrows()]
     widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(DIFF_HEADERS)]
-    out = [result.answer, "  ".join(h.ljust(w) for h, w in zip(DIFF_HEADERS, widths)).rstrip()]
+    out = [result.answer] + ([explore_line(result)] if explore_line(result) else [])
+    out += ["  ".join(h.ljust(w) for h, w in zip(DIFF_HEADERS, widths)).rstrip()]
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in lines]
     return "\n".join(out)
 
@@ -60,9 +71,13 @@ def diff_html(result: DiffResult) -> str:
                         for c in _cells(row))
         body.append(f"<tr class='sd-diff-{row['verdict'].replace(' ', '-')}' style='background:{tint}'>{cells}</tr>")
     verdict_class = "sd-diff-ok" if first is None else "sd-diff-fail"
+    explore = ""
+    if first is not None and first.seq is not None and result.has_trace:
+        explore = (f"<p class='sd-diff-explore' data-rank='{first.rank}' data-seq='{first.seq}' style='margin:0 0 8px "
+                   f"0;padding:0 6px'>{html.escape(explore_line(result))}</p>")
     return (f"<div class='sd-diff' style='color:var(--jp-ui-font-color1,#222);font-size:var(--jp-code-font-size,13px)'>"
             f"<p class='{verdict_class}' style='margin:4px 0 8px 0;padding:4px 6px;background:"
-            f"{'transparent' if first is None else DEPART_TINT}'>{html.escape(result.answer)}</p>"
+            f"{'transparent' if first is None else DEPART_TINT}'>{html.escape(result.answer)}</p>{explore}"
             f"<table style='border-collapse:collapse'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody>"
             f"</table></div>")
 

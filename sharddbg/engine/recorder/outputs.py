@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -75,6 +76,7 @@ class KeptOp:
     grad: KeptTensor | None = None
     nbytes: int = 0
     global_bytes: int = 0
+    caller: int | None = None  # the statement's line that led to a call made in a function of the user's
 
     @property
     def key(self) -> str:
@@ -139,6 +141,26 @@ class OutputKeeper:
     over_limit: bool = False
     handles: list = field(default_factory=list)
     shard_tensor_cls: type | None = None
+    statement_files: dict = field(default_factory=dict)  # file name -> whether it holds the statement
+
+    def _is_statement(self, filename: str) -> bool:
+        known = self.statement_files.get(filename)
+        if known is None:
+            known = self.statement_files[filename] = filename == STATEMENT_SITE or \
+                "".join(linecache.getlines(filename)).strip() == self.stmt.strip()
+        return known
+
+    def statement_line(self) -> int | None:
+        """The line of the statement that the running op was reached from: its outermost frame in the statement
+        (a call inside a function of the user's has the function's own line as its site; this says which line of
+        the statement called it)."""
+        line = None
+        f = sys._getframe(1)
+        while f is not None:
+            if self._is_statement(f.f_code.co_filename):
+                line = f.f_lineno
+            f = f.f_back
+        return line
 
     def after_op(self, ev: Any, res: Any, args: tuple | None, kwargs: dict | None) -> None:
         """``ops.end`` for the event ``ev`` of a call that returned ``res``."""
@@ -162,6 +184,8 @@ class OutputKeeper:
                     outs[0], self.shard_tensor_cls) else outs[0]
                 target.add_(1.0)
         kept = KeptOp(ev.seq, ev.op, ev.frame, site, ev.module, count, [], self._sources(args, kwargs))
+        if site is not None and (site[0] != STATEMENT_SITE or site[2] != "<module>"):
+            kept.caller = self.statement_line()
         total = whole = 0
         copies = []
         for t in outs:

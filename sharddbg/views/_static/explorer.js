@@ -402,6 +402,16 @@ export function renderExplorer(model, el) {
   for (const f of [fRank, fPath, fPhase, fFlag]) f.addEventListener("change", draw);
   fOp.addEventListener("input", draw);
   draw();
+  // opened on a call (``TraceExplorer(trace, selected=[rank, seq])``: the op a diff found departing): its summary
+  // row expanded, its row selected and in view, its detail shown
+  const initial = model.get("selected") || [];
+  const opened = initial.length === 2 ? byCall.get(initial[0] + ":" + initial[1]) : null;
+  if (opened) {
+    if (fView && fView.value === "summary" && opened.summary_row != null) { expanded.add(opened.summary_row); draw(); }
+    const tr = list.querySelector(`tr[data-rank="${opened.rank}"][data-seq="${opened.seq}"]`);
+    showDetail(opened, tr, null);
+    if (tr && tr.scrollIntoView) tr.scrollIntoView({ block: "nearest" });
+  }
 }
 
 export default { render({ model, el }) { renderExplorer(model, el); } };
