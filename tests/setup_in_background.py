@@ -172,7 +172,7 @@ class _Helper:
         with self.lock:
             self.ending = True
         self.kill_running()
-        shutil.rmtree(self.clone.parent, ignore_errors=True)
+        subprocess.run(["rm", "-rf", str(self.clone.parent)], check=False)  # faster than shutil.rmtree here
         os._exit(0)
 
 
