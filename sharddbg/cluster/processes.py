@@ -260,6 +260,21 @@ class ClusterProcesses:
         self.stop_controller()
         self.start_controller()
 
+    def warm_reference(self) -> WarmReference | None:
+        """The warm Python that forks the checks' reference processes (``reference_process``): started now, and
+        named in the record (reaped with the cluster), unless one serves already; None where it cannot start."""
+        if self.reference is not None and self.reference.serves_now():
+            return self.reference
+        if self.reference is not None:
+            self.reference.close()
+            self.reference = None
+        try:
+            self.reference = WarmReference()
+        except OSError:
+            return None  # each reference then runs as a new Python
+        self.record.track(self.reference.pid, "reference")
+        return self.reference
+
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
         """Stop everything, kill what is left of the cluster's processes, forget the record; raises if a

@@ -35,7 +35,7 @@ from ..engine import api
 from ..errors import ClusterError, RankError, ShardDbgError, hide_own_frames
 from . import arguments
 from .execution import RankExecution
-from .reference_process import ReferenceTimeout, WarmReference, run_fresh
+from .reference_process import ReferenceTimeout, run_fresh
 
 __all__ = ["CheckError", "CheckResult", "BoundaryPattern", "run_check", "whole_multiple",
            "TABLE_COLUMNS", "ROW_COLUMNS"]
@@ -107,7 +107,7 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
                            f"fail; cl.recover() first")
     job_dir = tempfile.mkdtemp(prefix="sharddbg-check-")  # private (0700): the engines run as this user
     blamed = None
-    _warm_reference(execution)
+    execution.processes.warm_reference()  # its imports overlap the ranks' part
     try:
         prepared = _on_ranks(execution, api.check_prepare, job_dir, stmt, loss, inputs, outputs, models, grads,
                              timeout=timeout)
@@ -157,21 +157,6 @@ def _finish(execution: RankExecution, timeout: float) -> None:
             execution.apply(api.check_finish, (), {}, alive, min(timeout, 30.0))
     except ShardDbgError:
         pass
-
-
-def _warm_reference(execution: RankExecution) -> None:
-    """The cluster's warm reference Python, started now unless one serves already: its imports overlap the
-    ranks' part of the check."""
-    processes = execution.processes
-    if processes.reference is not None and processes.reference.serves_now():
-        return
-    if processes.reference is not None:
-        processes.reference.close()
-        processes.reference = None
-    try:
-        processes.reference = WarmReference()
-    except OSError:
-        pass  # each reference then runs as a new Python
 
 
 def _run_reference(execution: RankExecution, job_dir: str, job: dict, timeout: float) -> dict[int, float | None]:
@@ -312,7 +297,7 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
         raise ClusterError(f"the process group is broken ({execution.broken.cause}): the diff's collectives would "
                            f"fail; cl.recover() first")
     job_dir = tempfile.mkdtemp(prefix="sharddbg-diff-")
-    _warm_reference(execution)
+    execution.processes.warm_reference()  # its imports overlap the ranks' part
     try:
         prepared = _on_ranks(execution, diff.diff_prepare, job_dir, stmt, loss, inputs, outputs, models, grads, ops,
                              int(max_memory), timeout=timeout)
