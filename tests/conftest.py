@@ -214,10 +214,13 @@ def pytest_collection_modifyitems(config, items):
     cluster running" errors are tested while none runs. Among them, the modules that use the same handed-on
     fixture (``HANDED_ON_FIXTURES``) run one after the other, so that one cluster start serves them all, in the
     order below (test_scatter_input.py first: its first test starts a 2x2 cluster of its own, while no other
-    runs; test_doctor.py first of cluster22's: the doctor reads everything the ranks hold)."""
+    runs; test_doctor.py first of cluster22's: the doctor reads everything the ranks hold). test_setup.py runs
+    last of all: its clean install, started with the session (``pytest_collection_finish``), has had the whole
+    session to finish beside the other tests."""
     own = ("test_browser.py", "test_notebooks.py", "test_lifecycle.py", "test_magics.py", "test_processes.py",
            "test_scatter_input.py", "test_faults.py", "test_bad_input.py", "test_doctor.py", "test_replicas.py",
-           "test_analysis_real.py", "test_setup.py")
+           "test_analysis_real.py")
+    very_last = "test_setup.py"
     # cl.smoke() rebuilds cluster4's mesh per configuration (restored at the end, but tensors built on the mesh
     # before are stale then): its module runs after every other that uses cluster4
     last = ("test_smoke.py",)
@@ -228,8 +231,35 @@ def pytest_collection_modifyitems(config, items):
 
     def order(item):
         name = item.path.name
+        if name == very_last:
+            return 2, "", 0
         if name in own:
             return 0, handed_on[item.path], own.index(name)
         return 1, handed_on[item.path], name in last
 
     items.sort(key=order)
+
+
+def pytest_collection_finish(session):
+    """When the session runs a test of tests/test_setup.py that needs its clean install: clone and start the
+    install now, in a process of its own (``setup_in_background``), so that its minutes of pip, unzip and npm
+    overlap with the other tests; test_setup.py's fixtures wait for its results."""
+    if session.config.option.collectonly:
+        return
+    needs_install = [item for item in session.items
+                     if item.path.name == "test_setup.py" and "demo_installed" in item.fixturenames]
+    if needs_install:
+        import setup_in_background
+        from test_setup import REPO, SETUP_FILES
+
+        setup_in_background.start_for(REPO, SETUP_FILES)
+
+
+def pytest_sessionfinish(session):
+    """Whatever ended the session (a failure with -x, Ctrl-C): the clean install's lifeline is closed, so nothing
+    of it is left running or on disk (its helper also sees the lifeline close if this process is killed)."""
+    import sys
+
+    background = sys.modules.get("setup_in_background")
+    if background is not None:
+        background.end_for_good()

@@ -71,6 +71,38 @@ def test_three_conv_net_on_uneven_shards_passes_with_every_gradient(cl):
         == [(True, True, False)] * N
 
 
+def test_each_reference_is_a_new_process_forked_from_the_clusters_warm_python(cl):
+    """A check's reference runs in a process of its own, forked from a Python of the cluster's that imported torch
+    while the ranks worked: what an earlier reference did is never seen by the next; that Python is reused
+    while the notebook's environment stays the same, replaced when it changed, and named among the cluster's
+    processes (so a stop or a reap ends it with the rest)."""
+    import os
+
+    import psutil
+
+    counted = "import sys\nsys.ck_count = getattr(sys, 'ck_count', 0) + 1\nck_y = ck_net(ck_x) * sys.ck_count"
+    try:
+        # the ranks count 1, then 2; a reference process that had seen the first check would count 2 as well
+        assert cl.check(counted, inputs=["ck_x"], outputs=["ck_y"], model="ck_net", grads=False, display=False).ok
+        warm = cl._processes.reference
+        assert warm is not None and warm.serves_now()
+        assert psutil.Process(warm.pid).cmdline()[-2:] == ["sharddbg.engine.reference", "--serve"]
+        assert psutil.Process(warm.pid).ppid() == os.getpid() and warm.pid in {p.pid for p in cl.processes()}
+        second = cl.check(counted, inputs=["ck_x"], outputs=["ck_y"], model="ck_net", grads=False, display=False)
+        assert not second.ok and second.table["ratio"].max() == pytest.approx(2.0, rel=1e-3), second.verdict
+        assert cl._processes.reference is warm  # reused
+        # the environment changed: a reference started now would see it, so a new warm Python serves
+        os.environ["SHARDDBG_CHECK_ENV_MARK"] = "1"
+        try:
+            r = cl.check("ck_y = ck_net(ck_x)", inputs=["ck_x"], outputs=["ck_y"], model="ck_net", grads=False,
+                         display=False)
+        finally:
+            del os.environ["SHARDDBG_CHECK_ENV_MARK"]
+        assert r.ok and cl._processes.reference is not warm and warm.proc.poll() is not None
+    finally:
+        cl.run("import sys\nsys.__dict__.pop('ck_count', None)", display=False)
+
+
 def test_conv_without_its_patch_is_wrong_only_near_shard_boundaries(cl):
     r = cl.check("with sharddbg.engine.without_patches(F.conv2d):\n    ck_y = ck_net(ck_x)",
                  inputs=["ck_x"], outputs=["ck_y"], model="ck_net")

@@ -1,10 +1,16 @@
 """The tutorial notebooks, executed top to bottom on a real 4-rank CPU cluster (nbclient, the venv's
-kernel). Each notebook starts and stops its own cluster; checks read the cells' real outputs."""
+kernel). Each notebook starts and stops its own cluster; checks read the cells' real outputs.
+
+The module's notebooks run two at a time (``executed``), each in its own kernel with its own cluster: a
+notebook spends most of its time waiting on messages between the kernel, the controller and the ranks, so a
+second one uses the core the first leaves idle. Each test waits for its own notebook and checks it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -22,8 +28,31 @@ def run_notebook(name: str, timeout: int = 240) -> nbformat.NotebookNode:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     # "python3" is the native kernel: jupyter_client starts it with this interpreter (the venv's)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
-    client.execute(env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # an event loop of its own: it may run in a worker thread, beside another notebook
+    asyncio.run(client.async_execute(env=dict(os.environ, OMP_NUM_THREADS="1")))
     return nb
+
+
+AT_ONCE = 2  # notebooks executed at the same time (a 4-rank cluster each)
+# the longest first, so that the two at a time end together (seconds each on 2 cores, one at a time: 05 40,
+# 06 37, 07 30, 01 26, 02 25, 04 23, 03 19)
+LONGEST_FIRST = ("05_verify", "06_which_op", "07_write_a_patch", "01_quickstart", "02_dispatch_paths",
+                 "04_comm_profile", "03_hidden_errors")
+
+
+@pytest.fixture(scope="module")
+def executed(request) -> dict[str, Future]:
+    """The notebooks of this module's selected tests (``test_<name>`` checks ``<name>.ipynb``), started at once
+    ``AT_ONCE`` at a time: notebook name -> its run (``.result()`` waits for it, raises what it raised)."""
+    wanted = {item.name.removeprefix("test_") for item in request.session.items if item.path == request.node.path}
+    pool = ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix="notebook")
+    runs = {name: pool.submit(run_notebook, f"{name}.ipynb") for name in sorted(wanted, key=_longest_first)}
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)  # a run already started ends (its kernel stops its cluster)
+
+
+def _longest_first(name: str) -> int:
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else -1  # a new notebook: at once (unmeasured)
 
 
 def outputs_text(cell) -> str:
@@ -63,8 +92,8 @@ def check_common(nb) -> None:
     assert not any("gettempdir()" in c.source for c in nb.cells if c.cell_type == "code")
 
 
-def test_01_quickstart():
-    nb = run_notebook("01_quickstart.ipynb")
+def test_01_quickstart(executed):
+    nb = executed["01_quickstart"].result()
     check_common(nb)
     assert result_of(nb, 'cl.eval("tuple(x._local_tensor.shape)")') == [(1, 3, r, 64) for r in ROWS]
     # the status table: eight columns by default, one row per rank
@@ -106,8 +135,8 @@ def test_01_quickstart():
     assert m and os.path.basename(m.group(1)).startswith("sharddbg-quickstart-")
 
 
-def test_02_dispatch_paths():
-    nb = run_notebook("02_dispatch_paths.ipynb")
+def test_02_dispatch_paths(executed):
+    nb = executed["02_dispatch_paths"].result()
     check_common(nb)
     fb = outputs_text(cell_with(nb, "fb = t_net.get_fallbacks()"))
     assert "gelu" in fb and "dtensor_fallback_function" in fb
@@ -136,8 +165,8 @@ def test_02_dispatch_paths():
     assert "drawn as the ranks really hold it" in insp
 
 
-def test_03_hidden_errors():
-    nb = run_notebook("03_hidden_errors.ipynb")
+def test_03_hidden_errors(executed):
+    nb = executed["03_hidden_errors"].result()
     check_common(nb)
     both = result_of(nb, 'eval("(plain, unmasked)")')
     assert both == [("TypeError: unsupported operand type(s) for +: 'ShardTensor' and 'ShardTensor' | cause: None",
@@ -147,8 +176,8 @@ def test_03_hidden_errors():
     assert result_of(nb, 'eval("tuple(twice._local_tensor.shape)")') == [(1, 3, r, 64) for r in ROWS]
 
 
-def test_04_comm_profile():
-    nb = run_notebook("04_comm_profile.ipynb")
+def test_04_comm_profile(executed):
+    nb = executed["04_comm_profile"].result()
     check_common(nb)
     summary = outputs_text(cell_with(nb, "def summary"))
     # 3 conv2d calls per rank; the halo patch sends one row (8 channels x 64 columns x 4 B) to each
@@ -188,8 +217,8 @@ def _arr(v):
     return v
 
 
-def test_05_verify():
-    nb = run_notebook("05_verify.ipynb")
+def test_05_verify(executed):
+    nb = executed["05_verify"].result()
     check_common(nb)
     bounds = [sum(ROWS[:r]) for r in range(1, N)]  # 17, 34, 50
     # 1. the numerical check: passes with every gradient; without the conv2d patch, wrong only near the boundaries
@@ -251,8 +280,8 @@ def test_05_verify():
     assert len({d["line"]["dash"] for d in losses["data"]}) == 5
 
 
-def test_07_write_a_patch():
-    nb = run_notebook("07_write_a_patch.ipynb")
+def test_07_write_a_patch(executed):
+    nb = executed["07_write_a_patch"].result()
     check_common(nb)
     # 1. torch.diff fell back: a halo of one row, the fallback gathered the input whole
     families = outputs_text(cell_with(nb, "fb = sharddbg.last_trace().get_fallbacks()"))
@@ -278,8 +307,8 @@ def test_07_write_a_patch():
         outputs_text(cell_with(nb, 'cl.unpatch("torch.diff")'))
 
 
-def test_06_which_op():
-    nb = run_notebook("06_which_op.ipynb")
+def test_06_which_op(executed):
+    nb = executed["06_which_op"].result()
     check_common(nb)
     # without the conv2d patch: the first conv departs, at the shard boundaries, its inputs agreeing; the table follows
     no_halo = outputs_text(cell_with(nb, "%%shard_diff --no-grads"))

@@ -5,11 +5,14 @@ DTensor ops against CommDebugMode; bad input refused before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,9 +51,72 @@ def sharddbg_cli(*args, timeout: float = 60, **kwargs) -> subprocess.CompletedPr
 
 
 def record_torchrun(folder: Path, record_args: list, job_args: list, timeout: float = 400) -> RecordedRun:
-    done = sharddbg_cli("record", "--out", folder, *record_args, "--", TORCHRUN, "--standalone", "--nproc-per-node", 4,
-                        CONV_JOB, *job_args, timeout=timeout)
-    return RecordedRun(done.returncode, done.stdout + done.stderr, folder)
+    return RecordingStarted.start(folder, record_args, job_args, timeout).finish()
+
+
+@dataclass
+class RecordingStarted:
+    """``sharddbg record -- torchrun ...`` started and not waited for: its output goes to files beside the folder
+    (a pipe nobody reads could fill and stop it)."""
+
+    process: subprocess.Popen
+    folder: Path
+    output: Path
+    deadline: float  # time.monotonic() by which it must have ended
+
+    @classmethod
+    def start(cls, folder: Path, record_args: list, job_args: list, timeout: float = 400) -> "RecordingStarted":
+        output = folder.with_name(folder.name + ".output")
+        with open(output, "wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "sharddbg.cli", "record", "--out", str(folder), *map(str, record_args), "--",
+                 TORCHRUN, "--standalone", "--nproc-per-node", "4", str(CONV_JOB), *map(str, job_args)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env(), cwd=str(JOBS),
+                start_new_session=True)
+        return cls(process, folder, output, time.monotonic() + timeout)
+
+    def finish(self) -> RecordedRun:
+        """Wait for it (until its deadline: then it is killed and ``subprocess.TimeoutExpired`` raised)."""
+        try:
+            returncode = self.process.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return RecordedRun(returncode, self.output.read_text(), self.folder)
+
+    def kill(self) -> None:
+        """It and everything it started (its own process group) killed, where it still runs."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+# the fault launches (test name -> what the test's launch records), started at once when the module starts: most of
+# their time is waiting (a rank that sleeps before it is killed, a hang watched for seconds, ranks that linger), which
+# the window's launch and the other tests use
+KILLED = "test_a_killed_rank_keeps_what_it_flushed_and_the_others_all"
+SKIPPED = "test_a_rank_that_skips_an_all_reduce_is_named_with_the_collective"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fault_launches(request, tmp_path_factory) -> dict[str, RecordingStarted]:
+    """The fault launches of the module's selected tests, started when the module starts: test name -> its launch.
+    Anything of them still running when the module ends is killed."""
+    selected = {item.originalname for item in request.session.items if item.path == request.node.path}
+    started: dict[str, RecordingStarted] = {}
+    if KILLED in selected:
+        where = tmp_path_factory.mktemp("killed")
+        started[KILLED] = RecordingStarted.start(
+            where / "killed", [], ["--steps", "4", "--kill-rank", "2", "--kill-step", "3",
+                                   "--kill-note", where / "killed_at_ns", "--timeout", "20"])
+    if SKIPPED in selected:
+        started[SKIPPED] = RecordingStarted.start(
+            tmp_path_factory.mktemp("skipped") / "skipped", ["--hang-after", "2"],
+            ["--steps", "2", "--skip-rank", "1", "--skip-step", "2", "--linger", "8", "--timeout", "30"])
+    yield started
+    for launch in started.values():
+        launch.kill()
 
 
 def _op_counts(t) -> pd.Series:
@@ -127,10 +193,9 @@ def test_summary_and_report_read_the_folder(window_run, tmp_path):
 
 # ---- faults ----------------------------------------------------------------------------------------------
 
-def test_a_killed_rank_keeps_what_it_flushed_and_the_others_all(tmp_path):
-    note = tmp_path / "killed_at_ns"
-    run = record_torchrun(tmp_path / "killed", [], ["--steps", "4", "--kill-rank", "2", "--kill-step", "3",
-                                                    "--kill-note", note, "--timeout", "20"])
+def test_a_killed_rank_keeps_what_it_flushed_and_the_others_all(fault_launches):
+    run = fault_launches[KILLED].finish()
+    note = run.folder.parent / "killed_at_ns"
     assert run.returncode != 0
     t = sharddbg.load_trace(run.folder)
     assert 2 in t.incomplete_ranks
@@ -152,9 +217,8 @@ def test_a_killed_rank_keeps_what_it_flushed_and_the_others_all(tmp_path):
     assert "rank 2" in done.stdout and "killed by SIGKILL" in done.stdout
 
 
-def test_a_rank_that_skips_an_all_reduce_is_named_with_the_collective(tmp_path):
-    run = record_torchrun(tmp_path / "skipped", ["--hang-after", "2"],
-                          ["--steps", "2", "--skip-rank", "1", "--skip-step", "2", "--linger", "8", "--timeout", "30"])
+def test_a_rank_that_skips_an_all_reduce_is_named_with_the_collective(fault_launches):
+    run = fault_launches[SKIPPED].finish()
     t = sharddbg.load_trace(run.folder)
     report = t.meta.get("hang_report")
     assert report, run.output

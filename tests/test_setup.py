@@ -4,17 +4,23 @@ physicsnemo's deliberately uninstalled dependency list stays in the log), a last
 and none of the tests' tools; then the tests' (``bash .ci/run``'s) on that venv: those tools, and only them, in
 one step; a second run installs nothing; a real failure stops it with pip's reason. One clean install takes a
 few minutes here (torch comes from this machine's disk), so there is one: the tests' install from scratch (all
-seven steps in one run) is what CI itself does on its clean clone before every test."""
+seven steps in one run) is what CI itself does on its clean clone before every test.
+
+The clean clone and its two installs (the demo's, then the tests') start when the session starts and run beside
+the other tests (``setup_in_background``; ``tests/conftest.py`` starts it): the fixtures below wait for their
+results. The demo's venv is checked before the tests' install is let go on it."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+import setup_in_background
+from setup_in_background import newcomer_env
 
 # a real install on a clean clone: several minutes (a clean install for the demo took 7.5 minutes on this 2-core
 # machine while other tests ran), more than the suite's 600 s a test
@@ -49,49 +55,41 @@ def importable(where: Path, names) -> list[str]:
                           check=True, cwd="/", env=newcomer_env()).stdout.split()
 
 
-def newcomer_env() -> dict[str, str]:
-    """This environment without what would point the clone's Python elsewhere: the venv and the Python this test
-    runs in, and a PYTHONPATH (which would import the checkout running the test instead of the clone)."""
-    return {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "SHARDDBG_PYTHON", "PYTHONPATH")}
-
-
 def run_setup(where: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", ".ci/setup", *args], cwd=where, capture_output=True, text=True, timeout=1200,
                           env={**newcomer_env(), **env})
 
 
-def clean_clone(tmp_path_factory, name: str):
-    where = tmp_path_factory.mktemp(name) / "sharddbg"
-    subprocess.run(["git", "clone", "--quiet", str(REPO), str(where)], check=True, timeout=120)
-    for setup_file in SETUP_FILES:
-        shutil.copy2(REPO / setup_file, where / setup_file)
-    assert not (where / ".venv").exists()
-    return where
+@pytest.fixture(scope="module")
+def background() -> setup_in_background.BackgroundSetup:
+    """The clean clone and its installs that the session started (``tests/conftest.py``); ended (the clone
+    removed, by a process of its own) when the module is done."""
+    running = setup_in_background.RUNNING
+    assert running is not None, "tests/conftest.py starts the clean install when the session collects this module"
+    yield running
+    running.end()
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory):
-    where = clean_clone(tmp_path_factory, "setup")
-    yield where
-    # its venv is several GB: removed by a process of its own (about 10 s of disk work nothing waits for)
-    subprocess.Popen(["rm", "-rf", str(where)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)
+def clone(background):
+    assert not background.had_a_venv
+    return background.clone
 
 
 @pytest.fixture(scope="module")
-def demo_installed(clone):
+def demo_installed(background):
     """``bash .ci/demo``'s install on the clean clone, and the length of pip's log after it."""
-    done = run_setup(clone, "--for", "demo")
-    return done, len((clone / ".venv/sharddbg-setup.log").read_text())
+    return background.result(setup_in_background.DEMO), background.demo_log_length()
 
 
 @pytest.fixture(scope="module")
-def tests_added(clone, demo_installed):
+def tests_added(background, demo_installed):
     """``bash .ci/run``'s install on the venv the demo set up."""
-    return run_setup(clone, "--for", "tests")
+    background.ask_for_the_tests_install()
+    return background.result(setup_in_background.TESTS)
 
 
-def test_the_demo_install_says_what_it_does_without_error_lines(clone, demo_installed):
+def test_the_demo_install_says_what_it_does_without_error_lines(background, clone, demo_installed):
     demo, _ = demo_installed
     out = demo.stdout.splitlines()
     assert demo.returncode == 0 and demo.stderr == "", demo.stdout + demo.stderr
@@ -111,6 +109,8 @@ def test_the_demo_install_says_what_it_does_without_error_lines(clone, demo_inst
     assert importable(clone, ("torch", "physicsnemo", "sharddbg", "jinja2", "jupyterlab")) == [
         "torch", "physicsnemo", "sharddbg", "jinja2", "jupyterlab"]
     assert importable(clone, TEST_TOOLS) == []
+    # the demo's venv is checked: the tests' install may go on with it (beside the wheel's test)
+    background.ask_for_the_tests_install()
 
 
 def test_the_wheel_of_the_set_up_clone_carries_the_jupyterlab_extension(clone, demo_installed, tmp_path):

@@ -24,6 +24,7 @@ import psutil
 from ..errors import ClusterError
 from . import registry
 from .launcher import ControllerProcess, ForkServer
+from .reference_process import WarmReference
 
 # What a dead rank's (or controller's) description quotes from the end of its log.
 LOG_TAIL_CHARS = 1500
@@ -87,6 +88,7 @@ class ClusterProcesses:
         self.extra_env = dict(extra_env)
         self.timings = timings
         self.facts: dict = {}  # what the fork server found: GPU count, versions, patch mode, import times
+        self.reference: WarmReference | None = None  # forks the checks' reference processes (started by the first)
         self.pids: dict[int, int] = {}  # rank -> engine pid
         self.fork_server: ForkServer | None = None
         self.controller: ControllerProcess | None = None  # None before the start, after a stop
@@ -258,6 +260,21 @@ class ClusterProcesses:
         self.stop_controller()
         self.start_controller()
 
+    def warm_reference(self) -> WarmReference | None:
+        """The warm Python that forks the checks' reference processes (``reference_process``): started now, and
+        named in the record (reaped with the cluster), unless one serves already; None where it cannot start."""
+        if self.reference is not None and self.reference.serves_now():
+            return self.reference
+        if self.reference is not None:
+            self.reference.close()
+            self.reference = None
+        try:
+            self.reference = WarmReference()
+        except OSError:
+            return None  # each reference then runs as a new Python
+        self.record.track(self.reference.pid, "reference")
+        return self.reference
+
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
         """Stop everything, kill what is left of the cluster's processes, forget the record; raises if a
@@ -272,6 +289,9 @@ class ClusterProcesses:
         cluster's processes killed, the record and connection files removed; quietly, also after a failed
         start. Returns the processes that still run after all that (normally none)."""
         # Quiet: after a failed start, the start's own error is the one to see.
+        if self.reference is not None:
+            self.reference.close()
+            self.reference = None
         if self.fork_server is not None:
             try:
                 self.fork_server.close()  # it kills the engines and the controller's group, then exits

@@ -10,8 +10,10 @@ The steps (the rank's side is ``sharddbg.engine.verify``, the single process ``s
 2. the statement runs as a cell on every rank, sharded (its output is shown as a cell's);
 3. the loss (``loss``, default the sum of the mean squares of the outputs) and its backward on every rank;
    every compared tensor is placed in its global tensor (``api.check_backward``);
-4. this process starts ``python -m sharddbg.engine.reference`` (the same Python; this process never imports
-   torch), which runs the statement once per domain group on plain tensors, ``scatter`` as the identity;
+4. a new process runs ``sharddbg.engine.reference`` (the same Python; this process never imports torch), which
+   runs the statement once per domain group on plain tensors, ``scatter`` as the identity: forked from the
+   cluster's warm reference Python, which imported torch while the ranks did steps 1-3
+   (``reference_process``);
 5. every rank compares its local data with its slice of the reference (``api.check_compare``), and puts
    back the gradients and settings the check changed (``api.check_finish``, also after a failure).
 
@@ -25,8 +27,6 @@ import math
 import numbers
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 
 from ..analysis.check import (ROW_COLUMNS, TABLE_COLUMNS, BoundaryPattern, CheckResult, check_tables,
@@ -35,6 +35,7 @@ from ..engine import api
 from ..errors import ClusterError, RankError, ShardDbgError, hide_own_frames
 from . import arguments
 from .execution import RankExecution
+from .reference_process import ReferenceTimeout, run_fresh
 
 __all__ = ["CheckError", "CheckResult", "BoundaryPattern", "run_check", "whole_multiple",
            "TABLE_COLUMNS", "ROW_COLUMNS"]
@@ -110,6 +111,7 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
         from .blame import PlainServer
 
         PlainServer.start()  # its imports overlap the check
+    execution.processes.warm_reference()  # its imports overlap the ranks' part
     try:
         prepared = _on_ranks(execution, api.check_prepare, job_dir, stmt, loss, inputs, outputs, models, grads,
                              timeout=timeout)
@@ -118,7 +120,7 @@ def run_check(execution: RankExecution, stmt: str, *, inputs=None, outputs=None,
         first = prepared[0]
         job = {"stmt": stmt, "loss": loss, "outputs": after[0]["outputs"], "backward": after[0]["backward"],
                "groups": sorted({p["group"] for p in prepared})}
-        reference_losses = _run_reference(job_dir, job, timeout)
+        reference_losses = _run_reference(execution, job_dir, job, timeout)
         records = _on_ranks(execution, api.check_compare, rtol, atol, timeout=timeout)
         _finish(execution, timeout)
         if blame and not all(r["ok"] for rank in records for r in rank):
@@ -161,18 +163,20 @@ def _finish(execution: RankExecution, timeout: float) -> None:
         pass
 
 
-def _run_reference(job_dir: str, job: dict, timeout: float) -> dict[int, float | None]:
+def _run_reference(execution: RankExecution, job_dir: str, job: dict, timeout: float) -> dict[int, float | None]:
     """The reference process over ``job``; each group's reference loss."""
     from ..engine import reference
 
     with open(os.path.join(job_dir, reference.JOB_FILE), "w") as f:
         json.dump(job, f)
-    command = [sys.executable, "-m", "sharddbg.engine.reference", job_dir]
+    warm = execution.processes.reference
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise CheckError(f"the unsharded reference ({' '.join(command[:3])}) did not finish within {timeout:g} s; "
-                         f"pass a larger timeout= (the ranks' part finished)") from None
+        done = warm.run(job_dir, timeout) if warm is not None and warm.serves_now() else None
+        if done is None:
+            done = run_fresh(job_dir, timeout)
+    except ReferenceTimeout:
+        raise CheckError(f"the unsharded reference (python -m sharddbg.engine.reference) did not finish within "
+                         f"{timeout:g} s; pass a larger timeout= (the ranks' part finished)") from None
     error_file = os.path.join(job_dir, reference.ERROR_FILE)
     if done.returncode != 0:
         if os.path.exists(error_file):
@@ -301,6 +305,7 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
         from .blame import PlainServer
 
         PlainServer.start()  # its imports overlap the diff
+    execution.processes.warm_reference()  # its imports overlap the ranks' part
     try:
         prepared = _on_ranks(execution, diff.diff_prepare, job_dir, stmt, loss, inputs, outputs, models, grads, ops,
                              int(max_memory), timeout=timeout)
@@ -318,7 +323,7 @@ def run_diff(execution: RankExecution, stmt: str, *, inputs=None, outputs=None, 
         check_after = after[0]["check"]
         job = {"stmt": stmt, "loss": loss, "outputs": check_after["outputs"], "backward": check_after["backward"],
                "groups": sorted({p["group"] for p in prepared}), "diff": {"selected": selected}}
-        reference_losses = _run_reference(job_dir, job, timeout)
+        reference_losses = _run_reference(execution, job_dir, job, timeout)
         records = _on_ranks(execution, diff.diff_compare, rtol, atol, timeout=timeout)
     finally:
         _finish_diff(execution, timeout)

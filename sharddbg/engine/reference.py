@@ -17,6 +17,15 @@ loaded from a file by another name, its folder gone from the path) travels insid
 classes and functions of the user's cells always do. What still cannot be rebuilt (a module whose top-level
 code needs the ranks) is written to ``reference-error.json`` with the module and where the ranks found it.
 
+Each reference is a fresh process, but not a fresh Python: ``python -m sharddbg.engine.reference --serve``
+(started by the client once per cluster, in the client's environment) imports torch and sharddbg's engine, what
+every reference imports before it reads a job, then forks one process per job (``serve``). The forked process
+runs ``main`` as the command above would, in the client's working directory, with stdout and stderr in the job
+folder, and exits: it has the interpreter state of a new process that got that far (torch's defaults, its own
+thread count from the environment, no torch.distributed, TF32 off by ``_settings``), without the seconds of
+torch's import. The server is a plain Python besides: never the cluster's fork server, whose processes
+registered physicsnemo's patches and run with the cluster's own environment.
+
 The same module holds what both sides must agree on: how tensors cross in the bundle (``BundlePickler`` on
 the rank, ``rebuild_tensor`` here), the environment file, the default loss and the names of the files.
 """
@@ -40,6 +49,9 @@ ENVIRONMENT_FILE = "environment.json"  # the ranks' sys.path, working directory 
 REFERENCE_FILE = "reference.pt"
 ERROR_FILE = "reference-error.json"
 LOSSES_FILE = "reference-losses.json"  # {group: the reference's loss value}
+STDOUT_FILE = "reference-stdout.txt"  # a forked reference's stdout and stderr (``serve``)
+STDERR_FILE = "reference-stderr.txt"
+SERVE = "--serve"  # the argument that makes this module the server of forked references
 REBUILDING = "rebuilding the ranks' values"  # the ``what`` of a failure to load the bundle
 STATEMENT_FILENAME = "<statement>"  # what tracebacks of the reference call the user's statement
 LOSS_FILENAME = "<loss>"
@@ -440,5 +452,67 @@ def main(argv=None) -> int:
     return 0
 
 
+# ---- the server of forked references ----------------------------------------------------------------------
+def serve() -> int:
+    """Import what every reference imports before it reads its job, then, for each request on stdin (a JSON line:
+    ``{"job_dir": ..., "cwd": ...}``), fork a process that runs ``main([job_dir])`` and exits. Replies on stdout,
+    one JSON line each: ``{"ready": pid}`` once, then per request ``{"started": pid}`` and ``{"pid": pid,
+    "returncode": status}`` (negative: killed by that signal, as ``subprocess`` says). One job at a time; ends
+    when stdin closes (its owner, the client, ended or closed it). Single-threaded whenever it forks: it runs no
+    torch compute itself."""
+    import torch  # noqa: F401 - imported before any job, as main() imports it (``_settings``) before reading one
+
+    import sharddbg.engine  # noqa: F401 - as run_group does before it reads the bundle
+
+    started_in = os.getcwd()  # python -m put it first on sys.path
+    replies = sys.stdout
+    _reply(replies, ready=os.getpid())
+    for line in sys.stdin:
+        request = json.loads(line)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # nothing buffered is written twice by the child
+        pid = os.fork()
+        if pid == 0:
+            _run_forked(request["job_dir"], request["cwd"], started_in)
+        _reply(replies, started=pid)
+        _, status = os.waitpid(pid, 0)
+        _reply(replies, pid=pid, returncode=os.waitstatus_to_exitcode(status))
+    return 0
+
+
+def _reply(out, **payload) -> None:
+    out.write(json.dumps(payload) + "\n")
+    out.flush()
+
+
+def _run_forked(job_dir: str, cwd: str, started_in: str) -> None:
+    """In the forked process: what ``python -m sharddbg.engine.reference JOB_DIR`` started in ``cwd`` would do,
+    its output in the job folder; never returns."""
+    code = 1
+    try:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, name in ((1, STDOUT_FILE), (2, STDERR_FILE)):
+            target = os.open(os.path.join(job_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(target, fd)
+            os.close(target)
+        os.chdir(cwd)
+        if sys.path and sys.path[0] == started_in:
+            sys.path[0] = cwd
+        code = main([job_dir])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a new process: its traceback, status 1
+        traceback.print_exc()
+        code = 1
+    finally:
+        import atexit
+
+        atexit._run_exitfuncs()  # what a new process runs at its exit (the imports' handlers too)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve() if sys.argv[1:] == [SERVE] else main())
