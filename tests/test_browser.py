@@ -803,7 +803,7 @@ def test_cluster_panel(session):
         stuck = card.locator(".sd-ext-rank[data-rank='0'][data-state='stuck']")
         expect(stuck).to_have_attribute("data-collective", "all_reduce", timeout=15_000)
         expect(stuck.locator(".sd-ext-rank-state")).to_contain_text(
-            re.compile(r"stuck in all_reduce on '\w+' since \S+ \(\d+ s\), waiting for rank 1"))
+            re.compile(r"stuck in all_reduce on 'domain' since \d{1,2}:\d\d:\d\d \(\d+ s\), waiting for rank 1"))
         expect(card.locator(".sd-ext-rank[data-rank='1']")).to_have_attribute("data-state", "busy")
         saved = json.loads(path.read_text())
         stuck_in = saved["rank_states"][0]["stuck_in"]

@@ -53,7 +53,7 @@ function stateText(r: IRankState): string {
   if (r.state === 'stuck' && stuck) {
     let text = `stuck in ${stuck.collective} on '${stuck.group}'`;
     if (stuck.since) {
-      text += ` since ${new Date(stuck.since * 1000).toLocaleTimeString()} (${ago(stuck.since)})`;
+      text += ` since ${new Date(stuck.since * 1000).toLocaleTimeString([], { hour12: false })} (${ago(stuck.since)})`;
     }
     if (stuck.missing_ranks.length) {
       text += `, waiting for rank${stuck.missing_ranks.length > 1 ? 's' : ''} ${stuck.missing_ranks.join(', ')}`;
