@@ -30,7 +30,7 @@ export function drawFigure(model: IViewModel, el: HTMLElement): void {
   el.append(plot);
   void loadPlotly()
     .then(Plotly =>
-      Plotly.newPlot(plot, figure.data as unknown[], figure.layout as object, { responsive: true, displaylogo: false })
+      Plotly.newPlot(plot, figure.data as unknown[], figure.layout as object, { responsive: true, displaylogo: false, showSendToCloud: false })
         .then(() => {
           plot.dataset.sdDrawn = 'true';
           // drawn before its output was attached (no width yet): drawn again at its width once it has one
