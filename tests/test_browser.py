@@ -986,7 +986,7 @@ def test_saved_notebook(session):
     shutil.copy(ROOT / "tests" / "data" / "conv4.sdtrace.json", other_root / "conv4.sdtrace.json")
     shutil.copytree(ROOT / "tests" / "data" / "recorded_job", other_root / "recorded_job")
     (other_root / "broken.sdtrace.json").write_text('{"format": "sharddbg.trace", "version": 1')
-    saved = {p.name: p.read_bytes() for p in other_root.iterdir()}
+    saved = {p: p.read_bytes() for p in other_root.rglob("*") if p.is_file()}
     console: list[str] = []
     on_console = lambda m: console.append(m.text) if m.type == "error" else None  # noqa: E731
     page.on("console", on_console)
@@ -1095,7 +1095,7 @@ def test_saved_notebook(session):
                 expect(shown.locator(".sd-ext-section-comm .js-plotly-plot")).to_have_count(1)
             page.screenshot(path=str(ARTIFACTS / "browser_job_document_dark.png"))
         assert not console, console
-        assert {p.name: p.read_bytes() for p in other_root.iterdir() if p.name in saved} == saved
+        assert {p: p.read_bytes() for p in saved} == saved
     finally:
         page.remove_listener("console", on_console)
 
