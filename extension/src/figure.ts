@@ -28,23 +28,32 @@ export function drawFigure(model: IViewModel, el: HTMLElement): void {
   const plot = document.createElement('div');
   plot.className = 'sd-ext-figure';
   el.append(plot);
-  void loadPlotly()
-    .then(Plotly =>
-      Plotly.newPlot(plot, figure.data as unknown[], figure.layout as object, { responsive: true, displaylogo: false, showSendToCloud: false })
-        .then(() => {
-          plot.dataset.sdDrawn = 'true';
-          // drawn before its output was attached (no width yet): drawn again at its width once it has one
-          let width = plot.clientWidth;
-          new ResizeObserver(() => {
-            if (plot.clientWidth > 0 && plot.clientWidth !== width) {
-              width = plot.clientWidth;
-              Plotly.Plots.resize(plot);
-            }
-          }).observe(plot);
-        })
-    )
-    .catch(err => {
-      plot.textContent = `sharddbg: the figure could not be drawn (${String(err)})`;
-      plot.dataset.sdDrawn = 'error';
-    });
+  const loading = loadPlotly();
+  loading.catch(() => undefined); // said on the figure once it is drawn
+  // drawn once it is laid out with a width (an output rendered before it is attached, a document's tab not
+  // shown yet), then drawn again at each new width
+  let width = 0;
+  let started = false;
+  new ResizeObserver(() => {
+    if (plot.clientWidth === 0 || plot.clientWidth === width) {
+      return;
+    }
+    width = plot.clientWidth;
+    if (started) {
+      void loading.then(Plotly => Plotly.Plots.resize(plot)).catch(() => undefined);
+      return;
+    }
+    started = true;
+    loading
+      .then(Plotly =>
+        Plotly.newPlot(plot, figure.data as unknown[], figure.layout as object,
+                       { responsive: true, displaylogo: false, showSendToCloud: false }))
+      .then(() => {
+        plot.dataset.sdDrawn = 'true';
+      })
+      .catch(err => {
+        plot.textContent = `sharddbg: the figure could not be drawn (${String(err)})`;
+        plot.dataset.sdDrawn = 'error';
+      });
+  }).observe(plot);
 }
