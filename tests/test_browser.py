@@ -1025,8 +1025,8 @@ def test_saved_notebook(session):
             page.mouse.move(5, 5)
             # the figures saved with the check, the smoke matrix and communication per op: drawn by plotly.js
             for view in ("comm", "check_rows", "smoke_losses"):
-                expect(page.locator(f".sd-ext-view[data-sd-view='{view}'] .sd-ext-figure[data-sd-drawn='true'] "
-                                    ".js-plotly-plot")).to_have_count(1, timeout=30_000)
+                expect(page.locator(f".sd-ext-view[data-sd-view='{view}'] .sd-ext-figure.js-plotly-plot"
+                                    "[data-sd-drawn='true']")).to_have_count(1, timeout=30_000)
             # the verification tables: as the Python side orders them; the filter keeps the rows that are not ok
             for view, failing in (("check", 1), ("doctor", 3), ("smoke", 1)):  # the doctor: 2 fail, 1 warn
                 table = page.locator(f".sd-ext-view[data-sd-view='{view}'] .sd-ext-table")
