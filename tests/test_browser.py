@@ -19,6 +19,7 @@ from __future__ import annotations
 import colorsys
 import contextlib
 import copy
+import functools
 import json
 import os
 import re
@@ -560,7 +561,6 @@ def test_narrow_output(session):
     "bwd", path chips never narrower than their text; the smoke and check tables' verdict column inside the
     output; the inspector's verdict (its warnings) above its drawing."""
     from playwright.sync_api import expect
-    from test_views import long_smoke_and_check
 
     from sharddbg.views.check import check_html
     from sharddbg.views.smoke import smoke_html
@@ -596,7 +596,7 @@ def test_narrow_output(session):
         exp.locator("select.sd-f-view").select_option("summary")
 
         # the smoke matrix and the numerical check: the column that says pass/fail within the output
-        smoke_result, check_result = long_smoke_and_check()
+        smoke_result, check_result = _long_smoke_and_check()
         for cls, html, verdict_cells in (("sd-test-smoke", smoke_html(smoke_result), "td.sd-smoke-verdict"),
                                          ("sd-test-check", check_html(check_result), "tbody tr td:first-child")):
             out, shown = _show_html(page, html, cls)
@@ -690,12 +690,10 @@ def test_dark_theme(session):
 
     page.set_viewport_size(NARROW)  # narrow too: the explorer, the inspector with its warnings, smoke and check
     try:
-        from test_views import long_smoke_and_check
-
         from sharddbg.views.check import check_html
         from sharddbg.views.smoke import smoke_html
 
-        smoke_result, check_result = long_smoke_and_check()
+        smoke_result, check_result = _long_smoke_and_check()
         _show_html(page, smoke_html(smoke_result), "sd-test-smoke")
         _show_html(page, check_html(check_result), "sd-test-check")
         page.wait_for_timeout(300)
@@ -856,12 +854,18 @@ def test_cluster_panel(session):
         page.locator(".jp-SideBar .lm-TabBar-tab[title='sharddbg clusters']").click()  # the panel closed again
 
 
+@functools.cache
+def _long_smoke_and_check():
+    """tests/test_views.py's smoke matrix and check with long texts, made once for this module."""
+    from test_views import long_smoke_and_check
+
+    return long_smoke_and_check()
+
+
 def _verification_outputs() -> dict[str, list[dict]]:
     """The outputs a kernel shows for the verification views and communication per op (the golden trace's), as
     display_data outputs: the check and the smoke matrix each with their figure, the doctor with 2 failing checks
     and 1 warning."""
-    from test_views import long_smoke_and_check
-
     from sharddbg.analysis.doctor import CHECKS, DoctorReport
     from sharddbg.analysis.findings import Finding
     from sharddbg.views.check import CheckView, plot_row_errors
@@ -873,7 +877,7 @@ def _verification_outputs() -> dict[str, list[dict]]:
         data.setdefault("text/plain", repr(shown)[:200])
         return nbformat.v4.new_output("display_data", data=data)
 
-    smoke_result, check_result = long_smoke_and_check()
+    smoke_result, check_result = _long_smoke_and_check()
     statuses = ["ok", "fail", "warn", "fail", "skip"]
     doctor = DoctorReport([Finding(kind, status, f"{kind}: what was found", f"the fix for {kind}", (0,))
                            for kind, status in zip(CHECKS, statuses)], [])
@@ -1047,8 +1051,7 @@ def test_saved_notebook(session):
                     expect(page.locator("body[data-jp-theme-light='false']")).to_have_count(1, timeout=20_000)
                     page.wait_for_timeout(500)
                 for name, view in (("explorer", exp), ("inspector", _inspector(page, "x")), ("timeline", timeline),
-                                   *((v, page.locator(f".sd-ext-view[data-sd-view='{v}']"))
-                                     for v in ("comm", "check", "doctor", "smoke"))):
+                                   ("doctor", page.locator(".sd-ext-view[data-sd-view='doctor']"))):
                     view.scroll_into_view_if_needed()
                     view.screenshot(path=str(ARTIFACTS / f"browser_kernelless_{name}_{theme}.png"))
 
@@ -1082,17 +1085,16 @@ def test_saved_notebook(session):
             page.screenshot(path=str(ARTIFACTS / "browser_trace_document_dark.png"))
             page.locator(".jp-DirListing-item", has_text="broken.sdtrace.json").dblclick()
             expect(page.locator(".sd-ext-document .sd-ext-error")).to_contain_text("broken.sdtrace.json", timeout=30_000)
-            # a recorded job (what `sharddbg record` wrote): its job.json, or one of its rank files, opens the
-            # whole job with the views, read by the server's load_trace
+            # a recorded job (what `sharddbg record` wrote): one of its rank files (or its job.json: the same file
+            # type, tests/test_labextension.py) opens the whole job with the views, read by the server's load_trace
             page.locator(".jp-DirListing-item", has_text="recorded_job").dblclick()
             shown = page.locator(".lm-DockPanel-widget:not(.lm-mod-hidden) .sd-ext-document[data-sd-drawn-by='extension']")
-            for name in ("job.json", "rank-00000.jsonl"):
-                page.locator(".jp-DirListing-item", has_text=name).dblclick(timeout=30_000)
-                expect(page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-current")).to_contain_text(name)
-                expect(shown.locator(".sd-explorer .sd-list tr.sd-summary-row[data-op='Tensor.matmul']")).to_have_count(
-                    1, timeout=30_000)
-                expect(shown.locator(".sd-ext-section-timeline .js-plotly-plot")).to_have_count(1, timeout=30_000)
-                expect(shown.locator(".sd-ext-section-comm .js-plotly-plot")).to_have_count(1)
+            page.locator(".jp-DirListing-item", has_text="rank-00000.jsonl").dblclick(timeout=30_000)
+            expect(page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-current")).to_contain_text("rank-00000.jsonl")
+            expect(shown.locator(".sd-explorer .sd-list tr.sd-summary-row[data-op='Tensor.matmul']")).to_have_count(
+                1, timeout=30_000)
+            expect(shown.locator(".sd-ext-section-timeline .js-plotly-plot")).to_have_count(1, timeout=30_000)
+            expect(shown.locator(".sd-ext-section-comm .js-plotly-plot")).to_have_count(1)
             page.screenshot(path=str(ARTIFACTS / "browser_job_document_dark.png"))
         assert not console, console
         assert {p: p.read_bytes() for p in saved} == saved
