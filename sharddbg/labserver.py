@@ -1,12 +1,17 @@
 """The Jupyter server side of the JupyterLab extension (``extension/``): a front end, like the magics and the
 command line, that reads what the user has saved and answers the extension's requests.
 
-``GET <base_url>sharddbg/trace?path=<a file under the server's root>``: the explorer's drawn data and its
-static HTML for a trace file (``*.sdtrace.json``) opened as a document, or the ``TraceFileError`` text of one
-that fails validation. The file is only read.
+``GET <base_url>sharddbg/trace?path=<a file under the server's root>``: what the trace's views draw (the
+explorer's data, the timeline's and the communication-per-op figure's plotly JSON) and the explorer's static
+HTML, for a trace file (``*.sdtrace.json``) or a recorded job (its ``job.json`` or one of its
+``rank-NNNNN.jsonl`` files: the whole folder ``sharddbg record`` wrote, read by ``load_trace`` as the notebook
+reads it) opened as a document; or the ``TraceFileError`` text of one that fails validation. Nothing is written.
 
 ``GET <base_url>sharddbg/clusters``: this user's clusters (the state files their owning processes keep under
-``SHARDDBG_HOME``, ``sharddbg.cluster.state_file``), each running or gone with the reason.
+``SHARDDBG_HOME``, ``sharddbg.cluster.state_file``), each running (every rank idle, busy, stuck in a collective
+or dead) or gone with the reason.
+``GET <base_url>sharddbg/clusters/<id>/trace``: the same as ``trace`` for the last trace of that cluster, which
+its owner saved under ``SHARDDBG_HOME``.
 ``POST <base_url>sharddbg/clusters/<id>/stop``: kill every process of that cluster and forget it (its owner's
 ``Cluster`` finds its ranks dead); for a cluster whose owner has ended, the same reaps it.
 
@@ -27,10 +32,76 @@ from tornado import web
 
 from .cluster import registry, state_file
 from .errors import TraceFileError
-from .trace import load_trace
+from .job_files import JOB_FILE, RANK_FILE_PATTERN
+from .trace import Trace, load_trace
+from .views.comm import plot_comm_by_op
 from .views.explorer import explorer_data, explorer_html, explorer_text
+from .views.figure import figure_drawn
+from .views.timeline import plot_timeline
 
 TRACE_SUFFIX = ".sdtrace.json"
+
+
+def trace_answer(trace: Trace) -> dict:
+    """What a trace document draws: each view's drawn data (the explorer's, then the timeline's and the
+    communication per op's plotly figures), the explorer's static HTML and its text.
+
+    Parameters
+    ----------
+    trace : Trace
+        A loaded trace.
+
+    Returns
+    -------
+    dict
+        ``views`` (a list of ``{"view", "drawn"}``), ``html`` and ``text``.
+
+    Examples
+    --------
+    >>> [v["view"] for v in trace_answer(load_trace("tests/data/conv4.sdtrace.json"))["views"]]
+    ['explorer', 'timeline', 'comm']
+    """
+    return {"views": [{"view": "explorer", "drawn": explorer_data(trace)},
+                      {"view": "timeline", "drawn": figure_drawn(plot_timeline(trace))},
+                      {"view": "comm", "drawn": figure_drawn(plot_comm_by_op(trace))}],
+            "html": explorer_html(trace), "text": explorer_text(trace)}
+
+
+def trace_source(path: Path) -> Path:
+    """What to load for a file opened as a trace document: a recorded job's ``job.json`` or rank file stands
+    for its folder (the job is read whole); any other file is itself.
+
+    Parameters
+    ----------
+    path : pathlib.Path
+        The file opened.
+
+    Returns
+    -------
+    pathlib.Path
+        The file, or its job folder.
+
+    Examples
+    --------
+    >>> trace_source(Path("run/rank-00001.jsonl"))
+    PosixPath('run')
+    """
+    if path.name == JOB_FILE or RANK_FILE_PATTERN.match(path.name):
+        return path.parent
+    return path
+
+
+def _answer_trace(handler: APIHandler, path: Path, shown: str) -> None:
+    """Finish ``handler`` with ``trace_answer`` of the trace at ``path``, or ``{"error"}`` naming why not."""
+    try:
+        trace = load_trace(path)
+    except TraceFileError as exc:
+        handler.finish(json.dumps({"error": str(exc)}))
+        return
+    except OSError as exc:
+        handler.finish(json.dumps({"error": f"{shown} could not be read: {exc.strerror or exc}"}))
+        return
+    handler.finish(json.dumps(trace_answer(trace), default=str))
 
 
 def _jupyter_server_extension_points() -> list[dict]:
@@ -70,22 +141,25 @@ class TraceHandler(APIHandler):
 
     @web.authenticated
     def get(self) -> None:
-        """Answer ``{"drawn", "html", "text"}``, or ``{"error"}`` naming why the file is not shown."""
+        """Answer ``trace_answer``, or ``{"error"}`` naming why the file is not shown."""
         rel = self.get_query_argument("path", "")
         root = Path(self.settings["server_root_dir"]).expanduser().resolve()
         path = (root / rel.lstrip("/")).resolve()
         if root != path and root not in path.parents:
             raise web.HTTPError(403, "the path is outside the server's root")
-        try:
-            trace = load_trace(path)
-        except TraceFileError as exc:
-            self.finish(json.dumps({"error": str(exc)}))
-            return
-        except OSError as exc:
-            self.finish(json.dumps({"error": f"{rel} could not be read: {exc.strerror or exc}"}))
-            return
-        self.finish(json.dumps({"drawn": explorer_data(trace), "html": explorer_html(trace),
-                                "text": explorer_text(trace)}, default=str))
+        _answer_trace(self, trace_source(path), rel)
+
+
+class ClusterTraceHandler(APIHandler):
+    """The last trace of one of this user's clusters, as its owner saved it (read only)."""
+
+    @web.authenticated
+    def get(self, cluster_id: str) -> None:
+        """Answer ``trace_answer`` of the cluster's last trace; 404 when it has none (or is gone)."""
+        path = state_file.last_trace_path(cluster_id)
+        if not path.exists():
+            raise web.HTTPError(404, f"cluster {cluster_id} has no saved trace (nothing traced yet, or stopped)")
+        _answer_trace(self, path, f"the last trace of cluster {cluster_id}")
 
 
 class ClustersHandler(APIHandler):
@@ -113,12 +187,12 @@ class StopClusterHandler(APIHandler):
         try:
             record = registry.ClusterRecord.load(path)
         except FileNotFoundError:
-            state_file.state_path(cluster_id).unlink(missing_ok=True)
+            state_file.forget(cluster_id)
             raise web.HTTPError(404, f"no cluster {cluster_id} (stopped already?)") from None
         except (ValueError, KeyError, TypeError) as exc:
             raise web.HTTPError(409, f"the record of cluster {cluster_id} is corrupt ({exc})") from None
         pids = registry.reap(record)
-        state_file.state_path(cluster_id).unlink(missing_ok=True)
+        state_file.forget(cluster_id)
         self.finish(json.dumps({"stopped": cluster_id, "pids": pids}))
 
 
@@ -144,4 +218,5 @@ def _load_jupyter_server_extension(serverapp) -> None:
         (url_path_join(base, "sharddbg", "trace"), TraceHandler),
         (url_path_join(base, "sharddbg", "clusters"), ClustersHandler),
         (url_path_join(base, "sharddbg", "clusters", r"([0-9a-zA-Z_-]+)", "stop"), StopClusterHandler),
+        (url_path_join(base, "sharddbg", "clusters", r"([0-9a-zA-Z_-]+)", "trace"), ClusterTraceHandler),
     ])

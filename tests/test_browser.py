@@ -19,6 +19,7 @@ from __future__ import annotations
 import colorsys
 import contextlib
 import copy
+import functools
 import json
 import os
 import re
@@ -396,7 +397,7 @@ def test_timeline(session):
         assert min(d, 360 - d) >= 60, fills
     # no modebar button that sends the chart to a cloud service
     titles = plot.locator(".modebar-btn").evaluate_all("bs => bs.map(b => b.getAttribute('data-title') || '')")
-    assert titles and not [t for t in titles if re.search(r"cloud|chart studio", t, re.I)], titles
+    assert titles and not [t for t in titles if re.search(r"cloud|chart studio|share chart", t, re.I)], titles
 
 
 FITS_ITS_BOX = """(l) => { const r = l.getBoundingClientRect();
@@ -560,7 +561,6 @@ def test_narrow_output(session):
     "bwd", path chips never narrower than their text; the smoke and check tables' verdict column inside the
     output; the inspector's verdict (its warnings) above its drawing."""
     from playwright.sync_api import expect
-    from test_views import long_smoke_and_check
 
     from sharddbg.views.check import check_html
     from sharddbg.views.smoke import smoke_html
@@ -596,7 +596,7 @@ def test_narrow_output(session):
         exp.locator("select.sd-f-view").select_option("summary")
 
         # the smoke matrix and the numerical check: the column that says pass/fail within the output
-        smoke_result, check_result = long_smoke_and_check()
+        smoke_result, check_result = _long_smoke_and_check()
         for cls, html, verdict_cells in (("sd-test-smoke", smoke_html(smoke_result), "td.sd-smoke-verdict"),
                                          ("sd-test-check", check_html(check_result), "tbody tr td:first-child")):
             out, shown = _show_html(page, html, cls)
@@ -690,12 +690,10 @@ def test_dark_theme(session):
 
     page.set_viewport_size(NARROW)  # narrow too: the explorer, the inspector with its warnings, smoke and check
     try:
-        from test_views import long_smoke_and_check
-
         from sharddbg.views.check import check_html
         from sharddbg.views.smoke import smoke_html
 
-        smoke_result, check_result = long_smoke_and_check()
+        smoke_result, check_result = _long_smoke_and_check()
         _show_html(page, smoke_html(smoke_result), "sd-test-smoke")
         _show_html(page, check_html(check_result), "sd-test-check")
         page.wait_for_timeout(300)
@@ -733,18 +731,41 @@ def _request(url: str, method: str = "GET", headers: dict | None = None) -> int:
         return exc.code
 
 
+# What the notebook's kernel runs for the panel, one line per cell (typed into new cells at the end of the session's
+# notebook): a 2-rank cluster, a trace on it, then a cell sent without waiting in which rank 0 waits in an all_reduce
+# that rank 1 never issues
+PANEL_CELLS = [
+    "cl2 = sharddbg.Cluster(n=2, timeout=60).start(); "
+    "cl2.trace('y2 = torch.ones(3) * rank\\ntorch.distributed.all_reduce(y2)', display=False); print(cl2.cluster_id)",
+    "pending = cl2.submit('import time\\nz2 = torch.ones(4)\\nif rank == 0:\\n    torch.distributed.all_reduce(z2)"
+    "\\nelse:\\n    time.sleep(300)')",
+]
+
+
+def _run_new_cell(page, code: str) -> None:
+    """Type ``code`` (one line) into a new cell at the end of the notebook and run it."""
+    page.locator(".jp-Notebook .jp-Cell").last.locator(".jp-InputPrompt").click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("b")
+    page.keyboard.press("Enter")
+    page.keyboard.insert_text(code)
+    page.keyboard.press("Shift+Enter")
+
+
 def test_cluster_panel(session):
-    """The side bar's cluster panel, from the state file a cluster's owner keeps (here this test's process):
-    the cluster and its ranks within 5 s, a killed rank dead with its signal, stop from the panel stopping
-    every process of it. The state file is private and refreshed; the server's endpoint refuses a request
-    without authentication and a cookie-authenticated one without the XSRF token; a corrupt state file shows
-    its cluster as gone with the reason."""
+    """The side bar's cluster panel, from the state file the owner of a cluster keeps: here a cluster started
+    from the notebook's kernel, as a user starts one. Its ranks within 5 s; a rank stuck in a collective shows
+    as stuck with the collective, its group, since when and the rank it waits for; the last trace opens in the
+    main area with its views; a killed rank shows dead with its signal; stop from the panel stops every
+    process of it and the panel drops it. The state file is private and refreshed; the server's endpoint
+    refuses a request without authentication and a cookie-authenticated one without the XSRF token; a corrupt
+    state file shows its cluster as gone with the reason."""
     import signal
 
     import psutil
     from playwright.sync_api import expect
 
-    from sharddbg.cluster import state_file
+    from sharddbg.cluster import registry, state_file
 
     page, url, token, root, work = session
     # Jupyter's own authentication and XSRF protection: nothing without them, even on loopback
@@ -753,25 +774,65 @@ def test_cluster_panel(session):
     cookies = "; ".join(f"{c['name']}={c['value']}" for c in page.context.cookies(url))
     assert _request(f"{url}/sharddbg/clusters", headers={"Cookie": cookies}) == 200  # the page's own login
     assert _request(f"{url}/sharddbg/clusters/0000/stop", "POST", headers={"Cookie": cookies}) == 403  # forged
+    assert _request(f"{url}/sharddbg/clusters/0000/trace") == 403  # the last trace: the same protection
 
-    cl = sharddbg.Cluster(n=2, timeout=60).start()
+    page.locator(".jp-SideBar .lm-TabBar-tab[title='sharddbg clusters']").click()
+    panel = page.locator("#sharddbg-clusters")
+    expect(panel.locator(".sd-ext-cluster")).to_have_count(0)
+    cluster_id = None
     try:
-        path = state_file.state_path(cl.cluster_id)
+        _run_new_cell(page, PANEL_CELLS[0])
+        card = panel.locator(".sd-ext-cluster[data-state='running']")
+        expect(card).to_have_count(1, timeout=60_000)  # started (the card comes within a second of it)
+        cluster_id = card.get_attribute("data-cluster-id")
+        expect(card.locator(".sd-ext-rank[data-state='idle']")).to_have_count(2, timeout=5_000)
+        expect(card.locator(".sd-ext-cluster-facts")).to_contain_text("2 ranks")
+        expect(card.locator(".sd-ext-cluster-owner")).to_contain_text("kernel kernel-")  # a notebook's kernel
+        path = state_file.state_path(cluster_id)
         assert path.exists() and (path.stat().st_mode & 0o777) == 0o600
         first = json.loads(path.read_text())["updated"]
         deadline = time.monotonic() + 10
         while json.loads(path.read_text())["updated"] == first:  # refreshed (every second)
             assert time.monotonic() < deadline, "the state file was not refreshed"
             time.sleep(0.2)
-        page.locator(".jp-SideBar .lm-TabBar-tab[title='sharddbg clusters']").click()
-        panel = page.locator("#sharddbg-clusters")
-        card = panel.locator(f".sd-ext-cluster[data-cluster-id='{cl.cluster_id}']")
-        expect(card).to_be_visible(timeout=5_000)
-        expect(card.locator(".sd-ext-rank[data-state='idle']")).to_have_count(2)
-        expect(card.locator(".sd-ext-cluster-facts")).to_contain_text("2 ranks")
-        os.kill(cl.pids[1], signal.SIGKILL)
+
+        # rank 0 waits in an all_reduce rank 1 never issues: stuck, with the collective, its group, since when
+        _run_new_cell(page, PANEL_CELLS[1])
+        stuck = card.locator(".sd-ext-rank[data-rank='0'][data-state='stuck']")
+        expect(stuck).to_have_attribute("data-collective", "all_reduce", timeout=15_000)
+        expect(stuck.locator(".sd-ext-rank-state")).to_contain_text(
+            re.compile(r"stuck in all_reduce on 'domain' since \d{1,2}:\d\d:\d\d \(\d+ s\), waiting for rank 1"))
+        expect(card.locator(".sd-ext-rank[data-rank='1']")).to_have_attribute("data-state", "busy")
+        saved = json.loads(path.read_text())
+        stuck_in = saved["rank_states"][0]["stuck_in"]
+        assert stuck_in["collective"] == "all_reduce" and stuck_in["missing_ranks"] == [1], stuck_in
+        assert time.time() - 60 < stuck_in["since"] <= time.time(), stuck_in
+        assert "never joined by: rank 1" in stuck_in["description"]
+        panel.screenshot(path=str(ARTIFACTS / "browser_cluster_panel_stuck.png"))
+
+        # the last trace, opened from the panel: its views in the main area, read by the server from the file the
+        # owner saved (private) under SHARDDBG_HOME
+        trace_file = Path(saved["last_trace"]["path"])
+        assert trace_file == state_file.last_trace_path(cluster_id) and (trace_file.stat().st_mode & 0o777) == 0o600
+        card.locator("button.sd-ext-open-trace").click()
+        doc = page.locator(".jp-MainAreaWidget .sd-ext-document[data-sd-drawn-by='extension']")
+        # the traced cell: one all_reduce per rank, outside any recorded op
+        expect(doc.locator(".sd-explorer")).to_contain_text("0 op calls on 2 ranks", timeout=30_000)
+        expect(doc.locator(".sd-explorer")).to_contain_text("2 collectives")
+        expect(doc.locator(".sd-ext-section-timeline .js-plotly-plot .legendtext", has_text="all_reduce")).to_have_count(
+            1, timeout=30_000)
+        expect(doc.locator(".sd-ext-section-comm .js-plotly-plot")).to_have_count(1)
+        page.screenshot(path=str(ARTIFACTS / "browser_cluster_last_trace.png"))
+        page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text=f"last trace of {cluster_id}").locator(
+            ".lm-TabBar-tabCloseIcon").click()
+        expect(doc).to_have_count(0)
+
+        # a killed rank: dead, with the signal
+        pid1 = int(card.locator(".sd-ext-rank[data-rank='1'] td").nth(1).inner_text().split()[-1])
+        processes = registry.ClusterRecord.load(registry.clusters_dir() / f"{cluster_id}.json").live_processes()
+        assert len(processes) >= 3  # the engines, the controller, the fork server
+        os.kill(pid1, signal.SIGKILL)
         expect(card.locator(".sd-ext-rank[data-rank='1'] .sd-ext-rank-state")).to_contain_text("signal 9", timeout=10_000)
-        expect(card.locator(".sd-ext-rank[data-rank='0']")).to_have_attribute("data-state", "idle")
         panel.screenshot(path=str(ARTIFACTS / "browser_cluster_panel.png"))
         # a corrupt state file: that cluster, gone, with the reason
         bad = state_file.state_path("corrupt0")
@@ -779,17 +840,52 @@ def test_cluster_panel(session):
         gone = panel.locator(".sd-ext-cluster[data-cluster-id='corrupt0']")
         expect(gone.locator(".sd-ext-gone")).to_contain_text("its state file is corrupt", timeout=5_000)
         bad.unlink()
-        processes = cl.processes()
-        assert processes
+        # stop from the panel: every process of the cluster ends, the panel drops it
         card.locator("button.sd-ext-stop").click()
-        expect(card).to_have_count(0, timeout=20_000)
-        _, alive = psutil.wait_procs(processes, timeout=10)
+        expect(panel.locator(f".sd-ext-cluster[data-cluster-id='{cluster_id}']")).to_have_count(0, timeout=20_000)
+        _, alive = psutil.wait_procs([p for p in processes if p.pid != pid1], timeout=10)
         assert not alive, alive
-        assert not path.exists()
+        assert not registry.cluster_processes(cluster_id)
+        assert not path.exists() and not trace_file.exists()
     finally:
-        with contextlib.suppress(Exception):
-            cl.stop()
+        if cluster_id is not None:  # whatever the test left: reaped
+            with contextlib.suppress(Exception):
+                registry.reap(registry.ClusterRecord.load(registry.clusters_dir() / f"{cluster_id}.json"))
         page.locator(".jp-SideBar .lm-TabBar-tab[title='sharddbg clusters']").click()  # the panel closed again
+
+
+@functools.cache
+def _long_smoke_and_check():
+    """tests/test_views.py's smoke matrix and check with long texts, made once for this module."""
+    from test_views import long_smoke_and_check
+
+    return long_smoke_and_check()
+
+
+def _verification_outputs() -> dict[str, list[dict]]:
+    """The outputs a kernel shows for the verification views and communication per op (the golden trace's), as
+    display_data outputs: the check and the smoke matrix each with their figure, the doctor with 2 failing checks
+    and 1 warning."""
+    from sharddbg.analysis.doctor import CHECKS, DoctorReport
+    from sharddbg.analysis.findings import Finding
+    from sharddbg.views.check import CheckView, plot_row_errors
+    from sharddbg.views.comm import plot_comm_by_op
+    from sharddbg.views.smoke import SmokeView, plot_smoke_losses
+
+    def output(shown) -> dict:
+        data = shown._repr_mimebundle_()
+        data.setdefault("text/plain", repr(shown)[:200])
+        return nbformat.v4.new_output("display_data", data=data)
+
+    smoke_result, check_result = _long_smoke_and_check()
+    statuses = ["ok", "fail", "warn", "fail", "skip"]
+    doctor = DoctorReport([Finding(kind, status, f"{kind}: what was found", f"the fix for {kind}", (0,))
+                           for kind, status in zip(CHECKS, statuses)], [])
+    check = CheckView(check_result)
+    return {"comm": [output(plot_comm_by_op(sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json")))],
+            "check": [output(check), output(plot_row_errors(check_result))],
+            "doctor": [output(doctor.show())],
+            "smoke": [output(SmokeView(smoke_result)), output(plot_smoke_losses(smoke_result))]}
 
 
 def _with_payload(output: dict, change) -> dict:
@@ -836,14 +932,19 @@ def test_saved_notebook(session):
             continue
         outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
         # every view's output (an autosave made while the notebook ran has fewer), and the widgets' state
-        if sum(VIEW_MIMETYPE in o.get("data", {}) for o in outputs) == 4 and nb.metadata.get("widgets"):
+        if sum(VIEW_MIMETYPE in o.get("data", {}) for o in outputs) == 5 and nb.metadata.get("widgets"):
             break
         assert time.monotonic() < deadline, "the notebook was not saved with its outputs"
         time.sleep(0.5)
-    # each view left one output bundle: widget, static HTML, text, payload (with what its front end draws)
+    # each view left one output bundle: widget, static HTML, text, payload (with what its front end draws); the
+    # timeline plotly's own bundle and the payload (its figure)
     views = [o for o in outputs if VIEW_MIMETYPE in o.get("data", {})]
-    assert len(views) == 4 and all(set(o["data"]) == VIEW_MIMETYPES for o in views)  # 3 inspectors, 1 explorer
+    widget_views = [o for o in views if o["data"][VIEW_MIMETYPE]["view"] != "timeline"]
+    assert len(widget_views) == 4 and all(set(o["data"]) == VIEW_MIMETYPES for o in widget_views)  # 3 inspectors, 1 explorer
     assert all(o["data"][VIEW_MIMETYPE]["version"] == 1 and o["data"][VIEW_MIMETYPE]["drawn"] for o in views)
+    (timeline_output,) = [o for o in views if o["data"][VIEW_MIMETYPE]["view"] == "timeline"]
+    assert "application/vnd.plotly.v1+json" in timeline_output["data"]
+    assert timeline_output["data"][VIEW_MIMETYPE]["drawn"]["figure"]["data"]
     for s in _api(url, token, "/api/sessions"):
         _api(url, token, f"/api/sessions/{s['id']}", method="DELETE")
     assert _api(url, token, "/api/kernels") == []
@@ -866,18 +967,30 @@ def test_saved_notebook(session):
     other = work / "other"
     other_root = other / "root"
     other_root.mkdir(parents=True)
-    shutil.copy(path, other_root / NOTEBOOK)
+    # the saved notebook, with the verification views and the communication per op saved after it (outputs made
+    # here, as a kernel shows them)
+    shared = nbformat.read(path, as_version=4)
+    verification = _verification_outputs()
+    for name, outputs in verification.items():
+        cell = nbformat.v4.new_code_cell(f"# {name}")
+        cell.outputs = [nbformat.from_dict(o) for o in outputs]
+        shared.cells.append(cell)
+    nbformat.write(shared, other_root / NOTEBOOK)
     explorer_output = next(o for o in views if o["data"][VIEW_MIMETYPE]["view"] == "explorer")
     bad = nbformat.v4.new_notebook(metadata=nb.metadata)
     for case, (change, _) in BAD_PAYLOADS.items():
         cell = nbformat.v4.new_code_cell(f"# {case}")
         cell.outputs = [nbformat.from_dict(_with_payload(explorer_output, change))]
         bad.cells.append(cell)
+    newer_check = nbformat.v4.new_code_cell("# a check saved by a newer sharddbg")
+    newer_check.outputs = [nbformat.from_dict(_with_payload(verification["check"][0], lambda p: p | {"version": 2}))]
+    bad.cells.append(newer_check)
     bad.metadata.pop("widgets", None)
     nbformat.write(bad, other_root / "unreadable_payloads.ipynb")
     shutil.copy(ROOT / "tests" / "data" / "conv4.sdtrace.json", other_root / "conv4.sdtrace.json")
+    shutil.copytree(ROOT / "tests" / "data" / "recorded_job", other_root / "recorded_job")
     (other_root / "broken.sdtrace.json").write_text('{"format": "sharddbg.trace", "version": 1')
-    saved = {p.name: p.read_bytes() for p in other_root.iterdir()}
+    saved = {p: p.read_bytes() for p in other_root.rglob("*") if p.is_file()}
     console: list[str] = []
     on_console = lambda m: console.append(m.text) if m.type == "error" else None  # noqa: E731
     page.on("console", on_console)
@@ -885,7 +998,8 @@ def test_saved_notebook(session):
         with _jupyterlab(other, other_root, save_widget_state=False) as (url2, token2):
             page.goto(f"{url2}/lab/tree/{NOTEBOOK}?token={token2}", wait_until="domcontentloaded")
             live = page.locator(".sd-ext-view[data-sd-drawn-by='extension']")
-            expect(live).to_have_count(4, timeout=60_000)
+            # the explorer, 3 inspectors, the timeline, and the views saved after them
+            expect(live).to_have_count(5 + sum(map(len, verification.values())), timeout=60_000)
             expect(page.get_by_text("Error displaying widget")).to_have_count(0)
             expect(page.locator(".sd-static")).to_have_count(0)
             # live: a filter narrows the explorer, a click opens a call's detail, the inspector draws every rank
@@ -900,6 +1014,35 @@ def test_saved_notebook(session):
             for name in ("x", "x22", "y_fb"):
                 expect(_inspector(page, name).locator(".sd-block")).not_to_have_count(0)
             expect(_inspector(page, "x").locator(".sd-block")).to_have_count(N)
+            # the timeline, drawn by plotly.js from the saved figure: a hover on a span names its op and rank
+            timeline = page.locator(".sd-ext-view[data-sd-view='timeline'] .js-plotly-plot")
+            expect(timeline).to_have_count(1)
+            expect(page.locator(".sd-ext-view[data-sd-view='timeline'] .sd-ext-figure[data-sd-drawn='true']")).to_have_count(1)
+            timeline.scroll_into_view_if_needed()
+            geo = _plot_geometry(timeline)
+            widest = max((sp for t in geo["traces"] for sp in t["spans"] if " · rank " in sp["hover"]),
+                         key=lambda sp: sp["x1"] - sp["x0"])
+            page.mouse.move(5, 5)
+            page.mouse.move((widest["x0"] + widest["x1"]) / 2, widest["y"] + 3)
+            op = re.match(r"<b>(.*?)</b>", widest["hover"]).group(1)
+            expect(timeline.locator(".hoverlayer .hovertext")).to_contain_text(re.compile(re.escape(op) + r" · rank \d"))
+            page.mouse.move(5, 5)
+            # the figures saved with the check, the smoke matrix and communication per op: drawn by plotly.js
+            for view in ("comm", "check_rows", "smoke_losses"):
+                expect(page.locator(f".sd-ext-view[data-sd-view='{view}'] .sd-ext-figure.js-plotly-plot"
+                                    "[data-sd-drawn='true']")).to_have_count(1, timeout=30_000)
+            # the verification tables: as the Python side orders them; the filter keeps the rows that are not ok
+            for view, failing in (("check", 1), ("doctor", 3), ("smoke", 1)):  # the doctor: 2 fail, 1 warn
+                table = page.locator(f".sd-ext-view[data-sd-view='{view}'] .sd-ext-table")
+                rows = table.locator("tr.sd-ext-row")
+                total = rows.count()
+                assert total >= failing, (view, total)
+                expect(table.locator(".sd-ext-verdict")).to_have_class(re.compile(r"sd-ext-verdict-fail"))
+                table.locator("select.sd-ext-f-status").select_option("not-ok")
+                expect(table.locator("tr.sd-ext-row:visible")).to_have_count(failing)
+                assert set(table.locator("tr.sd-ext-row:visible").evaluate_all("rs => rs.map(r => r.dataset.ok)")) == {"false"}
+                table.locator("select.sd-ext-f-status").select_option("")
+                expect(table.locator("tr.sd-ext-row:visible")).to_have_count(total)
             for theme in ("light", "dark"):
                 if theme == "dark":
                     page.locator(".lm-MenuBar-itemLabel").get_by_text("Settings", exact=True).click()
@@ -907,17 +1050,22 @@ def test_saved_notebook(session):
                     page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
                     expect(page.locator("body[data-jp-theme-light='false']")).to_have_count(1, timeout=20_000)
                     page.wait_for_timeout(500)
-                for name, view in (("explorer", exp), ("inspector", _inspector(page, "x"))):
+                for name, view in (("explorer", exp), ("inspector", _inspector(page, "x")), ("timeline", timeline),
+                                   ("doctor", page.locator(".sd-ext-view[data-sd-view='doctor']"))):
                     view.scroll_into_view_if_needed()
                     view.screenshot(path=str(ARTIFACTS / f"browser_kernelless_{name}_{theme}.png"))
 
             # the payloads it cannot draw: the static rendering, under one line saying why
             page.goto(f"{url2}/lab/tree/unreadable_payloads.ipynb?token={token2}", wait_until="domcontentloaded")
             static = page.locator(".sd-ext-view[data-sd-drawn-by='static']")
-            expect(static).to_have_count(len(BAD_PAYLOADS), timeout=60_000)
+            expect(static).to_have_count(len(BAD_PAYLOADS) + 1, timeout=60_000)
             for k, (_, why) in enumerate(BAD_PAYLOADS.values()):
                 expect(static.nth(k).locator(".sd-ext-why")).to_contain_text(why)
                 expect(static.nth(k).locator(".sd-static.sd-explorer tr.sd-summary-row").first).to_be_visible()
+            # a check of a newer payload version: its static HTML, and the line that says so
+            newer = static.nth(len(BAD_PAYLOADS))
+            expect(newer.locator(".sd-ext-why")).to_contain_text("the view was saved by a newer sharddbg (data version 2")
+            expect(newer.locator(".sd-ext-static .sd-check-verdict")).to_be_visible()
             static_exp = static.first.locator(".sd-static.sd-explorer")
             # the op summary first, each row with its calls on each rank (identical ones as one row), then the calls
             expect(static_exp.locator("tr.sd-summary-row").first).to_have_class(re.compile(r"\bsd-kind-fallback\b"))
@@ -937,8 +1085,19 @@ def test_saved_notebook(session):
             page.screenshot(path=str(ARTIFACTS / "browser_trace_document_dark.png"))
             page.locator(".jp-DirListing-item", has_text="broken.sdtrace.json").dblclick()
             expect(page.locator(".sd-ext-document .sd-ext-error")).to_contain_text("broken.sdtrace.json", timeout=30_000)
+            # a recorded job (what `sharddbg record` wrote): one of its rank files (or its job.json: the same file
+            # type, tests/test_labextension.py) opens the whole job with the views, read by the server's load_trace
+            page.locator(".jp-DirListing-item", has_text="recorded_job").dblclick()
+            shown = page.locator(".lm-DockPanel-widget:not(.lm-mod-hidden) .sd-ext-document[data-sd-drawn-by='extension']")
+            page.locator(".jp-DirListing-item", has_text="rank-00000.jsonl").dblclick(timeout=30_000)
+            expect(page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-current")).to_contain_text("rank-00000.jsonl")
+            expect(shown.locator(".sd-explorer .sd-list tr.sd-summary-row[data-op='Tensor.matmul']")).to_have_count(
+                1, timeout=30_000)
+            expect(shown.locator(".sd-ext-section-timeline .js-plotly-plot")).to_have_count(1, timeout=30_000)
+            expect(shown.locator(".sd-ext-section-comm .js-plotly-plot")).to_have_count(1)
+            page.screenshot(path=str(ARTIFACTS / "browser_job_document_dark.png"))
         assert not console, console
-        assert {p.name: p.read_bytes() for p in other_root.iterdir() if p.name in saved} == saved
+        assert {p: p.read_bytes() for p in saved} == saved
     finally:
         page.remove_listener("console", on_console)
 

@@ -9,6 +9,7 @@ What the extension draws is checked in a real browser by tests/test_browser.py."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -126,3 +127,60 @@ def _wheel_checks(clone: Path, wheel: Path, prefix: Path) -> None:
                             cwd=prefix)
     assert server.returncode == 0, server.stderr
     assert "'sharddbg.labserver': True" in server.stdout and str(prefix / PURELIB) in server.stdout, server.stdout
+
+
+# ---- the server side's pieces, without a server (fast) ------------------------------------------------------------
+def _diagnosis(rank: int, entries: list[dict]) -> dict:
+    """A rank's diagnosis as its control thread answers a brief request (``engine.control.diagnosis``)."""
+    return {"rank": rank, "pid": 100 + rank, "stack": [], "groups": {"0": [0, 1]}, "mesh_dims": {"0": "domain"},
+            "flight_recorder": {"available": True, "entries": entries}}
+
+
+def _entry(seq: int, completed: bool, created_s: float) -> dict:
+    return {"group": "0", "group_desc": "", "seq": seq, "p2p_seq": 0, "is_p2p": False, "name": "gloo:all_reduce",
+            "input_sizes": [[4]], "dtypes": ["Float"], "completed": completed, "state": "", "timeout_ms": 60_000,
+            "time_created_ns": int(created_s * 1e9)}
+
+
+def test_the_state_file_names_the_collective_a_stuck_rank_waits_in_and_the_last_trace(tmp_path, monkeypatch):
+    import json
+    import time
+    from dataclasses import asdict
+
+    from sharddbg.cluster import state_file
+
+    now = time.time()
+    # rank 0 waits in its 2nd all_reduce on 'domain', which rank 1 never issued; rank 1 waits in nothing
+    stuck = state_file.stuck_collectives({0: _diagnosis(0, [_entry(1, True, now - 9), _entry(2, False, now - 5)]),
+                                          1: _diagnosis(1, [_entry(1, True, now - 9)])}, {0: 100, 1: 101})
+    assert list(stuck) == [0]
+    assert (stuck[0].collective, stuck[0].group, stuck[0].group_ranks, stuck[0].missing_ranks) == ("all_reduce", "domain", [0, 1], [1])
+    assert stuck[0].since == pytest.approx(now - 5, abs=1e-3)
+    assert "never joined by: rank 1" in stuck[0].description
+    # what the panel's endpoint reads back: the stuck rank with its collective, the last trace
+    monkeypatch.setenv("SHARDDBG_HOME", str(tmp_path))
+    state = state_file.ClusterState(
+        cluster_id="c0ffee", ranks=2, mesh="domain=2", backend="gloo", patch_mode="none", owner_pid=os.getpid(),
+        owner_kernel=None, started=now, updated=now,
+        rank_states=[state_file.RankState(0, 100, "stuck", stuck_in=stuck[0]), state_file.RankState(1, 101, "busy")],
+        last_trace=state_file.LastTrace(path=str(state_file.last_trace_path("c0ffee")), label="2 ranks, 4 events", saved=now))
+    state_file.state_path("c0ffee").write_text(json.dumps(asdict(state)))
+    (read,) = state_file.read_states()
+    assert read == state
+    assert (tmp_path / "cluster-state" / "last-trace").stat().st_mode & 0o777 == 0o700  # private
+    state_file.forget("c0ffee")
+    assert state_file.read_states() == []
+
+
+def test_a_recorded_jobs_files_open_the_whole_job_with_the_views():
+    from sharddbg import load_trace
+    from sharddbg.labserver import trace_answer, trace_source
+
+    job = REPO / "tests" / "data" / "recorded_job"
+    assert trace_source(job / "job.json") == job and trace_source(job / "rank-00000.jsonl") == job
+    assert trace_source(job.parent / "conv4.sdtrace.json") == job.parent / "conv4.sdtrace.json"
+    answer = trace_answer(load_trace(trace_source(job / "rank-00000.jsonl")))
+    assert [v["view"] for v in answer["views"]] == ["explorer", "timeline", "comm"]
+    explorer, timeline, comm = (v["drawn"] for v in answer["views"])
+    assert "Tensor.matmul" in json.dumps(explorer)
+    assert timeline["figure"]["data"] and comm["figure"]["layout"]

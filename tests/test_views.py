@@ -790,6 +790,33 @@ def test_inspector_output_bundle():
     assert payload["drawn"] == lay.to_json()  # what the widget draws, for the JupyterLab extension
 
 
+def test_figures_and_verification_views_carry_what_the_extension_draws(trace):
+    """Communication per op and the timeline (plotly figures, the same objects) and the verification views
+    leave the versioned payload beside their own bundle: the figure as plotly's JSON, the tables in the order
+    and words of the static view."""
+    import plotly.io as pio
+
+    from sharddbg.analysis.check import CheckResult
+    from sharddbg.views import bundle
+    from sharddbg.views.check import CheckView, check_html
+
+    fig = sharddbg.rendering.comm_by_op(trace)  # the timeline's the same way (tests/test_browser.py reads it)
+    payload = fig._repr_mimebundle_()[bundle.VIEW_MIMETYPE]
+    assert (payload["format"], payload["version"], payload["view"]) == ("sharddbg.view", 1, "comm")
+    assert payload["drawn"]["figure"] == json.loads(pio.to_json(fig, validate=False))
+    smoke_result, check_result = long_smoke_and_check()
+    assert isinstance(check_result, CheckResult)
+    data = check_result._repr_mimebundle_()
+    assert data["text/html"] == check_html(check_result) and data["text/plain"] == str(check_result.show())
+    drawn = data[bundle.VIEW_MIMETYPE]["drawn"]
+    assert data[bundle.VIEW_MIMETYPE]["view"] == "check" and drawn["outcome"] == "fail"
+    assert [r["ok"] for r in drawn["rows"]] == sorted(r["ok"] for r in drawn["rows"])  # failures first, as the HTML
+    assert all(cell in data["text/html"] for cell in drawn["rows"][0]["cells"][1:3])
+    smoke = smoke_result._repr_mimebundle_()[bundle.VIEW_MIMETYPE]
+    assert smoke["view"] == "smoke" and smoke["drawn"]["rows"][0]["status"] == "wrong"
+    assert CheckView(check_result).figure is None or CheckView(check_result).figure.sharddbg_payload()["view"] == "check_rows"
+
+
 def html_escape(text: str) -> str:
     import html
 

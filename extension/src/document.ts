@@ -6,63 +6,101 @@ import { Widget } from '@lumino/widgets';
 import { DRAWERS, pageModel } from './views';
 
 export const TRACE_FILE_TYPE = 'sharddbg-trace';
+export const JOB_FILE_TYPE = 'sharddbg-job';
 export const TRACE_FACTORY = 'sharddbg trace';
+/** A recorded job's files (``sharddbg record``: job.json and rank-NNNNN.jsonl); either opens the whole job. */
+export const JOB_FILE_PATTERN = '^(job\\.json|rank-\\d{5,}\\.jsonl)$';
 
-/** What the server answers for a trace file (sharddbg/labserver.py). */
+/** What the server answers for a trace (sharddbg/labserver.py ``trace_answer``). */
 interface ITraceAnswer {
-  drawn?: unknown;
+  views?: { view: string; drawn: unknown }[];
   html?: string;
   error?: string;
 }
 
-/** A trace file drawn by the explorer. The server reads and checks the file (the same ``load_trace`` and
- *  analysis as the notebook's views); this side only draws. The file itself is never written. */
+const TITLES: { [view: string]: string } = {
+  explorer: 'explorer',
+  timeline: 'timeline',
+  comm: 'communication per op'
+};
+
+/** The server's URL for a file under its root opened as a trace (a trace file, or a recorded job's file). */
+export function traceFileUrl(path: string): string {
+  return URLExt.join(ServerConnection.makeSettings().baseUrl, 'sharddbg', 'trace') + '?path=' + encodeURIComponent(path);
+}
+
+/** A trace drawn with its views: the explorer, the timeline and communication per op. The server reads and
+ *  checks the trace (the same ``load_trace`` and analyses as the notebook's views) and sends what each view
+ *  draws; this side only draws. Nothing is written. */
 export class TraceView extends Widget {
-  constructor(private context: DocumentRegistry.Context) {
+  constructor(private url: string) {
     super();
     this.addClass('sd-ext-document');
     this.node.tabIndex = -1;
-    void context.ready.then(() => this.load());
   }
 
   async load(): Promise<void> {
     const settings = ServerConnection.makeSettings();
-    const url = URLExt.join(settings.baseUrl, 'sharddbg', 'trace') + '?path=' + encodeURIComponent(this.context.path);
     let answer: ITraceAnswer;
     try {
-      const response = await ServerConnection.makeRequest(url, {}, settings);
-      answer = response.ok
-        ? ((await response.json()) as ITraceAnswer)
-        : { error: `the server answered ${response.status} ${response.statusText} (is sharddbg's server extension enabled?)` };
+      const response = await ServerConnection.makeRequest(this.url, {}, settings);
+      if (response.ok) {
+        answer = (await response.json()) as ITraceAnswer;
+      } else {
+        let why = '';
+        try {
+          why = ((await response.json()) as { message?: string }).message ?? '';
+        } catch {
+          why = '';
+        }
+        answer = { error: `the server answered ${response.status} ${why || response.statusText} (is sharddbg's server extension enabled?)` };
+      }
     } catch (err) {
       answer = { error: `the server could not be asked (${String(err)})` };
     }
     this.node.replaceChildren();
-    if (answer.error !== undefined || answer.drawn === undefined) {
+    if (answer.error !== undefined || !Array.isArray(answer.views) || !answer.views.length) {
       const error = document.createElement('pre');
       error.className = 'sd-ext-error';
-      error.textContent = answer.error ?? 'the server sent no data for this file';
+      error.textContent = answer.error ?? 'the server sent no data for this trace';
       this.node.append(error);
       this.node.dataset.sdDrawnBy = 'error';
       return;
     }
-    const host = document.createElement('div');
-    host.className = 'sd-ext-live';
-    this.node.append(host);
-    try {
-      DRAWERS.explorer(pageModel(answer.drawn), host);
-      this.node.dataset.sdDrawnBy = 'extension';
-    } catch (err) {
-      host.textContent = `sharddbg: the trace could not be drawn (${String(err)})`;
-      this.node.dataset.sdDrawnBy = 'error';
+    let failed = 0;
+    for (const { view, drawn } of answer.views) {
+      const section = document.createElement('section');
+      section.className = `sd-ext-section sd-ext-section-${view}`;
+      section.dataset.sdView = view;
+      const head = document.createElement('h3');
+      head.className = 'sd-ext-section-title';
+      head.textContent = TITLES[view] ?? view;
+      const host = document.createElement('div');
+      host.className = 'sd-ext-live';
+      section.append(head, host);
+      this.node.append(section);
+      try {
+        if (!(view in DRAWERS)) {
+          throw new Error(`the view ${JSON.stringify(view)} is not one this extension draws`);
+        }
+        DRAWERS[view](pageModel(drawn), host);
+      } catch (err) {
+        host.textContent = `sharddbg: the ${TITLES[view] ?? view} could not be drawn (${String(err)})`;
+        failed += 1;
+      }
     }
+    this.node.dataset.sdDrawnBy = failed === answer.views.length ? 'error' : 'extension';
   }
 }
 
-/** Opens ``*.sdtrace.json`` files as :class:`TraceView` documents (the default for them: a double-click). */
+/** Opens trace files (``*.sdtrace.json``) and recorded jobs (their job.json or rank files) as
+ *  :class:`TraceView` documents (the default for them: a double-click). */
 export class TraceViewFactory extends ABCWidgetFactory<DocumentWidget<TraceView>> {
   protected createNewWidget(context: DocumentRegistry.Context): DocumentWidget<TraceView> {
-    const widget = new DocumentWidget({ content: new TraceView(context), context });
+    const content = new TraceView(traceFileUrl(context.path));
+    // the server reads the trace itself (a job: its whole folder): no need to wait for the file's text
+    void content.load();
+    const widget = new DocumentWidget({ content, context });
     widget.title.caption = `${context.path} (sharddbg trace)`;
     return widget;
   }

@@ -1,9 +1,12 @@
 import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { MainAreaWidget } from '@jupyterlab/apputils';
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IRenderMimeRegistry } from '@jupyterlab/rendermime';
 
 import { ClusterPanel } from './panel';
-import { TRACE_FACTORY, TRACE_FILE_TYPE, TraceViewFactory } from './document';
+import { JOB_FILE_PATTERN, JOB_FILE_TYPE, TRACE_FACTORY, TRACE_FILE_TYPE, TraceView, TraceViewFactory } from './document';
 import { viewRendererFactory } from './renderer';
 
 /** sharddbg's views drawn from the payload saved in their output bundles: a notebook without its kernel,
@@ -20,10 +23,11 @@ const views: JupyterFrontEndPlugin<void> = {
   }
 };
 
-/** ``*.sdtrace.json`` opened as a document (a double-click in the file browser) with the explorer. */
+/** ``*.sdtrace.json`` and recorded jobs (``job.json``, ``rank-NNNNN.jsonl``) opened as documents (a
+ *  double-click in the file browser) with the explorer, the timeline and communication per op. */
 const traceFiles: JupyterFrontEndPlugin<void> = {
   id: 'sharddbg-jupyterlab:trace-files',
-  description: 'sharddbg trace files opened with the explorer',
+  description: 'sharddbg trace files and recorded jobs opened with the views',
   autoStart: true,
   activate: (app: JupyterFrontEnd) => {
     app.docRegistry.addFileType({
@@ -34,12 +38,21 @@ const traceFiles: JupyterFrontEndPlugin<void> = {
       contentType: 'file',
       fileFormat: 'text'
     });
+    app.docRegistry.addFileType({
+      name: JOB_FILE_TYPE,
+      displayName: 'sharddbg recorded job',
+      extensions: [],
+      pattern: JOB_FILE_PATTERN,
+      mimeTypes: ['application/json'],
+      contentType: 'file',
+      fileFormat: 'text'
+    });
     app.docRegistry.addWidgetFactory(
       new TraceViewFactory({
         name: TRACE_FACTORY,
-        label: 'sharddbg trace explorer',
-        fileTypes: [TRACE_FILE_TYPE],
-        defaultFor: [TRACE_FILE_TYPE],
+        label: 'sharddbg trace views',
+        fileTypes: [TRACE_FILE_TYPE, JOB_FILE_TYPE],
+        defaultFor: [TRACE_FILE_TYPE, JOB_FILE_TYPE],
         readOnly: true
       })
     );
@@ -56,7 +69,21 @@ const clusters: JupyterFrontEndPlugin<void> = {
     if (!shell) {
       return;
     }
-    const panel = new ClusterPanel();
+    // a cluster's last trace, in the main area: the server reads the file its owner saved
+    const openTrace = (clusterId: string, label: string) => {
+      const url = URLExt.join(ServerConnection.makeSettings().baseUrl, 'sharddbg', 'clusters',
+                              encodeURIComponent(clusterId), 'trace');
+      const content = new TraceView(url);
+      void content.load();
+      const widget = new MainAreaWidget({ content });
+      widget.id = `sharddbg-last-trace-${clusterId}-${Date.now()}`;
+      widget.title.label = `last trace of ${clusterId}`;
+      widget.title.caption = `the last trace of cluster ${clusterId} (${label})`;
+      widget.title.closable = true;
+      app.shell.add(widget, 'main');
+      app.shell.activateById(widget.id);
+    };
+    const panel = new ClusterPanel(openTrace);
     panel.title.iconClass = 'sd-ext-panel-icon';
     shell.add(panel, 'left', { rank: 900 });
   }

@@ -2,12 +2,23 @@ import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 import { Widget } from '@lumino/widgets';
 
+/** The collective a stuck rank waits in (sharddbg/cluster/state_file.py ``StuckCollective``). */
+interface IStuckCollective {
+  collective: string;
+  group: string;
+  group_ranks: number[];
+  since: number | null;
+  missing_ranks: number[];
+  description: string;
+}
+
 /** A rank as the cluster's state file tells it (sharddbg/cluster/state_file.py). */
 interface IRankState {
   rank: number;
   pid: number | null;
   state: string;
   how: string;
+  stuck_in?: IStuckCollective | null;
 }
 
 /** A cluster as the server answers it: running (its state) or gone (the reason). */
@@ -21,6 +32,35 @@ interface ICluster {
   patch_mode?: string | null;
   owner_kernel?: string | null;
   rank_states?: IRankState[];
+  last_trace?: { label: string; saved: number } | null;
+}
+
+/** Opens a cluster's last trace in the main area (``label``: what the panel says of it). */
+export type TraceOpener = (clusterId: string, label: string) => void;
+
+/** How long ago ``since`` (seconds since the epoch) was, in words. */
+function ago(since: number): string {
+  const s = Math.max(0, Math.round(Date.now() / 1000 - since));
+  return s < 120 ? `${s} s` : `${Math.floor(s / 60)} min ${s % 60} s`;
+}
+
+/** A rank's state in words: idle, busy, "stuck in all_reduce on 'domain' for 12 s, waiting for rank 1", dead. */
+function stateText(r: IRankState): string {
+  if (r.state === 'dead') {
+    return `dead: ${r.how}`;
+  }
+  const stuck = r.stuck_in;
+  if (r.state === 'stuck' && stuck) {
+    let text = `stuck in ${stuck.collective} on '${stuck.group}'`;
+    if (stuck.since) {
+      text += ` since ${new Date(stuck.since * 1000).toLocaleTimeString([], { hour12: false })} (${ago(stuck.since)})`;
+    }
+    if (stuck.missing_ranks.length) {
+      text += `, waiting for rank${stuck.missing_ranks.length > 1 ? 's' : ''} ${stuck.missing_ranks.join(', ')}`;
+    }
+    return text;
+  }
+  return r.state;
 }
 
 const REFRESH_MS = 1000;
@@ -39,7 +79,7 @@ function h(tag: string, cls: string, text?: string): HTMLElement {
 /** The left side bar's list of this user's clusters: each with its ranks, mesh, backend, patch mode, owning
  *  kernel and every rank's state, refreshed every second; stop (or reap, once its owner has ended) on a click. */
 export class ClusterPanel extends Widget {
-  constructor() {
+  constructor(private openTrace: TraceOpener | null = null) {
     super();
     this.id = 'sharddbg-clusters';
     this.addClass('sd-ext-panel');
@@ -106,11 +146,26 @@ export class ClusterPanel extends Widget {
       const row = h('tr', `sd-ext-rank sd-ext-rank-${r.state}`);
       row.dataset.rank = String(r.rank);
       row.dataset.state = r.state;
-      row.append(h('td', '', `rank ${r.rank}`), h('td', '', r.pid === null ? '—' : `pid ${r.pid}`),
-                 h('td', 'sd-ext-rank-state', r.state === 'dead' ? `dead: ${r.how}` : r.state));
+      const state = h('td', 'sd-ext-rank-state', stateText(r));
+      if (r.stuck_in) {
+        row.dataset.collective = r.stuck_in.collective;
+        state.title = r.stuck_in.description;
+      }
+      row.append(h('td', '', `rank ${r.rank}`), h('td', '', r.pid === null ? '—' : `pid ${r.pid}`), state);
       ranks.append(row);
     }
     card.append(ranks);
+    const last = h('div', 'sd-ext-last-trace');
+    if (c.last_trace && this.openTrace) {
+      const open = h('button', 'jp-Button jp-mod-styled sd-ext-open-trace', 'open the last trace') as HTMLButtonElement;
+      const label = c.last_trace.label;
+      open.title = `the cluster's last trace (${label}), with the explorer, the timeline and communication per op`;
+      open.addEventListener('click', () => this.openTrace?.(c.cluster_id, label));
+      last.append(h('span', '', `last trace: ${label} `), open);
+    } else {
+      last.textContent = 'no trace yet (%%shard_trace or cl.trace(code) records one)';
+    }
+    card.append(last);
     return card;
   }
 

@@ -5,6 +5,9 @@ import { renderExplorer } from '../../sharddbg/views/_static/explorer.js';
 // @ts-ignore
 import { renderInspector } from '../../sharddbg/views/_static/inspector.js';
 
+import { drawFigure } from './figure';
+import { drawTable } from './table';
+
 /** What the views' modules read and write: an anywidget model, here one that lives in the page only. */
 export interface IViewModel {
   get(name: string): unknown;
@@ -28,8 +31,17 @@ export function pageModel(data: unknown): IViewModel {
 
 type Draw = (model: IViewModel, el: HTMLElement) => void;
 
-/** The views this extension draws, by the payload's ``view``. */
+/** The views this extension draws, by the payload's ``view``: the widgets' own modules, plotly.js for the
+ *  figures (the timeline, communication per op, the check's error per row, the smoke's losses), and the
+ *  verification views' tables. */
 export const DRAWERS: { [view: string]: Draw } = {
   explorer: renderExplorer as Draw,
-  inspector: renderInspector as Draw
+  inspector: renderInspector as Draw,
+  timeline: drawFigure,
+  comm: drawFigure,
+  check_rows: drawFigure,
+  smoke_losses: drawFigure,
+  check: drawTable,
+  doctor: drawTable,
+  smoke: drawTable
 };

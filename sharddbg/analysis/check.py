@@ -340,6 +340,10 @@ class CheckResult:
     def _repr_html_(self) -> str:
         return rendering.check_html(self)
 
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        # the HTML, the text and the payload the JupyterLab extension draws from (the view's table)
+        return self.show()._repr_mimebundle_(include, exclude)
+
     def patterns(self) -> list[BoundaryPattern]:
         """The boundary pattern of every failing tensor compared by rows, per group.
 

@@ -257,6 +257,10 @@ class DoctorReport:
     def _repr_html_(self) -> str:
         return self.show().html()
 
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        # the HTML, the text and the payload the JupyterLab extension draws from (the view's table)
+        return self.show()._repr_mimebundle_(include, exclude)
+
     def show(self) -> Any:
         """The view: the verdict, then one row per check tinted by status.
 

@@ -297,6 +297,10 @@ class SmokeResult:
     def _repr_html_(self) -> str:
         return self.show().html()
 
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        # the HTML, the text and the payload the JupyterLab extension draws from (the view's table)
+        return self.show()._repr_mimebundle_(include, exclude)
+
     def trace(self, name: str) -> Trace:
         """The Trace of configuration ``name``'s recorded step (its ops, fallbacks, collectives).
 

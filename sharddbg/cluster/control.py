@@ -68,11 +68,12 @@ class ControlChannel:
         return answers
 
     # ------------------------------------------------------------------ uses
-    def diagnose(self, ranks, timeout: float = 5.0) -> dict[int, dict | None]:
-        """Each rank's diagnosis (``sharddbg.engine.control.diagnosis``); None for a rank that did not answer."""
+    def diagnose(self, ranks, timeout: float = 5.0, brief: bool = False) -> dict[int, dict | None]:
+        """Each rank's diagnosis (``sharddbg.engine.control.diagnosis``); None for a rank that did not answer.
+        ``brief``: its collectives only (no stack, no recording so far)."""
         ranks = list(ranks)
         try:
-            answers = self.request_each(ranks, api.DIAGNOSE_REQUEST, timeout=timeout)
+            answers = self.request_each(ranks, api.DIAGNOSE_REQUEST, {"brief": True} if brief else None, timeout=timeout)
         except ControlTimeout as exc:
             answers = exc.answers
         return {rank: answers[rank].get("report") if answers.get(rank, {}).get("status") == "ok" else None

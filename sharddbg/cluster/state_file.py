@@ -4,10 +4,17 @@ process (the JupyterLab extension's cluster panel, through ``sharddbg.labserver`
 While a cluster runs, a daemon thread of the process that owns it rewrites ``<home>/cluster-state/<id>.json``
 every ``STATE_INTERVAL_S`` seconds, atomically (a temporary file, then a rename) and private (0600): the
 cluster's ranks, mesh, backend and patch mode, the owning process and its Jupyter kernel, and each rank's
-state: ``idle``, ``busy`` (a call of the owner's is in flight on it) or ``dead`` with how its process ended.
+state: ``idle``, ``busy`` (a call of the owner's is in flight on it), ``stuck`` (busy for ``STUCK_AFTER_S``
+seconds or more, waiting in a collective that has not completed: which one, on which group, since when, and the
+group's ranks that never issued it) or ``dead`` with how its process ended.
 The thread reads only what is safe beside the owner's own calls (the processes' pids and the fork server's
-exit reports; the ipyparallel client's books of calls in flight, never a request to the controller).
-``stop()`` removes the file; so does the thread itself once the cluster's registry record is gone (the
+exit reports; the ipyparallel client's books of calls in flight, never a request to the controller); a rank
+busy that long is asked for its Flight Recorder on its control thread (the same request as ``cl.diagnose()``,
+which a rank answers while blocked; read by ``analysis.hang``), at most every ``STUCK_AFTER_S`` seconds.
+The cluster's last trace (``cl.last_trace()``) is saved beside the state file (``<home>/cluster-state/
+last-trace/<id>.sdtrace.json``, 0600) once per new trace, and the state file names it (``last_trace``), so the
+panel opens it through the server's endpoint.
+``stop()`` removes both files; so does the thread itself once the cluster's registry record is gone (the
 cluster was reaped from outside, e.g. stopped from the panel).
 
 ``read_states()`` is the reader's side: every state file, each a ``ClusterState`` or, for a file that is
@@ -33,6 +40,10 @@ STATE_INTERVAL_S = 1.0
 STATE_FOLDER = "cluster-state"  # beside clusters/ (the registry's records), which holds nothing else
 STATE_FORMAT = "sharddbg.cluster-state"
 STATE_VERSION = 1
+LAST_TRACE_FOLDER = "last-trace"  # under STATE_FOLDER: read_states() reads the *.json directly in STATE_FOLDER only
+# a rank busy this long is asked where it waits (a collective that does not complete is "stuck"); that long
+# again before it is asked again
+STUCK_AFTER_S = 2.0
 
 
 @dataclass
@@ -41,8 +52,30 @@ class RankState:
 
     rank: int
     pid: int | None
-    state: str  # idle | busy | dead
+    state: str  # idle | busy | stuck | dead
     how: str = ""  # for a dead rank: how its process ended, e.g. "killed by signal 9 (SIGKILL)"
+    stuck_in: StuckCollective | None = None  # for a stuck rank: the collective it waits in
+
+
+@dataclass
+class StuckCollective:
+    """The collective a stuck rank waits in, as its Flight Recorder tells it (``analysis.hang``)."""
+
+    collective: str  # its kind, e.g. "all_reduce"
+    group: str  # the mesh dim's name ("domain") or the process group's ("0")
+    group_ranks: list[int]
+    since: float | None  # when the rank issued it (seconds since the epoch), when the Flight Recorder says
+    missing_ranks: list[int] = field(default_factory=list)  # the group's ranks that never issued it
+    description: str = ""  # the hang report's sentence about it
+
+
+@dataclass
+class LastTrace:
+    """The cluster's last trace as the owner saved it for readers outside its process."""
+
+    path: str
+    label: str  # e.g. "3 ranks · 41 ops"
+    saved: float
 
 
 @dataclass
@@ -59,6 +92,7 @@ class ClusterState:
     started: float
     updated: float
     rank_states: list[RankState] = field(default_factory=list)
+    last_trace: LastTrace | None = None
     format: str = STATE_FORMAT
     version: int = STATE_VERSION
 
@@ -93,6 +127,84 @@ def state_path(cluster_id: str) -> Path:
     return registry.private_dir(registry.sharddbg_home() / STATE_FOLDER) / f"{cluster_id}.json"
 
 
+def last_trace_path(cluster_id: str) -> Path:
+    """Where the owner of cluster ``cluster_id`` saves its last trace for the panel.
+
+    Parameters
+    ----------
+    cluster_id : str
+        The cluster's id (``Cluster.cluster_id``).
+
+    Returns
+    -------
+    pathlib.Path
+        ``<SHARDDBG_HOME>/cluster-state/last-trace/<cluster_id>.sdtrace.json``.
+
+    Examples
+    --------
+    >>> last_trace_path("c0ffee").name
+    'c0ffee.sdtrace.json'
+    """
+    return registry.private_dir(registry.sharddbg_home() / STATE_FOLDER / LAST_TRACE_FOLDER) / f"{cluster_id}.sdtrace.json"
+
+
+def forget(cluster_id: str) -> None:
+    """Remove the state file and the saved last trace of cluster ``cluster_id`` (both may be gone already).
+
+    Parameters
+    ----------
+    cluster_id : str
+        The cluster's id.
+
+    Returns
+    -------
+    None
+
+    Examples
+    --------
+    >>> forget("c0ffee")
+    """
+    state_path(cluster_id).unlink(missing_ok=True)
+    last_trace_path(cluster_id).unlink(missing_ok=True)
+
+
+def stuck_collectives(diagnoses: dict[int, dict | None], pids: dict[int, int]) -> dict[int, StuckCollective]:
+    """The collective each diagnosed rank waits in: the first one its Flight Recorder holds as not completed.
+
+    Parameters
+    ----------
+    diagnoses : dict of int to (dict or None)
+        Rank -> its diagnosis (``Cluster.diagnose()``), None for one that did not answer.
+    pids : dict of int to int
+        Rank -> its process id.
+
+    Returns
+    -------
+    dict of int to StuckCollective
+        Only the ranks that wait in a collective.
+
+    Examples
+    --------
+    >>> stuck_collectives(cl.diagnose([0]), cl.pids)[0].collective
+    'all_reduce'
+    """
+    from ..analysis.hang import build_report
+
+    answered = [r for r, d in diagnoses.items() if d]
+    report = build_report(0.0, [], answered, diagnoses, pids)
+    out = {}
+    for rank, diagnosis in report.ranks.items():
+        if not diagnosis.pending:
+            continue
+        pending = diagnosis.pending[0]
+        created = next((e.get("time_created_ns") for e in diagnoses[rank]["flight_recorder"].get("entries", [])
+                        if e["group"] == pending.group and e["seq"] == pending.seq and not e.get("is_p2p")), None)
+        out[rank] = StuckCollective(collective=pending.kind, group=pending.mesh_dim or pending.group,
+                                    group_ranks=list(pending.group_ranks), since=created / 1e9 if created else None,
+                                    missing_ranks=list(pending.missing_ranks), description=pending.describe())
+    return out
+
+
 def _owner_kernel() -> str | None:
     try:
         from ipykernel.connect import get_connection_file
@@ -115,7 +227,8 @@ def _busy_ranks(cluster: Cluster, live: list[int]) -> set[int]:
         return set()
 
 
-def snapshot(cluster: Cluster, owner_kernel: str | None, started: float) -> ClusterState:
+def snapshot(cluster: Cluster, owner_kernel: str | None, started: float,
+             stuck: dict[int, StuckCollective] | None = None, last_trace: LastTrace | None = None) -> ClusterState:
     """The state of ``cluster`` now, from what the owner's process can read without asking the ranks.
 
     Parameters
@@ -126,6 +239,10 @@ def snapshot(cluster: Cluster, owner_kernel: str | None, started: float) -> Clus
         The owning kernel's connection file name.
     started : float
         When the cluster started (seconds since the epoch).
+    stuck : dict of int to StuckCollective, optional
+        Busy ranks found waiting in a collective (``stuck_collectives``): their state is ``stuck``.
+    last_trace : LastTrace, optional
+        The last trace as saved for readers outside this process.
 
     Returns
     -------
@@ -141,11 +258,14 @@ def snapshot(cluster: Cluster, owner_kernel: str | None, started: float) -> Clus
     dead = cluster.dead_ranks()
     live = [r for r in range(cluster.n) if r not in dead]
     busy = _busy_ranks(cluster, live)
-    ranks = [RankState(rank=r, pid=pids.get(r), state="dead" if r in dead else "busy" if r in busy else "idle",
-                       how=dead.get(r, "")) for r in range(cluster.n)]
+    stuck = {r: s for r, s in (stuck or {}).items() if r in busy}
+    ranks = [RankState(rank=r, pid=pids.get(r),
+                       state="dead" if r in dead else "stuck" if r in stuck else "busy" if r in busy else "idle",
+                       how=dead.get(r, ""), stuck_in=stuck.get(r)) for r in range(cluster.n)]
     return ClusterState(cluster_id=cluster.cluster_id or "", ranks=cluster.n, mesh=str(cluster.mesh),
                         backend=cluster.backend, patch_mode=cluster.patch_mode, owner_pid=os.getpid(),
-                        owner_kernel=owner_kernel, started=started, updated=time.time(), rank_states=ranks)
+                        owner_kernel=owner_kernel, started=started, updated=time.time(), rank_states=ranks,
+                        last_trace=last_trace)
 
 
 class StateFileWriter:
@@ -159,16 +279,69 @@ class StateFileWriter:
         self._thread: threading.Thread | None = None
         self._kernel = _owner_kernel()
         self._started = time.time()
+        self._busy_since: dict[int, float] = {}  # rank -> when it was first seen busy (monotonic)
+        self._asked: dict[int, float] = {}  # rank -> when it was last asked where it waits (monotonic)
+        self._stuck: dict[int, StuckCollective] = {}
+        self._saved_trace: object = None  # the Trace last saved for the panel (compared by identity)
+        self._last_trace: LastTrace | None = None
+
+    def _find_stuck(self) -> dict[int, StuckCollective]:
+        """Busy ranks that wait in a collective: each asked once it has been busy ``STUCK_AFTER_S`` seconds,
+        then again every ``STUCK_AFTER_S`` seconds while it stays busy."""
+        now = time.monotonic()
+        busy = _busy_ranks(self.cluster, [r for r in range(self.cluster.n) if r not in self.cluster.dead_ranks()])
+        self._busy_since = {r: self._busy_since.get(r, now) for r in busy}
+        self._stuck = {r: s for r, s in self._stuck.items() if r in busy}
+        due = [r for r in busy if now - self._busy_since[r] >= STUCK_AFTER_S and now - self._asked.get(r, 0.0) >= STUCK_AFTER_S]
+        control = self.cluster._control
+        if due and control is not None:
+            self._asked.update({r: now for r in due})
+            found = stuck_collectives(control.diagnose(due, timeout=1.0, brief=True), self.cluster.pids)
+            self._stuck = {r: s for r, s in self._stuck.items() if r not in due} | found
+        return self._stuck
+
+    def _save_last_trace(self) -> LastTrace | None:
+        """Save the cluster's last trace for the panel once per new trace; what the state file says of it."""
+        trace = self.cluster.last_trace(required=False)
+        if trace is None or trace is self._saved_trace:
+            return self._last_trace
+        path = last_trace_path(self.cluster.cluster_id or "")
+        trace.save(path)
+        os.chmod(path, 0o600)
+        self._saved_trace = trace
+        self._last_trace = LastTrace(path=str(path), label=f"{len(trace.ranks)} ranks, "
+                                     f"{sum(len(p['events']) for p in trace.payloads.values() if p)} events",
+                                     saved=time.time())
+        return self._last_trace
 
     def write(self) -> None:
-        """Write the state now (atomically, 0600)."""
-        registry.write_private(self.path, json.dumps(asdict(snapshot(self.cluster, self._kernel, self._started))))
+        """Write the state now (atomically, 0600).
+
+        Returns
+        -------
+        None
+
+        Examples
+        --------
+        >>> writer.write()
+        """
+        stuck, last = {}, self._last_trace
+        try:
+            stuck = self._find_stuck()
+        except Exception:  # a rank that cannot be asked now: busy, as far as this file can tell
+            pass
+        try:
+            last = self._save_last_trace()
+        except Exception:  # a trace that cannot be saved (disk full, NaN): the panel offers none
+            pass
+        registry.write_private(self.path, json.dumps(asdict(snapshot(self.cluster, self._kernel, self._started,
+                                                                    stuck, last))))
 
     def _run(self) -> None:
         record = registry.clusters_dir() / f"{self.cluster.cluster_id}.json"
         while not self._stop.is_set():
             if not record.exists():  # reaped from outside: nothing runs that this file could tell of
-                self.path.unlink(missing_ok=True)
+                forget(self.cluster.cluster_id or "")
                 return
             try:
                 self.write()
@@ -208,7 +381,7 @@ class StateFileWriter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.path.unlink(missing_ok=True)
+        forget(self.cluster.cluster_id or "")
 
 
 def read_states(home: Path | None = None) -> list[ClusterState | GoneCluster]:
@@ -248,7 +421,10 @@ def read_states(home: Path | None = None) -> list[ClusterState | GoneCluster]:
             data = json.loads(path.read_text())
             if data.get("format") != STATE_FORMAT or data.get("version") != STATE_VERSION:
                 raise ValueError(f"not a cluster state file of version {STATE_VERSION}")
-            state = ClusterState(**{**data, "rank_states": [RankState(**r) for r in data["rank_states"]]})
+            ranks = [RankState(**{**r, "stuck_in": StuckCollective(**r["stuck_in"]) if r.get("stuck_in") else None})
+                     for r in data["rank_states"]]
+            last = LastTrace(**data["last_trace"]) if data.get("last_trace") else None
+            state = ClusterState(**{**data, "rank_states": ranks, "last_trace": last})
         except FileNotFoundError:
             continue  # stopped while we read
         except (ValueError, TypeError, KeyError, AttributeError) as exc:

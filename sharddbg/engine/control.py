@@ -133,16 +133,19 @@ def flight_recorder() -> dict:
     return {"available": True, "entries": entries, "version": dumps[0].get("version")}
 
 
-def diagnosis() -> dict:
-    """Where this rank is now: the ``report`` of a ``DIAGNOSE_REPLY`` (read by ``sharddbg.analysis.hang``)."""
+def diagnosis(brief: bool = False) -> dict:
+    """Where this rank is now: the ``report`` of a ``DIAGNOSE_REPLY`` (read by ``sharddbg.analysis.hang``).
+    ``brief``: its collectives only (no stack, no recording so far), for a look every few seconds."""
     report = {
         "rank": STATE.rank,
         "pid": os.getpid(),
-        "stack": main_thread_stack(),
+        "stack": [] if brief else main_thread_stack(),
         "flight_recorder": flight_recorder(),
         "groups": process_groups(),
         "mesh_dims": mesh_dim_names(),
     }
+    if brief:
+        return report
     try:
         from . import recorder
 
@@ -223,7 +226,7 @@ def install_handlers() -> bool:
 
     def answer_diagnose(stream, ident, parent):
         try:
-            content = {"status": "ok", "report": diagnosis()}
+            content = {"status": "ok", "report": diagnosis(brief=bool(parent.get("content", {}).get("brief")))}
         except Exception as exc:
             content = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
                        "traceback": traceback.format_exc().splitlines()}

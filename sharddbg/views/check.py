@@ -19,7 +19,7 @@ import math
 
 from typing import TYPE_CHECKING
 
-from .common import FIGURE_LINE, StaticView, empty_figure, figure_template, render
+from .common import FIGURE_LINE, StaticView, empty_figure, figure_template, render, table_drawn
 
 if TYPE_CHECKING:
     from ..analysis.check import CheckResult
@@ -128,6 +128,18 @@ def check_html(result: CheckResult) -> str:
                   headers=CHECK_HEADERS, rows=rows, notes=notes)
 
 
+def check_drawn(result: CheckResult) -> dict:
+    """The check as the JupyterLab extension draws it (``common.table_drawn``)."""
+    ordered = _ordered(result.table)
+    lines = [_check_cells(row) for _, row in ordered.iterrows()]
+    full = [list(line) for line in lines]
+    notes = _numbered_notes(lines)
+    rows = [{"status": "ok" if row["ok"] else "fail", "ok": bool(row["ok"]), "cells": cells, "titles": titles}
+            for (_, row), cells, titles in zip(ordered.iterrows(), lines, full)]
+    return table_drawn(result.verdict, "ok" if result.ok else "fail", CHECK_HEADERS, rows,
+                       _pattern_lines(result.patterns()), notes)
+
+
 def plot_row_errors(result: CheckResult, tensor: str | None = None, group: int = 0):
     """Plotly Figure: for one tensor at a time (a menu picks it), the largest |sharded - reference| of each row
     along its sharded dim in domain group ``group``, one line per rank, failing rows marked red, shard boundaries
@@ -135,13 +147,16 @@ def plot_row_errors(result: CheckResult, tensor: str | None = None, group: int =
     rows, else the first with rows)."""
     import plotly.graph_objects as go
 
+    from .figure import view_figure
+
     rows = result.rows[result.rows["group"] == group]
     tensors = [t for t in dict.fromkeys(rows["tensor"])]
     boundaries = {t: result.boundaries(t, group) for t in tensors}
     tolerances = {t: float(result.table.loc[result.table["tensor"] == t, "atol"].max()) for t in tensors}
     failing = [t for t in dict.fromkeys(result.failures()["tensor"]) if t in tensors]
     if not tensors:
-        return empty_figure("Error per row", "no tensor was compared row by row (none is sharded)")
+        return view_figure(empty_figure("Error per row", "no tensor was compared row by row (none is sharded)"),
+                           "check_rows")
     shown = tensor if tensor in tensors else next((t for t in failing if t in tensors), tensors[0])
     fig = go.Figure()
     traces_of: dict[str, list[int]] = {}
@@ -188,12 +203,14 @@ def plot_row_errors(result: CheckResult, tensor: str | None = None, group: int =
                       updatemenus=[{"buttons": buttons, "active": tensors.index(shown), "x": 1.0, "xanchor": "right",
                                     "y": 1.25, "yanchor": "top"}],
                       margin={"l": 70, "r": 20, "t": 90, "b": 50})
-    return fig
+    return view_figure(fig, "check_rows")
 
 
 class CheckView(StaticView):
     """The check's view: the verdict and table (static HTML), then the error per row (plotly, when a tensor was
     compared row by row)."""
+
+    view = "check"
 
     def __init__(self, result: CheckResult):
         self.result = result
@@ -205,10 +222,13 @@ class CheckView(StaticView):
     def text(self) -> str:
         return check_text(self.result)
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import HTML, display
+    def drawn(self) -> dict:
+        return check_drawn(self.result)
 
-        display(HTML(self.html()))
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self._repr_mimebundle_(), raw=True)
         if self.figure is not None:
             display(self.figure)
 
@@ -244,11 +264,30 @@ def doctor_html(report: DoctorReport) -> str:
     return render("doctor.html", verdict=report.verdict, outcome=outcome, headers=DOCTOR_HEADERS, rows=rows)
 
 
+def doctor_drawn(report: DoctorReport) -> dict:
+    """The doctor as the JupyterLab extension draws it (``common.table_drawn``)."""
+    table = report.table
+    outcome = "fail" if (table["status"] == "fail").any() else "warn" if (table["status"] == "warn").any() else "ok"
+    rows = []
+    for _, row in table.iterrows():
+        cells = _doctor_cells(row)
+        if row["status"] not in ("fail", "warn"):
+            cells[3] = ""
+        rows.append({"status": str(row["status"]), "ok": row["status"] not in ("fail", "warn"), "cells": cells,
+                     "titles": ["" for _ in cells]})
+    return table_drawn(report.verdict, outcome, DOCTOR_HEADERS, rows)
+
+
 class DoctorView(StaticView):
     """The doctor's view: the verdict, then one row per check tinted by status (static HTML)."""
 
+    view = "doctor"
+
     def __init__(self, report: DoctorReport):
         self.report = report
+
+    def drawn(self) -> dict:
+        return doctor_drawn(self.report)
 
     def html(self) -> str:
         return doctor_html(self.report)

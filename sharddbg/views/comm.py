@@ -24,10 +24,12 @@ def plot_comm_by_op(trace: Trace):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
+    from .figure import view_figure
+
     df = comm_by_op_kind(trace.get_collectives(), trace.get_ops())
     if df.empty:
-        return empty_figure("Communication per op", "no collectives recorded in this trace<br>"
-                            "(its ops did not communicate, or it was recorded without collective recording)")
+        return view_figure(empty_figure("Communication per op", "no collectives recorded in this trace<br>"
+                            "(its ops did not communicate, or it was recorded without collective recording)"), "comm")
     ops = list(df.groupby("op", sort=False)["bytes"].sum().sort_values(ascending=False).index)
     names = [esc(o) for o in ops]
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, subplot_titles=("bytes sent + received", "time in collectives (ms, summed over ranks)"),
@@ -49,4 +51,4 @@ def plot_comm_by_op(trace: Trace):
                                      "issued in, as in the op summary)", "x": 0.01, "font": {"size": 14}},
                       yaxis={"autorange": "reversed"}, legend={"title": {"text": "collective"}},
                       margin={"l": 10, "r": 20, "t": 70, "b": 40})
-    return fig
+    return view_figure(fig, "comm")

@@ -193,6 +193,15 @@ def table_cells(df, cols: list[str]) -> list[list[str]]:
     return [[cell_text(r[c]) for c in cols] for _, r in df.iterrows()]
 
 
+def table_drawn(verdict: str, outcome: str, headers: list[str], rows: list[dict], lines: list[str] | None = None,
+                notes: list[str] | None = None) -> dict:
+    """What the JupyterLab extension draws of a verification view (check, doctor, smoke): the verdict (``outcome``:
+    ok, warn or fail), ``lines`` under it, the table (each row ``{"status", "ok", "cells", "titles"}``, in the
+    order the static view has them) and the notes under it. Every value is text; the extension sets it as text."""
+    return {"verdict": verdict, "outcome": outcome, "lines": list(lines or []), "headers": list(headers),
+            "rows": rows, "notes": list(notes or [])}
+
+
 def error_entries(trace) -> list[dict]:
     """The trace's exceptions as the error blocks show them: one per distinct (type, message, op), with the
     ranks that raised it, the first call's source line and traceback, whether the recorder unmasked it and
@@ -219,13 +228,29 @@ def fallback_table(trace) -> tuple[list[tuple[str, str]], list[list[str]]]:
 
 class StaticView:
     """A view that is static HTML and its text twin (the verification results): ``html()`` in a notebook
-    (saved with it, no widget), ``text()`` for ``str`` / ``repr`` (terminals, logs). Subclasses define both."""
+    (saved with it, no widget), ``text()`` for ``str`` / ``repr`` (terminals, logs). Subclasses define both, and
+    those the JupyterLab extension draws live from a saved notebook (a status filter on the rows) also ``view``
+    and ``drawn()``: the payload's (``bundle.view_payload``) table, ``table_drawn``."""
+
+    view: str | None = None  # the payload's view name; None: no payload (the HTML is the whole view)
 
     def html(self) -> str:
         raise NotImplementedError
 
     def text(self) -> str:
         raise NotImplementedError
+
+    def drawn(self) -> dict:
+        raise NotImplementedError
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        from .bundle import VIEW_MIMETYPE, view_payload
+
+        bundle = {"text/plain": self.text(), "text/html": self.html()}
+        if self.view is not None:
+            drawn = self.drawn()
+            bundle[VIEW_MIMETYPE] = view_payload(self.view, {}, {"verdict": drawn["verdict"]}, "str(view)", drawn=drawn)
+        return bundle
 
     def __str__(self) -> str:
         return self.text()

@@ -18,7 +18,7 @@ import pandas as pd
 
 from typing import TYPE_CHECKING
 
-from .common import FIGURE_ALERT, FIGURE_LINE, StaticView, figure_template, render
+from .common import FIGURE_ALERT, FIGURE_LINE, StaticView, figure_template, render, table_drawn
 
 if TYPE_CHECKING:
     from ..analysis.smoke import SmokeResult
@@ -94,9 +94,25 @@ def smoke_html(result: SmokeResult) -> str:
                   headers=[h for _, h, _ in SHOWN], rows=rows, rtol=f"{rtol:g}")
 
 
+def smoke_drawn(result: SmokeResult) -> dict:
+    """The smoke matrix as the JupyterLab extension draws it (``common.table_drawn``)."""
+    table = result.table
+    rows = []
+    for name, row in table.iterrows():
+        state = row_state(row)
+        cells = [f"{MARKS[state]} {row['outcome']}", str(name)] + [fmt(row[col]) for col, _, fmt in SHOWN]
+        titles = ["", f"{name}: {row['about']}" if row["about"] else ""] + ["" for _ in SHOWN]
+        rows.append({"status": state, "ok": state != "wrong", "cells": cells, "titles": titles})
+    bad = not bool(table["ok"].all())
+    return table_drawn(result.verdict, "fail" if bad else "ok", ["verdict", "configuration"] + [h for _, h, _ in SHOWN],
+                       rows)
+
+
 class SmokeView(StaticView):
     """The smoke matrix's table as a view: HTML in a notebook, text in a terminal (``str(view)``), and the
     loss error per step as a plotly figure (``plot_losses()``)."""
+
+    view = "smoke"
 
     def __init__(self, result: SmokeResult):
         self.result = result
@@ -106,6 +122,9 @@ class SmokeView(StaticView):
 
     def html(self) -> str:
         return smoke_html(self.result)
+
+    def drawn(self) -> dict:
+        return smoke_drawn(self.result)
 
     def plot_losses(self):
         return plot_smoke_losses(self.result)
@@ -144,6 +163,8 @@ def plot_smoke_losses(result: SmokeResult):
     configuration that is right stays far below it. Each line has its own dash and marker."""
     import plotly.graph_objects as go
 
+    from .figure import view_figure
+
     table, rtol = result.table, result.rtol
     fig = go.Figure()
     runs = [(str(name), [_relative_error(a, b) for a, b in zip(row["losses"], row["reference_losses"])])
@@ -179,4 +200,4 @@ def plot_smoke_losses(result: SmokeResult):
     if not runs:
         fig.add_annotation(text="no configuration ran to compare", showarrow=False, xref="paper", yref="paper",
                            x=0.5, y=0.5)
-    return fig
+    return view_figure(fig, "smoke_losses")

@@ -373,6 +373,8 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
     ``BARS_UP_TO`` spans each is a bar; above, a WebGL line whose hover label sits at its middle."""
     import plotly.graph_objects as go
 
+    from .figure import view_figure
+
     all_ops = trace.get_ops()
     merged = aggregate if aggregate is not None else len(all_ops) > AGGREGATE_ABOVE
     frame = timeline_frame(trace, aggregate=merged)
@@ -423,4 +425,4 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
     if r_inc := [r for r in ranks if r in trace.incomplete_ranks]:
         fig.add_annotation(text=f"incomplete ranks (timed out or sent nothing): {r_inc}", xref="paper", yref="paper",
                            x=1, y=1.08, showarrow=False, font={"color": FIGURE_ALERT})
-    return fig
+    return view_figure(fig, "timeline")

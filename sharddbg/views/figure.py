@@ -1,0 +1,105 @@
+"""A view's plotly figure that leaves the sharddbg payload in its output bundle beside plotly's own: the
+JupyterLab extension (``extension/``) draws it live from the saved payload (hover, zoom, legend toggles) in a
+notebook reopened without its kernel or opened elsewhere, with no plotly extension of JupyterLab's needed.
+
+``view_figure(fig, view)`` marks a figure as a view's (``timeline``, ``comm``, ``check_rows``, ``smoke_losses``)
+without copying it: it stays a ``plotly.graph_objects.Figure`` in every other respect.
+"""
+
+from __future__ import annotations
+
+import json
+
+import plotly.graph_objects as go
+
+from .bundle import VIEW_MIMETYPE, view_payload
+
+# how to keep a figure too large for the payload, said in its note
+KEEP_FIGURE = "fig.write_html('figure.html')"
+
+
+def figure_drawn(fig: go.Figure) -> dict:
+    """What the extension draws of ``fig``: plotly's own JSON of it (``data``, ``layout``).
+
+    Parameters
+    ----------
+    fig : plotly.graph_objects.Figure
+        Any figure.
+
+    Returns
+    -------
+    dict
+        ``{"figure": {"data": [...], "layout": {...}}}``, JSON-able.
+
+    Examples
+    --------
+    >>> sorted(figure_drawn(go.Figure())["figure"])
+    ['data', 'layout']
+    """
+    import plotly.io as pio
+
+    return {"figure": json.loads(pio.to_json(fig, validate=False))}
+
+
+class ViewFigure(go.Figure):
+    """A plotly Figure shown with its view's payload (``view_figure`` makes one)."""
+
+    _sd_view = "figure"
+
+    def sharddbg_payload(self) -> dict:
+        """The versioned payload of this figure's view (``views.bundle.view_payload``).
+
+        Returns
+        -------
+        dict
+            ``format``, ``version``, ``view``, ``summary`` and ``drawn`` (``figure_drawn``).
+
+        Examples
+        --------
+        >>> view_figure(go.Figure(), "timeline").sharddbg_payload()["view"]
+        'timeline'
+        """
+        title = self.layout.title.text if self.layout.title and self.layout.title.text else ""
+        return view_payload(self._sd_view, {}, {"title": title, "traces": len(self.data)}, KEEP_FIGURE,
+                            drawn=figure_drawn(self))
+
+    def _repr_mimebundle_(self, include=None, exclude=None, validate=True, **kwargs):
+        bundle = dict(super()._repr_mimebundle_(include, exclude, validate, **kwargs) or {})
+        bundle[VIEW_MIMETYPE] = self.sharddbg_payload()
+        return bundle
+
+    def _ipython_display_(self) -> None:
+        import plotly.io as pio
+        from IPython.display import display
+
+        if pio.renderers.render_on_display and pio.renderers.default:
+            display(self._repr_mimebundle_(), raw=True)
+        else:
+            print(repr(self))
+
+
+def view_figure(fig: go.Figure, view: str) -> go.Figure:
+    """``fig`` (the same object) shown as the view ``view``: its output bundle carries the payload too.
+
+    Parameters
+    ----------
+    fig : plotly.graph_objects.Figure
+        The figure a view made.
+    view : str
+        The view's name in the payload (``timeline``, ``comm``, ``check_rows``, ``smoke_losses``).
+
+    Returns
+    -------
+    plotly.graph_objects.Figure
+        ``fig`` itself, now a ``ViewFigure``.
+
+    Examples
+    --------
+    >>> view_figure(go.Figure(), "timeline")._sd_view
+    'timeline'
+    """
+    if type(fig) is go.Figure:
+        fig.__class__ = ViewFigure
+    if isinstance(fig, ViewFigure):
+        fig._sd_view = view
+    return fig
