@@ -7,9 +7,13 @@ import { DRAWERS, pageModel } from './views';
 
 export const TRACE_FILE_TYPE = 'sharddbg-trace';
 export const JOB_FILE_TYPE = 'sharddbg-job';
+export const JOB_RECORD_FILE_TYPE = 'sharddbg-job-record';
 export const TRACE_FACTORY = 'sharddbg trace';
-/** A recorded job's files (``sharddbg record``: job.json and rank-NNNNN.jsonl); either opens the whole job. */
-export const JOB_FILE_PATTERN = '^(job\\.json|rank-\\d{5,}\\.jsonl)$';
+/** A recorded job's rank files (``sharddbg record``: rank-NNNNN.jsonl): a double-click opens the whole job. */
+export const JOB_FILE_PATTERN = '^rank-\\d{5,}\\.jsonl$';
+/** The job's own record (job.json): opens the whole job through "Open With" only, since other tools name
+ *  their files job.json too and a double-click keeps opening those in the editor. */
+export const JOB_RECORD_FILE_PATTERN = '^job\\.json$';
 
 /** What the server answers for a trace (sharddbg/labserver.py ``trace_answer``). */
 interface ITraceAnswer {

@@ -6,7 +6,7 @@ import { INotebookTracker } from '@jupyterlab/notebook';
 import { IRenderMimeRegistry } from '@jupyterlab/rendermime';
 
 import { ClusterPanel } from './panel';
-import { JOB_FILE_PATTERN, JOB_FILE_TYPE, TRACE_FACTORY, TRACE_FILE_TYPE, TraceView, TraceViewFactory } from './document';
+import { JOB_FILE_PATTERN, JOB_FILE_TYPE, JOB_RECORD_FILE_PATTERN, JOB_RECORD_FILE_TYPE, TRACE_FACTORY, TRACE_FILE_TYPE, TraceView, TraceViewFactory } from './document';
 import { viewRendererFactory } from './renderer';
 
 /** sharddbg's views drawn from the payload saved in their output bundles: a notebook without its kernel,
@@ -23,8 +23,8 @@ const views: JupyterFrontEndPlugin<void> = {
   }
 };
 
-/** ``*.sdtrace.json`` and recorded jobs (``job.json``, ``rank-NNNNN.jsonl``) opened as documents (a
- *  double-click in the file browser) with the explorer, the timeline and communication per op. */
+/** ``*.sdtrace.json`` and recorded jobs (``rank-NNNNN.jsonl`` by a double-click, ``job.json`` through Open With)
+ *  opened as documents with the explorer, the timeline and communication per op. */
 const traceFiles: JupyterFrontEndPlugin<void> = {
   id: 'sharddbg-jupyterlab:trace-files',
   description: 'sharddbg trace files and recorded jobs opened with the views',
@@ -47,11 +47,20 @@ const traceFiles: JupyterFrontEndPlugin<void> = {
       contentType: 'file',
       fileFormat: 'text'
     });
+    app.docRegistry.addFileType({
+      name: JOB_RECORD_FILE_TYPE,
+      displayName: 'sharddbg recorded job',
+      extensions: [],
+      pattern: JOB_RECORD_FILE_PATTERN,
+      mimeTypes: ['application/json'],
+      contentType: 'file',
+      fileFormat: 'text'
+    });
     app.docRegistry.addWidgetFactory(
       new TraceViewFactory({
         name: TRACE_FACTORY,
         label: 'sharddbg trace views',
-        fileTypes: [TRACE_FILE_TYPE, JOB_FILE_TYPE],
+        fileTypes: [TRACE_FILE_TYPE, JOB_FILE_TYPE, JOB_RECORD_FILE_TYPE],
         defaultFor: [TRACE_FILE_TYPE, JOB_FILE_TYPE],
         readOnly: true
       })
