@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from . import job_files, rendering, schema
+from . import columnar, job_files, rendering, schema
 from .analysis import comm as _comm
 from .analysis import consistency as _consistency
 from .analysis import findings as _findings
@@ -43,7 +43,7 @@ from .analysis import plan_cache as _plan_cache
 from .analysis import summary as _summary
 from .analysis.findings import Finding, TraceOverview
 from .errors import ShardDbgWarning, TraceFileError
-from .files import write_file_atomically
+from .files import refuse_folder, write_file_atomically
 
 if TYPE_CHECKING:  # the return types of the views, for type checkers only (never imported when sharddbg runs)
     import anywidget
@@ -886,8 +886,13 @@ class Trace:
         >>> sharddbg.load_trace("conv.sdtrace.json").ranks == t.ranks
         True
         """
+        path = refuse_folder(path, "trace.sdtrace.json")
+        columnar_file = _trace_file_layout(path) == "columnar"  # refuses a suffix neither layout has first
         doc = self.to_dict()
-        return write_file_atomically(path, lambda f: json.dump(doc, f, allow_nan=False, separators=(",", ":")),
+        if columnar_file:
+            return write_file_atomically(path, lambda f: columnar.write_document(doc, f.buffer),
+                                         example_name="trace.sdtrace.arrow")
+        return write_file_atomically(path, lambda f: f.write(json.dumps(doc, allow_nan=False, separators=(",", ":"))),
                                      example_name="trace.sdtrace.json")
 
     def to_perfetto(self, path: str | os.PathLike) -> str:
@@ -1100,6 +1105,8 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
     if os.path.isdir(path):
         return _trace_of_job(path, allow_missing_ranks)
     raw = _read_regular_file(path)
+    if raw.startswith(_ARROW_MAGIC):
+        return _trace_of_columnar_file(path, raw)
     try:
         d = json.loads(raw)
     except RecursionError:
@@ -1110,6 +1117,20 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
     except ValueError:  # Python's limit on the digits of an integer it converts (4300 by default)
         raise TraceFileError(f"{path}: corrupt sharddbg trace: it holds an integer too long to read "
                              f"({_INT_BOUND_TEXT})") from None
+    return _trace_of_document(path, d)
+
+
+def _trace_of_columnar_file(path: str, raw: bytes) -> Trace:
+    """The Trace of a columnar file's bytes, checked as its JSON document would be."""
+    try:
+        d = columnar.read_document(raw)
+    except columnar.ColumnarProblem as e:
+        raise TraceFileError(f"{path}: corrupt sharddbg trace (columnar file): {e}") from None
+    return _trace_of_document(path, d)
+
+
+def _trace_of_document(path: str, d: Any) -> Trace:
+    """The Trace of a trace document (a JSON file's, or a columnar file's turned back into it), checked."""
     if not isinstance(d, dict) or d.get("format") != TRACE_FORMAT:
         raise TraceFileError(f"{path}: not a sharddbg trace (no \"format\": \"{TRACE_FORMAT}\" field)")
     v = d.get("version")
@@ -1126,6 +1147,22 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
         return _trace_of_file(d)
     except _FileProblem as e:
         raise TraceFileError(f"{path}: corrupt sharddbg trace: {e}") from None
+
+
+# An Arrow IPC file starts with these bytes; load_trace reads such a file as the columnar layout, any other as JSON.
+_ARROW_MAGIC = b"ARROW1"
+# What each layout's file is named; save refuses any other suffix before writing anything.
+TRACE_SUFFIXES = {".json": "json", ".arrow": "columnar"}
+
+
+def _trace_file_layout(path: str) -> str:
+    """'json' or 'columnar', from the suffix of ``path``; ValueError for any other suffix."""
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix not in TRACE_SUFFIXES:
+        raise ValueError(f"{os.fspath(path)!r}: Trace.save writes JSON (.sdtrace.json, readable, for small traces) or "
+                         f"the columnar Arrow IPC file (.sdtrace.arrow, for big ones), not {suffix or 'a file without a suffix'!r}: "
+                         f"nothing was written; name the file run.sdtrace.json or run.sdtrace.arrow")
+    return TRACE_SUFFIXES[suffix]
 
 
 def _trace_of_job(folder: str, allow_missing_ranks: bool) -> Trace:
