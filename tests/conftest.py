@@ -59,15 +59,18 @@ def check_comm_tables_add_up(trace) -> None:
 
 
 def check_tables_built_by_column_match_by_record(trace) -> None:
-    """``get_ops()`` (built a column at a time) is exactly the table built a row at a time (the builder it
-    replaced): values, dtypes, columns and order. Called on every trace the session builds, real recordings
+    """``get_ops()`` and ``get_collectives()`` (built a column at a time) are exactly the tables built a row at
+    a time (the builders they replaced): values, dtypes, columns and order. Called on every trace the session builds, real recordings
     included (``_every_trace_is_checked``)."""
     import pandas as pd
 
+    from sharddbg.analysis import comm as comm_analysis
     from sharddbg.analysis import ops as ops_analysis
 
     by_record = ops_analysis.ops_frame_by_record(trace._events_by_rank(), trace.clock_offsets_ns)
     pd.testing.assert_frame_equal(trace.get_ops(), by_record, check_exact=True)
+    by_record = comm_analysis.collectives_frame_by_record(trace._events_by_rank(), trace.clock_offsets_ns)
+    pd.testing.assert_frame_equal(trace.get_collectives(), by_record, check_exact=True)
 
 
 _BUILT_TRACES: list = []  # every Trace built since the last check
