@@ -13,6 +13,9 @@ File format (``save`` / ``load_trace``), JSON::
      "incomplete_ranks": [2], "ranks": [0, 1, 2, ...],
      "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 
+``save("run.sdtrace.arrow")`` writes the same document as columns instead (``sharddbg.columnar``: an Arrow IPC
+file, for big traces); ``load_trace`` tells the two apart by their first bytes and checks both alike.
+
 Every writer (``save``, ``to_perfetto``, ``to_html``) goes through ``write_file_atomically``: the file
 appears whole or not at all. ``load_trace`` refuses, naming the field (and payload, rank, event), a file
 that contradicts itself (a rank listed twice, a payload whose "rank" is not its "ranks" entry, a negative
@@ -852,15 +855,18 @@ class Trace:
         }
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write the trace as JSON; ``load_trace`` reads it back.
+        """Write the trace as JSON (``.json``) or as the columnar Arrow IPC file (``.arrow``); ``load_trace``
+        reads either back.
 
         The file appears whole or not at all (``write_file_atomically``): on any error ``path`` is left as
-        it was.
+        it was. JSON is the readable form, for small traces; the columnar file (``sharddbg.columnar``,
+        docs/trace-files.md) is for big ones.
 
         Parameters
         ----------
         path : str or os.PathLike
-            The file to write (replaced if it exists); ``.sdtrace.json`` by convention.
+            The file to write (replaced if it exists): ``run.sdtrace.json`` or ``run.sdtrace.arrow``; any
+            other suffix is refused before anything is written.
 
         Returns
         -------
@@ -874,7 +880,9 @@ class Trace:
         OSError
             The file cannot be written (no such folder, no permission, disk full); the error names ``path``.
         ValueError
-            The trace holds a NaN or an infinite number, which strict JSON cannot hold.
+            The suffix is neither ``.json`` nor ``.arrow`` (``.parquet``, ``.csv``, none, ...; nothing is
+            written), or the trace holds a NaN or an infinite number, which strict JSON cannot hold (the
+            columnar file refuses them too).
         TypeError
             ``meta`` holds a value JSON cannot write (a key that ``schema.TRACE_META_FIELDS`` does not name
             may hold anything).
@@ -885,6 +893,8 @@ class Trace:
         'conv.sdtrace.json'
         >>> sharddbg.load_trace("conv.sdtrace.json").ranks == t.ranks
         True
+        >>> t.save("big.sdtrace.arrow")  # columns: a million records in seconds
+        'big.sdtrace.arrow'
         """
         path = refuse_folder(path, "trace.sdtrace.json")
         columnar_file = _trace_file_layout(path) == "columnar"  # refuses a suffix neither layout has first
@@ -1055,7 +1065,8 @@ MAX_NESTING = 64
 
 
 def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) -> Trace:
-    """Read a trace file written by ``Trace.save``, or the folder of a job ``sharddbg record`` recorded.
+    """Read a trace file written by ``Trace.save`` (JSON or the columnar ``.sdtrace.arrow``, told apart by its
+    first bytes), or the folder of a job ``sharddbg record`` recorded.
 
     Everything is checked before anything is built from the file: a wrong or corrupt file raises
     TraceFileError naming the field (and the payload, rank and event index) that is wrong. A file without
@@ -1080,7 +1091,9 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
     Raises
     ------
     TraceFileError
-        The file is not a sharddbg trace (not JSON, no ``"format": "sharddbg.trace"``), was written by a
+        The file is not a sharddbg trace (neither JSON nor a readable Arrow IPC file, no
+        ``"format": "sharddbg.trace"``; a columnar file without its header, a column missing or of another
+        type), was written by a
         newer sharddbg (a file version or schema version above what this one reads), or is corrupt: it
         contradicts itself (a rank listed twice, a payload whose ``"rank"`` is not its ``"ranks"`` entry, a
         negative count or version, a null or unfinished payload whose rank is not in ``"incomplete_ranks"``,
