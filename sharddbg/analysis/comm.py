@@ -34,7 +34,7 @@ import pandas as pd
 
 from ..schema import COLLECTIVE_FIELDS
 from .formatting import format_location
-from .ops import NO_OP, _object_column
+from .ops import NO_OP, inferred_column
 
 COLLECTIVE_COLUMNS = [
     "rank", "seq", "group_seq", "kind", "group_ranks", "mesh_dim", "bytes_sent", "bytes_recv", "t_issue_ns",
@@ -100,7 +100,7 @@ def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
     cols["location"] = [places[key] if key in places else places.setdefault(key, format_location(*key))
                         for key in zip(cols["user_frame"], cols["user_cell"], cols["user_code"])]
     missing = [math.nan] * len(records)  # what DataFrame(list of dicts) puts in a column no record names
-    df = pd.DataFrame({k: _object_column(cols.get(k, missing)) for k in columns}, columns=columns)
+    df = pd.DataFrame({k: inferred_column(cols.get(k, missing)) for k in columns}, columns=columns)
     shift = np.asarray(offsets, dtype=np.int64)
     for c in ("t_issue_ns", "t_return_ns", "t_done_ns"):
         df[c] = df[c].astype("Int64") - shift

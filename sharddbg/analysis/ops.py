@@ -126,7 +126,7 @@ def ops_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -
                         for key in zip(cols["user_frame"], cols["user_cell"], cols["user_code"])]
     cols["spec_mismatch"] = [spec_mismatch_text(found) if found else None for found in cols["spec_mismatches"]]
     columns = OPS_COLUMNS + OPS_EXTRA_COLUMNS
-    df = pd.DataFrame({name: _object_column(cols[name]) for name in columns}, columns=columns)
+    df = pd.DataFrame({name: inferred_column(cols[name]) for name in columns}, columns=columns)
     shift = np.asarray(offsets, dtype=np.int64)
     for c in ("t_start_ns", "t_end_ns"):
         df[c] = df[c].astype("Int64") - shift
@@ -138,9 +138,27 @@ def ops_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -
     return df.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True)
 
 
-def _object_column(values: list) -> Any:
-    """A column as DataFrame(list of dicts) infers it (numbers, bools and text typed; lists, dicts and mixes
-    left as objects): the same inference, a column at a time."""
+def inferred_column(values: list) -> Any:
+    """One column of values, typed as ``pandas.DataFrame(list of dicts)`` types it: the same inference (numbers,
+    bools and text typed; lists, dicts, None-only and mixed columns left as objects), a column at a time.
+
+    Parameters
+    ----------
+    values : list
+        The column's values, one per row; a list or a dict stays one value.
+
+    Returns
+    -------
+    numpy.ndarray or pandas.api.extensions.ExtensionArray
+        The column, to put in a DataFrame.
+
+    Examples
+    --------
+    >>> inferred_column([1, 2]).dtype
+    dtype('int64')
+    >>> inferred_column([[1, 2], None]).dtype
+    dtype('O')
+    """
     from pandas.core.internals.construction import convert_object_array
 
     column = np.fromiter(values, dtype=object, count=len(values))  # lists stay one value each
