@@ -23,6 +23,7 @@ document, which ``load_trace`` then checks exactly as it checks a JSON file.
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 from . import schema
@@ -167,22 +168,29 @@ def read_document(raw: bytes) -> dict:
     doc = {k: v for k, v in header.items() if k not in ("layout", "columns")}
     if not isinstance(payloads, list) or not isinstance(ranks, list):
         return doc  # the checks of the JSON document name what is wrong
-    columns = {name: table.column(name).to_pylist() for name in want}
-    for name, kind in want.items():
-        if kind == "json":
-            columns[name] = [_decode(text, name) for text in columns[name]]
+    kinds = table.column("kind").to_pylist()
+    records: list[dict | None] = [None] * table.num_rows
+    for kind in set(kinds):
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        part = table.take(rows) if len(rows) < table.num_rows else table
+        names = KIND_COLUMNS.get(kind, ("kind", "seq"))
+        values = [_column_values(part, name, want[name]) for name in names]
+        # one dict per record, built in C: its kind's fields in the schema's order
+        for i, record in zip(rows, map(dict, map(partial(zip, names), zip(*values)))):
+            records[i] = record
+        for name in (*_OPTIONAL.get(kind, ()), "extra"):
+            column = part.column(name)
+            if column.null_count == len(column):
+                continue  # the common case: nothing to add
+            for i, value in zip(rows, _column_values(part, name, want[name])):
+                if value is not None:
+                    if name == "extra":
+                        records[i].update(value)
+                    else:
+                        records[i][name] = value
     by_rank: dict[Any, list[dict]] = {}
-    for i, rank in enumerate(columns["rank"]):
-        kind = columns["kind"][i]
-        ev = {}
-        for name in KIND_COLUMNS.get(kind, ("kind", "seq")):
-            ev[name] = columns[name][i]
-        for name in _OPTIONAL.get(kind, ()):
-            if columns[name][i] is not None:
-                ev[name] = columns[name][i]
-        if columns["extra"][i]:
-            ev.update(columns["extra"][i])
-        by_rank.setdefault(rank, []).append(ev)
+    for rank, record in zip(table.column("rank").to_pylist(), records):
+        by_rank.setdefault(rank, []).append(record)
     listed = {r for r in ranks if type(r) is int}
     for rank in by_rank:
         if rank not in listed:
@@ -193,6 +201,11 @@ def read_document(raw: bytes) -> dict:
         if p is None and by_rank.get(r):
             raise ColumnarProblem(f"rank {r} has no payload (null) but {len(by_rank[r])} records")
     return doc
+
+
+def _column_values(table, name: str, kind: str) -> list:
+    values = table.column(name).to_pylist()
+    return [_decode(text, name) for text in values] if kind == "json" else values
 
 
 def _decode(text: str | None, column: str) -> Any:
