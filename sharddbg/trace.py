@@ -40,6 +40,7 @@ from . import columnar, job_files, rendering, schema
 from .analysis import comm as _comm
 from .analysis import consistency as _consistency
 from .analysis import findings as _findings
+from .analysis import formatting as _analysis_formatting
 from .analysis import ops as _ops
 from .analysis import patch_families as _patch_families
 from .analysis import plan_cache as _plan_cache
@@ -899,11 +900,13 @@ class Trace:
         path = refuse_folder(path, "trace.sdtrace.json")
         columnar_file = _trace_file_layout(path) == "columnar"  # refuses a suffix neither layout has first
         doc = self.to_dict()
-        if columnar_file:
-            return write_file_atomically(path, lambda f: columnar.write_document(doc, f.buffer),
-                                         example_name="trace.sdtrace.arrow")
-        return write_file_atomically(path, lambda f: f.write(json.dumps(doc, allow_nan=False, separators=(",", ":"))),
-                                     example_name="trace.sdtrace.json")
+        with _analysis_formatting.cyclic_gc_paused():  # the columns of a million records: no cycles among them
+            if columnar_file:
+                return write_file_atomically(path, lambda f: columnar.write_document(doc, f.buffer),
+                                             example_name="trace.sdtrace.arrow")
+            return write_file_atomically(
+                path, lambda f: f.write(json.dumps(doc, allow_nan=False, separators=(",", ":"))),
+                example_name="trace.sdtrace.json")
 
     def to_perfetto(self, path: str | os.PathLike) -> str:
         """Write Chrome trace-event JSON, to open in ui.perfetto.dev or chrome://tracing.
@@ -1117,6 +1120,12 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
     path = os.fspath(path)
     if os.path.isdir(path):
         return _trace_of_job(path, allow_missing_ranks)
+    with _analysis_formatting.cyclic_gc_paused():  # millions of records made and checked: no cycles among them
+        return _trace_of_regular_file(path)
+
+
+def _trace_of_regular_file(path: str) -> Trace:
+    """The Trace of a trace file (JSON or columnar), checked."""
     raw = _read_regular_file(path)
     if raw.startswith(_ARROW_MAGIC):
         return _trace_of_columnar_file(path, raw)

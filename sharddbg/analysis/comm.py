@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from ..schema import COLLECTIVE_FIELDS
-from .formatting import format_location
+from .formatting import cyclic_gc_paused, format_location
 from .ops import NO_OP, inferred_column
 
 COLLECTIVE_COLUMNS = [
@@ -81,6 +81,11 @@ def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
 
     Read a column at a time, as ``ops.ops_frame``: exactly the table ``collectives_frame_by_record`` builds a
     row at a time."""
+    with cyclic_gc_paused():
+        return _collectives_frame(rows_by_rank, offsets_ns)
+
+
+def _collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -> pd.DataFrame:
     ranks: list[int] = []
     offsets: list[int] = []
     records: list[dict] = []
