@@ -6,13 +6,16 @@ rank with their sequence numbers, the references between them (parent, forward o
 group sequence, error origin) and their times shifted, until the trace holds ``--events`` events over
 ``--ranks`` ranks.
 
-Measured in one run, each the least of ``--repeats``:
-- save and load (``load_trace``) as JSON and as the columnar file (``.sdtrace.arrow``), and the loading
-  process's peak resident memory (a fresh process per load: its ``ru_maxrss``);
-- ``get_ops()``, ``get_collectives()``, ``get_op_summary()``, ``get_comm_by_op()`` on a loaded trace, on the
-  columnar path and on the per-record path they replace (``SHARDDBG_ROW_FRAMES=1``), the ratios beside;
-- with ``--gather``: a 8-rank cluster (``--gather-ranks``), each rank recording ``--gather-events`` events, and
-  the time of ``Cluster.gather`` of the payloads, as dicts and as columns.
+Measured in one run (wall and CPU seconds of each step; the CPU time is what a shared machine changes least):
+- save as JSON the way it was written before (``json.dump``) and now, and as the columnar file
+  (``.sdtrace.arrow``); ``load_trace`` of each in a fresh process, with its peak resident memory;
+- the same table written and read as Arrow IPC and as Parquet by pyarrow alone;
+- ``get_ops()`` and ``get_collectives()`` a row at a time (``ops_frame_by_record``,
+  ``collectives_frame_by_record``: the builders they replaced) and now, the ratios beside;
+  ``get_op_summary()`` and ``get_comm_by_op()``;
+- with ``--gather``: a 2-rank cluster whose engines hold ``--gather-ranks`` payloads of ``--gather-events``
+  records between them, pulled with ``cl.eval`` (what the recorders' payloads go through) and built into a
+  Trace (``Trace.from_payloads``: every payload checked), three times.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_trace_big.py [--events 1000000] [--ranks 16] [--gather]
 """
@@ -117,8 +120,13 @@ def main(argv=None) -> None:
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--source", type=Path, default=GOLDEN, help="the recorded trace whose records are repeated")
     ap.add_argument("--folder", default=None, help="where the files go (default: a temp folder)")
+    ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
+    ap.add_argument("--gather-ranks", type=int, default=8)
+    ap.add_argument("--gather-events", type=int, default=10_000)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    if args.gather:
+        return gather(args.gather_ranks, args.gather_events)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -194,6 +202,36 @@ def main(argv=None) -> None:
     note("get_comm_by_op (ops and collectives built)", c)
     print(f"\nsharddbg {sharddbg.__version__ if hasattr(sharddbg, '__version__') else ''} pyarrow {pa.__version__} "
           f"python {sys.version.split()[0]} load average {os.getloadavg()}")
+
+
+def gather(n_payloads: int, n_events: int) -> None:
+    """Pull ``n_payloads`` payloads of ``n_events`` records from the engines of a 2-rank cluster and build the
+    Trace: the wall and CPU seconds of the client."""
+    import sharddbg
+    from sharddbg.trace import Trace
+
+    cl = sharddbg.Cluster(n=2, timeout=300)
+    cl.start()
+    try:
+        cl.run(f"""
+import pickle, sys
+import torch.distributed as _dist
+sys.path.insert(0, {str(ROOT / "bench")!r})
+from bench_trace_big import big_trace_document
+_doc = big_trace_document({n_payloads * n_events}, {n_payloads})
+held = [pickle.loads(pickle.dumps(p)) for p in _doc["payloads"][_dist.get_rank()::2]]  # unshared
+""", timeout=300)
+        for _ in range(3):
+            c = Clock()
+            payloads = [p for per_engine in cl.eval("held", timeout=300) for p in per_engine]
+            pulled = c.read()
+            Trace.from_payloads({p["rank"]: p for p in payloads})
+            total = c.read()
+            print(f"pull {len(payloads)} x {n_events} records: {pulled[0]:.2f} s wall ({pulled[1]:.2f} s CPU); "
+                  f"check and build the Trace: {total[0] - pulled[0]:.2f} s wall ({total[1] - pulled[1]:.2f} s "
+                  f"CPU); total {total[0]:.2f} s wall", flush=True)
+    finally:
+        cl.stop()
 
 
 def _write_ipc(pa, table, path: str) -> None:
