@@ -13,6 +13,9 @@ File format (``save`` / ``load_trace``), JSON::
      "incomplete_ranks": [2], "ranks": [0, 1, 2, ...],
      "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 
+``save("run.sdtrace.arrow")`` writes the same document as columns instead (``sharddbg.columnar``: an Arrow IPC
+file, for big traces); ``load_trace`` tells the two apart by their first bytes and checks both alike.
+
 Every writer (``save``, ``to_perfetto``, ``to_html``) goes through ``write_file_atomically``: the file
 appears whole or not at all. ``load_trace`` refuses, naming the field (and payload, rank, event), a file
 that contradicts itself (a rank listed twice, a payload whose "rank" is not its "ranks" entry, a negative
@@ -33,17 +36,18 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from . import job_files, rendering, schema
+from . import columnar, job_files, rendering, schema
 from .analysis import comm as _comm
 from .analysis import consistency as _consistency
 from .analysis import findings as _findings
+from .analysis import formatting as _analysis_formatting
 from .analysis import ops as _ops
 from .analysis import patch_families as _patch_families
 from .analysis import plan_cache as _plan_cache
 from .analysis import summary as _summary
 from .analysis.findings import Finding, TraceOverview
 from .errors import ShardDbgWarning, TraceFileError
-from .files import write_file_atomically
+from .files import refuse_folder, write_file_atomically
 
 if TYPE_CHECKING:  # the return types of the views, for type checkers only (never imported when sharddbg runs)
     import anywidget
@@ -852,15 +856,18 @@ class Trace:
         }
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write the trace as JSON; ``load_trace`` reads it back.
+        """Write the trace as JSON (``.json``) or as the columnar Arrow IPC file (``.arrow``); ``load_trace``
+        reads either back.
 
         The file appears whole or not at all (``write_file_atomically``): on any error ``path`` is left as
-        it was.
+        it was. JSON is the readable form, for small traces; the columnar file (``sharddbg.columnar``,
+        docs/trace-files.md) is for big ones.
 
         Parameters
         ----------
         path : str or os.PathLike
-            The file to write (replaced if it exists); ``.sdtrace.json`` by convention.
+            The file to write (replaced if it exists): ``run.sdtrace.json`` or ``run.sdtrace.arrow``; any
+            other suffix is refused before anything is written.
 
         Returns
         -------
@@ -874,7 +881,9 @@ class Trace:
         OSError
             The file cannot be written (no such folder, no permission, disk full); the error names ``path``.
         ValueError
-            The trace holds a NaN or an infinite number, which strict JSON cannot hold.
+            The suffix is neither ``.json`` nor ``.arrow`` (``.parquet``, ``.csv``, none, ...; nothing is
+            written), or the trace holds a NaN or an infinite number, which strict JSON cannot hold (the
+            columnar file refuses them too).
         TypeError
             ``meta`` holds a value JSON cannot write (a key that ``schema.TRACE_META_FIELDS`` does not name
             may hold anything).
@@ -885,10 +894,19 @@ class Trace:
         'conv.sdtrace.json'
         >>> sharddbg.load_trace("conv.sdtrace.json").ranks == t.ranks
         True
+        >>> t.save("big.sdtrace.arrow")  # columns: a million records in seconds
+        'big.sdtrace.arrow'
         """
+        path = refuse_folder(path, "trace.sdtrace.json")
+        columnar_file = _trace_file_layout(path) == "columnar"  # refuses a suffix neither layout has first
         doc = self.to_dict()
-        return write_file_atomically(path, lambda f: json.dump(doc, f, allow_nan=False, separators=(",", ":")),
-                                     example_name="trace.sdtrace.json")
+        with _analysis_formatting.cyclic_gc_paused():  # the columns of a million records: no cycles among them
+            if columnar_file:
+                return write_file_atomically(path, lambda f: columnar.write_document(doc, f.buffer),
+                                             example_name="trace.sdtrace.arrow")
+            return write_file_atomically(
+                path, lambda f: f.write(json.dumps(doc, allow_nan=False, separators=(",", ":"))),
+                example_name="trace.sdtrace.json")
 
     def to_perfetto(self, path: str | os.PathLike) -> str:
         """Write Chrome trace-event JSON, to open in ui.perfetto.dev or chrome://tracing.
@@ -1050,7 +1068,8 @@ MAX_NESTING = 64
 
 
 def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) -> Trace:
-    """Read a trace file written by ``Trace.save``, or the folder of a job ``sharddbg record`` recorded.
+    """Read a trace file written by ``Trace.save`` (JSON or the columnar ``.sdtrace.arrow``, told apart by its
+    first bytes), or the folder of a job ``sharddbg record`` recorded.
 
     Everything is checked before anything is built from the file: a wrong or corrupt file raises
     TraceFileError naming the field (and the payload, rank and event index) that is wrong. A file without
@@ -1075,7 +1094,9 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
     Raises
     ------
     TraceFileError
-        The file is not a sharddbg trace (not JSON, no ``"format": "sharddbg.trace"``), was written by a
+        The file is not a sharddbg trace (neither JSON nor a readable Arrow IPC file, no
+        ``"format": "sharddbg.trace"``; a columnar file without its header, a column missing or of another
+        type), was written by a
         newer sharddbg (a file version or schema version above what this one reads), or is corrupt: it
         contradicts itself (a rank listed twice, a payload whose ``"rank"`` is not its ``"ranks"`` entry, a
         negative count or version, a null or unfinished payload whose rank is not in ``"incomplete_ranks"``,
@@ -1099,7 +1120,15 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
     path = os.fspath(path)
     if os.path.isdir(path):
         return _trace_of_job(path, allow_missing_ranks)
+    with _analysis_formatting.cyclic_gc_paused():  # millions of records made and checked: no cycles among them
+        return _trace_of_regular_file(path)
+
+
+def _trace_of_regular_file(path: str) -> Trace:
+    """The Trace of a trace file (JSON or columnar), checked."""
     raw = _read_regular_file(path)
+    if raw.startswith(_ARROW_MAGIC):
+        return _trace_of_columnar_file(path, raw)
     try:
         d = json.loads(raw)
     except RecursionError:
@@ -1110,6 +1139,20 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
     except ValueError:  # Python's limit on the digits of an integer it converts (4300 by default)
         raise TraceFileError(f"{path}: corrupt sharddbg trace: it holds an integer too long to read "
                              f"({_INT_BOUND_TEXT})") from None
+    return _trace_of_document(path, d)
+
+
+def _trace_of_columnar_file(path: str, raw: bytes) -> Trace:
+    """The Trace of a columnar file's bytes, checked as its JSON document would be."""
+    try:
+        d = columnar.read_document(raw)
+    except columnar.ColumnarProblem as e:
+        raise TraceFileError(f"{path}: corrupt sharddbg trace (columnar file): {e}") from None
+    return _trace_of_document(path, d)
+
+
+def _trace_of_document(path: str, d: Any) -> Trace:
+    """The Trace of a trace document (a JSON file's, or a columnar file's turned back into it), checked."""
     if not isinstance(d, dict) or d.get("format") != TRACE_FORMAT:
         raise TraceFileError(f"{path}: not a sharddbg trace (no \"format\": \"{TRACE_FORMAT}\" field)")
     v = d.get("version")
@@ -1126,6 +1169,22 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
         return _trace_of_file(d)
     except _FileProblem as e:
         raise TraceFileError(f"{path}: corrupt sharddbg trace: {e}") from None
+
+
+# An Arrow IPC file starts with these bytes; load_trace reads such a file as the columnar layout, any other as JSON.
+_ARROW_MAGIC = b"ARROW1"
+# What each layout's file is named; save refuses any other suffix before writing anything.
+TRACE_SUFFIXES = {".json": "json", ".arrow": "columnar"}
+
+
+def _trace_file_layout(path: str) -> str:
+    """'json' or 'columnar', from the suffix of ``path``; ValueError for any other suffix."""
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix not in TRACE_SUFFIXES:
+        raise ValueError(f"{os.fspath(path)!r}: Trace.save writes JSON (.sdtrace.json, readable, for small traces) or "
+                         f"the columnar Arrow IPC file (.sdtrace.arrow, for big ones), not {suffix or 'a file without a suffix'!r}: "
+                         f"nothing was written; name the file run.sdtrace.json or run.sdtrace.arrow")
+    return TRACE_SUFFIXES[suffix]
 
 
 def _trace_of_job(folder: str, allow_missing_ranks: bool) -> Trace:

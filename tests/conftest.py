@@ -58,6 +58,21 @@ def check_comm_tables_add_up(trace) -> None:
             "get_comm_by_op()'s own_calls are the forward calls get_op_summary() counts"
 
 
+def check_tables_built_by_column_match_by_record(trace) -> None:
+    """``get_ops()`` and ``get_collectives()`` (built a column at a time) are exactly the tables built a row at
+    a time (the builders they replaced): values, dtypes, columns and order. Called on every trace the session builds, real recordings
+    included (``_every_trace_is_checked``)."""
+    import pandas as pd
+
+    from sharddbg.analysis import comm as comm_analysis
+    from sharddbg.analysis import ops as ops_analysis
+
+    by_record = ops_analysis.ops_frame_by_record(trace._events_by_rank(), trace.clock_offsets_ns)
+    pd.testing.assert_frame_equal(trace.get_ops(), by_record, check_exact=True)
+    by_record = comm_analysis.collectives_frame_by_record(trace._events_by_rank(), trace.clock_offsets_ns)
+    pd.testing.assert_frame_equal(trace.get_collectives(), by_record, check_exact=True)
+
+
 _BUILT_TRACES: list = []  # every Trace built since the last check
 
 
@@ -84,7 +99,9 @@ def _every_trace_is_checked(_traces_are_remembered):
     own, and those of the fixtures set up for it)."""
     yield
     while _BUILT_TRACES:
-        check_comm_tables_add_up(_BUILT_TRACES.pop())
+        trace = _BUILT_TRACES.pop()
+        check_comm_tables_add_up(trace)
+        check_tables_built_by_column_match_by_record(trace)
 
 
 def _start(**kwargs):

@@ -219,7 +219,7 @@ def test_errors_whole_message_and_user_line(cl):
 
 # ---- communication: like with like, inclusive, per rank, per peer ---------------------------------------
 
-def test_comm_share_at_most_one_on_the_demo_net(cl):
+def test_comm_share_at_most_one_on_the_demo_net(cl, tmp_path):
     try:
         t = _trace(cl, DEMO_CELL)
     finally:  # the demo binds x to its own sample: the other tests' x again
@@ -247,6 +247,10 @@ def test_comm_share_at_most_one_on_the_demo_net(cl):
     # the totals add up: every collective's time is in exactly one row and one phase
     assert (by["comm_ms"].sum() + by["bwd_comm_ms"].sum()) == pytest.approx(colls["duration_ms"].sum())
     assert by["n_collectives"].sum() == len(colls)
+    # saved as the columnar file and read back, the recording gives the same tables
+    columns = sharddbg.load_trace(t.save(tmp_path / "demo.sdtrace.arrow"))
+    for table in ("get_ops", "get_collectives", "get_op_summary", "get_comm_by_op", "get_errors"):
+        pd.testing.assert_frame_equal(getattr(columns, table)(), getattr(t, table)(), check_exact=True)
 
 
 def test_full_tensor_inclusive_matches_comm_debug_mode(cl):

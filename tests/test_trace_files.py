@@ -14,13 +14,17 @@ import stat
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pytest
+
+from sharddbg import columnar, schema
 
 from sharddbg.errors import ShardDbgWarning, TraceFileError
 from sharddbg.trace import MAX_ABS_INT, MAX_NESTING, Trace, load_trace, write_file_atomically
 
 GOLDEN = Path(__file__).parent / "data" / "conv4.sdtrace.json"
 NAME = "run.sdtrace.json"
+COLUMNAR_NAME = "run.sdtrace.arrow"
 
 
 def golden() -> dict:
@@ -223,6 +227,143 @@ def test_self_contradicting_file_is_refused_naming_the_field(tmp_path, corrupt, 
     assert re.search(match.format(i=event_index), message), message
 
 
+@pytest.mark.parametrize("corrupt, match", CORRUPTIONS, ids=[c.__name__.strip("_") for c, _ in CORRUPTIONS])
+def test_self_contradicting_columnar_file_is_refused_naming_the_field(tmp_path, corrupt, match):
+    """The same corruptions in a columnar file give the same message; one that a typed column cannot hold
+    (an event field of the wrong type) is refused by the writer: a column's type is checked on reading."""
+    d = golden()
+    event_index = corrupt(d)
+    path = tmp_path / COLUMNAR_NAME
+    try:
+        write_columnar(d, path)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        pytest.skip("a column of its type cannot hold it (refused as a column of the wrong type)")
+    with pytest.raises(TraceFileError) as info:
+        load_trace(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    assert re.search(match.format(i=event_index), message), message
+
+
+def write_columnar(d: dict, path) -> None:
+    with open(path, "wb") as f:
+        columnar.write_document(d, f)
+
+
+def _columnar_table():
+    """The golden trace's columnar file, read as a pyarrow table."""
+    sink = pa.BufferOutputStream()
+    columnar.write_document(golden(), sink)
+    return pa.ipc.open_file(pa.BufferReader(sink.getvalue())).read_all()
+
+
+def _write_table(table, path) -> None:
+    with pa.ipc.new_file(str(path), table.schema) as writer:
+        writer.write_table(table)
+
+
+def _set_header(table, **changes):
+    header = json.loads(table.schema.metadata[b"sharddbg"])
+    header.update(changes)
+    return table.replace_schema_metadata({b"sharddbg": json.dumps(header).encode()})
+
+
+def _set_cell(table, column: str, row: int, value, type_=None):
+    values = table.column(column).to_pylist()
+    values[row] = value
+    i = table.column_names.index(column)
+    return table.set_column(i, table.schema.field(i).with_type(type_ or table.schema.field(i).type),
+                            pa.array(values, type=type_ or table.schema.field(i).type))
+
+
+def _first_op_row(table) -> int:
+    return table.column("kind").to_pylist().index("op")
+
+
+COLUMNAR_CORRUPTIONS = {
+    "truncated": (lambda t, path: path.write_bytes(_bytes_of(t)[: len(_bytes_of(t)) // 2]),
+                  r"corrupt sharddbg trace \(columnar file\): not a readable Arrow IPC file .*corrupt or truncated"),
+    "magic_then_garbage": (lambda t, path: path.write_bytes(b"ARROW1\0\0" + b"x" * 100),
+                           r"not a readable Arrow IPC file"),
+    "no_header": (lambda t, path: _write_table(t.replace_schema_metadata({}), path),
+                  r"an Arrow file without the sharddbg header .*not a sharddbg trace"),
+    "header_not_json": (lambda t, path: _write_table(t.replace_schema_metadata({b"sharddbg": b"{x"}), path),
+                        r"its sharddbg header is not valid JSON"),
+    "other_layout": (lambda t, path: _write_table(_set_header(t, layout="rows"), path),
+                     r'"layout" \'rows\', not "columnar"'),
+    "newer_columns": (lambda t, path: _write_table(_set_header(t, columns=99), path),
+                      r"columns are of version 99, written by a newer sharddbg.*upgrade sharddbg"),
+    "newer_schema": (lambda t, path: _write_table(_set_header(t, schema_version=99), path),
+                     r"its events use schema version 99; this sharddbg reads up to .*upgrade sharddbg"),
+    "newer_file_version": (lambda t, path: _write_table(_set_header(t, version=99), path),
+                           r"trace file version 99 was written by a newer sharddbg"),
+    "no_format": (lambda t, path: _write_table(_set_header(t, format="other"), path),
+                  r'not a sharddbg trace \(no "format": "sharddbg.trace" field\)'),
+    "missing_column": (lambda t, path: _write_table(t.drop_columns(["host_ms"]), path),
+                       r"column 'host_ms' is missing"),
+    "wrong_column_type": (lambda t, path: _write_table(t.set_column(
+                              t.column_names.index("seq"), pa.field("seq", pa.large_string()),
+                              pa.array([str(v) for v in t.column("seq").to_pylist()], pa.large_string())), path),
+                          r"column 'seq' is of type large_string, expected int64"),
+    "rank_not_listed": (lambda t, path: _write_table(_set_cell(t, "rank", 0, 7), path),
+                        r'column "rank" holds rank 7, which "ranks" \[0, 1, 2, 3\] does not list'),
+    "records_of_a_null_payload": (lambda t, path: _write_table(_set_header(
+                                      t, payloads=[None] + json.loads(t.schema.metadata[b"sharddbg"])["payloads"][1:],
+                                      incomplete_ranks=[0]), path),
+                                  r"rank 0 has no payload \(null\) but \d+ records"),
+    "json_column_not_json": (lambda t, path: _write_table(_set_cell(t, "in_local_shapes", _first_op_row(t), "[1,"),
+                                                          path),
+                             r"column 'in_local_shapes' holds '\[1,', not JSON"),
+    "not_a_number": (lambda t, path: _write_table(_set_cell(t, "host_ms", _first_op_row(t), float("nan")), path),
+                     r'payload 0 \(rank 0\) event #0 field "host_ms" = nan is not a finite number'),
+    "huge_integer": (lambda t, path: _write_table(_set_cell(t, "t_start_ns", _first_op_row(t), 2**62), path),
+                     r'payload 0 \(rank 0\) event #0 field "t_start_ns" = 4611686018427387904 is out of range'),
+    "event_missing_its_kind_field": (lambda t, path: _write_table(_set_cell(t, "op", _first_op_row(t), None), path),
+                                     r"payload 0: rank 0 event #0 \(op seq 0\): field 'op' = None has type NoneType"),
+}
+
+
+def _bytes_of(table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+@pytest.mark.parametrize("case", list(COLUMNAR_CORRUPTIONS))
+def test_corrupt_columnar_file_is_refused_naming_the_cause(tmp_path, case):
+    corrupt, match = COLUMNAR_CORRUPTIONS[case]
+    path = tmp_path / COLUMNAR_NAME
+    corrupt(_columnar_table(), path)
+    with pytest.raises(TraceFileError) as info:
+        load_trace(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    assert re.search(match, message), message
+
+
+def test_columnar_file_round_trips_the_golden_trace(tmp_path):
+    """Saved as .sdtrace.arrow and read back: the same records (as this schema reads them), header and tables."""
+    t = load_trace(GOLDEN)
+    t2 = load_trace(t.save(tmp_path / COLUMNAR_NAME))
+    assert (tmp_path / COLUMNAR_NAME).read_bytes().startswith(b"ARROW1")
+    d, d2 = t.to_dict(), t2.to_dict()
+    assert {k: v for k, v in d.items() if k != "payloads"} == {k: v for k, v in d2.items() if k != "payloads"}
+    for p, p2 in zip(d["payloads"], d2["payloads"]):
+        assert schema.current_events(p) == p2["events"]
+        assert {k: v for k, v in p.items() if k != "events"} == {k: v for k, v in p2.items() if k != "events"}
+    for table in ("get_ops", "get_collectives", "get_op_summary", "get_comm_by_op", "get_errors", "get_cell_errors"):
+        pd.testing.assert_frame_equal(getattr(t, table)(), getattr(t2, table)())
+
+
+@pytest.mark.parametrize("name", ["run.sdtrace.parquet", "run.csv", "run.sdtrace", "run.feather"])
+def test_save_refuses_a_suffix_it_does_not_write_before_writing(tmp_path, name):
+    with pytest.raises(ValueError, match=r"writes JSON \(.sdtrace.json.*\) or the columnar Arrow IPC file "
+                                         r"\(.sdtrace.arrow.*nothing was written"):
+        load_trace(GOLDEN).save(tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---- corruptions of the text itself (what json.dumps would not write) ----------------------------------
 def _not_a_number(text):
     return text.replace('"host_ms":', '"host_ms":NaN,"was_host_ms":', 1)
@@ -356,13 +497,13 @@ WRITERS = {
 def test_writer_leaves_a_symlink_at_the_old_temp_name_alone(tmp_path, writer):
     victim = tmp_path / "victim.txt"
     victim.write_text("not yours")
-    target = tmp_path / "out.file"
-    planted = tmp_path / "out.file.tmp"  # the name earlier versions wrote through
+    target = tmp_path / "out.sdtrace.json"
+    planted = tmp_path / "out.sdtrace.json.tmp"  # the name earlier versions wrote through
     planted.symlink_to(victim)
     assert WRITERS[writer](_golden_trace(), target) == os.fspath(target)
     assert victim.read_text() == "not yours"
     assert planted.is_symlink() and os.readlink(planted) == os.fspath(victim)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.file", "out.file.tmp", "victim.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.sdtrace.json", "out.sdtrace.json.tmp", "victim.txt"]
     text = target.read_text(encoding="utf-8")
     if writer == "save":
         assert content(load_trace(target).to_dict()) == content(golden())

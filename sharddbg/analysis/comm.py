@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from operator import itemgetter
 
+import numpy as np
 import pandas as pd
 
 from ..schema import COLLECTIVE_FIELDS
-from .formatting import format_location
-from .ops import NO_OP
+from .formatting import cyclic_gc_paused, format_location
+from .ops import NO_OP, inferred_column
 
 COLLECTIVE_COLUMNS = [
     "rank", "seq", "group_seq", "kind", "group_ranks", "mesh_dim", "bytes_sent", "bytes_recv", "t_issue_ns",
@@ -75,7 +77,44 @@ def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
     (its wait returned), "failed" (its issuing call or its wait raised: ``error`` says what) or "in_flight"
     (neither: a hang, or never waited while recording; the ``in_flight`` column). Only a completed one has a
     ``duration_ms``. One that the pre-flight stopped before it was issued (``preflight`` status "mismatch")
-    moved nothing and is left out (``Trace.get_preflight()`` lists it)."""
+    moved nothing and is left out (``Trace.get_preflight()`` lists it).
+
+    Read a column at a time, as ``ops.ops_frame``: exactly the table ``collectives_frame_by_record`` builds a
+    row at a time."""
+    with cyclic_gc_paused():
+        return _collectives_frame(rows_by_rank, offsets_ns)
+
+
+def _collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -> pd.DataFrame:
+    ranks: list[int] = []
+    offsets: list[int] = []
+    records: list[dict] = []
+    for rank in sorted(rows_by_rank):
+        own = [ev for ev in rows_by_rank[rank] if ev.get("kind") == "collective"
+               and (ev.get("preflight") is None or ev["preflight"].get("status") != "mismatch")]
+        records.extend(own)
+        ranks.extend([rank] * len(own))
+        offsets.extend([int(offsets_ns.get(rank, 0))] * len(own))
+    columns = COLLECTIVE_COLUMNS + COLLECTIVE_EXTRA_COLUMNS
+    held = [k for k in columns if k in COLLECTIVE_FIELDS] + ["coll"]
+    cols: dict = dict(zip(held, map(list, zip(*map(itemgetter(*held), records))))) if records else {
+        k: [] for k in held}
+    cols["rank"] = ranks
+    cols["kind"] = cols.pop("coll")
+    places: dict[tuple, str | None] = {}  # (user_frame, user_cell, user_code) -> location: few distinct lines
+    cols["location"] = [places[key] if key in places else places.setdefault(key, format_location(*key))
+                        for key in zip(cols["user_frame"], cols["user_cell"], cols["user_code"])]
+    missing = [math.nan] * len(records)  # what DataFrame(list of dicts) puts in a column no record names
+    df = pd.DataFrame({k: inferred_column(cols.get(k, missing)) for k in columns}, columns=columns)
+    shift = np.asarray(offsets, dtype=np.int64)
+    for c in ("t_issue_ns", "t_return_ns", "t_done_ns"):
+        df[c] = df[c].astype("Int64") - shift
+    return _collective_states(df)
+
+
+def collectives_frame_by_record(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -> pd.DataFrame:
+    """``collectives_frame`` built a row at a time, as it was before it read columns: kept to check that both
+    build the same table."""
     rows = []
     for rank in sorted(rows_by_rank):
         off = int(offsets_ns.get(rank, 0))
@@ -90,6 +129,13 @@ def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
             r["location"] = format_location(ev.get("user_frame"), ev.get("user_cell"), ev.get("user_code"))
             rows.append(r)
     df = pd.DataFrame(rows, columns=COLLECTIVE_COLUMNS + COLLECTIVE_EXTRA_COLUMNS)
+    for c in ("t_issue_ns", "t_return_ns", "t_done_ns"):
+        df[c] = df[c].astype("Int64")
+    return _collective_states(df)
+
+
+def _collective_states(df: pd.DataFrame) -> pd.DataFrame:
+    """The collectives' table typed, with each one's state, duration and bandwidth (``collectives_frame``)."""
     for c in ("t_issue_ns", "t_return_ns", "t_done_ns", "op_seq", "outer_op_seq", "wait_op_seq", "peer", "root",
               "group_size", "bucket", "user_cell"):
         df[c] = df[c].astype("Int64")

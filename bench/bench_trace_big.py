@@ -1,0 +1,243 @@
+"""Big traces: a million events over 16 ranks, saved, loaded, analysed; and a gather from live engines.
+
+The events are a real recorded trace's (by default the golden trace tests/data/conv4.sdtrace.json, a real
+4-rank recording: convs with their halo exchange, a DTensor fallback, backward, an error), repeated on every
+rank with their sequence numbers, the references between them (parent, forward op, op of a collective, wait,
+group sequence, error origin) and their times shifted, until the trace holds ``--events`` events over
+``--ranks`` ranks.
+
+Measured in one run (wall and CPU seconds of each step; the CPU time is what a shared machine changes least):
+- save as JSON the way it was written before (``json.dump``) and now, and as the columnar file
+  (``.sdtrace.arrow``); ``load_trace`` of each in a fresh process, with its peak resident memory;
+- the same table written and read as Arrow IPC and as Parquet by pyarrow alone;
+- ``get_ops()`` and ``get_collectives()`` a row at a time (``ops_frame_by_record``,
+  ``collectives_frame_by_record``: the builders they replaced) and now, the ratios beside;
+  ``get_op_summary()`` and ``get_comm_by_op()``;
+- with ``--gather``: a 2-rank cluster whose engines hold ``--gather-ranks`` payloads of ``--gather-events``
+  records between them, pulled with ``cl.eval`` (what the recorders' payloads go through) and built into a
+  Trace (``Trace.from_payloads``: every payload checked), three times.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_trace_big.py [--events 1000000] [--ranks 16] [--gather]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "data" / "conv4.sdtrace.json"
+
+# fields that name another record's seq (shifted with it) and the collective's per-group number
+_SEQ_REFS = ("parent_seq", "fwd_seq", "op_seq", "outer_op_seq", "wait_op_seq", "origin_seq", "first_op_seq")
+
+
+def big_trace_document(n_events: int, n_ranks: int, source: Path = GOLDEN) -> dict:
+    """A trace file's document (``Trace.to_dict``) with ``n_events`` events over ``n_ranks`` ranks, made of
+    ``source``'s records repeated (rank r repeats the records of ``source``'s rank ``r % len(ranks)``). The
+    copies are shallow: their nested values (shapes, ...) are shared, which nothing here changes."""
+    import sharddbg.schema as schema
+
+    with open(source) as f:
+        base = json.load(f)
+    per_rank = n_events // n_ranks
+    payloads = []
+    for r in range(n_ranks):
+        src = base["payloads"][r % len(base["payloads"])]
+        events = schema.current_events(src)
+        seq_span = max(e["seq"] for e in events) + 1
+        times = [t for e in events for t in (e.get("t_start_ns"), e.get("t_end_ns"), e.get("t_issue_ns"),
+                                              e.get("t_done_ns"), e.get("t_ns")) if isinstance(t, int)]
+        t_span = max(times) - min(times) + 1000
+        group_span = max((e.get("group_seq") or 0) for e in events) + 1
+        out: list[dict] = []
+        copy_no = 0
+        while len(out) < per_rank:
+            for e in events[: per_rank - len(out)]:
+                e = dict(e)
+                e["seq"] += copy_no * seq_span
+                for k in _SEQ_REFS:
+                    if type(e.get(k)) is int:
+                        e[k] += copy_no * seq_span
+                if isinstance(e.get("error"), dict):
+                    e["error"] = dict(e["error"], origin_seq=e["error"]["origin_seq"] + copy_no * seq_span)
+                for k in _TIMES:
+                    if type(e.get(k)) is int:
+                        e[k] += copy_no * t_span
+                if type(e.get("group_seq")) is int:
+                    e["group_seq"] += copy_no * group_span
+                out.append(e)
+            copy_no += 1
+        p = dict(src, rank=r, world_size=n_ranks, events=out, schema_version=schema.SCHEMA_VERSION)
+        payloads.append(p)
+    doc = dict(base, ranks=list(range(n_ranks)), payloads=payloads, schema_version=schema.SCHEMA_VERSION,
+               clock_offsets_ns={str(r): 0 for r in range(n_ranks)}, incomplete_ranks=[])
+    doc["meta"] = {k: v for k, v in base.get("meta", {}).items() if k not in ("clock_uncertainty_ns", "mesh")}
+    return doc
+
+
+_TIMES = ("t_start_ns", "t_end_ns", "t_issue_ns", "t_return_ns", "t_done_ns", "t_ns")
+
+
+class Clock:
+    """Wall and CPU seconds (this process, user + system) since it was made: CPU time is what a loaded,
+    shared machine changes least."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def read(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+_LOADER = """
+import resource, sys, time
+import sharddbg
+wall, cpu = time.perf_counter(), time.process_time()
+t = sharddbg.load_trace(sys.argv[1])
+print(time.perf_counter() - wall, time.process_time() - cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def load_in_a_fresh_process(path: str) -> tuple[float, float, float]:
+    """(wall s, CPU s, peak RSS GiB) of ``load_trace(path)`` in a process of its own."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _LOADER, path], capture_output=True, text=True, env=env, check=True)
+    wall, cpu, rss = (float(x) for x in out.stdout.split()[-3:])
+    return wall, cpu, rss / 2**30
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--ranks", type=int, default=16)
+    ap.add_argument("--source", type=Path, default=GOLDEN, help="the recorded trace whose records are repeated")
+    ap.add_argument("--folder", default=None, help="where the files go (default: a temp folder)")
+    ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
+    ap.add_argument("--gather-ranks", type=int, default=8)
+    ap.add_argument("--gather-events", type=int, default=10_000)
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.gather:
+        return gather(args.gather_ranks, args.gather_events)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import sharddbg
+    from sharddbg import columnar
+    from sharddbg.analysis import comm, ops
+    from sharddbg.trace import Trace
+
+    rows: list[tuple[str, str]] = []
+
+    def note(what: str, clock_or_values, extra: str = "") -> tuple[float, float]:
+        wall, cpu = clock_or_values.read() if isinstance(clock_or_values, Clock) else clock_or_values
+        rows.append((what, f"{wall:8.2f} s wall {cpu:8.2f} s CPU {extra}"))
+        print(f"{what:58s} {rows[-1][1]}", flush=True)
+        return wall, cpu
+
+    c = Clock()
+    doc = big_trace_document(args.events, args.ranks, args.source)
+    note(f"build {args.events} events over {args.ranks} ranks (bench only)", c)
+    t = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}, [], doc["meta"])
+    folder = args.folder or tempfile.mkdtemp(prefix="sdbench-")
+    json_path, arrow_path = os.path.join(folder, "big.sdtrace.json"), os.path.join(folder, "big.sdtrace.arrow")
+
+    c = Clock()
+    with open(json_path + ".old", "w") as f:  # how save wrote JSON before: json.dump, the pure-Python encoder
+        json.dump(t.to_dict(), f, allow_nan=False, separators=(",", ":"))
+    old_save = note("save JSON as before (json.dump)", c)
+    c = Clock()
+    t.save(json_path)
+    new_save = note("save JSON now (json.dumps: the C encoder)", c, f"x{old_save[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    os.unlink(json_path + ".old")
+    c = Clock()
+    t.save(arrow_path)
+    note("save columnar (.sdtrace.arrow)", c, f"{os.path.getsize(arrow_path) / 2**20:.0f} MiB vs JSON "
+                                              f"{os.path.getsize(json_path) / 2**20:.0f} MiB")
+    for label, path in (("JSON", json_path), ("columnar", arrow_path)):
+        wall, cpu, rss = load_in_a_fresh_process(path)
+        note(f"load_trace {label} (fresh process)", (wall, cpu), f"peak RSS {rss:.2f} GiB")
+
+    # Arrow IPC against Parquet, the same table, pyarrow alone
+    sink = pa.BufferOutputStream()
+    columnar.write_document(doc, sink)
+    table = pa.ipc.open_file(pa.BufferReader(sink.getvalue())).read_all()
+    for label, write, read, suffix in (
+            ("Arrow IPC (zstd)", lambda p: _write_ipc(pa, table, p), lambda p: pa.ipc.open_file(p).read_all(), ".arrow"),
+            ("Parquet (snappy)", lambda p: pq.write_table(table, p), lambda p: pq.read_table(p), ".parquet")):
+        path = os.path.join(folder, "table" + suffix)
+        c = Clock()
+        write(path)
+        note(f"write the table as {label}", c, f"{os.path.getsize(path) / 2**20:.0f} MiB")
+        c = Clock()
+        read(path)
+        note(f"read the table from {label}", c)
+
+    events = t._events_by_rank()
+    c = Clock()
+    ops.ops_frame_by_record(events, t.clock_offsets_ns)
+    old = note("get_ops as before (a row at a time)", c)
+    c = Clock()
+    t.get_ops()
+    note("get_ops now (a column at a time)", c, f"x{old[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    c = Clock()
+    comm.collectives_frame_by_record(events, t.clock_offsets_ns)
+    old = note("get_collectives as before (a row at a time)", c)
+    c = Clock()
+    t.get_collectives()
+    note("get_collectives now (a column at a time)", c, f"x{old[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    c = Clock()
+    t.get_op_summary()
+    note("get_op_summary (ops and collectives built)", c)
+    c = Clock()
+    t.get_comm_by_op()
+    note("get_comm_by_op (ops and collectives built)", c)
+    print(f"\nsharddbg {sharddbg.__version__ if hasattr(sharddbg, '__version__') else ''} pyarrow {pa.__version__} "
+          f"python {sys.version.split()[0]} load average {os.getloadavg()}")
+
+
+def gather(n_payloads: int, n_events: int) -> None:
+    """Pull ``n_payloads`` payloads of ``n_events`` records from the engines of a 2-rank cluster and build the
+    Trace: the wall and CPU seconds of the client."""
+    import sharddbg
+    from sharddbg.trace import Trace
+
+    cl = sharddbg.Cluster(n=2, timeout=300)
+    cl.start()
+    try:
+        cl.run(f"""
+import pickle, sys
+import torch.distributed as _dist
+sys.path.insert(0, {str(ROOT / "bench")!r})
+from bench_trace_big import big_trace_document
+_doc = big_trace_document({n_payloads * n_events}, {n_payloads})
+held = [pickle.loads(pickle.dumps(p)) for p in _doc["payloads"][_dist.get_rank()::2]]  # unshared
+""", timeout=300)
+        for _ in range(3):
+            c = Clock()
+            payloads = [p for per_engine in cl.eval("held", timeout=300) for p in per_engine]
+            pulled = c.read()
+            Trace.from_payloads({p["rank"]: p for p in payloads})
+            total = c.read()
+            print(f"pull {len(payloads)} x {n_events} records: {pulled[0]:.2f} s wall ({pulled[1]:.2f} s CPU); "
+                  f"check and build the Trace: {total[0] - pulled[0]:.2f} s wall ({total[1] - pulled[1]:.2f} s "
+                  f"CPU); total {total[0]:.2f} s wall", flush=True)
+    finally:
+        cl.stop()
+
+
+def _write_ipc(pa, table, path: str) -> None:
+    with pa.ipc.new_file(path, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)
+
+
+if __name__ == "__main__":
+    main()
