@@ -258,8 +258,11 @@ class DoctorReport:
         return self.show().html()
 
     def _repr_mimebundle_(self, include=None, exclude=None):
-        # the HTML, the text and the payload the JupyterLab extension draws from (the view's table)
-        return self.show()._repr_mimebundle_(include, exclude)
+        # the HTML and the payload the JupyterLab extension draws from (the view's table); the plain text stays
+        # the verdict, as repr() gives it (the whole text is str() and show())
+        bundle = self.show()._repr_mimebundle_(include, exclude)
+        bundle["text/plain"] = repr(self)
+        return bundle
 
     def show(self) -> Any:
         """The view: the verdict, then one row per check tinted by status.

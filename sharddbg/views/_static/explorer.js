@@ -410,7 +410,14 @@ export function renderExplorer(model, el) {
     if (fView && fView.value === "summary" && opened.summary_row != null) { expanded.add(opened.summary_row); draw(); }
     const tr = list.querySelector(`tr[data-rank="${opened.rank}"][data-seq="${opened.seq}"]`);
     showDetail(opened, tr, null);
-    if (tr && tr.scrollIntoView) tr.scrollIntoView({ block: "nearest" });
+    // a widget is drawn before its output is on the page: scroll once the row is laid out (a few frames at most)
+    let frames = 0;
+    const scrollWhenShown = () => {
+      if (!tr || !tr.scrollIntoView) return;
+      if (tr.isConnected && tr.getClientRects().length) tr.scrollIntoView({ block: "nearest" });
+      else if (++frames < 300) requestAnimationFrame(scrollWhenShown);
+    };
+    requestAnimationFrame(scrollWhenShown);
   }
 }
 
