@@ -807,7 +807,7 @@ def test_figures_and_verification_views_carry_what_the_extension_draws(trace):
     smoke_result, check_result = long_smoke_and_check()
     assert isinstance(check_result, CheckResult)
     data = check_result._repr_mimebundle_()
-    assert data["text/html"] == check_html(check_result) and data["text/plain"] == str(check_result.show())
+    assert data["text/html"] == check_html(check_result) and data["text/plain"] == check_result.verdict
     drawn = data[bundle.VIEW_MIMETYPE]["drawn"]
     assert data[bundle.VIEW_MIMETYPE]["view"] == "check" and drawn["outcome"] == "fail"
     assert [r["ok"] for r in drawn["rows"]] == sorted(r["ok"] for r in drawn["rows"])  # failures first, as the HTML
