@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from ..analysis.blame import Blame, BlameTensor
 from ..engine.verify import DEFAULT_RTOL
 from .execution import RankExecution
+from .pipe_lines import PipeLines
 
 __all__ = ["blame_run", "blame_smoke", "PlainServer", "PLAIN_RERUN_SCRIPT"]
 
@@ -70,7 +70,7 @@ class PlainServer:
     def __init__(self):
         self.proc = subprocess.Popen([sys.executable, PLAIN_RERUN_SCRIPT, "--serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        self.buffer = b""
+        self.lines = PipeLines(self.proc.stdout.fileno())
 
     @classmethod
     def run(cls, job: dict, world_size: int, timeout: float) -> PlainRun:
@@ -96,19 +96,6 @@ class PlainServer:
                 cls._current._end()
                 cls._current = None
 
-    def _line(self, deadline: float) -> str | None:
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return None
-            self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        return line.decode()
-
     def _end(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -126,16 +113,16 @@ class PlainServer:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             problem = "the plain Python that runs them ended before the job started"
-        line = None if problem else self._line(deadline)
+        line = None if problem else self.lines.next_line(deadline)
         while line == "ready":  # the first job waits for the imports
-            line = self._line(deadline)
+            line = self.lines.next_line(deadline)
         if problem is None and line is None and self.proc.poll() is not None:
             problem = (f"the plain Python that runs them ended (exit status {self.proc.returncode}) before answering: "
                        f"run `{sys.executable} {PLAIN_RERUN_SCRIPT} --serve` to see why")
         elif problem is None and line is None:
             problem = f"the plain processes did not finish within {max(timeout, START_ALLOWANCE_S):g} s"
             self._kill_ranks(out_dir)
-            if self._line(time.monotonic() + 10.0) is None:  # the server itself is stuck: start another next time
+            if self.lines.next_line(time.monotonic() + 10.0) is None:  # the server itself is stuck: start another next time
                 self._end()
         return _collect(out_dir, problem)
 

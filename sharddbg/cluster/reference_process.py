@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+from .pipe_lines import PipeLines
 
 REFERENCE_MODULE = "sharddbg.engine.reference"
 SERVE = "--serve"  # sharddbg.engine.reference.SERVE (the client never imports the engine's modules)
@@ -49,9 +50,9 @@ class WarmReference:
     def __init__(self) -> None:
         self.environment = _environment()
         self.ready = False
-        self._buffer = b""
         self.proc = subprocess.Popen([sys.executable, "-m", REFERENCE_MODULE, SERVE], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.lines = PipeLines(self.proc.stdout.fileno())
 
     @property
     def pid(self) -> int:
@@ -63,17 +64,8 @@ class WarmReference:
 
     def _read(self, deadline: float) -> dict | None:
         """Its next reply; None when it ended, or none came before ``deadline``."""
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return None
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return json.loads(line)
+        line = self.lines.next_line(deadline)
+        return None if line is None else json.loads(line)
 
     def run(self, job_dir: str, timeout: float) -> ReferenceExit | None:
         """The reference of ``job_dir`` in a process forked for it; None when this warm Python cannot serve (it
