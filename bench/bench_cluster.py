@@ -1,11 +1,12 @@
-"""Cold start to ready and stop of a 4-rank CPU cluster (dist up, physicsnemo imported, patches registered).
+"""Cold start to ready, restart (fork server kept) and stop of a cluster (dist up, physicsnemo imported, patches
+registered).
 
 Prints one table: median of several runs of each phase, and the ratio of start/stop to the targets
 (ready <= 15 s, stop <= 3 s). Also the naive path for comparison in the same run: 4 plain processes that
 each import physicsnemo and register its patches at once (what one engine per rank would pay without
 the fork server).
 
-    .venv/bin/python bench/bench_cluster.py [--runs 5]
+    .venv/bin/python bench/bench_cluster.py [--runs 5] [-n 4] [--restarts 2]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("-n", type=int, default=4)
+    parser.add_argument("--restarts", type=int, default=2, help="restart() calls per run (fork server kept)")
     args = parser.parse_args()
     import sharddbg
 
@@ -44,9 +46,19 @@ def main() -> None:
         cl.start()
         assert cl.eval("dist.get_world_size()") == [args.n] * args.n
         backend = cl.backend
-        cl.stop()
         for key, value in cl.timings.items():
             phases.setdefault(key, []).append(value)
+        # what sharddbg controls in a cold start: everything but torch's and physicsnemo's own imports
+        own = cl.timings["start_s"] - cl.facts.get("t_torch_s", 0.0) - cl.facts.get("t_physicsnemo_s", 0.0)
+        phases.setdefault("own_start_s", []).append(own)
+        for _ in range(args.restarts):
+            cl.restart()
+            assert cl.eval("dist.get_world_size()") == [args.n] * args.n
+            phases.setdefault("restart_s", []).append(cl.timings["restart_s"])
+            phases.setdefault("restart_engines_s", []).append(cl.timings["engines_s"])
+            phases.setdefault("restart_dist_init_s", []).append(cl.timings["dist_init_s"])
+        cl.stop()
+        phases.setdefault("stop_s", []).append(cl.timings["stop_s"])
         # the fork server's preload, part by part (imports, patches, the GPU count probe beside them)
         for key, value in cl.facts.items():
             if key.startswith("t_") and isinstance(value, (int, float)):
@@ -61,8 +73,14 @@ def main() -> None:
             ("engines forked and registered", "engines_s"),
             ("torch.distributed + mesh on every rank", "dist_init_s"),
             ("cold start to ready (total)", "start_s"),
+            ("  of it sharddbg's own (all but torch/physicsnemo imports)", "own_start_s"),
+            ("restart(), fork server kept (total)", "restart_s"),
+            ("  restart: controller, engines forked and registered", "restart_engines_s"),
+            ("  restart: torch.distributed + mesh", "restart_dist_init_s"),
             ("stop (nothing left running)", "stop_s")]
     for label, key in rows:
+        if key not in phases:
+            continue
         values = phases[key]
         print(f"{label:<44} {med[key]:>9.2f} {min(values):>7.2f} {max(values):>7.2f}")
     print(f"{'naive: %d processes import + register at once' % args.n:<44} {statistics.median(naive):>9.2f} "
@@ -72,6 +90,9 @@ def main() -> None:
     print()
     print(f"ratio start / 15 s target:            {med['start_s'] / 15:.2f}")
     print(f"ratio stop / 3 s target:              {med['stop_s'] / 3:.2f}")
+    print(f"ratio own start / 3 s target:         {med['own_start_s'] / 3:.2f}")
+    if "restart_s" in med:
+        print(f"ratio restart / 5 s target:           {med['restart_s'] / 5:.2f}")
     print(f"ratio naive import / fork-server preload: {statistics.median(naive) / med['preload_s']:.2f}")
 
 

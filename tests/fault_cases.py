@@ -51,10 +51,10 @@ FAULTS = [
          "rank 1 (pid <n>) ended its engine: the cell called exit() or quit() there; its process exited with status <n>",
          "RankDiedError"),
     Case("rank_stalled", "a rank stops answering ipyparallel's heartbeat during a cell (SIGSTOP, a debugger, "
-         "swapping)", "rank 1 (pid <n>) stopped answering ipyparallel's heartbeat for 5.5 s while running the cell; "
+         "swapping)", "rank 1 (pid <n>) stopped answering ipyparallel's heartbeat for 5.1 s while running the cell; "
          "its process is stopped", "RankLostError"),
     Case("call_needs_lost_rank", "a call that needs a rank ipyparallel unregistered (`run`, `eval`, `recover`), "
-         "also once its process goes on", "rank 1 (pid <n>) stopped answering ipyparallel's heartbeat for 5.5 s; its "
+         "also once its process goes on", "rank 1 (pid <n>) stopped answering ipyparallel's heartbeat for 5.1 s; its "
          "process is ", "RankLostError"),
     Case("controller_killed", "the controller is killed (every call after it: `status`, `run`, `recover`, ...)",
          "the controller (pid <n>) died: killed by signal 9 (SIGKILL).", "ClusterError"),

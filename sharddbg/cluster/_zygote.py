@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib
 import json
 import os
 import select
@@ -148,6 +149,12 @@ def _cuda_initialized() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
+# Modules an ipyparallel engine imports only once it starts (its kernel's debugger, the shell's history and
+# extensions): the preload imports them so that each forked engine finds them loaded.
+ENGINE_LAZY_IMPORTS = ("ipykernel.debugger", "IPython.extensions.storemagic", "sqlite3", "pydoc", "tornado.queues",
+                       "tornado.locks", "xmlrpc.server")
+
+
 def _preload(config: dict) -> dict:
     """Import what every engine needs. Returns facts for the client (GPU count, patch mode, timings)."""
     facts: dict = {"pid": os.getpid(), "python": sys.version.split()[0]}
@@ -177,6 +184,15 @@ def _preload(config: dict) -> dict:
     t2 = time.perf_counter()
     import ipykernel.ipkernel  # noqa: F401
     import ipyparallel.engine.app  # noqa: F401
+
+    # what an engine imports while it registers (ipykernel's debugger pulls in debugpy: ~0.4 s): once here,
+    # not in every engine at every start and restart. debugpy's import warns about frozen modules on stderr.
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    for name in ENGINE_LAZY_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
     facts["t_ipyparallel_s"] = time.perf_counter() - t2
     if probe is not None:

@@ -35,8 +35,10 @@ POLL_S = 0.05
 
 # The controller's heartbeat: it pings every engine each period and unregisters one that misses more than
 # HEARTBEAT_MISSES pings in a row (its process stopped or starved), for good: nothing reaches it after that.
-HEARTBEAT_PERIOD_MS = 500
-HEARTBEAT_MISSES = 10
+# A new engine counts as registered at the first beat after its heart answers, so a short period shortens every
+# start and restart; the engines' hearts answer from a zmq thread without the GIL, and 50 misses keep ~5 s.
+HEARTBEAT_PERIOD_MS = 100
+HEARTBEAT_MISSES = 50
 HEARTBEAT_LIMIT_S = HEARTBEAT_PERIOD_MS * (HEARTBEAT_MISSES + 1) / 1000
 
 
