@@ -291,7 +291,8 @@ def status() -> dict:
     mesh_shape = STATE.mesh_shape or (1, 1)
     rank = STATE.rank
     patches = STATE.patches or PatchFacts()
-    versions = {"torch": torch.__version__, "physicsnemo": patches.physicsnemo or "not imported",
+    # plain str: torch's TorchVersion would make the reader import torch to unpickle it (seconds)
+    versions = {"torch": str(torch.__version__), "physicsnemo": patches.physicsnemo or "not imported",
                 "python": platform.python_version()}
     try:
         import torch.distributed as dist
