@@ -46,12 +46,14 @@ def last_json(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
-def test_detached_cluster_outlives_a_kernel_restart(cluster4):
+def test_detached_cluster_outlives_a_kernel_restart(cluster4, capsys):
     """One detached 2-rank cluster: started from a terminal, listed beside a process-owned cluster, left alone by
     `sharddbg reap`, connected to from a Jupyter kernel that defines a variable, traces and breaks the process
     group; the kernel is killed and restarted and reconnects: the variable, the trace, the broken group and the
     mesh are read back; then stopped from the terminal with no process left."""
     from jupyter_client import KernelManager
+
+    from sharddbg.cli import main as cli_main
 
     name = f"t{os.getpid()}"
     started = cli("cluster", "start", "-n", "2", "--mesh", "ddp=1,domain=2", "--name", name, "--collective-timeout", "3",
@@ -69,17 +71,20 @@ def test_detached_cluster_outlives_a_kernel_restart(cluster4):
         cluster_pids = {p.pid for p in detached.live_processes(record.cluster_id, keeper.pid, keeper.create_time())}
         assert len(cluster_pids) >= 5  # keeper, fork server, controller, 2 engines
 
+        # the command line's entry point in this process from here on (a new Python costs seconds here)
         # a name in use is refused before anything starts
-        again = cli("cluster", "start", "-n", "2", "--name", name, "--force")
-        assert again.returncode == 1 and f"a cluster named '{name}' runs already (keeper pid {keeper.pid}" in again.stderr
+        assert cli_main(["cluster", "start", "-n", "2", "--name", name, "--force"]) == 1
+        assert f"a cluster named '{name}' runs already (keeper pid {keeper.pid}" in capsys.readouterr().err
         # listed, with the cluster this test process owns
-        listing = cli("cluster", "list").stdout
+        assert cli_main(["cluster", "list"]) == 0
+        listing = capsys.readouterr().out
         rows = {line.split()[0]: line for line in listing.splitlines()[1:]}
         assert rows[name].split()[1] == "detached" and f"keeper pid {keeper.pid}" in rows[name], listing
         assert rows[cluster4.cluster_id].split()[1] == "notebook" and f"pid {os.getpid()}" in rows[cluster4.cluster_id]
         # reap leaves it alone: its keeper is its owner, and runs
-        reaped = cli("reap")
-        assert record.cluster_id not in reaped.stdout.split("left alone")[0], reaped.stdout
+        assert cli_main(["reap"]) == 0
+        reaped = capsys.readouterr().out
+        assert record.cluster_id not in reaped.split("left alone")[0] and record.cluster_id in reaped, reaped
         assert all(psutil.pid_exists(pid) for pid in cluster_pids)
         with pytest.raises(ClusterError, match=rf"^no detached cluster is named 'nope' \(running: .*{name}"):
             sharddbg.Cluster.connect("nope")
@@ -124,8 +129,9 @@ seen["broken_after_recover"] = cl.broken
 cl.disconnect()
 print(json.dumps(seen))
 """))
-        print(f"connect: first {first['took']:.2f} s; after the kernel restart {again['connect_s']:.2f} s "
-              f"(with importing sharddbg: {again['took']:.2f} s)")
+        with capsys.disabled():  # the figures the documentation quotes; shown with -s
+            print(f"\nconnect: first {first['took']:.2f} s; after the kernel restart {again['connect_s']:.2f} s "
+                  f"(with importing sharddbg: {again['took']:.2f} s)")
         assert again["secret"] == [1234, 1235] and again["pids"] == first["pids"]
         assert again["broken"] == first["broken"] and again["broken_after_recover"] is None
         assert (again["mesh"], again["backend"], again["n"]) == ("ddp=1,domain=2", "gloo", 2)

@@ -461,7 +461,7 @@ class KeeperProcesses:
         >>> processes.fork_server_alive()
         True
         """
-        return self.fork_server_pid is not None and _pid_alive(self.fork_server_pid)
+        return self.fork_server_pid is not None and pid_alive(self.fork_server_pid)
 
     def controller_failure(self) -> str | None:
         """None while the controller runs; else how it died (asked of the keeper).
@@ -476,11 +476,14 @@ class KeeperProcesses:
         >>> processes.controller_failure() is None
         True
         """
-        if self.controller_pid is None or _pid_alive(self.controller_pid):
+        if self.controller_pid is None or pid_alive(self.controller_pid):
             return None
         try:
             return self.link.request("exits").get("controller") or f"the controller (pid {self.controller_pid}) died"
         except ClusterError:
+            record = read_record(self.link.name)
+            if record is not None and record.state == "stopped" and record.cluster_id == self.cluster_id:
+                return f"the cluster {self.link.name!r} was {record.stop_reason or 'stopped'}"
             return f"the controller (pid {self.controller_pid}) died; how is unknown: its keeper does not answer"
 
     def dead_ranks(self) -> dict[int, str]:
@@ -496,7 +499,7 @@ class KeeperProcesses:
         >>> processes.dead_ranks()
         {}
         """
-        gone = [rank for rank, pid in self.pids.items() if not _pid_alive(pid)]
+        gone = [rank for rank, pid in self.pids.items() if not pid_alive(pid)]
         if not gone:
             return {}
         try:
@@ -1161,7 +1164,26 @@ def _age(seconds: float) -> str:
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int | None) -> bool:
+    """Whether process ``pid`` runs (a zombie does not; None does not).
+
+    Parameters
+    ----------
+    pid : int or None
+        The process id.
+
+    Returns
+    -------
+    bool
+        True while it runs.
+
+    Examples
+    --------
+    >>> pid_alive(os.getpid())
+    True
+    """
+    if pid is None:
+        return False
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

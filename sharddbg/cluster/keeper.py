@@ -145,6 +145,10 @@ class Keeper:
                 self.last_work = time.monotonic()
                 if self.handle_one():
                     return
+            elif not detached.pid_alive(self.cluster.fork_server_pid):
+                # stopped from outside (the cluster panel's stop, a kill): nothing is left to keep
+                self.stop("stopped from outside: its fork server ended")
+                return
             elif self.idle_for_too_long():
                 self.stop(f"stopped after {self.idle_timeout:g} s without work on any engine (--idle-timeout)")
                 return
