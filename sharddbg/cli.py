@@ -126,8 +126,13 @@ def main(argv=None) -> int:
 
         # A cluster's processes: those its record names, their children, and those whose command line
         # names it (the controller's children, also once the controller itself is dead).
+        from .cluster import detached
+
+        # a detached cluster's owner is its keeper: left alone while the keeper runs, reaped once it died
         reaped = registry.reap_orphans(include_live_owners=args.all)
         print(f"reaped {len(reaped)} cluster(s): {sorted(reaped)}")
+        for name in detached.forget_dead_keepers():
+            print(f"  detached cluster {name!r}: its keeper had died; its record is marked stopped")
         for cluster_id, pids in sorted(reaped.items()):
             print(f"  {cluster_id}: {len(pids)} process(es) killed{': ' if pids else ''}"
                   f"{', '.join(str(pid) for pid in sorted(pids))}")

@@ -57,7 +57,7 @@ def test_detached_cluster_outlives_a_kernel_restart(cluster4, capsys):
 
     name = f"t{os.getpid()}"
     started = cli("cluster", "start", "-n", "2", "--mesh", "ddp=1,domain=2", "--name", name, "--collective-timeout", "3",
-                  "--force")
+                  "--idle-timeout", "600", "--force")
     assert started.returncode == 0, started.stdout + started.stderr
     assert f"cluster '{name}' is up in" in started.stdout and "2 ranks, mesh ddp=1,domain=2, backend gloo" in started.stdout
     assert f"sharddbg.Cluster.connect('{name}')" in started.stdout
@@ -67,7 +67,8 @@ def test_detached_cluster_outlives_a_kernel_restart(cluster4, capsys):
     try:
         assert keeper.ppid() != os.getpid() and os.getsid(keeper.pid) == keeper.pid  # its own session, not ours
         sock = detached.socket_path(name)
-        assert oct(os.stat(sock).st_mode & 0o777) == "0o600" and oct(os.stat(record.path).st_mode & 0o777) == "0o600"
+        for private in (sock, record.path, detached.keeper_log_path(name), detached.client_file(record.cluster_id)):
+            assert oct(os.stat(private).st_mode & 0o777) == "0o600", private
         cluster_pids = {p.pid for p in detached.live_processes(record.cluster_id, keeper.pid, keeper.create_time())}
         assert len(cluster_pids) >= 5  # keeper, fork server, controller, 2 engines
 
@@ -80,6 +81,7 @@ def test_detached_cluster_outlives_a_kernel_restart(cluster4, capsys):
         listing = capsys.readouterr().out
         rows = {line.split()[0]: line for line in listing.splitlines()[1:]}
         assert rows[name].split()[1] == "detached" and f"keeper pid {keeper.pid}" in rows[name], listing
+        assert "ddp=1,domain=2" in rows[name] and "running, idle " in rows[name] and "/600 s" in rows[name], listing
         assert rows[cluster4.cluster_id].split()[1] == "notebook" and f"pid {os.getpid()}" in rows[cluster4.cluster_id]
         # reap leaves it alone: its keeper is its owner, and runs
         assert cli_main(["reap"]) == 0
@@ -203,3 +205,28 @@ def test_detached_bad_input_is_refused_before_anything_starts(tmp_path, monkeypa
         assert message in err, (args, err)
     assert not list((tmp_path / "home" / "detached").glob("*.log"))  # no keeper was started
     assert {p.pid for p in me.children(recursive=True)} <= children
+
+    # a detached cluster's owner is its keeper: `sharddbg reap` leaves its processes alone while the keeper runs,
+    # and reaps them (and marks its record stopped) once the keeper died
+    keeper, engine = (subprocess.Popen(["sleep", "120"]) for _ in range(2))
+    try:
+        owner = registry.ProcessRef.of(keeper.pid, "owner")
+        kept = registry.ClusterRecord(cluster_id="sdbg-20260101-000000-abcdef", owner=owner, log_dir="")
+        kept.save()
+        kept.track(engine.pid, "engine")
+        detached.DetachedRecord(name="lost", keeper_pid=keeper.pid, keeper_create_time=owner.create_time,
+                                uid=os.getuid(), state="running", cluster_id=kept.cluster_id, n=1).save()
+        assert cli_main(["reap"]) == 0 and engine.poll() is None
+        assert "left alone 1 cluster(s)" in capsys.readouterr().out
+        keeper.kill()
+        keeper.wait()
+        assert cli_main(["reap"]) == 0
+        out = capsys.readouterr().out
+        assert f"{kept.cluster_id}: 1 process(es) killed: {engine.pid}" in out
+        assert "detached cluster 'lost': its keeper had died; its record is marked stopped" in out
+        engine.wait(10)  # ended (reaped by the reap already: its status is not ours to read)
+        assert detached.read_record("lost").state == "stopped"
+    finally:
+        for proc in (keeper, engine):
+            proc.kill()
+            proc.wait()

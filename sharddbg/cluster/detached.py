@@ -917,29 +917,25 @@ def start(config: dict, wait_s: float) -> StartReport:
     finally:
         os.close(out)
         os.close(write_end)
-    answer = b""
     deadline = time.monotonic() + wait_s
     with os.fdopen(read_end, "rb") as ready:
-        import select
-
-        while time.monotonic() < deadline:
-            readable, _, _ = select.select([ready], [], [], 0.5)
-            if readable:
-                chunk = os.read(ready.fileno(), 65536)
-                if not chunk:
-                    break
-                answer += chunk
-                if answer.endswith(b"\n"):
-                    break
+        try:
+            answer = _wait_answer(ready, deadline)
+        except KeyboardInterrupt:  # Ctrl-C in the terminal: the start is abandoned, nothing of it left running
+            _end_keeper(proc, config)
+            raise
     try:
         reply = json.loads(answer) if answer else None
     except ValueError:
         reply = None
     if not reply or not reply.get("ok"):
         if reply is None:
+            from .launcher import returncode_description
+
+            ended = proc.poll()
             _end_keeper(proc, config)
-            why = ("it did not come up within %.0f s" % wait_s if proc.poll() is None or time.monotonic() >= deadline
-                   else f"its keeper ended ({proc.returncode}) without saying why")
+            why = (f"it did not come up within {wait_s:.0f} s" if ended is None else
+                   f"its keeper {returncode_description(ended)} without saying why")
         else:
             proc.wait(30)
             why = reply.get("error", "unknown")
@@ -948,6 +944,23 @@ def start(config: dict, wait_s: float) -> StartReport:
     return StartReport(name=name, cluster_id=reply["cluster_id"], n=reply["n"], mesh=reply["mesh"],
                        backend=reply["backend"], patch_mode=reply.get("patch_mode"), keeper_pid=proc.pid,
                        seconds=time.perf_counter() - t0, idle_timeout_s=config.get("idle_timeout"), log=str(log))
+
+
+def _wait_answer(ready, deadline: float) -> bytes:
+    """The keeper's one line on the pipe (its start's outcome); what came until it closed or ``deadline``."""
+    import select
+
+    answer = b""
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([ready], [], [], 0.5)
+        if readable:
+            chunk = os.read(ready.fileno(), 65536)
+            if not chunk:
+                break
+            answer += chunk
+            if answer.endswith(b"\n"):
+                break
+    return answer
 
 
 def _end_keeper(proc: subprocess.Popen, config: dict) -> None:
@@ -1061,6 +1074,31 @@ def finish_stop(record: DetachedRecord, how: str, t0: float) -> StopReport:
         stopped.save()
     socket_path(record.name).unlink(missing_ok=True)
     return StopReport(record.name, record.cluster_id, time.perf_counter() - t0, [p.pid for p in left])
+
+
+def forget_dead_keepers() -> list[str]:
+    """Mark stopped the records of detached clusters whose keeper died without stopping them (``sharddbg reap``
+    reaps their processes: the keeper was their owner); their sockets go too.
+
+    Returns
+    -------
+    list of str
+        The names marked.
+
+    Examples
+    --------
+    >>> forget_dead_keepers()
+    []
+    """
+    marked = []
+    for record in all_records():
+        if record.state != "stopped" and not record.keeper_alive():
+            record.state, record.stopped_at = "stopped", time.time()
+            record.stop_reason = f"its keeper (pid {record.keeper_pid}) ended without stopping it; reaped"
+            record.save()
+            socket_path(record.name).unlink(missing_ok=True)
+            marked.append(record.name)
+    return marked
 
 
 @dataclass

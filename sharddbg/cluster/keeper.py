@@ -95,6 +95,8 @@ class Keeper:
     def answer(self, request: dict) -> tuple[dict, bool]:
         """The answer to one request, and whether the keeper ends after sending it."""
         command = request.get("cmd")
+        if command not in ("info", "exits"):  # a look at the cluster (`sharddbg cluster list`) is not work on it
+            self.last_work = time.monotonic()
         if command == "info":
             return self.info(), False
         if command == "exits":
@@ -142,7 +144,6 @@ class Keeper:
         while True:
             readable, _, _ = select.select([self.server], [], [], POLL_S)
             if readable:
-                self.last_work = time.monotonic()
                 if self.handle_one():
                     return
             elif not detached.pid_alive(self.cluster.fork_server_pid):
