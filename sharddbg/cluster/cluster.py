@@ -90,7 +90,10 @@ class Cluster:
     checked here, and ``start()`` (or a ``with`` block, which stops the cluster at its end) starts the fork
     server, the ipyparallel controller and the engines, and brings up torch.distributed and the mesh on them.
     The cluster started last that still runs is the active one: ``sharddbg.last_trace()``,
-    ``sharddbg.inspect()``, ``%px`` and the other magics act on it.
+    ``sharddbg.inspect()``, ``%px`` and the other magics act on it. A cluster started here ends with this process;
+    one started in a terminal (``sharddbg cluster start``) is owned by a keeper process of its own and outlives
+    it: ``Cluster.connect(name)`` returns it, and its ``stop()`` asks the keeper to stop it, ``disconnect()`` leaves
+    it running, ``restart()`` has the keeper replace its engines.
 
     Parameters
     ----------
