@@ -162,7 +162,7 @@ def _add_cluster_commands(sub) -> None:
     start.add_argument("--collective-timeout", type=float, default=60.0, metavar="S",
                        help="torch.distributed's collective timeout, seconds (60)")
     start.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
-                       help="how long the start may take in all, seconds (600)")
+                       help="how long the start, and each of its steps, may take, seconds (600)")
     start.add_argument("--force", action="store_true",
                        help="start even when the ranks would not fit in the memory available now")
     actions.add_parser("list", help="every cluster of this user: detached ones and those notebooks own")
@@ -201,7 +201,7 @@ def _cluster_command(args) -> int:
             arguments.check_memory(mesh.size)
         config = {"name": name, "n": mesh.size, "mesh": str(mesh), "backend": args.backend, "timeout": args.timeout,
                   "collective_timeout": args.collective_timeout, "idle_timeout": args.idle_timeout,
-                  "force": True}
+                  "start_timeout": args.start_timeout, "force": True}
         print(f"sharddbg: starting detached cluster {name!r}: {mesh.size} ranks, mesh {mesh} ...", flush=True)
         report = detached.start(config, args.start_timeout)
     except ShardDbgError as e:

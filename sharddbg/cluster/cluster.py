@@ -511,6 +511,7 @@ class Cluster:
         t0 = time.perf_counter()
         link = self._keeper
         self._close_client("stopped (by cl.stop())" if stop else "disconnected (by cl.disconnect())")
+        self._processes.close()
         self._keeper, self.running = None, False
         _STARTED[:] = [c for c in _STARTED if c is not self]
         if stop:
@@ -563,7 +564,13 @@ class Cluster:
         t0 = time.perf_counter()
         if self._keeper is not None:  # the keeper restarts it (its fork server stays), then this process reconnects
             self._close_client("restarted (by cl.restart())")
-            self._attach(self._keeper, self._keeper.request("restart", timeout=3 * self.start_timeout))
+            self._processes.close()
+            try:
+                self._attach(self._keeper, self._keeper.request("restart", timeout=3 * self.start_timeout))
+            except BaseException:  # the keeper stopped the cluster (a failed restart) or cannot be reached
+                self.running = False
+                _STARTED[:] = [c for c in _STARTED if c is not self]
+                raise
             self.timings["restart_s"] = time.perf_counter() - t0
             return self
         if not self.running or not self._processes.fork_server_alive():

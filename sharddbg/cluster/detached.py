@@ -569,8 +569,33 @@ class KeeperProcesses:
 
         return ClusterProcesses.describe_dead(self, dead, what)
 
-    def warm_reference(self) -> None:
-        """None: the checks' reference processes run as new Pythons in a connected process.
+    def warm_reference(self):
+        """The warm Python that forks the checks' reference processes, this process's own (its stdin is its
+        lifeline to this process; ``close`` ends it); None where it cannot start.
+
+        Returns
+        -------
+        WarmReference or None
+            Serving now, or None.
+
+        Examples
+        --------
+        >>> processes.warm_reference().serves_now()
+        True
+        """
+        from .reference_process import WarmReference
+
+        if self.reference is not None and self.reference.serves_now():
+            return self.reference
+        self.close()
+        try:
+            self.reference = WarmReference()
+        except OSError:
+            return None  # each reference then runs as a new Python
+        return self.reference
+
+    def close(self) -> None:
+        """End this process's warm reference Python, if one runs (the cluster itself is the keeper's).
 
         Returns
         -------
@@ -578,10 +603,11 @@ class KeeperProcesses:
 
         Examples
         --------
-        >>> processes.warm_reference() is None
-        True
+        >>> processes.close()
         """
-        return None
+        if self.reference is not None:
+            self.reference.close()
+            self.reference = None
 
 
 def live_processes(cluster_id: str, keeper_pid: int | None = None, keeper_create_time: float = 0.0) -> list[psutil.Process]:
@@ -878,6 +904,31 @@ def check_free(name: str) -> None:
                            f"ranks): pick another --name, or `sharddbg cluster stop {name}` first")
 
 
+def prune_stopped(keep: int = registry.KEPT_LOG_FOLDERS) -> list[str]:
+    """Remove the records (and keeper logs) of all but the newest ``keep`` stopped clusters.
+
+    Parameters
+    ----------
+    keep : int
+        How many stopped clusters' records to keep.
+
+    Returns
+    -------
+    list of str
+        The names removed.
+
+    Examples
+    --------
+    >>> prune_stopped()
+    []
+    """
+    stopped = sorted((r for r in all_records() if r.state == "stopped"), key=lambda r: r.stopped_at or 0, reverse=True)
+    for record in stopped[keep:]:
+        record.path.unlink(missing_ok=True)
+        keeper_log_path(record.name).unlink(missing_ok=True)
+    return [r.name for r in stopped[keep:]]
+
+
 def start(config: dict, wait_s: float) -> StartReport:
     """Start a keeper for a detached cluster and wait until the cluster is up.
 
@@ -905,6 +956,7 @@ def start(config: dict, wait_s: float) -> StartReport:
     """
     name = config["name"]
     check_free(name)
+    prune_stopped()
     log = keeper_log_path(name)
     read_end, write_end = os.pipe()
     out = registry.open_private(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
