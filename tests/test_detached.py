@@ -102,7 +102,7 @@ t0 = time.perf_counter()
 cl = sharddbg.Cluster.connect({name!r})
 took = time.perf_counter() - t0
 cl.run("secret = 1234 + rank", display=False)
-trace = cl.trace("z = torch.ones(4) + rank", display=False)
+trace = cl.trace("z = sharddbg.engine.scatter(torch.ones(1, 4), dim=1) * 2", display=False)
 try:
     cl.run("if rank == 0: dist.all_reduce(torch.ones(1))", display=False)
 except Exception as exc:
@@ -110,7 +110,7 @@ except Exception as exc:
 print(json.dumps(dict(took=took, events=sum(len(p["events"]) for p in trace.payloads.values() if p),
                       broken=cl.broken, failed=failed, pids=cl.pids)))
 """))
-        assert first["broken"] and first["failed"] == "RankError", first
+        assert first["broken"] and first["failed"] == "RankError" and first["events"] > 0, first
 
         km.restart_kernel(now=True)  # killed, as a crashed kernel is
         kc.wait_for_ready(timeout=120)
