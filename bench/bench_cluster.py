@@ -7,6 +7,13 @@ each import physicsnemo and register its patches at once (what one engine per ra
 the fork server).
 
     .venv/bin/python bench/bench_cluster.py [--runs 5] [-n 4] [--restarts 2]
+
+With ``--detached``: a cluster outside the notebook instead, each run: ``sharddbg cluster start`` from a new
+process (to the moment it returns, the cluster up), three ``Cluster.connect`` + ``disconnect`` in this process
+(sharddbg imported: a kernel that reconnects), one connect from a new Python that imports sharddbg first (a
+restarted kernel's first cell), and ``sharddbg cluster stop``.
+
+    .venv/bin/python bench/bench_cluster.py --detached [--runs 3] [-n 2]
 """
 
 from __future__ import annotations
@@ -31,12 +38,55 @@ def naive_parallel_import(n: int) -> float:
     return time.perf_counter() - t0
 
 
+FRESH_CONNECT = ("import time; t0 = time.perf_counter(); import sharddbg; cl = sharddbg.Cluster.connect({name!r}); "
+                 "print(time.perf_counter() - t0); cl.disconnect()")
+
+
+def bench_detached(runs: int, n: int) -> None:
+    """Detached start, reconnects and stop (see the module's docstring)."""
+    import sharddbg
+
+    cli = [sys.executable, "-m", "sharddbg.cli", "cluster"]
+    times: dict[str, list[float]] = {"start": [], "connect": [], "fresh": [], "stop": []}
+    for run in range(runs):
+        name = f"bench-{os.getpid()}-{run}"
+        t0 = time.perf_counter()
+        subprocess.run([*cli, "start", "-n", str(n), "--name", name, "--force"], check=True, capture_output=True)
+        times["start"].append(time.perf_counter() - t0)
+        try:
+            for _ in range(3):
+                t0 = time.perf_counter()
+                cl = sharddbg.Cluster.connect(name)
+                times["connect"].append(time.perf_counter() - t0)
+                cl.disconnect()
+            fresh = subprocess.run([sys.executable, "-c", FRESH_CONNECT.format(name=name)], check=True,
+                                   capture_output=True, text=True)
+            times["fresh"].append(float(fresh.stdout.split()[-1]))
+        finally:
+            t0 = time.perf_counter()
+            subprocess.run([*cli, "stop", name], check=True, capture_output=True)
+            times["stop"].append(time.perf_counter() - t0)
+    print(f"machine: {os.cpu_count()} cores, python {sys.version.split()[0]}, n={n} ranks, {runs} runs, "
+          f"load {os.getloadavg()[0]:.1f}")
+    print(f"{'phase':<52} {'median s':>9} {'min s':>7} {'max s':>7}")
+    for label, key in (("sharddbg cluster start (new process, to up)", "start"),
+                       ("Cluster.connect, sharddbg imported", "connect"),
+                       ("new Python: import sharddbg + Cluster.connect", "fresh"),
+                       ("sharddbg cluster stop (nothing left)", "stop")):
+        values = times[key]
+        print(f"{label:<52} {statistics.median(values):>9.2f} {min(values):>7.2f} {max(values):>7.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("-n", type=int, default=4)
     parser.add_argument("--restarts", type=int, default=2, help="restart() calls per run (fork server kept)")
+    parser.add_argument("--detached", action="store_true", help="a cluster outside the notebook: start, connect, stop")
     args = parser.parse_args()
+    if args.detached:
+        bench_detached(args.runs, args.n)
+        return
     import sharddbg
 
     phases: dict[str, list[float]] = {}

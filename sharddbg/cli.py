@@ -113,7 +113,10 @@ def main(argv=None) -> int:
     rep = sub.add_parser("report", help="a recorded job's (or trace file's) standalone HTML report")
     rep.add_argument("path", help="the folder sharddbg record wrote, or a .sdtrace.json file")
     rep.add_argument("-o", "--output", required=True, help="the HTML file to write")
+    _add_cluster_commands(sub)
     args = parser.parse_args(argv)
+    if args.command == "cluster":
+        return _cluster_command(args)
     if args.command in ("summary", "report"):
         return _read_back(args)
     if args.command == "demo":
@@ -123,8 +126,13 @@ def main(argv=None) -> int:
 
         # A cluster's processes: those its record names, their children, and those whose command line
         # names it (the controller's children, also once the controller itself is dead).
+        from .cluster import detached
+
+        # a detached cluster's owner is its keeper: left alone while the keeper runs, reaped once it died
         reaped = registry.reap_orphans(include_live_owners=args.all)
         print(f"reaped {len(reaped)} cluster(s): {sorted(reaped)}")
+        for name in detached.forget_dead_keepers():
+            print(f"  detached cluster {name!r}: its keeper had died; its record is marked stopped")
         for cluster_id, pids in sorted(reaped.items()):
             print(f"  {cluster_id}: {len(pids)} process(es) killed{': ' if pids else ''}"
                   f"{', '.join(str(pid) for pid in sorted(pids))}")
@@ -134,6 +142,78 @@ def main(argv=None) -> int:
                   + ", ".join(f"{r.cluster_id} (owner pid {r.owner.pid})" for r in left))
         return 0
     return 2
+
+
+def _add_cluster_commands(sub) -> None:
+    """``sharddbg cluster start|list|stop``: clusters that outlive the notebook (``cluster.detached``)."""
+    group = sub.add_parser("cluster", help="start, list and stop clusters that outlive the notebook kernel")
+    actions = group.add_subparsers(dest="action", required=True)
+    start = actions.add_parser("start", help="start a detached cluster, kept by a process of its own; returns once "
+                                             "it is up (connect with sharddbg.Cluster.connect(NAME))")
+    start.add_argument("-n", type=int, default=None, help="number of ranks")
+    start.add_argument("--mesh", default=None, help="e.g. ddp=1,domain=4 (one axis may be left out: it is inferred)")
+    start.add_argument("--name", default=None, help="its name (default: cluster, cluster-2, ...)")
+    start.add_argument("--idle-timeout", type=float, default=None, metavar="S",
+                       help="stop it after S seconds without work on any engine (default: never)")
+    start.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                       help="the torch.distributed backend (default: nccl with GPUs, else gloo)")
+    start.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                       help="the default time limit of a call on the ranks, seconds (60)")
+    start.add_argument("--collective-timeout", type=float, default=60.0, metavar="S",
+                       help="torch.distributed's collective timeout, seconds (60)")
+    start.add_argument("--start-timeout", type=float, default=600.0, metavar="S",
+                       help="how long the start, and each of its steps, may take, seconds (600)")
+    start.add_argument("--force", action="store_true",
+                       help="start even when the ranks would not fit in the memory available now")
+    actions.add_parser("list", help="every cluster of this user: detached ones and those notebooks own")
+    stop = actions.add_parser("stop", help="stop a detached cluster and check that no process of it is left")
+    stop.add_argument("name", help="its name (sharddbg cluster list)")
+
+
+def _cluster_command(args) -> int:
+    from .cluster import arguments, detached
+    from .cluster.mesh import resolve_mesh
+    from .errors import ShardDbgError
+
+    try:
+        if args.action == "list":
+            print(detached.format_rows(detached.list_rows()))
+            return 0
+        if args.action == "stop":
+            report = detached.stop(args.name)
+            if report.survivors:
+                print(f"sharddbg: cluster {report.name!r} stopped, but processes survived: {report.survivors}",
+                      file=sys.stderr)
+                return 1
+            print(f"sharddbg: stopped cluster {report.name!r} ({report.cluster_id}) in {report.seconds:.1f} s; "
+                  f"no process of it is left")
+            return 0
+        # everything is checked before anything starts
+        mesh = resolve_mesh(args.n, args.mesh)
+        name = detached.check_name(args.name) if args.name is not None else detached.default_name()
+        detached.check_free(name)
+        for option in ("timeout", "collective_timeout", "start_timeout"):
+            arguments.seconds(option.replace("_", "-"), getattr(args, option))
+        arguments.collective_timeout(args.collective_timeout)
+        if args.idle_timeout is not None:
+            arguments.seconds("idle-timeout", args.idle_timeout)
+        if not args.force:
+            arguments.check_memory(mesh.size)
+        config = {"name": name, "n": mesh.size, "mesh": str(mesh), "backend": args.backend, "timeout": args.timeout,
+                  "collective_timeout": args.collective_timeout, "idle_timeout": args.idle_timeout,
+                  "start_timeout": args.start_timeout, "force": True}
+        print(f"sharddbg: starting detached cluster {name!r}: {mesh.size} ranks, mesh {mesh} ...", flush=True)
+        report = detached.start(config, args.start_timeout)
+    except ShardDbgError as e:
+        print(f"sharddbg cluster {args.action}: {e}", file=sys.stderr)
+        return 1
+    idle = f"; stops after {report.idle_timeout_s:g} s without work" if report.idle_timeout_s else ""
+    print(f"sharddbg: cluster {report.name!r} is up in {report.seconds:.1f} s: {report.n} ranks, mesh {report.mesh}, "
+          f"backend {report.backend}, patches {report.patch_mode}; keeper pid {report.keeper_pid}{idle}\n"
+          f"  connect from a notebook: sharddbg.Cluster.connect({report.name!r})  or  "
+          f"%shard_cluster connect {report.name}\n"
+          f"  stop it: sharddbg cluster stop {report.name}   (keeper log: {report.log})")
+    return 0
 
 
 def _read_back(args) -> int:

@@ -1,6 +1,6 @@
 """IPython magics: a thin layer that parses arguments and calls the API, with ipyparallel's conventions.
 
-``%shard_cluster start|status|stop|restart|recover|diagnose`` (subcommands, each with its own options:
+``%shard_cluster start|status|stop|connect|disconnect|restart|recover|diagnose`` (subcommands, each with its own options:
 ``%shard_cluster start --help``); ``%px`` / ``%%px`` (ipyparallel's options:
 ``--targets``, ``--block`` / ``--noblock``, ``--group-outputs``, ``--stream``, ``--local``, ``--verbose``, ``-o``;
 every wait bounded by ``--timeout`` or the cluster's), ``%pxresult``, ``%pxconfig``, ``%autopx``;
@@ -403,6 +403,13 @@ class ShardMagics(Magics):
         MagicOption(("--all",), dict(action="store_true",
                                      help="also reap every cluster sharddbg left behind on this machine (owner "
                                           "process gone)")))
+    @subcommand(
+        "connect", "connect to a detached cluster (started in a terminal by `sharddbg cluster start`)",
+        MagicOption(("name",), dict(nargs="?", default=None, metavar="NAME",
+                                    help="its name (default: the only one; `sharddbg cluster list` shows them)")),
+        MagicOption(("--timeout",), dict(type=seconds, default=60.0, metavar="S",
+                                         help="the default time limit of a cell or call, seconds (60)")))
+    @subcommand("disconnect", "leave the connected detached cluster running and stop using it here")
     @subcommand("restart", "new engines, same settings")
     @subcommand(
         "recover", "release ranks blocked in a collective and make a new process group",
@@ -456,7 +463,23 @@ class ShardMagics(Magics):
                     print(f"sharddbg: left alone {len(others)} cluster(s) whose owner still runs: {owners}; "
                           f"`sharddbg reap --all` in a shell stops those too")
             return None
+        if args.action == "connect":
+            current = active_cluster(required=False)
+            if current is not None:
+                raise errors.ClusterError(
+                    f"a sharddbg cluster is already active in this kernel ({current.n} ranks); %shard_cluster "
+                    f"disconnect (a connected one) or %shard_cluster stop it first")
+            cl = Cluster.connect(args.name, timeout=args.timeout)
+            print(f"sharddbg: connected to {cl.n} ranks in {cl.timings['connect_s']:.1f} s, mesh ddp={cl.mesh.ddp} x "
+                  f"domain={cl.mesh.domain}, backend {cl.backend}, patches {cl.patch_mode}"
+                  + (f"; its process group is broken: {cl.broken}" if cl.broken else "")
+                  + ". %px / %%px now run on these ranks; %shard_cluster disconnect leaves them running.")
+            return None
         cl = active_cluster()
+        if args.action == "disconnect":
+            cl.disconnect()
+            print(f"sharddbg: disconnected; the cluster runs on (`sharddbg cluster stop NAME` in a terminal stops it)")
+            return None
         if args.action == "status":
             return cl.status(full=args.full)
         if args.action == "restart":

@@ -108,7 +108,7 @@ def test_every_magic_has_help_and_usage_errors(ip):
                   "--group-outputs", "--stream", "--no-stream", "--local", "--verbose", "-o NAME, --out NAME",
                   "every wait is bounded", "[0,2], 1:3, 2:, ::2, -1 (the last) or all", "%shard_cluster recover"):
         assert words in help_text, words
-    for line, words in (("%shard_cluster?", ["{start,status,stop,restart,recover,diagnose}", "--mesh MESH", "--all"]),
+    for line, words in (("%shard_cluster?", ["{start,status,stop,connect,disconnect,restart,recover,diagnose}", "--mesh MESH", "--all"]),
                         ("%%shard_trace?", ["--max-events N", "--no-unmask", "under the recorder"]),
                         ("%pxresult?", ["-o NAME", "--timeout S", "--noblock"]),
                         ("%pxconfig?", ["-a, --noblock", "-t RANKS"]),
@@ -137,7 +137,7 @@ def test_every_magic_has_help_and_usage_errors(ip):
         (("shard_cluster", "--full status"), r"^%shard_cluster: --full goes after the subcommand: "
                                              r"%shard_cluster status --full"),
         (("shard_cluster", "status --timeout 3"), r"^%shard_cluster status: --timeout is an option of start, "
-                                                  r"recover and diagnose"),
+                                                  r"connect, recover and diagnose"),
         (("shard_cluster", "start -n 0"), r"^%shard_cluster: argument -n: '0' must be at least 1"),
         (("shard_cluster", "start --mesh 'ddp=1"), r"^%shard_cluster: cannot read the options \(No closing quotation"),
         (("pxresult", ""), r"^%pxresult shows the output of the last %px cell; no %px cell ran yet"),
@@ -160,6 +160,8 @@ CLUSTER_SUBCOMMANDS = {"start": {"-h", "--help", "-n", "--mesh", "--backend", "-
                                  "--force"},
                        "status": {"-h", "--help", "--full"},
                        "stop": {"-h", "--help", "--all"},
+                       "connect": {"-h", "--help", "--timeout"},
+                       "disconnect": {"-h", "--help"},
                        "restart": {"-h", "--help"},
                        "recover": {"-h", "--help", "--timeout"},
                        "diagnose": {"-h", "--help", "--timeout"}}
@@ -200,7 +202,7 @@ def test_shard_cluster_subcommands_help(ip):
     with capture_output() as cap:
         ip.run_cell("%shard_cluster?")
     help_text = re.sub(r"\x1b\[[0-9;]*m", "", cap.stdout)
-    assert "%shard_cluster {start,status,stop,restart,recover,diagnose} ..." in help_text
+    assert "%shard_cluster {start,status,stop,connect,disconnect,restart,recover,diagnose} ..." in " ".join(help_text.split())
     for name, own in CLUSTER_SUBCOMMANDS.items():
         with capture_output() as cap:
             ip.run_line_magic("shard_cluster", f"{name} --help")

@@ -90,7 +90,10 @@ class Cluster:
     checked here, and ``start()`` (or a ``with`` block, which stops the cluster at its end) starts the fork
     server, the ipyparallel controller and the engines, and brings up torch.distributed and the mesh on them.
     The cluster started last that still runs is the active one: ``sharddbg.last_trace()``,
-    ``sharddbg.inspect()``, ``%px`` and the other magics act on it.
+    ``sharddbg.inspect()``, ``%px`` and the other magics act on it. A cluster started here ends with this process;
+    one started in a terminal (``sharddbg cluster start``) is owned by a keeper process of its own and outlives
+    it: ``Cluster.connect(name)`` returns it, and its ``stop()`` asks the keeper to stop it, ``disconnect()`` leaves
+    it running, ``restart()`` has the keeper replace its engines.
 
     Parameters
     ----------
@@ -167,6 +170,7 @@ class Cluster:
         self._tracer = CellTracer()
         self._last_check = None  # the CheckResult of the last check() (the doctor reads it)
         self._state_file: StateFileWriter | None = None  # the live state readers outside this process see
+        self._keeper = None  # the KeeperLink of a detached cluster this object is connected to (``connect``)
 
     # ------------------------------------------------------------------ what it is
     def __repr__(self) -> str:
@@ -380,6 +384,9 @@ class Cluster:
         files are removed. The cluster is no longer the active one; ``start()`` starts it again (new processes,
         same settings). The time it took is ``timings["stop_s"]``. A ``with`` block calls it at its end.
 
+        On a cluster this process connected to (``connect``), the cluster's keeper is asked to stop it, and the
+        keeper ends too; ``disconnect()`` leaves it running instead.
+
         Raises
         ------
         ClusterError
@@ -393,6 +400,8 @@ class Cluster:
         (False, [])
         """
         __tracebackhide__ = hide_own_frames()
+        if self._keeper is not None:
+            return self._leave_keeper(stop=True)
         if not self.running and (self._processes is None or self._processes.fork_server is None):
             raise ClusterError("this cluster is not running (it was never started, or was stopped already)")
         t0 = time.perf_counter()
@@ -402,6 +411,116 @@ class Cluster:
         self.running = False
         _STARTED[:] = [c for c in _STARTED if c is not self]
         self.timings["stop_s"] = time.perf_counter() - t0
+
+    @classmethod
+    def connect(cls, name: str | None = None, *, timeout: float = 60.0) -> "Cluster":
+        """Connect to a detached cluster (started in a terminal by ``sharddbg cluster start``) and make it the active one.
+
+        The cluster is owned by its keeper process, not by this one: it outlives this process (a kernel restart),
+        and its engines keep their variables. This process gets its own ipyparallel client to the cluster's
+        controller; the ranks, mesh, backend, patch mode and collective timeout are read back from the engines, a
+        broken process group and the last trace from the keeper (which a connected process tells of them).
+        Everything works as on a cluster started here. ``stop()`` asks the keeper to stop the cluster (the keeper
+        ends too); ``disconnect()`` leaves it running for the next process; ``restart()`` asks the keeper for new
+        engines (its fork server stays) and connects to them.
+
+        Parameters
+        ----------
+        name : str or None
+            The cluster's name (``sharddbg cluster list``). None: the only detached cluster of this user.
+        timeout : float
+            Seconds a call on the ranks waits at most unless given its own (as ``Cluster(timeout=...)``).
+
+        Returns
+        -------
+        Cluster
+            Connected and running (``timings["connect_s"]`` is how long connecting took).
+
+        Raises
+        ------
+        ClusterError
+            No cluster has that name (those that run are listed); it belongs to another user; it was stopped (when and
+            how); its keeper is gone; with no name, none or several run; its keeper or controller does not answer.
+
+        Examples
+        --------
+        >>> cl = sharddbg.Cluster.connect("dev")
+        >>> cl.eval("x")
+        [1, 1]
+        >>> cl.disconnect()
+        """
+        __tracebackhide__ = hide_own_frames()
+        from . import detached
+
+        timeout = arguments.seconds("timeout", timeout)
+        link, info = detached.open_link(name)
+        cl = cls(n=info["n"], backend=info["backend"], timeout=timeout, collective_timeout=info["collective_timeout"],
+                 force=True)
+        cl._attach(link, info)
+        return cl
+
+    def _attach(self, link, info: dict) -> None:
+        """Connect this object to the detached cluster the keeper ``link`` describes in ``info``."""
+        from . import detached
+
+        t0 = time.perf_counter()
+        processes = detached.KeeperProcesses(link, info)
+        client = detached.connect_client(info, self.start_timeout)
+        try:
+            engine_ids = engines_in_rank_order(client, self.n, self.timeout)
+            control = ControlChannel(client, engine_ids)
+            execution = detached.ConnectedExecution(client, engine_ids, processes, control, self.timeout, link,
+                                                    info.get("broken"))
+            found = detached.read_back(execution, self.n, self.timeout)
+        except BaseException:
+            client.close()
+            raise
+        self._keeper, self._processes, self._control, self._execution = link, processes, control, execution
+        self._group.statuses, self._group.mesh, self._group.backend = found.statuses, found.mesh, found.backend
+        self._group.use_cuda = found.use_cuda
+        self._group.collective_timeout = found.collective_timeout or self._group.collective_timeout
+        self._tracer = detached.ConnectedTracer(link, info["cluster_id"], info.get("last_trace"))
+        self.running = True
+        _STARTED[:] = [c for c in _STARTED if c is not self and c.running] + [self]
+        self.timings["connect_s"] = time.perf_counter() - t0
+
+    def disconnect(self) -> None:
+        """Leave a detached cluster running and stop using it from this process (``connect`` again later).
+
+        Raises
+        ------
+        ClusterError
+            This cluster was not connected to with ``connect`` (``stop()`` stops a cluster started here).
+
+        Examples
+        --------
+        >>> cl.disconnect()
+        >>> sharddbg.Cluster.connect("dev").eval("x")
+        [1, 1]
+        """
+        __tracebackhide__ = hide_own_frames()
+        if self._keeper is None:
+            raise ClusterError("this cluster was started by this process, not connected to: stop() stops it "
+                               "(a cluster outlives its process only when started by `sharddbg cluster start`)")
+        self._leave_keeper(stop=False)
+
+    def _leave_keeper(self, stop: bool) -> None:
+        """Close this process's client; with ``stop``, have the keeper stop the cluster and check nothing is left."""
+        from . import detached
+
+        t0 = time.perf_counter()
+        link = self._keeper
+        self._close_client("stopped (by cl.stop())" if stop else "disconnected (by cl.disconnect())")
+        self._processes.close()
+        self._keeper, self.running = None, False
+        _STARTED[:] = [c for c in _STARTED if c is not self]
+        if stop:
+            record = detached.find(link.name)
+            link.request("stop", timeout=3 * self.start_timeout, reason="stopped by cl.stop() in a connected process")
+            report = detached.finish_stop(record, "stopped by cl.stop() in a connected process", t0)
+            self.timings["stop_s"] = time.perf_counter() - t0
+            if report.survivors:
+                raise ClusterError(f"processes of cluster {link.name!r} survived its stop: pids {report.survivors}")
 
     def _stop_state_file(self) -> None:
         if self._state_file is not None:
@@ -417,7 +536,9 @@ class Cluster:
         ranks held is gone (variables, ShardTensors, a broken process group); a rank ipyparallel unregistered
         (``lost_ranks()``) is killed like the others and replaced. When the cluster is not running, or
         its fork server is gone, what is left of it is stopped and it is started from scratch (``start()``). When
-        replacing the engines fails, the cluster is stopped and the error raised.
+        replacing the engines fails, the cluster is stopped and the error raised. On a cluster this process
+        connected to (``connect``), its keeper replaces the engines (keeping its fork server, and the mesh last
+        set here) and this process connects to the new ones.
 
         Returns
         -------
@@ -441,6 +562,17 @@ class Cluster:
         """
         __tracebackhide__ = hide_own_frames()
         t0 = time.perf_counter()
+        if self._keeper is not None:  # the keeper restarts it (its fork server stays), then this process reconnects
+            self._close_client("restarted (by cl.restart())")
+            self._processes.close()
+            try:
+                self._attach(self._keeper, self._keeper.request("restart", timeout=3 * self.start_timeout))
+            except BaseException:  # the keeper stopped the cluster (a failed restart) or cannot be reached
+                self.running = False
+                _STARTED[:] = [c for c in _STARTED if c is not self]
+                raise
+            self.timings["restart_s"] = time.perf_counter() - t0
+            return self
         if not self.running or not self._processes.fork_server_alive():
             if self.running or (self._processes is not None and self._processes.fork_server is not None):
                 self.stop()
@@ -543,6 +675,8 @@ class Cluster:
     def _rebuild_group(self, spec: MeshSpec, timeout: float) -> None:
         """Release blocked ranks, tear the process group down on every rank, bring it up with mesh ``spec``."""
         self.timings["dist_init_s"] = self._group.rebuild(self._execution, spec, timeout)
+        if self._keeper is not None:  # a restart by the keeper, or the next process to connect, keeps this mesh
+            self._keeper.note(mesh=str(self.mesh))
 
     # ------------------------------------------------------------------ running code
     def _require_running(self) -> None:
