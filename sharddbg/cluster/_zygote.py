@@ -152,6 +152,11 @@ def _preload(config: dict) -> dict:
     """Import what every engine needs. Returns facts for the client (GPU count, patch mode, timings)."""
     facts: dict = {"pid": os.getpid(), "python": sys.version.split()[0]}
     t0 = time.perf_counter()
+    if config.get("preload") is False:
+        # engines started by another launcher (mpiexec, ssh, Slurm) import the stack themselves: this process
+        # only keeps the controller under its lifeline
+        facts.update(preload="none", t_preload_s=time.perf_counter() - t0, cuda_initialized=False)
+        return facts
     gpu_host = _nvidia_device_present()
     probe = GpuCountProbe() if gpu_host else None
     if gpu_host and os.environ.get("SHARDDBG_GPU_PRELOAD") == "light":
