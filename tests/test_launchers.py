@@ -270,6 +270,14 @@ def test_slurm_launcher_starts_ranks_as_a_job_and_stops_clean(slurm):
         # the rank from srun's SLURM_PROCID
         assert cl.eval("__import__('os').environ['SLURM_PROCID']") == ["0", "1"]
         assert cl.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()) * (rank + 1))") == [3.0] * 2
+        # restart(): the job is cancelled and a new one submitted (new engines, new processes)
+        first_job = cl.eval("__import__('os').environ['SLURM_JOB_ID']")
+        old_pids = processes_of(cl)
+        cl.restart()
+        assert_all_gone(old_pids - processes_of(cl))
+        second_job = cl.eval("__import__('os').environ['SLURM_JOB_ID']")
+        assert len(set(second_job)) == 1 and second_job != first_job
+        assert cl.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()) * (rank + 1))") == [3.0] * 2
         pids = processes_of(cl)
         assert set(cl.pids.values()) <= pids
     finally:

@@ -134,9 +134,9 @@ def main(argv: list[str]) -> None:
     bootstrap.on_fork(rank)
     owner = env.get("SHARDDBG_OWNER")
     if owner and env.get("SHARDDBG_OWNER_HOST") == socket.gethostname():
-        from sharddbg.cluster._zygote import _end_cluster_when_owner_gone
+        from sharddbg.cluster._zygote import end_cluster_when_owner_gone
 
-        _end_cluster_when_owner_gone(json.loads(owner), env["SHARDDBG_CLUSTER_ID"])
+        end_cluster_when_owner_gone(json.loads(owner), env["SHARDDBG_CLUSTER_ID"])
     from ipyparallel.engine.app import IPEngine
 
     # --mpi (added by MPIEngineSetLauncher) would import mpi4py for the rank: it comes from the environment here

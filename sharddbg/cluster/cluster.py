@@ -183,7 +183,7 @@ class Cluster:
                                                                   for k, v in env.items())):
             raise ClusterError(f"env must map variable names to string values, got {env!r}")
         self.extra_env = dict(env or {})
-        if not force and (self.launcher is None or self.launcher.name == "mpi" and not self.launcher.spans_hosts):
+        if not force and (self.launcher is None or not self.launcher.spans_hosts):  # every engine on this host
             check_memory(self.n)
         self.timings: dict[str, float] = {}
         self.running = False
@@ -327,6 +327,9 @@ class Cluster:
         (``backend``, or NCCL where the host has GPUs and gloo where it has none), builds the ``ddp x domain`` mesh
         and fills physicsnemo's DistributedManager. When a step fails, everything started so far is shut down
         before the error is raised. The steps' durations are in ``timings`` (``start_s`` for the whole). An
+        With a ``launcher``, ssh hosts are first checked to answer without a password; the fork server starts only
+        the controller (on ``ip``'s address, else loopback) and ipyparallel's launcher starts the engines, which
+        import torch and physicsnemo themselves; ``backend`` None then means NCCL where every engine sees a GPU. An
         untested torch or physicsnemo version on the engines is warned about once (``ShardDbgWarning``); it still
         runs.
 
@@ -450,7 +453,10 @@ class Cluster:
         ranks held is gone (variables, ShardTensors, a broken process group); a rank ipyparallel unregistered
         (``lost_ranks()``) is killed like the others and replaced. When the cluster is not running, or
         its fork server is gone, what is left of it is stopped and it is started from scratch (``start()``). When
-        replacing the engines fails, the cluster is stopped and the error raised.
+        replacing the engines fails, the cluster is stopped and the error raised. With a ``launcher`` ("mpi",
+        "ssh", "slurm") nothing is forked: the launcher's engines are ended (mpiexec's process tree killed, ssh's
+        engines killed, the Slurm job cancelled), the controller started again, and the launcher starts new
+        engines, each importing torch and physicsnemo itself, so a restart takes as long as a start.
 
         Returns
         -------

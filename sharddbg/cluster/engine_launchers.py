@@ -31,7 +31,7 @@ import psutil
 
 from ..errors import ClusterError
 from . import registry
-from .processes import POLL_S, ClusterProcesses, _tail, pid_alive
+from .processes import POLL_S, ClusterProcesses, pid_alive, tail_of
 
 LAUNCHERS = ("mpi", "ssh", "slurm")
 # the MPI that .ci/requirements-tests.txt installs (its mpiexec lands in the venv's bin folder)
@@ -380,7 +380,7 @@ class LaunchedProcesses(ClusterProcesses):
         return f"mpiexec (pid {process.pid}) ended" + (f" with status {code}" if code is not None else "")
 
     def _launcher_log_tail(self) -> str:
-        tail = _tail(self.launcher_log)
+        tail = tail_of(self.launcher_log)
         return f"\nlast lines of the launcher's output ({self.launcher_log}):\n    " + "\n    ".join(
             tail.splitlines()) if tail else ""
 

@@ -357,10 +357,10 @@ class ClusterProcesses:
 
     def log_tail(self, rank: int) -> str:
         """The last lines of rank ``rank``'s engine log ("" when there is none)."""
-        return _tail(os.path.join(self.log_dir, f"engine-rank{rank}.log"))
+        return tail_of(os.path.join(self.log_dir, f"engine-rank{rank}.log"))
 
     def _controller_log_tail(self) -> str:
-        tail = _tail(self.controller_log)
+        tail = tail_of(self.controller_log)
         return (f"\nlast lines of its log ({self.controller_log}):\n    " + "\n    ".join(tail.splitlines())
                 if tail else f" Its log: {self.controller_log}")
 
@@ -380,7 +380,7 @@ _LOG_NOISE = re.compile(r"Not using CurveZMQ security|debugpy_stream undefined|T
                         r"|Could not find or load the NVIDIA CUDA driver")
 
 
-def _tail(path: str) -> str:
+def tail_of(path: str) -> str:
     """The last lines of the text file ``path`` ("" when there is none)."""
     try:
         with open(path, errors="replace") as f:
