@@ -14,6 +14,7 @@ import textwrap
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 import sharddbg
@@ -26,6 +27,26 @@ from test_lifecycle import assert_all_gone, processes_of
 pytestmark = pytest.mark.cluster
 
 HERE = socket.gethostname()
+
+
+def listening_addresses(cl) -> set[str]:
+    """The addresses the cluster's processes accept TCP connections on."""
+    found = set()
+    for proc in cl.processes():
+        try:
+            found |= {c.laddr.ip for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            continue
+    return found
+
+
+def this_hosts_other_interface() -> tuple[str, str] | None:
+    """(name, IPv4 address) of an interface of this machine besides loopback, if it has one."""
+    for name, addresses in sorted(psutil.net_if_addrs().items()):
+        for a in addresses:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return name, a.address
+    return None
 
 
 def test_mpi_launcher_runs_traces_recovers_and_stops_clean():
@@ -44,6 +65,8 @@ def test_mpi_launcher_runs_traces_recovers_and_stops_clean():
         # the rank from mpiexec's PMI_RANK, LOCAL_RANK per host, the rendezvous on rank 0's host (loopback here)
         env = cl.eval("[__import__('os').environ[k] for k in ('PMI_RANK', 'LOCAL_RANK', 'MASTER_ADDR')]")
         assert env == [[str(r), str(r), "127.0.0.1"] for r in range(4)]
+        # on one host everything listens on loopback only: controller, rendezvous store, gloo
+        assert listening_addresses(cl) == {"127.0.0.1"}
         # the demo net, traced, equal to the unsharded net
         trace = cl.trace(DEMO_CELL, display=False)
         assert len(trace.get_ops()) > 0 and sorted(trace.ranks) == [0, 1, 2, 3]
@@ -140,7 +163,11 @@ def sshd():
 
 
 def test_ssh_launcher_starts_ranks_over_ssh_and_stops_clean(sshd):
+    # ip= this machine's other interface where it has one: the way across hosts (the controller, the rendezvous
+    # and gloo on that interface only), with both hosts this one
+    other = this_hosts_other_interface()
     cl = sharddbg.Cluster(n=2, launcher="ssh", hosts={sshd["host"]: 2}, timeout=60, start_timeout=240,
+                          ip=other[0] if other else None,
                           launcher_config={"ssh_args": sshd["ssh_args"], "scp_args": sshd["scp_args"]})
     cl.start()
     try:
@@ -149,6 +176,12 @@ def test_ssh_launcher_starts_ranks_over_ssh_and_stops_clean(sshd):
         assert status["host"].tolist() == [HERE] * 2
         assert cl.eval("(lambda t: (dist.all_reduce(t), t.item())[1])(torch.ones(()) * (rank + 1))") == [3.0] * 2
         assert cl.eval("__import__('os').environ['LOCAL_RANK']") == ["0", "1"]
+        address = other[1] if other else "127.0.0.1"
+        assert cl.eval("__import__('os').environ['MASTER_ADDR']") == [address] * 2
+        # the controller and rank 0's store on that address; besides it, loopback only
+        assert address in listening_addresses(cl) <= {address, "127.0.0.1"}
+        if other:
+            assert cl.eval("__import__('os').environ['GLOO_SOCKET_IFNAME']") == [other[0]] * 2
         pids = processes_of(cl)
         assert set(cl.pids.values()) <= pids
     finally:

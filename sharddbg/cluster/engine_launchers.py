@@ -136,10 +136,10 @@ def resolve_launcher(launcher, n: int, *, ip=None, hosts=None, launcher_config=N
         return None
     if launcher not in LAUNCHERS:
         raise ClusterError(f"launcher must be None (the local fork server), 'mpi', 'ssh' or 'slurm', got {launcher!r}")
-    config = dict(launcher_config or {})
     if not isinstance(launcher_config or {}, dict):
         raise ClusterError(f"launcher_config must be a dict of the ipyparallel launcher's settings (e.g. "
                            f"{{'mpi_args': ['-hosts', 'a,b']}}), got {launcher_config!r}")
+    config = dict(launcher_config or {})
     controller_ip = resolve_ip(ip)
     if launcher != "ssh" and hosts is not None:
         raise ClusterError(f"hosts= is for launcher='ssh'; with launcher={launcher!r} say where the ranks run in "
@@ -154,7 +154,7 @@ def resolve_launcher(launcher, n: int, *, ip=None, hosts=None, launcher_config=N
     if launcher == "ssh":
         checked = _hosts(hosts, n)
         remote = [h for h in checked if not is_this_host(h)]
-        if remote and not controller_ip or remote and controller_ip.startswith("127."):
+        if remote and controller_ip.startswith("127."):
             raise ClusterError(f"hosts {remote} are other machines, and they cannot reach a controller on loopback: "
                                f"give ip= the interface or address of this host they reach (e.g. ip='eth0')")
         if shutil.which((config.get("ssh_cmd") or ["ssh"])[0]) is None:
