@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -67,6 +68,11 @@ def test_mpi_launcher_runs_traces_recovers_and_stops_clean():
         assert env == [[str(r), str(r), "127.0.0.1"] for r in range(4)]
         # on one host everything listens on loopback only: controller, rendezvous store, gloo
         assert listening_addresses(cl) == {"127.0.0.1"}
+        # the connection files, the launcher's output and the engines' logs: this user's only
+        security = registry.profile_dir() / "security"
+        private = list(security.glob(f"*{cl.cluster_id}*")) + list(Path(cl.log_dir).rglob("*"))
+        assert len(private) >= 2 + 1 + 4 and {f.name: oct(f.stat().st_mode & 0o077) for f in private
+                                               if f.stat().st_mode & 0o077} == {}
         # the demo net, traced, equal to the unsharded net
         trace = cl.trace(DEMO_CELL, display=False)
         assert len(trace.get_ops()) > 0 and sorted(trace.ranks) == [0, 1, 2, 3]
