@@ -51,7 +51,7 @@ def _claim_slot(slot_dir: str, count: int) -> int:
                        f"started here than sharddbg gave it ranks")
 
 
-def rank_and_local_rank(env) -> tuple[int, int]:
+def _rank_and_local_rank(env) -> tuple[int, int]:
     """This engine's (global rank, rank on its host), from the launcher's environment."""
     host_ranks = env.get("SHARDDBG_HOST_RANKS")
     if host_ranks:  # ssh: sharddbg's order
@@ -67,7 +67,7 @@ def rank_and_local_rank(env) -> tuple[int, int]:
     return rank, rank if local is None else local
 
 
-def reachable_address(controller_ip: str) -> str:
+def _reachable_address(controller_ip: str) -> str:
     """This host's address toward the controller (no packet is sent: a UDP socket only picks its route)."""
     if controller_ip.startswith("127."):
         return "127.0.0.1"
@@ -76,7 +76,7 @@ def reachable_address(controller_ip: str) -> str:
         return probe.getsockname()[0]
 
 
-def interface_of(address: str) -> str | None:
+def _interface_of(address: str) -> str | None:
     """The name of this host's network interface that holds ``address`` (None if none does)."""
     import psutil
 
@@ -115,15 +115,15 @@ def main(argv: list[str]) -> None:
     env = os.environ
     log_dir = env["SHARDDBG_LOG_DIR"]
     os.makedirs(log_dir, mode=0o700, exist_ok=True)  # on another host, the folder is made there
-    rank, local_rank = rank_and_local_rank(env)
+    rank, local_rank = _rank_and_local_rank(env)
     _redirect_output(os.path.join(log_dir, f"engine-rank{rank}.log"))
     controller_ip = env.get("SHARDDBG_CONTROLLER_IP", "127.0.0.1")
-    address = reachable_address(controller_ip)
+    address = _reachable_address(controller_ip)
     size = _first(SIZE_VARIABLES, env)
     env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), SHARDDBG_LOCAL_RANK=str(local_rank), SHARDDBG_ADDRESS=address,
                WORLD_SIZE=str(size if size is not None else env.get("SHARDDBG_WORLD_SIZE", "")))
     if not address.startswith("127."):
-        interface = interface_of(address)
+        interface = _interface_of(address)
         if interface:  # only the interface the controller is reached on, unless the user set them
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
             env.setdefault("NCCL_SOCKET_IFNAME", interface)

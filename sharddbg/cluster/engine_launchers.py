@@ -62,7 +62,7 @@ def _local_addresses() -> dict[str, str]:
             for a in addrs if a.family == socket.AF_INET}
 
 
-def resolve_ip(ip: str | None) -> str:
+def _resolve_ip(ip: str | None) -> str:
     """The controller's address for ``ip=``: 127.0.0.1 for None; an interface's IPv4 address for its name; an
     address of this host as it is. Raises ClusterError for anything else."""
     if ip is None:
@@ -85,7 +85,7 @@ def resolve_ip(ip: str | None) -> str:
     return ip
 
 
-def is_this_host(host: str) -> bool:
+def _is_this_host(host: str) -> bool:
     """Whether ssh host ``host`` (``user@name:port`` allowed) is this machine."""
     name = host.split("@", 1)[-1].split(":", 1)[0]
     if name in ("localhost", socket.gethostname(), socket.getfqdn()):
@@ -96,7 +96,7 @@ def is_this_host(host: str) -> bool:
         return False
 
 
-def find_mpiexec(config: dict) -> str | None:
+def _find_mpiexec(config: dict) -> str | None:
     """``mpi_cmd`` of ``launcher_config``, else ``mpiexec`` on PATH, else beside this Python (a venv's bin)."""
     if config.get("mpi_cmd"):
         return shutil.which(config["mpi_cmd"][0])
@@ -124,9 +124,44 @@ def _hosts(hosts, n: int) -> dict[str, int]:
 
 
 def resolve_launcher(launcher, n: int, *, ip=None, hosts=None, launcher_config=None) -> LauncherChoice | None:
-    """The checked launcher choice of ``Cluster(launcher=..., ip=..., hosts=..., launcher_config=...)``; None
-    for the local fork server. Every refusal is one ClusterError sentence with the fix, before anything
-    starts."""
+    """The checked launcher choice of ``Cluster(launcher=..., ip=..., hosts=..., launcher_config=...)``.
+
+    Every refusal is one sentence with the fix, before anything starts (ssh hosts are asked to answer later,
+    at the start: ``LaunchedProcesses.start``).
+
+    Parameters
+    ----------
+    launcher : {None, "mpi", "ssh", "slurm"}
+        Who starts the engines; None: sharddbg's fork server.
+    n : int
+        The number of ranks.
+    ip : str or None
+        An interface name or an IPv4 address of this host for the controller; None: loopback.
+    hosts : dict of str to int, list of str, or None
+        ssh only: host -> engines there (a list: one entry per engine).
+    launcher_config : dict or None
+        Settings of ipyparallel's launcher (``mpi_args``, ``ssh_args``, ``batch_template``, ...).
+
+    Returns
+    -------
+    LauncherChoice or None
+        None for the fork server.
+
+    Raises
+    ------
+    ClusterError
+        An unknown launcher; ``mpi`` without ``mpiexec``; ``ssh`` without hosts, with counts that are not ``n``
+        or with other machines and no ``ip``; ``slurm`` without ``sbatch``/``srun``; an ``ip`` that is not this
+        host's; ``ip``, ``hosts`` or ``launcher_config`` without a launcher.
+
+    Examples
+    --------
+    >>> resolve_launcher("ssh", 2, hosts=["localhost", "localhost"]).hosts
+    {'localhost': 2}
+    >>> resolve_launcher("torchrun", 4)
+    Traceback (most recent call last):
+    ClusterError: launcher must be None (the local fork server), 'mpi', 'ssh' or 'slurm', got 'torchrun'
+    """
     if launcher is None:
         given = [name for name, value in (("ip", ip), ("hosts", hosts), ("launcher_config", launcher_config))
                  if value is not None]
@@ -140,12 +175,12 @@ def resolve_launcher(launcher, n: int, *, ip=None, hosts=None, launcher_config=N
         raise ClusterError(f"launcher_config must be a dict of the ipyparallel launcher's settings (e.g. "
                            f"{{'mpi_args': ['-hosts', 'a,b']}}), got {launcher_config!r}")
     config = dict(launcher_config or {})
-    controller_ip = resolve_ip(ip)
+    controller_ip = _resolve_ip(ip)
     if launcher != "ssh" and hosts is not None:
         raise ClusterError(f"hosts= is for launcher='ssh'; with launcher={launcher!r} say where the ranks run in "
                            f"launcher_config (mpi: {{'mpi_args': ['-hosts', 'a,b']}}; slurm: the job's options)")
     if launcher == "mpi":
-        mpiexec = find_mpiexec(config)
+        mpiexec = _find_mpiexec(config)
         if mpiexec is None:
             raise ClusterError(f"launcher='mpi' needs mpiexec, and none is on PATH or beside {sys.executable}: "
                                f"pip install {MPICH_REQUIREMENT} (into this environment), or load your MPI module "
@@ -153,7 +188,7 @@ def resolve_launcher(launcher, n: int, *, ip=None, hosts=None, launcher_config=N
         return LauncherChoice("mpi", controller_ip, config=config, mpiexec=mpiexec)
     if launcher == "ssh":
         checked = _hosts(hosts, n)
-        remote = [h for h in checked if not is_this_host(h)]
+        remote = [h for h in checked if not _is_this_host(h)]
         if remote and controller_ip.startswith("127."):
             raise ClusterError(f"hosts {remote} are other machines, and they cannot reach a controller on loopback: "
                                f"give ip= the interface or address of this host they reach (e.g. ip='eth0')")
@@ -167,7 +202,7 @@ def resolve_launcher(launcher, n: int, *, ip=None, hosts=None, launcher_config=N
     return LauncherChoice("slurm", controller_ip, config=config)
 
 
-def check_ssh_hosts(choice: LauncherChoice) -> None:
+def _check_ssh_hosts(choice: LauncherChoice) -> None:
     """Each ssh host answers a command without a password (``ssh -o BatchMode=yes HOST true``); raises a
     ClusterError naming the first that does not, with ssh's own reason."""
     ssh = list(choice.config.get("ssh_cmd") or ["ssh"]) + list(choice.config.get("ssh_args") or [])
@@ -217,7 +252,7 @@ class LaunchedProcesses(ClusterProcesses):
         self.launcher = None  # ipyparallel's EngineSetLauncher while engines run
         self._loop = None  # the IOLoop the launcher reports on (never run: sharddbg watches the processes itself)
         self.places: dict[int, EnginePlace] = {}
-        self.facts: dict = {}
+        self._launched_n = 0  # how many engines the launcher was last asked for
 
     # ------------------------------------------------------------------ start
     def fork_server_config(self) -> dict:
@@ -225,7 +260,7 @@ class LaunchedProcesses(ClusterProcesses):
 
     def start(self, start_timeout: float) -> dict:
         if self.choice.name == "ssh":
-            check_ssh_hosts(self.choice)
+            _check_ssh_hosts(self.choice)
         facts = super().start(start_timeout)
         facts["launcher"] = self.choice.name
         return facts
@@ -280,7 +315,7 @@ class LaunchedProcesses(ClusterProcesses):
             host_env = {**env, "SHARDDBG_WORLD_SIZE": str(n), "SHARDDBG_HOST_KEY": f"{first}",
                         "SHARDDBG_HOST_RANKS": ",".join(str(r) for r in range(first, first + count))}
             engines[host] = {"n": count, "environment": host_env}
-            if is_this_host(host):
+            if _is_this_host(host):
                 engines[host]["to_send"] = []  # the connection files are here already (scp onto itself truncates)
             first += count
         return ipp_launchers.SSHEngineSetLauncher(
@@ -306,6 +341,7 @@ class LaunchedProcesses(ClusterProcesses):
         deadline = time.monotonic() + start_timeout
         client_file = self._wait_connection_files(deadline)
         shutil.rmtree(os.path.join(self.log_dir, "slots"), ignore_errors=True)  # ssh: the last start's claims
+        self._launched_n = n
         self.launcher = self._make_launcher(n)
         try:
             self.launcher.start(n)
@@ -386,7 +422,7 @@ class LaunchedProcesses(ClusterProcesses):
 
     def _engine_logs_tail(self) -> str:
         parts = []
-        for rank in range(64):
+        for rank in range(self._launched_n):
             tail = self.log_tail(rank)
             if tail:
                 parts.append(f"\nlast lines of rank {rank}'s log:\n    " + "\n    ".join(tail.splitlines()[-6:]))
@@ -422,7 +458,7 @@ class LaunchedProcesses(ClusterProcesses):
                     launcher.stop()  # scancel
                 elif self.choice.name == "ssh":
                     for host, one in launcher.launchers.items():
-                        if not is_this_host(host.rsplit("/", 1)[0]):
+                        if not _is_this_host(host.rsplit("/", 1)[0]):
                             one.signal(signal.SIGKILL)
             except (psutil.Error, OSError, subprocess.CalledProcessError, Exception):  # noqa: BLE001 - best effort
                 pass
