@@ -53,7 +53,7 @@ def this_hosts_other_interface() -> tuple[str, str] | None:
 def test_mpi_launcher_runs_traces_recovers_and_stops_clean():
     """One 4-rank cluster whose engines mpiexec started: the demo net traced and checked against the unsharded
     reference, a skipped collective diagnosed and recovered, the host column, and nothing left after stop()."""
-    cl = sharddbg.Cluster(n=4, mesh={"ddp": 1, "domain": 4}, launcher="mpi", timeout=60, start_timeout=240)
+    cl = sharddbg.Cluster(n=4, mesh={"ddp": 1, "domain": 4}, launcher="mpi", timeout=120, start_timeout=300)
     cl.start()
     try:
         # mpiexec (MPICH's single-host process manager on one host) is the engines' parent, named in the record
@@ -93,7 +93,7 @@ def test_mpi_launcher_runs_traces_recovers_and_stops_clean():
                     return t
                 if rank == 0:
                     exchange(torch.ones(4))
-            """), timeout=5, display=False)
+            """), timeout=10, display=False)
         report = info.value.report
         assert report.finished == [1, 2, 3] and report.unfinished == [0]
         assert [f["function"] for f in report.ranks[0].user_frames()][-1] == "exchange"
@@ -172,7 +172,7 @@ def test_ssh_launcher_starts_ranks_over_ssh_and_stops_clean(sshd):
     # ip= this machine's other interface where it has one: the way across hosts (the controller, the rendezvous
     # and gloo on that interface only), with both hosts this one
     other = this_hosts_other_interface()
-    cl = sharddbg.Cluster(n=2, launcher="ssh", hosts={sshd["host"]: 2}, timeout=60, start_timeout=240,
+    cl = sharddbg.Cluster(n=2, launcher="ssh", hosts={sshd["host"]: 2}, timeout=120, start_timeout=300,
                           ip=other[0] if other else None,
                           launcher_config={"ssh_args": sshd["ssh_args"], "scp_args": sshd["scp_args"]})
     cl.start()
@@ -302,7 +302,7 @@ def slurm():
 
 
 def test_slurm_launcher_starts_ranks_as_a_job_and_stops_clean(slurm):
-    cl = sharddbg.Cluster(n=2, launcher="slurm", timeout=60, start_timeout=240)
+    cl = sharddbg.Cluster(n=2, launcher="slurm", timeout=120, start_timeout=300)
     cl.start()
     try:
         assert cl.status()["host"].tolist() == [HERE] * 2
