@@ -216,3 +216,55 @@ def test_home_under_a_file_is_named_before_anything_starts(tmp_path):
         f"SHARDDBG_HOME={str(a_file / 'home')!r} cannot hold sharddbg's state (cluster records, logs, connection "
         f"files): {a_file} is not a folder, so {a_file / 'home'} cannot be one. Set SHARDDBG_HOME to a folder")
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= children, "nothing was started"
+
+
+# ---- engine launchers: refused at Cluster(...), before anything starts ------------------------------------------
+def test_a_launcher_that_does_not_exist_is_refused_with_the_valid_ones():
+    with pytest.raises(ClusterError, match=r"^launcher must be None \(the local fork server\), 'mpi', 'ssh' or "
+                                           r"'slurm', got 'torchrun'$"):
+        sharddbg.Cluster(n=2, launcher="torchrun")
+    with pytest.raises(ClusterError, match="only apply with launcher='mpi', 'ssh' or 'slurm'"):
+        sharddbg.Cluster(n=2, ip="lo")
+
+
+def test_mpi_without_mpiexec_says_how_to_get_one(monkeypatch, tmp_path):
+    # a PATH without mpiexec, and a Python whose folder has none (the venv's bin has the mpich wheel's)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr("sys.executable", str(tmp_path / "python"))
+    with pytest.raises(ClusterError, match=r"^launcher='mpi' needs mpiexec, and none is on PATH or beside .*: pip "
+                                           r"install mpich==4\.3\.2 \(into this environment\), or load your MPI module"):
+        sharddbg.Cluster(n=2, launcher="mpi")
+
+
+def test_ssh_without_hosts_or_with_an_unreachable_one_is_refused(tmp_path):
+    with pytest.raises(ClusterError, match=r"^launcher='ssh' needs hosts=: the ssh hosts and how many engines each "
+                                           r"runs"):
+        sharddbg.Cluster(n=2, launcher="ssh")
+    with pytest.raises(ClusterError, match=r"hosts= gives 1 engines .* but the cluster has 2 ranks"):
+        sharddbg.Cluster(n=2, launcher="ssh", hosts={"localhost": 1})
+    with pytest.raises(ClusterError, match=r"cannot reach a controller on loopback: give ip="):
+        sharddbg.Cluster(n=2, launcher="ssh", hosts={"node-elsewhere.invalid": 2})
+    # a host nobody answers for: refused at start(), before any process of the cluster starts
+    cl = sharddbg.Cluster(n=2, launcher="ssh", hosts={"127.0.0.1:9": 2},
+                          launcher_config={"ssh_args": ["-o", "StrictHostKeyChecking=no"]})
+    children = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(ClusterError, match=r"^ssh host '127.0.0.1:9' is unreachable \(.*\): check that `ssh .*` "
+                                           r"works without a password"):
+        cl.start()
+    assert not cl.running and not cl.processes()
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= children, "nothing was left running"
+
+
+def test_slurm_without_sbatch_says_where_to_run(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ClusterError, match=r"^launcher='slurm' needs Slurm's sbatch and srun, not found on PATH: run "
+                                           r"on a Slurm login node"):
+        sharddbg.Cluster(n=2, launcher="slurm")
+
+
+def test_an_ip_that_is_not_this_hosts_is_refused():
+    with pytest.raises(ClusterError, match=r"^ip='no-such-if0' is neither an interface nor an IPv4 address of this "
+                                           r"host; its interfaces: .*lo \(127\.0\.0\.1\)"):
+        sharddbg.Cluster(n=2, launcher="mpi", ip="no-such-if0")
+    with pytest.raises(ClusterError, match=r"^ip='192\.0\.2\.1' is not an address of this host"):
+        sharddbg.Cluster(n=2, launcher="mpi", ip="192.0.2.1")

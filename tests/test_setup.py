@@ -31,9 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 SETUP_FILES = (".ci/setup", ".ci/demo", ".ci/requirements.txt", ".ci/requirements-tests.txt", ".ci/constraints.txt",
                "pyproject.toml")
 STEP = re.compile(r"^sharddbg setup: \[(\d)/(\d)\] ")
-# chromium for the browser tests, only where it is missing
-CHROMIUM = re.compile(r"^sharddbg setup: (Debian's chromium for the browser tests"
-                      r"|note: could not install Debian's chromium)")
+# Debian's packages for the tests (chromium, openssh-server, slurm-wlm and munge), each only where it is missing
+CHROMIUM = re.compile(r"^sharddbg setup: (Debian's (chromium|openssh-server|slurm-wlm munge) for the "
+                      r"|note: could not install Debian's )")
 PROGRESS = re.compile(r"^sharddbg setup:       still at it after \d+ (s|min \d\d s)"
                       r"(: resolving: \d+ packages? so far|: installing \d+ packages?)?$")
 READY = r"^sharddbg setup: ready in (\d+ s|\d+ min \d\d s) \(\./\.venv; pip's output in \.venv/sharddbg-setup\.log\)\. "
@@ -129,6 +129,7 @@ def test_the_tests_then_add_their_tools_and_only_them(clone, demo_installed, tes
     assert all(PROGRESS.match(line) for line in out[1:-1]), out
     assert re.match(READY + r"Starting the tests\.$", out[-1]), out[-1]
     assert importable(clone, TEST_TOOLS) == list(TEST_TOOLS)
+    assert (clone / ".venv/bin/mpiexec").is_file()  # the mpich wheel's, for Cluster(launcher="mpi")
     # pip installed the tools and nothing of the demo's again
     added = (clone / ".venv/sharddbg-setup.log").read_text()[logged:]
     installed_now = re.search(r"^Successfully installed (.*)$", added, re.MULTILINE).group(1).split()

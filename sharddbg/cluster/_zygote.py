@@ -12,7 +12,7 @@ SIGKILL) the fork server kills its engines and the controller's whole process gr
 controller is its child, started before anything else (so no moment exists in which the controller runs
 and nothing would end it); during the preload a thread watches the pipe, afterwards the command loop.
 When the controller dies, the rest of its process group is killed at once and its exit is reported.
-When the fork server dies with the owner, each engine ends the cluster itself (``_end_cluster_when_owner_gone``).
+When the fork server dies with the owner, each engine ends the cluster itself (``end_cluster_when_owner_gone``).
 Engines lead their own process groups, so that what a cell started (a subprocess) is killed with them.
 
 Fork safety: the process is single-threaded whenever it forks (the preload's watcher thread has ended by
@@ -159,6 +159,11 @@ def _preload(config: dict) -> dict:
     """Import what every engine needs. Returns facts for the client (GPU count, patch mode, timings)."""
     facts: dict = {"pid": os.getpid(), "python": sys.version.split()[0]}
     t0 = time.perf_counter()
+    if config.get("preload") is False:
+        # engines started by another launcher (mpiexec, ssh, Slurm) import the stack themselves: this process
+        # only keeps the controller under its lifeline
+        facts.update(preload="none", t_preload_s=time.perf_counter() - t0, cuda_initialized=False)
+        return facts
     gpu_host = _nvidia_device_present()
     probe = GpuCountProbe() if gpu_host else None
     if gpu_host and os.environ.get("SHARDDBG_GPU_PRELOAD") == "light":
@@ -316,7 +321,7 @@ def _run_engine(rank: int, engine_argv: list[str], env: dict, log_path: str, clo
 
         bootstrap.on_fork(rank)
         if owner and cluster_id:
-            _end_cluster_when_owner_gone(owner, cluster_id)
+            end_cluster_when_owner_gone(owner, cluster_id)
         from ipyparallel.engine.app import IPEngine
 
         IPEngine.launch_instance(argv=engine_argv)
@@ -353,7 +358,7 @@ def _kill_engines(pids, sig) -> None:
             _kill([pid], sig)
 
 
-def _end_cluster_when_owner_gone(owner: dict, cluster_id: str) -> None:
+def end_cluster_when_owner_gone(owner: dict, cluster_id: str) -> None:
     """In an engine: a thread that ends the whole cluster once its owner is gone, for when the fork server (whose
     lifeline would do it) was killed with it. The cluster's record names the processes (``registry``); it is
     left for the next start's reaping, as the fork server leaves it."""

@@ -39,6 +39,7 @@ from .control import ControlChannel
 from .execution import PendingCell, RankExecution, RankOutput, engines_in_rank_order, filter_noise
 from .group import DistributedGroup
 from .mesh import MeshSpec, resolve_mesh
+from .engine_launchers import LaunchedProcesses, resolve_launcher
 from .processes import ClusterProcesses, choose_backend
 from .recording import CellTracer
 from .state_file import StateFileWriter
@@ -122,6 +123,27 @@ class Cluster:
         own (the thread counts, ``GLOO_SOCKET_IFNAME``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ...).
     force : bool
         Skip the check that ``n`` engines (about 0.7 GB each) fit in the memory available now.
+    launcher : {None, "mpi", "ssh", "slurm"}
+        Who starts the engines. None: sharddbg's fork server on this host (the fast path). ``"mpi"``, ``"ssh"``,
+        ``"slurm"``: ipyparallel's own ``MPIEngineSetLauncher``, ``SSHEngineSetLauncher`` or
+        ``SlurmEngineSetLauncher``, for ranks on several hosts; each engine's rank is its global rank from the
+        launcher (``PMI_RANK``/``OMPI_COMM_WORLD_RANK``, ``SLURM_PROCID``, or the order of ``hosts`` for ssh),
+        ``LOCAL_RANK`` its rank on its host, and torch.distributed meets on rank 0's host. The fork server still
+        keeps the controller but preloads nothing: every engine imports torch and physicsnemo itself, at
+        ``start()`` and at each ``restart()`` (which starts new engines through the launcher, so it is as slow
+        as a start). ``hang reports``, ``recover()`` and tracing work the same; releasing a rank blocked in a
+        gloo collective at once, and ``dead_ranks()``, see only this host's engines (one elsewhere shows
+        as lost when ipyparallel's heartbeat misses it).
+    ip : str or None
+        With a launcher: the interface name (``"eth0"``) or this host's address on which the controller listens
+        and the engines meet; None keeps everything on loopback (127.0.0.1), for engines on this host only.
+    hosts : dict of str to int, list of str, or None
+        With ``launcher="ssh"``: the ssh hosts (``"user@host:port"`` allowed) and how many engines each runs;
+        ranks are given in this order.
+    launcher_config : dict or None
+        Settings of ipyparallel's launcher, passed on as they are: ``mpi_args`` (e.g. ``["-hosts", "a,b"]``),
+        ``mpi_cmd``, ``ssh_args``, ``scp_args``, ``remote_python``, Slurm's ``options``, ``timelimit``,
+        ``queue``, ``account``, ``batch_template``.
 
     Raises
     ------
@@ -132,7 +154,10 @@ class Cluster:
         ``backend`` is not "gloo", "nccl" or None; ``timeout``, ``start_timeout`` or ``collective_timeout`` is
         not a finite number of seconds above 0, or ``collective_timeout`` is below 1 s; ``threads_per_rank`` is
         not a whole number of at least 1; ``env`` does not map names to string values; or, without ``force``,
-        ``n`` engines would not fit in the memory available now.
+        ``n`` engines would not fit in the memory available now. Also, before anything starts: ``launcher`` is
+        not one of None, "mpi", "ssh", "slurm"; ``"mpi"`` without ``mpiexec`` (``pip install mpich==4.3.2`` or
+        load your MPI module); ``"ssh"`` without ``hosts`` or with counts that do not add up to ``n``;
+        ``"slurm"`` without ``sbatch``/``srun``; ``ip`` that is no interface or address of this host.
 
     Examples
     --------
@@ -145,9 +170,11 @@ class Cluster:
 
     def __init__(self, n: int | None = None, mesh=None, *, backend: str | None = None, timeout: float = 60.0,
                  start_timeout: float = 180.0, collective_timeout: float = 60.0, threads_per_rank: int = 1,
-                 env: dict | None = None, force: bool = False) -> None:
+                 env: dict | None = None, force: bool = False, launcher: str | None = None, ip: str | None = None,
+                 hosts=None, launcher_config: dict | None = None) -> None:
         mesh_spec = resolve_mesh(n, mesh)
         self.n = mesh_spec.size
+        self.launcher = resolve_launcher(launcher, self.n, ip=ip, hosts=hosts, launcher_config=launcher_config)
         if backend not in (None, "gloo", "nccl"):
             raise ClusterError(f"backend must be 'gloo', 'nccl' or None (auto), got {backend!r}")
         self.requested_backend = backend
@@ -159,7 +186,7 @@ class Cluster:
                                                                   for k, v in env.items())):
             raise ClusterError(f"env must map variable names to string values, got {env!r}")
         self.extra_env = dict(env or {})
-        if not force:
+        if not force and (self.launcher is None or not self.launcher.spans_hosts):  # every engine on this host
             check_memory(self.n)
         self.timings: dict[str, float] = {}
         self.running = False
@@ -304,6 +331,9 @@ class Cluster:
         (``backend``, or NCCL where the host has GPUs and gloo where it has none), builds the ``ddp x domain`` mesh
         and fills physicsnemo's DistributedManager. When a step fails, everything started so far is shut down
         before the error is raised. The steps' durations are in ``timings`` (``start_s`` for the whole). An
+        With a ``launcher``, ssh hosts are first checked to answer without a password; the fork server starts only
+        the controller (on ``ip``'s address, else loopback) and ipyparallel's launcher starts the engines, which
+        import torch and physicsnemo themselves; ``backend`` None then means NCCL where every engine sees a GPU. An
         untested torch or physicsnemo version on the engines is warned about once (``ShardDbgWarning``); it still
         runs.
 
@@ -337,12 +367,15 @@ class Cluster:
             raise ClusterError(f"this cluster is already running ({self.n} ranks); stop() it first, or restart()")
         registry.reap_orphans()
         t0 = time.perf_counter()
-        self._processes = ClusterProcesses(threads_per_rank=self.threads_per_rank,
-                                           requested_backend=self.requested_backend, extra_env=self.extra_env,
-                                           timings=self.timings)
+        settings = dict(threads_per_rank=self.threads_per_rank, requested_backend=self.requested_backend,
+                        extra_env=self.extra_env, timings=self.timings)
+        self._processes = (ClusterProcesses(**settings) if self.launcher is None else
+                           LaunchedProcesses(choice=self.launcher, **settings))
         try:
             facts = self._processes.start(self.start_timeout)
-            self._launch_engines(choose_backend(self.requested_backend, int(facts.get("cuda_count", 0)), self.n))
+            # launched engines are asked for their GPUs once they run (None: decided then)
+            self._launch_engines(None if self.launcher else
+                                 choose_backend(self.requested_backend, int(facts.get("cuda_count", 0)), self.n))
             self.running = True
             _STARTED[:] = [c for c in _STARTED if c is not self and c.running] + [self]
             self._state_file = StateFileWriter(self).start()
@@ -354,10 +387,13 @@ class Cluster:
         check_versions(self._group.statuses)
         return self
 
-    def _launch_engines(self, backend: str) -> None:
-        """Engines up and mapped to ranks, then torch.distributed on them with ``backend``."""
+    def _launch_engines(self, backend: str | None) -> None:
+        """Engines up and mapped to ranks, then torch.distributed on them with ``backend`` (None: as the
+        launched engines' GPUs allow)."""
         t0 = time.perf_counter()
         client = self._processes.launch_engines(self.n, self.start_timeout)
+        if backend is None:
+            backend = self._processes.engine_backend(self.requested_backend)
         engine_ids = engines_in_rank_order(client, self.n, self.start_timeout)
         self._control = ControlChannel(client, engine_ids)
         self._execution = RankExecution(client, engine_ids, self._processes, self._control, self.timeout)
@@ -536,9 +572,12 @@ class Cluster:
         ranks held is gone (variables, ShardTensors, a broken process group); a rank ipyparallel unregistered
         (``lost_ranks()``) is killed like the others and replaced. When the cluster is not running, or
         its fork server is gone, what is left of it is stopped and it is started from scratch (``start()``). When
-        replacing the engines fails, the cluster is stopped and the error raised. On a cluster this process
-        connected to (``connect``), its keeper replaces the engines (keeping its fork server, and the mesh last
-        set here) and this process connects to the new ones.
+        replacing the engines fails, the cluster is stopped and the error raised. With a ``launcher`` ("mpi",
+        "ssh", "slurm") nothing is forked: the launcher's engines are ended (mpiexec's process tree killed, ssh's
+        engines killed, the Slurm job cancelled), the controller started again, and the launcher starts new
+        engines, each importing torch and physicsnemo itself, so a restart takes as long as a start. On a cluster
+        this process connected to (``connect``), its keeper replaces the engines (keeping its fork server, and the
+        mesh last set here) and this process connects to the new ones.
 
         Returns
         -------
@@ -1146,7 +1185,8 @@ class Cluster:
         Returns
         -------
         pandas.DataFrame
-            Indexed by ``rank``; columns ``pid``, ``device``, ``backend``, ``ddp`` and ``domain`` (the mesh
+            Indexed by ``rank``; columns ``pid``, ``host`` (only for a cluster started with a ``launcher``: the
+            host each engine runs on, as it says itself), ``device``, ``backend``, ``ddp`` and ``domain`` (the mesh
             coordinate), ``patch_mode`` (registered-by-physicsnemo, registered-by-sharddbg or none), ``state``
             (``idle``, ``busy``, ``dead: `` and how it died, or ``lost: `` when ipyparallel unregistered its engine
             while its process lives) and ``process_group`` (``ok``, ``broken at`` and why, or ``broken: `` where
@@ -1171,7 +1211,7 @@ class Cluster:
         """
         __tracebackhide__ = hide_own_frames()
         self._require_running()
-        return self._group.status_table(self._execution, full)
+        return self._group.status_table(self._execution, full, with_host=self.launcher is not None)
 
     @property
     def broken(self) -> str | None:

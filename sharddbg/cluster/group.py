@@ -81,10 +81,11 @@ class DistributedGroup:
         execution.group_recovered()
         return took
 
-    def status_table(self, execution: RankExecution, full: bool = False) -> pd.DataFrame:
+    def status_table(self, execution: RankExecution, full: bool = False, with_host: bool = False) -> pd.DataFrame:
         """One row per rank (index ``rank``): what each idle rank says now (``api.status``), what a busy or dead
         one said when the group last came up, with its ``state`` (idle / busy / dead and how) and the process
-        group's health; ``STATUS_BRIEF`` columns, or with ``full`` every one of ``STATUS_COLUMNS``."""
+        group's health; ``STATUS_BRIEF`` columns (and ``host`` after ``pid`` with ``with_host``: engines a
+        launcher started may run on several hosts), or with ``full`` every one of ``STATUS_COLUMNS``."""
         execution.check_controller()
         dead = execution.processes.dead_ranks()
         lost = execution.lost_ranks()
@@ -113,6 +114,6 @@ class DistributedGroup:
             row["process_group"] = group_state
             rows.append(row)
         frame = pd.DataFrame(rows)
-        shown = STATUS_COLUMNS if full else STATUS_BRIEF
+        shown = STATUS_COLUMNS if full else STATUS_BRIEF[:2] + ("host",) * with_host + STATUS_BRIEF[2:]
         # every column, also one no row could fill (ranks busy, dead or lost since before the group came up)
         return frame.reindex(columns=list(shown)).set_index("rank")

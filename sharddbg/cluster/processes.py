@@ -103,16 +103,18 @@ class ClusterProcesses:
         the fork server's facts once its imports are done."""
         self._remove_connection_files()
         self._controller_started_at = time.time()
-        self.fork_server = ForkServer(
-            {"threads_per_rank": self.threads_per_rank, "backend": self.requested_backend,
-             "cluster_id": self.cluster_id, "controller": self.controller_spec(),
-             "owner": {"pid": self.record.owner.pid, "create_time": self.record.owner.create_time}},
-            self.log_dir, env=self.engine_env())
+        self.fork_server = ForkServer(self.fork_server_config(), self.log_dir, env=self.engine_env())
         self.record.track(self.fork_server.pid, "zygote")
         self._controller_running(self.fork_server.wait_controller(start_timeout))
         self.facts = self.fork_server.wait_ready(start_timeout)
         self.timings["preload_s"] = self.facts.get("t_preload_s", float("nan"))
         return self.facts
+
+    def fork_server_config(self) -> dict:
+        """What the fork server is told at its start: the controller to start, the owner, what to preload."""
+        return {"threads_per_rank": self.threads_per_rank, "backend": self.requested_backend,
+                "cluster_id": self.cluster_id, "controller": self.controller_spec(),
+                "owner": {"pid": self.record.owner.pid, "create_time": self.record.owner.create_time}}
 
     def engine_env(self) -> dict:
         """The environment every engine runs with (on top of this process's)."""
@@ -139,12 +141,15 @@ class ClusterProcesses:
     def controller_spec(self) -> dict:
         """What the fork server runs as the controller: command line, log file, environment."""
         argv = [sys.executable, "-m", "ipyparallel.controller", f"--profile-dir={registry.profile_dir()}",
-                registry.cluster_id_arg(self.cluster_id), "--ip=127.0.0.1",
+                registry.cluster_id_arg(self.cluster_id), f"--ip={self.controller_ip}",
                 # Schedulers as threads, not processes: faster start, fewer processes to reap. A short
                 # heartbeat period: engines count as registered only after their first heartbeat.
                 "--usethreads", f"--HeartMonitor.period={HEARTBEAT_PERIOD_MS}",
                 f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"]
         return {"argv": argv, "log": self.controller_log, "env": {}}
+
+    # the controller listens on loopback only (engines started elsewhere than this host need another address)
+    controller_ip = "127.0.0.1"
 
     @property
     def controller_log(self) -> str:
@@ -354,10 +359,10 @@ class ClusterProcesses:
 
     def log_tail(self, rank: int) -> str:
         """The last lines of rank ``rank``'s engine log ("" when there is none)."""
-        return _tail(os.path.join(self.log_dir, f"engine-rank{rank}.log"))
+        return tail_of(os.path.join(self.log_dir, f"engine-rank{rank}.log"))
 
     def _controller_log_tail(self) -> str:
-        tail = _tail(self.controller_log)
+        tail = tail_of(self.controller_log)
         return (f"\nlast lines of its log ({self.controller_log}):\n    " + "\n    ".join(tail.splitlines())
                 if tail else f" Its log: {self.controller_log}")
 
@@ -377,7 +382,7 @@ _LOG_NOISE = re.compile(r"Not using CurveZMQ security|debugpy_stream undefined|T
                         r"|Could not find or load the NVIDIA CUDA driver")
 
 
-def _tail(path: str) -> str:
+def tail_of(path: str) -> str:
     """The last lines of the text file ``path`` ("" when there is none)."""
     try:
         with open(path, errors="replace") as f:

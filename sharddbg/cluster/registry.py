@@ -40,7 +40,9 @@ CLUSTER_ID_PREFIX = "sdbg-"
 # The programs sharddbg starts for a cluster, each with ``--cluster-id=<id>`` on its command line. The
 # engines are forks of the fork server and the controller's children forks of the controller: they show
 # the same command line.
-CLUSTER_PROGRAMS = ("sharddbg.cluster._zygote", "ipyparallel.controller")
+CLUSTER_PROGRAMS = ("sharddbg.cluster._zygote", "ipyparallel.controller",
+                    # an engine started by ipyparallel's launchers, and mpiexec or srun, whose command line names it
+                    "sharddbg.cluster._launched_engine")
 
 # write_private writes here first; temporary files older than this are left-overs (prune_temp_files).
 TEMP_SUFFIX = ".tmp"
@@ -297,7 +299,8 @@ class ClusterRecord:
             try:
                 proc = psutil.Process(ref.pid)
                 found[proc.pid] = proc
-                if ref.role in ("controller", "zygote", "engine"):  # an engine's: processes a cell started
+                # an engine's: processes a cell started; a launcher's (mpiexec): its proxies and engines
+                if ref.role in ("controller", "zygote", "engine", "launcher"):
                     for child in proc.children(recursive=True):
                         found[child.pid] = child
             except psutil.NoSuchProcess:

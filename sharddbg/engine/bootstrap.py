@@ -121,12 +121,13 @@ def init_rank(world_size: int, mesh_shape, backend: str, master_port: int, colle
     if dist.is_initialized():
         teardown()
     _flight_recorder_env(torch.__version__)
+    # the rank on its host: given by the launcher when engines span hosts (SHARDDBG_LOCAL_RANK), else the rank
+    local_rank = int(os.environ.get("SHARDDBG_LOCAL_RANK", rank))
     if use_cuda:
-        local_rank = rank % torch.cuda.device_count()
+        local_rank = local_rank % torch.cuda.device_count()
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
-        local_rank = rank
         device = torch.device("cpu")
     STATE.group_created_ns = time.time_ns()
     # No device_id: NCCL communicators are then made at the first collective (on the current device, set
@@ -197,17 +198,19 @@ def _silence_known_noise() -> None:
 
 
 def _loopback_store(rank: int, world_size: int, port: int, timeout_s: float):
-    """The rendezvous store, listening on 127.0.0.1 only (``tcp://`` init would listen on every interface)."""
+    """The rendezvous store, listening on 127.0.0.1 only (``tcp://`` init would listen on every interface); on
+    rank 0's address of the interface the user named when the ranks span hosts (``SHARDDBG_MASTER_ADDR``)."""
     import torch.distributed as dist
 
+    address = os.environ.get("SHARDDBG_MASTER_ADDR") or "127.0.0.1"
     timeout = timedelta(seconds=max(timeout_s, 30))
     if rank != 0:
-        return dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+        return dist.TCPStore(address, port, world_size, False, timeout)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
+    listener.bind((address, port))
     listener.listen(max(64, world_size))
-    store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout,
+    store = dist.TCPStore(address, port, world_size, True, timeout,
                           master_listen_fd=listener.fileno(), use_libuv=True)
     STATE.store_listener = listener  # the store serves on this socket: keep it open with the store
     return store
