@@ -165,13 +165,43 @@ def _add_cluster_commands(sub) -> None:
                        help="how long the start, and each of its steps, may take, seconds (600)")
     start.add_argument("--force", action="store_true",
                        help="start even when the ranks would not fit in the memory available now")
+    start.add_argument("--launcher", default=None, metavar="{mpi,ssh,slurm}",
+                       help="start the engines with ipyparallel's own launcher (default: sharddbg's fork server, "
+                            "one host)")
+    start.add_argument("--ip", default=None, metavar="ADDR",
+                       help="with --launcher: the interface or address of this host the ranks reach it on "
+                            "(default: loopback)")
+    start.add_argument("--hosts", default=None, metavar="HOST[:K],...",
+                       help="with --launcher ssh: the hosts and how many engines each runs, e.g. node1:4,node2:4 "
+                            "(a port goes before the count: user@node1:2222:4)")
     actions.add_parser("list", help="every cluster of this user: detached ones and those notebooks own")
     stop = actions.add_parser("stop", help="stop a detached cluster and check that no process of it is left")
     stop.add_argument("name", help="its name (sharddbg cluster list)")
 
 
+def _ssh_hosts(text: str | None) -> dict[str, int] | None:
+    """``--hosts node1:4,node2:4`` -> {"node1": 4, "node2": 4}; a host without a count runs one engine. A host
+    given as ``user@host:port`` keeps its port when a count follows it (``user@host:2222:4``)."""
+    if text is None:
+        return None
+    from .errors import ClusterError
+
+    hosts: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, _, count = item.rpartition(":")
+        if not host or not count.isdigit():
+            host, count = item, "1"
+        if int(count) < 1:
+            raise ClusterError(f"--hosts: {item!r} gives {count} engines; give each host at least 1 (HOST:K)")
+        hosts[host] = hosts.get(host, 0) + int(count)
+    if not hosts:
+        raise ClusterError(f"--hosts {text!r} names no host: give HOST[:K],... (e.g. node1:4,node2:4)")
+    return hosts
+
+
 def _cluster_command(args) -> int:
     from .cluster import arguments, detached
+    from .cluster.engine_launchers import resolve_launcher
     from .cluster.mesh import resolve_mesh
     from .errors import ShardDbgError
 
@@ -197,11 +227,14 @@ def _cluster_command(args) -> int:
         arguments.collective_timeout(args.collective_timeout)
         if args.idle_timeout is not None:
             arguments.seconds("idle-timeout", args.idle_timeout)
-        if not args.force:
+        hosts = _ssh_hosts(args.hosts)
+        launcher = resolve_launcher(args.launcher, mesh.size, ip=args.ip, hosts=hosts)
+        if not args.force and (launcher is None or not launcher.spans_hosts):  # every engine on this host
             arguments.check_memory(mesh.size)
         config = {"name": name, "n": mesh.size, "mesh": str(mesh), "backend": args.backend, "timeout": args.timeout,
                   "collective_timeout": args.collective_timeout, "idle_timeout": args.idle_timeout,
-                  "start_timeout": args.start_timeout, "force": True}
+                  "start_timeout": args.start_timeout, "force": True,
+                  "launcher": args.launcher, "ip": args.ip, "hosts": hosts}
         print(f"sharddbg: starting detached cluster {name!r}: {mesh.size} ranks, mesh {mesh} ...", flush=True)
         report = detached.start(config, args.start_timeout)
     except ShardDbgError as e:

@@ -199,7 +199,16 @@ def test_detached_bad_input_is_refused_before_anything_starts(tmp_path, monkeypa
                           (("cluster", "start", "-n", "2", "--name", "../x"), "'../x' cannot name a cluster"),
                           (("cluster", "start", "-n", "3", "--mesh", "ddp=2"), "ddp"),
                           (("cluster", "stop", "ghost"), "no running detached cluster is named 'ghost' (running: busy, "
-                                                         "other)")):
+                                                         "other)"),
+                          # the engine launchers: refused by the same checks as Cluster(launcher=...)
+                          (("cluster", "start", "-n", "2", "--launcher", "torchrun"),
+                           "launcher must be None (the local fork server), 'mpi', 'ssh' or 'slurm', got 'torchrun'"),
+                          (("cluster", "start", "-n", "2", "--ip", "127.0.0.1"),
+                           "ip only apply with launcher='mpi', 'ssh' or 'slurm'"),
+                          (("cluster", "start", "-n", "2", "--launcher", "ssh", "--hosts", "localhost:3"),
+                           "hosts= gives 3 engines ({'localhost': 3}) but the cluster has 2 ranks"),
+                          (("cluster", "start", "-n", "2", "--launcher", "ssh", "--hosts", "localhost:0"),
+                           "--hosts: 'localhost:0' gives 0 engines; give each host at least 1 (HOST:K)")):
         assert cli_main(list(args)) == 1  # the command line's own entry point, in this process (no start-up cost)
         err = capsys.readouterr().err
         assert message in err, (args, err)

@@ -58,7 +58,8 @@ class Keeper:
         c = self.config
         self.cluster = Cluster(n=c["n"], mesh=c.get("mesh"), backend=c.get("backend"),
                                timeout=c.get("timeout") or 60.0, collective_timeout=c.get("collective_timeout") or 60.0,
-                               start_timeout=c.get("start_timeout") or 180.0, force=bool(c.get("force")))
+                               start_timeout=c.get("start_timeout") or 180.0, force=bool(c.get("force")),
+                               launcher=c.get("launcher"), ip=c.get("ip"), hosts=c.get("hosts"))
         self.cluster.start()
         path = detached.socket_path(self.name)
         path.unlink(missing_ok=True)
