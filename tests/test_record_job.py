@@ -203,7 +203,9 @@ def test_a_window_of_steps_records_what_the_notebook_records_of_the_same_code(wi
 
 def test_summary_and_report_read_the_folder(window_run, tmp_path):
     assert window_run.returncode == 0, window_run.output
-    done = sharddbg_cli("summary", window_run.folder)
+    html = tmp_path / "report.html"
+    done, report_done = sharddbg_cli_all(("summary", window_run.folder, {}),
+                                         ("report", window_run.folder, "-o", html, {}), timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[1].startswith("  4 ranks;") and "exit status 0" in lines[1]
@@ -212,8 +214,7 @@ def test_summary_and_report_read_the_folder(window_run, tmp_path):
     # the same findings as the notebook, in the same order, each starting its line
     starts = [line for line in lines if line[:5].strip() in ("FAIL", "WARN", "INFO", "OK")]
     assert [s[6:40] for s in starts] == [f.text()[:34] for f in t.findings]
-    html = tmp_path / "report.html"
-    done = sharddbg_cli("report", window_run.folder, "-o", html)
+    done = report_done
     assert done.returncode == 0, done.stderr
     assert html.stat().st_size > 10_000 and "Tensor.matmul" in html.read_text()
 
