@@ -615,6 +615,29 @@ def test_explorer(session):
 
 NARROW = {"width": 900, "height": 1100}  # a JupyterLab window with its file browser open leaves outputs as narrow
 WIDE = {"width": 1500, "height": 1100}
+
+
+def _wait_for_layout_within(page, viewport: dict) -> None:
+    """Until the notebook is laid out within ``viewport``'s width (JupyterLab's panels follow a resize a moment
+    later, from their own event loop): a wait on that, instead of a fixed sleep that a loaded host can outlast."""
+    page.wait_for_function("w => { const nb = document.querySelector('.jp-Notebook');"
+                           " return nb !== null && nb.getBoundingClientRect().right <= w; }",
+                           arg=viewport["width"], timeout=20_000)
+
+
+def _wait_for_dark_colours(page) -> None:
+    """Until the page's background colour (``var(--jp-layout-color0)``) is dark, 20 s at most (the checks after it
+    say what it is when it never gets there): the dark theme's stylesheet applied, instead of a fixed sleep."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
+    with contextlib.suppress(PlaywrightTimeoutError):
+        page.wait_for_function("""() => { const e = document.createElement('div');
+            e.style.backgroundColor = 'var(--jp-layout-color0)'; document.body.append(e);
+            const v = getComputedStyle(e).backgroundColor; e.remove();
+            return (v.match(/\\d+/g) || []).slice(0, 3).reduce((sum, x) => sum + Number(x), 0) < 150; }""",
+                               timeout=20_000)
+
+
 # elements whose text is cut: wider than their box (an ellipsis, or clipped)
 CUT = """(els) => els.filter((e) => e.scrollWidth > e.clientWidth + 1).map((e) => e.textContent)"""
 
@@ -648,7 +671,7 @@ def test_narrow_output(session):
     page = session[0]
     page.set_viewport_size(NARROW)
     try:
-        page.wait_for_timeout(300)
+        _wait_for_layout_within(page, NARROW)
         exp = page.locator(".sd-explorer")
         exp.locator("select.sd-f-view").select_option("summary")
         listing = exp.locator(".sd-list")
@@ -740,7 +763,7 @@ def test_dark_theme(session):
     page.locator(".lm-Menu-itemLabel").get_by_text("Theme", exact=True).hover()
     page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
     expect(page.locator("body[data-jp-theme-light='false']")).to_have_count(1, timeout=20_000)
-    page.wait_for_timeout(500)
+    _wait_for_dark_colours(page)
     background, text = _css_color(page, "var(--jp-layout-color0)"), _css_color(page, "var(--jp-ui-font-color1)", "color")
     assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) < 150, background  # a dark background
     for view in (page.locator(".sd-explorer").first, _inspector(page, "x")):
@@ -776,7 +799,7 @@ def test_dark_theme(session):
         smoke_result, check_result = _long_smoke_and_check()
         _show_html(page, smoke_html(smoke_result), "sd-test-smoke")
         _show_html(page, check_html(check_result), "sd-test-check")
-        page.wait_for_timeout(300)
+        _wait_for_layout_within(page, NARROW)
         for name, view in (("explorer", page.locator(".sd-explorer").first), ("inspector", _inspector(page, "y_fb")),
                            ("smoke", page.locator(".sd-test-smoke")), ("check", page.locator(".sd-test-check"))):
             view.scroll_into_view_if_needed()
