@@ -105,11 +105,46 @@ def _this_checkouts_extension(work: Path) -> dict[str, str]:
     return {"JUPYTER_PATH": str(data), "JUPYTER_CONFIG_PATH": str(ROOT / "jupyter-config")}
 
 
-@contextlib.contextmanager
-def _jupyterlab(work: Path, root: Path, save_widget_state: bool):
+@dataclass
+class _LabStarted:
+    """A JupyterLab server started and not yet waited for (its start overlaps with other work)."""
+
+    proc: subprocess.Popen
+    work: Path
+    root: Path
+    url: str
+    token: str
+    log: object
+
+    def ready(self) -> tuple[str, str]:
+        """Wait until it answers (60 s from now at most); (url, token)."""
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/api/status?token={self.token}", timeout=2).read()
+                return self.url, self.token
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"JupyterLab did not start; log:\n{(self.work / 'lab.log').read_text()[-3000:]}")
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        """Stopped (nothing to do when it was already)."""
+        if self.log.closed:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def _start_jupyterlab(work: Path, root: Path, save_widget_state: bool) -> _LabStarted:
     """A JupyterLab server on 127.0.0.1 serving ``root``, with its own settings and data folders under
-    ``work`` (its own notebook-signing key: a notebook saved by another server is not trusted here);
-    yields (url, token)."""
+    ``work`` (its own notebook-signing key: a notebook saved by another server is not trusted here), started."""
     _settings(work / "settings", save_widget_state)
     token, port = secrets.token_hex(16), _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
@@ -122,26 +157,43 @@ def _jupyterlab(work: Path, root: Path, save_widget_state: bool):
          f"--ServerApp.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.open_browser=False",
          "--LabApp.news_url=", "--ServerApp.disable_check_xsrf=False"],
         cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    return _LabStarted(proc, work, root, f"http://127.0.0.1:{port}", token, log)
+
+
+@contextlib.contextmanager
+def _ready(lab: _LabStarted):
+    """``lab`` waited for; yields (url, token); stopped at the end."""
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start; log:\n{(work / 'lab.log').read_text()[-3000:]}")
-                time.sleep(0.3)
-        yield url, token
+        yield lab.ready()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        lab.stop()
+
+
+@contextlib.contextmanager
+def _jupyterlab(work: Path, root: Path, save_widget_state: bool):
+    """A JupyterLab server (``_start_jupyterlab``) waited for; yields (url, token); stopped at the end."""
+    with _ready(_start_jupyterlab(work, root, save_widget_state)) as url_and_token:
+        yield url_and_token
+
+
+def _started_early(request, tmp_path_factory) -> _LabStarted | None:
+    """The JupyterLab of "someone else" that test_saved_notebook opens the saved notebook in (default settings: no
+    widget state), started with the module when that test runs, so that its start overlaps with the owner's
+    JupyterLab and notebook; its root is empty until the test writes the files it serves."""
+    if not any(item.path == request.node.path and item.originalname == "test_saved_notebook"
+               for item in request.session.items):
+        return None
+    return _start_jupyterlab(*_other_folders(tmp_path_factory.mktemp("other")), save_widget_state=False)
+
+
+def _other_folders(work: Path) -> tuple[Path, Path]:
+    """The other JupyterLab's own folder under ``work`` and the root it serves (made empty)."""
+    other = work / "other"
+    (other / "root").mkdir(parents=True)
+    return other, other / "root"
+
+
+_OTHER_LAB: dict[str, _LabStarted] = {}  # "lab" -> the other JupyterLab started with the module
 
 
 def _notebook(root: Path) -> None:
@@ -193,7 +245,7 @@ LABEL_BOXES = """(svg) => [...svg.querySelectorAll('text')].map((t) => { const r
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
+def session(request, tmp_path_factory):
     """JupyterLab and chromium with the notebook run top to bottom; yields (page, url, token, root, work)."""
     assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: install Debian's chromium (bash .ci/setup does)"
     from playwright.sync_api import expect, sync_playwright
@@ -203,8 +255,17 @@ def session(tmp_path_factory):
     root = work / "root"
     root.mkdir()
     _notebook(root)
-    with _jupyterlab(work / "owner", root, save_widget_state=True) as (url, token), sync_playwright() as p:
+    owner = _start_jupyterlab(work / "owner", root, save_widget_state=True)
+    other = _started_early(request, tmp_path_factory)
+    if other is not None:
+        _OTHER_LAB["lab"] = other
+    # chromium starts while the JupyterLab servers do
+    with contextlib.ExitStack() as stack, sync_playwright() as p:
+        for lab in (owner, other):
+            if lab is not None:
+                stack.callback(lab.stop)
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        url, token = owner.ready()
         page = browser.new_page(viewport={"width": 1500, "height": 1100})
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
@@ -554,6 +615,29 @@ def test_explorer(session):
 
 NARROW = {"width": 900, "height": 1100}  # a JupyterLab window with its file browser open leaves outputs as narrow
 WIDE = {"width": 1500, "height": 1100}
+
+
+def _wait_for_layout_within(page, viewport: dict) -> None:
+    """Until the notebook is laid out within ``viewport``'s width (JupyterLab's panels follow a resize a moment
+    later, from their own event loop): a wait on that, instead of a fixed sleep that a loaded host can outlast."""
+    page.wait_for_function("w => { const nb = document.querySelector('.jp-Notebook');"
+                           " return nb !== null && nb.getBoundingClientRect().right <= w; }",
+                           arg=viewport["width"], timeout=20_000)
+
+
+def _wait_for_dark_colours(page) -> None:
+    """Until the page's background colour (``var(--jp-layout-color0)``) is dark, 20 s at most (the checks after it
+    say what it is when it never gets there): the dark theme's stylesheet applied, instead of a fixed sleep."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
+    with contextlib.suppress(PlaywrightTimeoutError):
+        page.wait_for_function("""() => { const e = document.createElement('div');
+            e.style.backgroundColor = 'var(--jp-layout-color0)'; document.body.append(e);
+            const v = getComputedStyle(e).backgroundColor; e.remove();
+            return (v.match(/\\d+/g) || []).slice(0, 3).reduce((sum, x) => sum + Number(x), 0) < 150; }""",
+                               timeout=20_000)
+
+
 # elements whose text is cut: wider than their box (an ellipsis, or clipped)
 CUT = """(els) => els.filter((e) => e.scrollWidth > e.clientWidth + 1).map((e) => e.textContent)"""
 
@@ -587,7 +671,7 @@ def test_narrow_output(session):
     page = session[0]
     page.set_viewport_size(NARROW)
     try:
-        page.wait_for_timeout(300)
+        _wait_for_layout_within(page, NARROW)
         exp = page.locator(".sd-explorer")
         exp.locator("select.sd-f-view").select_option("summary")
         listing = exp.locator(".sd-list")
@@ -679,7 +763,7 @@ def test_dark_theme(session):
     page.locator(".lm-Menu-itemLabel").get_by_text("Theme", exact=True).hover()
     page.locator(".lm-Menu-itemLabel").get_by_text("JupyterLab Dark", exact=True).click()
     expect(page.locator("body[data-jp-theme-light='false']")).to_have_count(1, timeout=20_000)
-    page.wait_for_timeout(500)
+    _wait_for_dark_colours(page)
     background, text = _css_color(page, "var(--jp-layout-color0)"), _css_color(page, "var(--jp-ui-font-color1)", "color")
     assert sum(int(v) for v in re.findall(r"\d+", background)[:3]) < 150, background  # a dark background
     for view in (page.locator(".sd-explorer").first, _inspector(page, "x")):
@@ -715,7 +799,7 @@ def test_dark_theme(session):
         smoke_result, check_result = _long_smoke_and_check()
         _show_html(page, smoke_html(smoke_result), "sd-test-smoke")
         _show_html(page, check_html(check_result), "sd-test-check")
-        page.wait_for_timeout(300)
+        _wait_for_layout_within(page, NARROW)
         for name, view in (("explorer", page.locator(".sd-explorer").first), ("inspector", _inspector(page, "y_fb")),
                            ("smoke", page.locator(".sd-test-smoke")), ("check", page.locator(".sd-test-check"))):
             view.scroll_into_view_if_needed()
@@ -983,9 +1067,9 @@ def test_saved_notebook(session):
 
     # someone else opens the saved file (default settings: no widget state), with a copy whose payloads the
     # extension cannot draw, and two trace files
-    other = work / "other"
-    other_root = other / "root"
-    other_root.mkdir(parents=True)
+    # its JupyterLab started with the module (``_started_early``); its root is empty until now
+    other_lab = _OTHER_LAB.pop("lab", None) or _start_jupyterlab(*_other_folders(work), save_widget_state=False)
+    other_root = other_lab.root
     # the saved notebook, with the verification views and the communication per op saved after it (outputs made
     # here, as a kernel shows them)
     shared = nbformat.read(path, as_version=4)
@@ -1014,7 +1098,7 @@ def test_saved_notebook(session):
     on_console = lambda m: console.append(m.text) if m.type == "error" else None  # noqa: E731
     page.on("console", on_console)
     try:
-        with _jupyterlab(other, other_root, save_widget_state=False) as (url2, token2):
+        with _ready(other_lab) as (url2, token2):
             page.goto(f"{url2}/lab/tree/{NOTEBOOK}?token={token2}", wait_until="domcontentloaded")
             live = page.locator(".sd-ext-view[data-sd-drawn-by='extension']")
             # the explorer, 3 inspectors, the timeline, and the views saved after them

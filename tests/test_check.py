@@ -203,7 +203,10 @@ def test_weights_that_differ_across_the_domain_group_are_named(cl):
 
 
 def test_a_multi_op_statement_with_its_own_loss_and_random_numbers(cl):
-    # plain tensors drawn inside the statement come from the same RNG state in the reference
+    # plain tensors drawn inside the statement come from the same RNG state in the reference; that state seeded
+    # here, so that what is drawn (and the cubed loss's agreement within the tolerance) does not depend on what
+    # the tests before drew
+    cl.run("torch.manual_seed(5)", timeout=30)
     stmt = ("ck_h = ck_net(ck_x)\n"
             "ck_noise = torch.randn(1, 2, 1, 1)\n"
             "ck_z = torch.tanh(ck_h) * 2 + ck_noise\n"

@@ -24,7 +24,9 @@ from fault_cases import FAULTS, TABLE_END, TABLE_START, starts_with, table
 pytestmark = pytest.mark.cluster
 
 CASES = {c.name: c for c in FAULTS}
-RELEASED_WITHIN_S = 5.0
+# the ranks left waiting are released by sharddbg, not by the cell's 60 s time limit or the 300 s collective
+# timeout: far below both, with room for a loaded host (the release itself takes a second or two)
+RELEASED_WITHIN_S = 20.0
 
 
 @pytest.fixture(scope="module")

@@ -60,54 +60,6 @@ def test_2x2_mesh_scatters_per_domain_group_and_stops_clean():
     assert_all_gone(pids)
 
 
-def test_a_rank_that_skips_a_collective_is_diagnosed_and_recovered():
-    # on a mesh whose domain axis has one rank (the all_reduce below is on the world group): that axis is still
-    # named, and it stays so after recover()
-    cl = sharddbg.Cluster(n=2, mesh={"ddp": 2, "domain": 1}, timeout=30)
-    cl.start()
-    try:
-        assert cl.eval("(tuple(mesh.mesh_dim_names), tuple(mesh.shape))") == [(("ddp", "domain"), (2, 1))] * 2
-        pids_before = dict(cl.pids)
-        t0 = time.monotonic()
-        with pytest.raises(RankTimeoutError) as info:
-            cl.run(textwrap.dedent("""
-                def exchange(t):
-                    dist.all_reduce(t)
-                    return t
-                if rank == 0:
-                    exchange(torch.ones(4))
-            """), timeout=3, display=False)
-        assert time.monotonic() - t0 < 3 + 5  # bounded: the timeout plus the diagnosis
-        report = info.value.report
-        assert report.finished == [1] and report.unfinished == [0]
-        # every rank's control thread answered, the blocked one included
-        assert sorted(report.diagnoses) == [0, 1]
-        assert [report.diagnoses[r]["rank"] for r in (0, 1)] == [0, 1]
-        assert report.diagnoses[0]["pid"] == pids_before[0]
-        stuck = report.ranks[0]
-        assert [f["function"] for f in stuck.user_frames()][-1] == "exchange"
-        assert stuck.innermost_function() in ("all_reduce", "wait", "wrapper")
-        [pending] = stuck.pending
-        assert pending.kind == "all_reduce" and pending.input_sizes == [[4]]
-        assert pending.missing_ranks == [1]
-        text = str(info.value)
-        assert "ranks [0] still running" in text and "never joined by: rank 1" in text and "exchange" in text
-        # the kernel is usable; the group is desynchronised, so a new cell is refused with why, instead of
-        # queueing forever behind the blocked rank
-        with pytest.raises(ClusterError, match="The process group broke at the cell: ranks \\[0\\] were left waiting"):
-            cl.run("1", display=False)
-        cl.recover()
-        assert cl.pids == pids_before
-        assert [p for p in cl.status()["pid"]] == [pids_before[0], pids_before[1]]
-        cl.run("t = torch.ones(3) * (rank + 1)\ndist.all_reduce(t)", display=False)
-        assert cl.eval("t.tolist()") == [[3.0, 3.0, 3.0]] * 2
-        assert cl.eval("(tuple(mesh.mesh_dim_names), tuple(mesh.shape))") == [(("ddp", "domain"), (2, 1))] * 2
-        pids = processes_of(cl)
-    finally:
-        cl.stop()
-    assert_all_gone(pids)
-
-
 OWNER = """
 import json, sys, time
 import sharddbg
@@ -223,12 +175,75 @@ def wait_idle(cl, within_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def test_ctrl_c_a_dying_rank_a_dead_controller_and_a_stop_from_another_thread_are_said_at_once():
+@pytest.fixture(scope="module")
+def two_ranks():
+    """A 2-rank cluster on a mesh whose domain axis has one rank, for the tests below, in this order: the skipped
+    collective's test leaves it recovered (sound), the Ctrl-C test goes on with it and ends by stopping it (one
+    start for the two). Yields a dict: "cluster", and "recovered_pids" (its processes after the recovery, which
+    the Ctrl-C test checks are gone when it ends)."""
+    cl = sharddbg.Cluster(n=2, mesh={"ddp": 2, "domain": 1}, timeout=60)
+    cl.start()
+    shared = {"cluster": cl, "recovered_pids": set()}
+    try:
+        yield shared
+    finally:
+        if cl.running:
+            cl.stop()
+
+
+def test_a_rank_that_skips_a_collective_is_diagnosed_and_recovered(two_ranks):
+    # on a mesh whose domain axis has one rank (the all_reduce below is on the world group): that axis is still
+    # named, and it stays so after recover()
+    cl = two_ranks["cluster"]
+    assert cl.eval("(tuple(mesh.mesh_dim_names), tuple(mesh.shape))") == [(("ddp", "domain"), (2, 1))] * 2
+    pids_before = dict(cl.pids)
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeoutError) as info:
+        cl.run(textwrap.dedent("""
+            def exchange(t):
+                dist.all_reduce(t)
+                return t
+            if rank == 0:
+                exchange(torch.ones(4))
+        """), timeout=3, display=False)
+    assert time.monotonic() - t0 < 3 + 5  # bounded: the timeout plus the diagnosis
+    report = info.value.report
+    assert report.finished == [1] and report.unfinished == [0]
+    # every rank's control thread answered, the blocked one included
+    assert sorted(report.diagnoses) == [0, 1]
+    assert [report.diagnoses[r]["rank"] for r in (0, 1)] == [0, 1]
+    assert report.diagnoses[0]["pid"] == pids_before[0]
+    stuck = report.ranks[0]
+    assert [f["function"] for f in stuck.user_frames()][-1] == "exchange"
+    assert stuck.innermost_function() in ("all_reduce", "wait", "wrapper")
+    [pending] = stuck.pending
+    assert pending.kind == "all_reduce" and pending.input_sizes == [[4]]
+    assert pending.missing_ranks == [1]
+    text = str(info.value)
+    assert "ranks [0] still running" in text and "never joined by: rank 1" in text and "exchange" in text
+    # the kernel is usable; the group is desynchronised, so a new cell is refused with why, instead of
+    # queueing forever behind the blocked rank
+    with pytest.raises(ClusterError, match="The process group broke at the cell: ranks \\[0\\] were left waiting"):
+        cl.run("1", display=False)
+    cl.recover()
+    assert cl.pids == pids_before
+    assert [p for p in cl.status()["pid"]] == [pids_before[0], pids_before[1]]
+    cl.run("t = torch.ones(3) * (rank + 1)\ndist.all_reduce(t)", display=False)
+    assert cl.eval("t.tolist()") == [[3.0, 3.0, 3.0]] * 2
+    assert cl.eval("(tuple(mesh.mesh_dim_names), tuple(mesh.shape))") == [(("ddp", "domain"), (2, 1))] * 2
+    # left running for the next test, which stops it and checks then that these are gone
+    two_ranks["recovered_pids"] = processes_of(cl)
+
+
+def test_ctrl_c_a_dying_rank_a_dead_controller_and_a_stop_from_another_thread_are_said_at_once(two_ranks):
     from sharddbg.engine import api
     from sharddbg.errors import TraceInterrupted
 
-    cl = sharddbg.Cluster(n=2, timeout=60)
-    cl.start()
+    cl = two_ranks["cluster"]
+    if not cl.running or cl.broken or cl.dead_ranks() or cl.busy_ranks():  # left unsound before: a fresh one
+        if cl.running:
+            cl.stop()
+        cl.start()
     try:
         # Ctrl-C while cl.run waits: the ranks still run the cell, and the next call says so at once
         interrupt_after(2.0)
@@ -291,7 +306,7 @@ def test_ctrl_c_a_dying_rank_a_dead_controller_and_a_stop_from_another_thread_ar
         deadline = time.monotonic() + 20
         while cl.running and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert_all_gone(children | pids)
+        assert_all_gone(children | pids | two_ranks["recovered_pids"])
     finally:
         if cl.running:
             cl.stop()

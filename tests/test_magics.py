@@ -354,31 +354,39 @@ def test_rank_errors_and_traces_name_the_notebooks_cell_not_the_ranks(ip, starte
     assert f"Cell In[{traced}], line 2" in shown, shown
 
 
-def test_noblock_handle(ip, started):
+def test_noblock_handle(ip, started, tmp_path):
     cl = started
-    # rank 0 finishes last: the output still comes in rank order
-    cell = "import time\ntime.sleep(2.0 - 0.4 * rank)\nprint('slept', rank)\nrank"
+    # the cell runs until `go` exists (made below, once the checks that need it still running are done: a sleep
+    # could end before them on a loaded host); then rank 0 finishes last: the output still comes in rank order
+    go = tmp_path / "go"
+    cell = (f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)\n"
+            "time.sleep(0.4 * (3 - rank))\nprint('slept', rank)\nrank")
     t0 = time.monotonic()
     with capture_output() as cap:
         handle = ip.run_cell_magic("px", "--noblock -o named", cell)
-    assert time.monotonic() - t0 < 1.0 and cap.stdout == ""
-    assert isinstance(handle, PendingCell) and ip.user_ns["named"] is handle and handle.ranks == [0, 1, 2, 3]
-    assert not handle.done() and "running for" in repr(handle)
-    t0 = time.monotonic()
-    assert handle.wait(0.3) is False
-    assert 0.3 <= time.monotonic() - t0 < 3, "wait(seconds) is bounded by its argument"
-    # new work for its ranks is refused (it would queue behind it, and spend its own time limit there)
-    with pytest.raises(ClusterError, match=r"^ranks \[0, 1, 2, 3\] are still running an earlier cell that nothing "
-                                           r"waits for .* get\(\) or %pxresult"):
-        ip.run_line_magic("px", "print(1)")
-    with pytest.raises(ClusterError, match="still running an earlier cell"):
-        cl.eval("rank")
-    t0 = time.monotonic()
-    with capture_output() as cap, pytest.raises(CellStillRunningError, match=r"still run the cell after 0.2 s of "
-                                                                             r"waiting .* nothing is wrong yet"):
-        handle.get(0.2)
-    assert time.monotonic() - t0 < 3 and cap.stdout == ""
-    assert not isinstance(CellStillRunningError("x"), RankTimeoutError) and cl.broken is None
+    try:
+        # --noblock returns without waiting for the cell, which cannot end before `go` exists (a call that waited
+        # would never return here): a bound with room for a loaded host
+        assert time.monotonic() - t0 < 10 and cap.stdout == ""
+        assert isinstance(handle, PendingCell) and ip.user_ns["named"] is handle and handle.ranks == [0, 1, 2, 3]
+        assert not handle.done() and "running for" in repr(handle)
+        t0 = time.monotonic()
+        assert handle.wait(0.3) is False
+        assert 0.3 <= time.monotonic() - t0 < 3, "wait(seconds) is bounded by its argument"
+        # new work for its ranks is refused (it would queue behind it, and spend its own time limit there)
+        with pytest.raises(ClusterError, match=r"^ranks \[0, 1, 2, 3\] are still running an earlier cell that nothing "
+                                               r"waits for .* get\(\) or %pxresult"):
+            ip.run_line_magic("px", "print(1)")
+        with pytest.raises(ClusterError, match="still running an earlier cell"):
+            cl.eval("rank")
+        t0 = time.monotonic()
+        with capture_output() as cap, pytest.raises(CellStillRunningError, match=r"still run the cell after 0.2 s of "
+                                                                                 r"waiting .* nothing is wrong yet"):
+            handle.get(0.2)
+        assert time.monotonic() - t0 < 3 and cap.stdout == ""
+        assert not isinstance(CellStillRunningError("x"), RankTimeoutError) and cl.broken is None
+    finally:
+        go.touch()
     assert handle.wait(30) is True and handle.done()
     with capture_output() as cap:
         outputs = handle.get()

@@ -153,10 +153,14 @@ def test_a_killed_controller_is_named_the_engines_restart_and_stop_leaves_nothin
         assert children <= {ref.pid for ref in refs(record, "controller-child")}
         assert [ref.process_group for ref in refs(record, "controller")] == [controller]
 
-        # cheap while it runs: no message to anyone
-        t0 = time.perf_counter()
-        assert all(procs.controller_failure() is None for _ in range(100))
-        assert time.perf_counter() - t0 < 0.5
+        # cheap while it runs: no message to anyone (100 calls well under 0.5 s; the best of three rounds, so
+        # that a round this process spent waiting for a core on a loaded host does not count)
+        def hundred_calls_s() -> float:
+            t0 = time.perf_counter()
+            assert all(procs.controller_failure() is None for _ in range(100))
+            return time.perf_counter() - t0
+
+        assert min(hundred_calls_s() for _ in range(3)) < 0.5
 
         os.kill(controller, signal.SIGKILL)
         failure = wait_for(procs.controller_failure, 5, "the controller's death to be noticed")

@@ -50,6 +50,33 @@ def sharddbg_cli(*args, timeout: float = 60, **kwargs) -> subprocess.CompletedPr
                           timeout=timeout, env=_env(), cwd=str(JOBS), **kwargs)
 
 
+def sharddbg_cli_all(*commands: tuple, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """``sharddbg_cli`` of each command (its arguments, then a dict of keyword arguments for ``Popen``), all started
+    at once and waited for: each one's result, in order. Each job's time is mostly its own process start, which
+    runs on the core the others leave idle."""
+    started = [subprocess.Popen([sys.executable, "-m", "sharddbg.cli", *map(str, args)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(JOBS), **kwargs)
+               for *args, kwargs in commands]
+    done = []
+    try:
+        for process in started:
+            out, err = process.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return done
+
+
+# a script's own free port for its one-process group (a fixed one could be taken by anything else on the host)
+PICK_A_FREE_PORT = ("import socket\n"
+                    "with socket.socket() as _s:\n"
+                    "    _s.bind(('127.0.0.1', 0))\n"
+                    "    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(_s.getsockname()[1]))\n")
+
+
 def record_torchrun(folder: Path, record_args: list, job_args: list, timeout: float = 400) -> RecordedRun:
     return RecordingStarted.start(folder, record_args, job_args, timeout).finish()
 
@@ -176,7 +203,9 @@ def test_a_window_of_steps_records_what_the_notebook_records_of_the_same_code(wi
 
 def test_summary_and_report_read_the_folder(window_run, tmp_path):
     assert window_run.returncode == 0, window_run.output
-    done = sharddbg_cli("summary", window_run.folder)
+    html = tmp_path / "report.html"
+    done, report_done = sharddbg_cli_all(("summary", window_run.folder, {}),
+                                         ("report", window_run.folder, "-o", html, {}), timeout=60)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[1].startswith("  4 ranks;") and "exit status 0" in lines[1]
@@ -185,8 +214,7 @@ def test_summary_and_report_read_the_folder(window_run, tmp_path):
     # the same findings as the notebook, in the same order, each starting its line
     starts = [line for line in lines if line[:5].strip() in ("FAIL", "WARN", "INFO", "OK")]
     assert [s[6:40] for s in starts] == [f.text()[:34] for f in t.findings]
-    html = tmp_path / "report.html"
-    done = sharddbg_cli("report", window_run.folder, "-o", html)
+    done = report_done
     assert done.returncode == 0, done.stderr
     assert html.stat().st_size > 10_000 and "Tensor.matmul" in html.read_text()
 
@@ -292,13 +320,28 @@ def test_a_plain_python_job_records_one_rank_and_a_full_disk_stops_only_the_reco
     # start can overflow to inf, and inf * 0 in the next matmul makes it NaN: "done False")
     script.write_text("import os, time, torch, torch.distributed as dist\n"
                       "from torch.distributed.tensor import distribute_tensor, init_device_mesh, Replicate\n"
-                      "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=os.environ.get('PORT', '29591'))\n"
+                      + PICK_A_FREE_PORT +
                       "dist.init_process_group('gloo', rank=0, world_size=1)\n"
                       "x = distribute_tensor(torch.rand(4, 4), init_device_mesh('cpu', (1,)), [Replicate()])\n"
                       "for i in range(20):\n    x = torch.relu(x @ x.T) / 4\n"
                       "time.sleep(1.5)\nprint('done', float(x.full_tensor().sum()) >= 0)\n"
                       "dist.destroy_process_group()\n")
-    done = sharddbg_cli("record", "--out", tmp_path / "one", "--", sys.executable, script, timeout=120)
+    # the job's own blocks: --steps 2:2 records the second block only, from its start to its end
+    blocks = tmp_path / "blocks.py"
+    blocks.write_text(script.read_text().replace(
+        "for i in range(20):\n    x = torch.relu(x @ x.T) / 4\n",
+        "import sharddbg\nfor block in range(3):\n    with sharddbg.recording():\n"
+        "        for i in range(block + 1):\n            x = torch.relu(x @ x.T) / 4\n    x = x * 1.0\n"))
+    import resource
+
+    def small_files():  # a "full disk" for the job's processes: no file may grow past 6 KB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (6144, 6144))
+
+    # the three recordings at once; each checked below as it was when they ran one after the other
+    done, done_blocks, done_full = sharddbg_cli_all(
+        ("record", "--out", tmp_path / "one", "--", sys.executable, script, {}),
+        ("record", "--out", tmp_path / "blocks", "--steps", "2:2", "--", sys.executable, blocks, {}),
+        ("record", "--out", tmp_path / "full", "--", sys.executable, script, {"preexec_fn": small_files}))
     assert done.returncode == 0 and "done True" in done.stdout, done.stderr
     t = sharddbg.load_trace(tmp_path / "one")
     assert t.ranks == [0] and t.incomplete_ranks == [] and t.world_size == 1
@@ -310,28 +353,16 @@ def test_a_plain_python_job_records_one_rank_and_a_full_disk_stops_only_the_reco
     assert 0 < own["background"] < 0.5 * (end["t_ns"] - head["clock"]["t_start_ns"]) / 1e6, own
     assert own["step_hook"] == 0  # the job has no optimizer
 
-    # steps marked by the job's own blocks: --steps 2:2 records the second block only, from its start to its end
-    blocks = tmp_path / "blocks.py"
-    blocks.write_text(script.read_text().replace(
-        "for i in range(20):\n    x = torch.relu(x @ x.T) / 4\n",
-        "import sharddbg\nfor block in range(3):\n    with sharddbg.recording():\n"
-        "        for i in range(block + 1):\n            x = torch.relu(x @ x.T) / 4\n    x = x * 1.0\n"))
-    done = sharddbg_cli("record", "--out", tmp_path / "blocks", "--steps", "2:2", "--", sys.executable, blocks,
-                        timeout=120)
+    # steps marked by the job's own blocks
+    done = done_blocks
     assert done.returncode == 0 and "done True" in done.stdout, done.stderr
     t = sharddbg.load_trace(tmp_path / "blocks")
     assert list(t.get_ops()["op"]) == ["Tensor.T.__get__", "Tensor.matmul", "torch.relu", "Tensor.div"] * 2  # two rounds
     assert [ev["data"]["step"] for ev in t.events(0) if ev.get("name") == "step"] == [2]
 
-    import resource
-
-    def small_files():  # a "full disk" for the job's processes: no file may grow past 6 KB
-        resource.setrlimit(resource.RLIMIT_FSIZE, (6144, 6144))
-
-    # the launcher's job.json stays small; the rank's stream outgrows the limit at its first flush of the
-    # matmuls (Python ignores SIGXFSZ: a write past the limit fails with EFBIG)
-    done = sharddbg_cli("record", "--out", tmp_path / "full", "--", sys.executable, script, timeout=120,
-                        preexec_fn=small_files)
+    # a full disk: the launcher's job.json stays small; the rank's stream outgrows the limit at its first flush of
+    # the matmuls (Python ignores SIGXFSZ: a write past the limit fails with EFBIG)
+    done = done_full
     assert done.returncode == 0, done.stderr
     assert "done True" in done.stdout  # the job ran to its end
     assert "sharddbg: recording stopped on rank 0: writing" in done.stderr and "File too large" in done.stderr
@@ -344,7 +375,7 @@ def test_sigterm_while_the_job_runs_python_ends_the_stream_before_the_process_di
     script = tmp_path / "term.py"
     script.write_text("import os, signal, torch, torch.distributed as dist\n"
                       "from torch.distributed.tensor import distribute_tensor, init_device_mesh, Replicate\n"
-                      "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT='29593')\n"
+                      + PICK_A_FREE_PORT +
                       "dist.init_process_group('gloo', rank=0, world_size=1)\n"
                       "x = distribute_tensor(torch.ones(8), init_device_mesh('cpu', (1,)), [Replicate()])\n"
                       "for i in range(1500):\n    x = torch.relu(x)\n"
@@ -352,9 +383,11 @@ def test_sigterm_while_the_job_runs_python_ends_the_stream_before_the_process_di
                       "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
                       "a = torch.randn(700, 700)\n"
                       "while True:\n    a = torch.tanh(a @ a)\n")  # mostly inside C: the wakeup fd is first
-    for attempt in range(3):
+    # three attempts at once (the race goes either way), each checked as when they ran one after the other
+    runs = sharddbg_cli_all(*[("record", "--out", tmp_path / f"term{attempt}", "--", sys.executable, script, {})
+                              for attempt in range(3)])
+    for attempt, done in enumerate(runs):
         out = tmp_path / f"term{attempt}"
-        done = sharddbg_cli("record", "--out", out, "--", sys.executable, script, timeout=120)
         assert done.returncode != 0, done.stdout
         job = job_files.read_job(str(out))
         assert job.ranks[0].ended, (attempt, done.stderr)
