@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
+import in_background
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -241,6 +243,8 @@ def pytest_collection_modifyitems(config, items):
     # cl.smoke() rebuilds cluster4's mesh per configuration (restored at the end, but tensors built on the mesh
     # before are stale then): its module runs after every other that uses cluster4
     last = ("test_smoke.py",)
+    # the engine launchers' tests run in a second pytest process beside the session (``in_background``), and
+    # their stand-ins, which wait for its results, come late
     handed_on: dict = {}  # module -> the handed-on fixture it uses ("" for none)
     for item in items:
         fixture = next((name for name in HANDED_ON_FIXTURES if name in item.fixturenames), "")
@@ -249,12 +253,15 @@ def pytest_collection_modifyitems(config, items):
     def order(item):
         name = item.path.name
         if name == very_last:
+            return 2, "", 1
+        if name in in_background.BACKGROUND_MODULES:  # run beside the session: their results are read late
             return 2, "", 0
         if name in own:
             return 0, handed_on[item.path], own.index(name)
         return 1, handed_on[item.path], name in last
 
     items.sort(key=order)
+    in_background.hand_over(items, Path(__file__).resolve().parent.parent)
 
 
 def pytest_collection_finish(session):
@@ -280,3 +287,4 @@ def pytest_sessionfinish(session):
     background = sys.modules.get("setup_in_background")
     if background is not None:
         background.end_for_good()
+    in_background.end_for_good()
