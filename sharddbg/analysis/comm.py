@@ -28,13 +28,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from operator import itemgetter
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ..schema import COLLECTIVE_FIELDS
 from .formatting import cyclic_gc_paused, format_location
-from .ops import NO_OP, inferred_column
+from .ops import (NO_OP, arrow_or_json_column, inferred_column, json_column, locations_of_columns,
+                  offsets_per_row)
 
 COLLECTIVE_COLUMNS = [
     "rank", "seq", "group_seq", "kind", "group_ranks", "mesh_dim", "bytes_sent", "bytes_recv", "t_issue_ns",
@@ -110,6 +112,53 @@ def _collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int
     for c in ("t_issue_ns", "t_return_ns", "t_done_ns"):
         df[c] = df[c].astype("Int64") - shift
     return _collective_states(df)
+
+
+def collectives_frame_from_columns(table: Any, offsets_ns: dict[int, int]) -> pd.DataFrame:
+    """``collectives_frame`` built from the collective rows of a trace held as columns
+    (``columnar.EventColumns.of_kind("collective")``, a ``pyarrow.Table``) without making a dict per record:
+    exactly the table ``collectives_frame`` builds from the same records.
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        The collective rows, every rank's, grouped by rank in ascending order.
+    offsets_ns : dict of int to int
+        Rank -> its clock offset, ns.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``Trace.get_collectives()``.
+
+    Examples
+    --------
+    >>> collectives_frame_from_columns(columns.of_kind("collective"), {0: 0}).columns[0]
+    'rank'
+    """
+    import pyarrow as pa
+
+    preflight = table.column("preflight")
+    if preflight.null_count != len(preflight):  # the pre-flight stopped some before they were issued: left out
+        checked = json_column(preflight)
+        stopped = np.array([p is not None and p.get("status") == "mismatch" for p in checked], dtype=bool)
+        table = table.filter(pa.array(~stopped))
+    if not table.num_rows:
+        return collectives_frame({}, offsets_ns)
+    with cyclic_gc_paused():
+        columns = COLLECTIVE_COLUMNS + COLLECTIVE_EXTRA_COLUMNS
+        n = table.num_rows
+        rank = table.column("rank").to_numpy()
+        cols: dict[str, Any] = {k: arrow_or_json_column(table, k) for k in columns if k in COLLECTIVE_FIELDS}
+        cols["rank"] = rank
+        cols["kind"] = arrow_or_json_column(table, "coll")
+        cols["location"] = locations_of_columns(table)
+        missing = np.full(n, math.nan)  # what DataFrame(list of dicts) puts in a column no record names
+        df = pd.DataFrame({k: cols.get(k, missing) for k in columns}, columns=columns)
+        shift = offsets_per_row(rank, offsets_ns)
+        for c in ("t_issue_ns", "t_return_ns", "t_done_ns"):
+            df[c] = df[c].astype("Int64") - shift
+        return _collective_states(df)
 
 
 def collectives_frame_by_record(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -> pd.DataFrame:
