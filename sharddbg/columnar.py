@@ -11,13 +11,17 @@ one table:
 - the columns: ``rank``, then every field of the op, collective and error records (``schema.OP_FIELDS``,
   ``COLLECTIVE_FIELDS``, ``CELL_ERROR_FIELDS``, ``OPTIONAL_FIELDS``), one column per name. A field holding a
   number, a string or a bool is a typed column (int64, float64, string, bool; null for None); a field that
-  holds a list or a dict (shapes, errors, promotions, ...) is a string column of its JSON text. ``extra``
+  holds a list or a dict (shapes, errors, promotions, ...) is a string column of its JSON text. Every string
+  column is dictionary-encoded (columns version 2; version 1, plain ``large_string``, still reads). ``extra``
   holds, as a JSON object, a record's keys that its kind's columns do not name (a ``meta`` record's ``name``,
   ``t_ns`` and ``data``), else null.
 
 A record holds its kind's fields (an older payload's records as this schema reads them, ``current_events``)
-and the optional fields where they say something. ``read_document`` turns the file back into the JSON
-document, which ``load_trace`` then checks exactly as it checks a JSON file.
+and the optional fields where they say something. ``load_trace`` keeps the table (``EventColumns``): its
+checks run on whole columns (``plainly_valid``), the trace's tables are built from the columns, and a rank's
+records are made as dicts only when asked for (``LazyRecords``). Where a column check finds anything,
+``read_document`` turns the file back into the JSON document, which ``load_trace`` checks exactly as it checks
+a JSON file, naming what is wrong.
 """
 
 from __future__ import annotations
@@ -36,7 +40,10 @@ __all__ = ["COLUMNS_VERSION", "LAYOUT", "COLUMNS", "KIND_COLUMNS", "write_docume
            "ColumnarProblem"]
 
 LAYOUT = "columnar"
-COLUMNS_VERSION = 1  # what the columns are; a reader refuses a newer one
+# what the columns are; a reader refuses a newer one. 1: text in large_string columns; 2: text (and JSON text)
+# dictionary-encoded (int32 indices into each column's distinct texts): a million records' op names, paths and
+# shapes held once each, a few MiB in memory instead of hundreds
+COLUMNS_VERSION = 2
 METADATA_KEY = b"sharddbg"
 
 # the record kinds with columns of their own, and their fields in the schema's order
@@ -80,9 +87,21 @@ class ColumnarProblem(Exception):
     """What is wrong in a columnar file (load_trace adds the file's name)."""
 
 
-def _arrow_type(pa, kind: str):
-    return {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.large_string(),
-            "json": pa.large_string()}[kind]
+def _arrow_type(pa, kind: str, version: int = COLUMNS_VERSION):
+    text = pa.large_string() if version < 2 else pa.dictionary(pa.int32(), pa.large_string())
+    return {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": text, "json": text}[kind]
+
+
+def _file_table(table):
+    """``table`` with the column types of this version's file (text dictionary-encoded) and one chunk per column:
+    an IPC file holds one dictionary per column."""
+    import pyarrow as pa
+
+    for i, field in enumerate(table.schema):
+        if field.type == pa.large_string():
+            table = table.set_column(i, pa.field(field.name, _arrow_type(pa, "str")),
+                                     table.column(i).dictionary_encode())
+    return table.combine_chunks()
 
 
 def _json_encoder():
@@ -122,7 +141,7 @@ def write_table(doc: dict, table, sink) -> None:
     import pyarrow as pa
 
     header = header_of(doc)
-    table = table.replace_schema_metadata({
+    table = _file_table(table).replace_schema_metadata({
         METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=False).encode()})
     # zstd: a trace repeats itself (op names, shapes, lines of code); the columns shrink many times for little CPU
     with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
@@ -181,7 +200,8 @@ def table_of_payloads(ranks: list, payloads: list):
             for v in column:
                 if v is not None and v - v != 0.0:
                     raise ValueError(f"Out of range float values are not JSON compliant: {v!r} in field {name!r}")
-        arrays.append(pa.array(column, type=_arrow_type(pa, kind)))
+        array = pa.array(column, type=_arrow_type(pa, kind, 1))
+        arrays.append(array.dictionary_encode() if kind in ("str", "json") else array)
         fields.append(pa.field(name, _arrow_type(pa, kind)))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
@@ -217,9 +237,10 @@ def read_table(raw: bytes) -> tuple[dict, Any]:
         if name not in table.column_names:
             raise ColumnarProblem(f"column {name!r} is missing")
         got = table.schema.field(name).type
-        if not got.equals(_arrow_type(pa, kind)):
-            raise ColumnarProblem(f"column {name!r} is of type {got}, expected {_arrow_type(pa, kind)}")
-    return header, table.select(list(_WANT)).replace_schema_metadata(None)
+        if not got.equals(_arrow_type(pa, kind, cols)):
+            raise ColumnarProblem(f"column {name!r} is of type {got}, expected {_arrow_type(pa, kind, cols)}")
+    table = table.select(list(_WANT)).replace_schema_metadata(None)
+    return header, (_file_table(table) if cols < 2 else table)
 
 
 _WANT = {"rank": "int", **COLUMNS, "extra": "json"}  # every column of the file, and its kind
@@ -293,6 +314,11 @@ def decoded_json(column) -> Any:
     """A JSON-text column (a ``pyarrow`` array or chunked array) decoded, as a numpy object array: each distinct
     text is decoded once and its rows share the value (a trace repeats its shapes, errors and lines many times).
     Null rows hold None. ValueError for a text that is not JSON."""
+    return decoded_json_and_values(column)[0]
+
+
+def decoded_json_and_values(column) -> tuple[Any, list]:
+    """``decoded_json`` of ``column`` and the distinct values decoded (the nulls' None left out)."""
     import numpy as np
     import pyarrow as pa
 
@@ -300,11 +326,12 @@ def decoded_json(column) -> Any:
         column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     n = len(column)
     if column.null_count == n:
-        return np.full(n, None, dtype=object)
-    encoded = column.dictionary_encode()
-    distinct = np.empty(len(encoded.dictionary) + 1, dtype=object)  # the last one: None, for null rows
-    distinct[:-1] = [json.loads(text) for text in encoded.dictionary.to_pylist()]
-    return distinct[encoded.indices.fill_null(len(encoded.dictionary)).to_numpy(zero_copy_only=False)]
+        return np.full(n, None, dtype=object), []
+    encoded = column if pa.types.is_dictionary(column.type) else column.dictionary_encode()
+    values = [json.loads(text) for text in encoded.dictionary.to_pylist()]
+    distinct = np.empty(len(values) + 1, dtype=object)  # the last one: None, for null rows
+    distinct[:-1] = values
+    return distinct[encoded.indices.fill_null(len(values)).to_numpy(zero_copy_only=False)], values
 
 
 def distinct_json(column) -> list:
@@ -414,7 +441,7 @@ class EventColumns:
         Returns
         -------
         pyarrow.Table
-            Those rows.
+            Those rows: ``rank``, the kind's columns, its optional ones and ``extra``.
 
         Examples
         --------
@@ -423,7 +450,9 @@ class EventColumns:
         """
         import pyarrow.compute as pc
 
-        return self.table.filter(pc.equal(self.table.column("kind"), kind))
+        # the kind's own columns only: a copy of every column would double the memory of a big trace
+        names = dict.fromkeys(("rank", *KIND_COLUMNS.get(kind, ("kind", "seq")), *_OPTIONAL.get(kind, ()), "extra"))
+        return self.table.select(list(names)).filter(pc.equal(self.table.column("kind"), kind))
 
 
 class LazyRecords(Sequence):
@@ -453,6 +482,21 @@ class LazyRecords(Sequence):
     def made(self) -> bool:
         """The records were made as dicts already."""
         return self._made is not None
+
+    def as_list(self) -> list[dict]:
+        """The records as a list: those made already, else made now without keeping them (to write them out).
+
+        Returns
+        -------
+        list of dict
+            The rank's records.
+
+        Examples
+        --------
+        >>> LazyRecords(columns, 0).as_list()[0]["kind"]
+        'op'
+        """
+        return list(self._made) if self._made is not None else self.columns.records(self.rank)
 
     def _records(self) -> list[dict]:
         if self._made is None:
@@ -537,16 +581,23 @@ def plainly_valid(table, ranks: list, payloads: list, max_abs_int: int, max_nest
                 return False
     python_type = {"int": int, "float": float, "bool": bool, "str": str}
     for record_kind in kinds & set(KIND_FIELDS):
-        rows = table.filter(pc.equal(kind, record_kind))
+        mask = pc.equal(kind, record_kind)  # a column at a time: a copy of the whole table would double the memory
         own = KIND_FIELDS[record_kind]
         optional = schema.OPTIONAL_FIELDS.get(record_kind, {})
+        n_rows = pc.sum(mask).as_py()
         for name in COLUMNS:
-            column = rows.column(name)
-            if name not in own and name not in optional:
+            known = name in own or name in optional
+            types = (own.get(name) or optional[name])[0] if known else ()
+            column = table.column(name)
+            if column.null_count == len(column):  # null in these rows too
+                if name in own and type(None) not in types and n_rows:
+                    return False
+                continue
+            column = column.filter(mask)
+            if not known:
                 if column.null_count != len(column):
                     return False  # a field of another kind: the record's own keys would say it (extra)
                 continue
-            types = (own.get(name) or optional[name])[0]
             if name in own and column.null_count and type(None) not in types:
                 return False
             if column.null_count == len(column):
@@ -561,14 +612,14 @@ def plainly_valid(table, ranks: list, payloads: list, max_abs_int: int, max_nest
                 if not _items_valid(record_kind, name, value):
                     return False
         if record_kind in (schema.KIND_OP, schema.KIND_COLLECTIVE):
-            if not set(pc.unique(rows.column("phase")).to_pylist()) <= set(schema.PHASES):
+            if not set(pc.unique(table.column("phase").filter(mask)).to_pylist()) <= set(schema.PHASES):
                 return False
         if record_kind == schema.KIND_OP:
-            if not set(pc.unique(rows.column("path")).to_pylist()) <= set(schema.PATHS):
+            if not set(pc.unique(table.column("path").filter(mask)).to_pylist()) <= set(schema.PATHS):
                 return False
         if record_kind == schema.KIND_COLLECTIVE:
             for name in ("bytes_sent", "bytes_recv"):
-                if pc.min(rows.column(name)).as_py() < 0:
+                if pc.min(table.column(name).filter(mask)).as_py() < 0:
                     return False
     extra = table.column("extra")
     if extra.null_count != len(extra):

@@ -877,7 +877,7 @@ class Trace:
         """The payload of ``rank`` with its records as a list (made from the columns where held as columns)."""
         p = self.payloads[rank]
         if p is not None and isinstance(p["events"], columnar.LazyRecords):
-            return dict(p, events=list(p["events"]))
+            return dict(p, events=p["events"].as_list())
         return p
 
     def _document(self, payloads: list) -> dict:

@@ -176,7 +176,9 @@ def _ops_frame_from_columns(table: Any, offsets_ns: dict[int, int]) -> pd.DataFr
     derived = {"rank", "error", "exc_type", "message", "traceback", "error_origin_seq", "unmasked", "error_handled",
                "location", "spec_mismatch"}
     columns = OPS_COLUMNS + OPS_EXTRA_COLUMNS
-    cols: dict[str, Any] = {name: arrow_or_json_column(table, name) for name in columns if name not in derived}
+    numbers = {"host_ms", "device_ms", "local_ms", "mem_delta_bytes"}  # made float below
+    cols: dict[str, Any] = {name: arrow_or_json_column(table, name) if name not in numbers else np.zeros(n)
+                            for name in columns if name not in derived}
     rank = table.column("rank").to_numpy()
     cols["rank"] = rank
     errors = json_column(table.column("error"))
@@ -185,30 +187,94 @@ def _ops_frame_from_columns(table: Any, offsets_ns: dict[int, int]) -> pd.DataFr
     for name, part in (("error", lambda e: f"{e['exc_type']}: {e['message']}"), ("exc_type", lambda e: e["exc_type"]),
                        ("message", lambda e: e["message"]), ("traceback", lambda e: e["traceback"]),
                        ("error_origin_seq", lambda e: e["origin_seq"]), ("error_handled", lambda e: e.get("handled"))):
-        column = np.full(n, None, dtype=object)
-        for i in raised:
-            column[i] = part(errors[i])
-        cols[name] = inferred_column(column)
+        cols[name] = sparse_column(n, raised, [part(errors[i]) for i in raised])
     unmasked = np.zeros(n, dtype=bool)
     for i in raised:
         unmasked[i] = bool(errors[i]["unmasked"])
     cols["unmasked"] = unmasked
     cols["location"] = locations_of_columns(table)
     found = json_column(table.column("spec_mismatches"))
-    mismatch = np.full(n, None, dtype=object)
-    for i in np.flatnonzero(table.column("spec_mismatches").is_valid().to_numpy(zero_copy_only=False)):
-        mismatch[i] = spec_mismatch_text(found[i])
-    cols["spec_mismatch"] = inferred_column(mismatch)
+    checked = np.flatnonzero(table.column("spec_mismatches").is_valid().to_numpy(zero_copy_only=False))
+    cols["spec_mismatch"] = sparse_column(n, checked, [spec_mismatch_text(found[i]) for i in checked])
     df = pd.DataFrame({name: cols[name] for name in columns}, columns=columns)
     shift = offsets_per_row(rank, offsets_ns)
     for c in ("t_start_ns", "t_end_ns"):
         df[c] = df[c].astype("Int64") - shift
-    for c in ("host_ms", "device_ms", "local_ms"):
-        df[c] = pd.to_numeric(df[c], errors="coerce").astype(float)  # None (not measured) -> NaN
-    df["mem_delta_bytes"] = pd.to_numeric(df["mem_delta_bytes"], errors="coerce").astype(float)
+    for c in ("host_ms", "device_ms", "local_ms", "mem_delta_bytes"):  # None (not measured) -> NaN
+        df[c] = table.column(c).cast("float64").to_numpy()
     for c in ("t_start_ns", "t_end_ns", "parent_seq", "fwd_seq", "error_origin_seq", "user_cell"):
         df[c] = df[c].astype("Int64")
+    return sorted_by_rank_and_seq(df)
+
+
+def sorted_by_rank_and_seq(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` sorted by ``rank``, then ``seq`` (stable), with a fresh index; not copied when in that order already
+    (a payload's records are, mostly).
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+        Rows with ``rank`` and ``seq`` (integers, no missing values).
+
+    Returns
+    -------
+    pandas.DataFrame
+        The rows in that order, indexed 0, 1, ...
+
+    Examples
+    --------
+    >>> sorted_by_rank_and_seq(pd.DataFrame({"rank": [1, 0], "seq": [0, 5]}))["rank"].tolist()
+    [0, 1]
+    """
+    rank, seq = df["rank"].to_numpy(), df["seq"].to_numpy()
+    if len(df) < 2 or ((np.diff(rank) > 0) | ((np.diff(rank) == 0) & (np.diff(seq) >= 0))).all():
+        return df.reset_index(drop=True)
     return df.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True)
+
+
+def sparse_column(n: int, rows: Any, values: list) -> Any:
+    """``inferred_column`` of a column of ``n`` values that are None except at ``rows``, which hold ``values``:
+    built without going through the Nones one by one (a trace's errors and spec mismatches are few).
+
+    Parameters
+    ----------
+    n : int
+        The column's length.
+    rows : sequence of int
+        Where the values are, ascending.
+    values : list
+        The values there.
+
+    Returns
+    -------
+    numpy.ndarray or pandas.api.extensions.ExtensionArray
+        The column, as ``inferred_column`` types it.
+
+    Examples
+    --------
+    >>> sparse_column(3, [1], ["x"]).tolist()
+    [nan, 'x', nan]
+    """
+    import pyarrow as pa
+
+    if len(rows) == n or all(v is None for v in values):
+        column = np.full(n, None, dtype=object)
+        column[np.asarray(rows, dtype=np.int64)] = np.fromiter(values, dtype=object, count=len(values))
+        return column if len(rows) < n else inferred_column(list(values))
+    kind = inferred_column(list(values) + [None]).dtype
+    rows = np.asarray(rows, dtype=np.int64)
+    if kind == np.float64:
+        column = np.full(n, np.nan)
+        column[rows] = np.asarray(pd.to_numeric(pd.Series(values, dtype=object), errors="coerce"), dtype=float)
+        return column
+    if isinstance(kind, pd.StringDtype):
+        where = np.full(n, len(values), dtype=np.int64)
+        where[rows] = np.arange(len(values))
+        text = pa.array(list(values) + [None], type=pa.large_string()).take(pa.array(where))
+        return pd.array(text, dtype=kind)
+    column = np.full(n, None, dtype=object)
+    column[rows] = np.fromiter(values, dtype=object, count=len(values))
+    return inferred_column(column)
 
 
 def arrow_or_json_column(table: Any, name: str) -> Any:
@@ -235,7 +301,12 @@ def arrow_or_json_column(table: Any, name: str) -> Any:
     from ..columnar import COLUMNS
 
     if COLUMNS.get(name) == "json":
-        return inferred_column(json_column(table.column(name)))
+        from ..columnar import decoded_json_and_values
+
+        decoded, values = decoded_json_and_values(table.column(name))
+        if all(type(v) in (list, dict) for v in values):
+            return decoded  # lists, dicts and None: objects, as inferred_column leaves them
+        return inferred_column(decoded)
     return arrow_column_as_inferred(table.column(name))
 
 
@@ -321,6 +392,8 @@ def arrow_column_as_inferred(column: Any) -> Any:
         return column.to_numpy()
     if pa.types.is_boolean(t):
         return column.to_numpy() if not column.null_count else np.array(column.to_pylist(), dtype=object)
+    if pa.types.is_dictionary(t):
+        column = column.cast(t.value_type)
     return pd.array(column, dtype=pd.StringDtype("pyarrow", na_value=np.nan))
 
 
@@ -421,7 +494,8 @@ def inferred_column(values: list) -> Any:
     """
     from pandas.core.internals.construction import convert_object_array
 
-    column = np.fromiter(values, dtype=object, count=len(values))  # lists stay one value each
+    column = values if isinstance(values, np.ndarray) and values.dtype == object else np.fromiter(
+        values, dtype=object, count=len(values))  # lists stay one value each
     return convert_object_array([column], dtype=None, dtype_backend="numpy", coerce_float=False)[0]
 
 
