@@ -106,9 +106,10 @@ print(time.perf_counter() - wall, time.process_time() - cpu, resource.getrusage(
 """
 
 
-def load_in_a_fresh_process(path: str) -> tuple[float, float, float]:
-    """(wall s, CPU s, peak RSS GiB) of ``load_trace(path)`` in a process of its own."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def load_in_a_fresh_process(path: str, code: Path = ROOT) -> tuple[float, float, float]:
+    """(wall s, CPU s, peak RSS GiB) of ``load_trace(path)`` in a process of its own, importing sharddbg from
+    ``code`` (this checkout, or an older one's ``git archive``)."""
+    env = dict(os.environ, PYTHONPATH=str(code))
     out = subprocess.run([sys.executable, "-c", _LOADER, path], capture_output=True, text=True, env=env, check=True)
     wall, cpu, rss = (float(x) for x in out.stdout.split()[-3:])
     return wall, cpu, rss / 2**30
@@ -123,6 +124,10 @@ def main(argv=None) -> None:
     ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
     ap.add_argument("--gather-ranks", type=int, default=8)
     ap.add_argument("--gather-events", type=int, default=10_000)
+    ap.add_argument("--before-code", type=Path, default=None,
+                    help="an older sharddbg (a folder holding its sharddbg/, e.g. from git archive) whose load_trace "
+                         "of the columnar file is measured beside this one's")
+    ap.add_argument("--skip-old-json", action="store_true", help="leave out the JSON save of before (json.dump: minutes)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.gather:
@@ -150,21 +155,31 @@ def main(argv=None) -> None:
     folder = args.folder or tempfile.mkdtemp(prefix="sdbench-")
     json_path, arrow_path = os.path.join(folder, "big.sdtrace.json"), os.path.join(folder, "big.sdtrace.arrow")
 
-    c = Clock()
-    with open(json_path + ".old", "w") as f:  # how save wrote JSON before: json.dump, the pure-Python encoder
-        json.dump(t.to_dict(), f, allow_nan=False, separators=(",", ":"))
-    old_save = note("save JSON as before (json.dump)", c)
+    if not args.skip_old_json:
+        c = Clock()
+        with open(json_path + ".old", "w") as f:  # how save wrote JSON before: json.dump, the pure-Python encoder
+            json.dump(t.to_dict(), f, allow_nan=False, separators=(",", ":"))
+        note("save JSON as before (json.dump)", c)
+        os.unlink(json_path + ".old")
     c = Clock()
     t.save(json_path)
-    new_save = note("save JSON now (json.dumps: the C encoder)", c, f"x{old_save[1] / max(c.read()[1], 1e-9):.1f} CPU")
-    os.unlink(json_path + ".old")
+    note("save JSON now (json.dumps: the C encoder)", c)
     c = Clock()
     t.save(arrow_path)
-    note("save columnar (.sdtrace.arrow)", c, f"{os.path.getsize(arrow_path) / 2**20:.0f} MiB vs JSON "
-                                              f"{os.path.getsize(json_path) / 2**20:.0f} MiB")
+    note("save columnar, a trace of dicts (one pass per kind)", c,
+         f"{os.path.getsize(arrow_path) / 2**20:.0f} MiB vs JSON {os.path.getsize(json_path) / 2**20:.0f} MiB")
+    before_path = os.path.join(folder, "big-before.sdtrace.arrow")
+    if args.before_code:  # the file as the older code wrote it (its own columns version), loaded by it
+        subprocess.run([sys.executable, "-c", "import sys, sharddbg; sharddbg.load_trace(sys.argv[1]).save(sys.argv[2])",
+                        json_path, before_path], env=dict(os.environ, PYTHONPATH=str(args.before_code)), check=True)
+        wall, cpu, rss = load_in_a_fresh_process(before_path, args.before_code)
+        note("load_trace columnar, the code before (fresh process)", (wall, cpu), f"peak RSS {rss:.2f} GiB")
     for label, path in (("JSON", json_path), ("columnar", arrow_path)):
         wall, cpu, rss = load_in_a_fresh_process(path)
         note(f"load_trace {label} (fresh process)", (wall, cpu), f"peak RSS {rss:.2f} GiB")
+    if args.before_code:
+        wall, cpu, rss = load_in_a_fresh_process(before_path)
+        note("load_trace columnar, the file the code before wrote", (wall, cpu), f"peak RSS {rss:.2f} GiB")
 
     # Arrow IPC against Parquet, the same table, pyarrow alone
     sink = pa.BufferOutputStream()
@@ -184,22 +199,44 @@ def main(argv=None) -> None:
     events = t._events_by_rank()
     c = Clock()
     ops.ops_frame_by_record(events, t.clock_offsets_ns)
-    old = note("get_ops as before (a row at a time)", c)
+    old_ops = note("get_ops as before (a row at a time)", c)
     c = Clock()
     t.get_ops()
-    note("get_ops now (a column at a time)", c, f"x{old[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    note("get_ops, a trace of dicts (a column at a time)", c, f"x{old_ops[1] / max(c.read()[1], 1e-9):.1f} CPU")
     c = Clock()
     comm.collectives_frame_by_record(events, t.clock_offsets_ns)
-    old = note("get_collectives as before (a row at a time)", c)
+    old_colls = note("get_collectives as before (a row at a time)", c)
     c = Clock()
     t.get_collectives()
-    note("get_collectives now (a column at a time)", c, f"x{old[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    note("get_collectives, a trace of dicts", c, f"x{old_colls[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    del events
+    t._current = None
     c = Clock()
     t.get_op_summary()
     note("get_op_summary (ops and collectives built)", c)
     c = Clock()
     t.get_comm_by_op()
     note("get_comm_by_op (ops and collectives built)", c)
+    del t, doc
+    # the trace loaded from the columnar file: it keeps the columns
+    c = Clock()
+    held = sharddbg.load_trace(arrow_path)
+    note("load_trace columnar (this process)", c)
+    c = Clock()
+    held.get_ops()
+    note("get_ops, the columnar trace (from the columns)", c, f"x{old_ops[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    c = Clock()
+    held.get_collectives()
+    note("get_collectives, the columnar trace", c, f"x{old_colls[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    c = Clock()
+    held.get_op_summary()
+    note("get_op_summary, the columnar trace", c)
+    c = Clock()
+    held.get_comm_by_op()
+    note("get_comm_by_op, the columnar trace", c)
+    c = Clock()
+    held.save(os.path.join(folder, "again.sdtrace.arrow"))
+    note("save columnar, the columnar trace (its table written)", c)
     print(f"\nsharddbg {sharddbg.__version__ if hasattr(sharddbg, '__version__') else ''} pyarrow {pa.__version__} "
           f"python {sys.version.split()[0]} load average {os.getloadavg()}")
 

@@ -355,11 +355,11 @@ def attributed(colls: pd.DataFrame, ops: pd.DataFrame, inclusive: bool) -> pd.Da
     parent, names = op_parents_and_names(ops)
     # the name of the op record a collective names (the record is the one source of an op's name)
     c["op"] = [c_op if pd.isna(s) else names.get((int(r), int(s)), c_op)
-               for r, s, c_op in zip(c["rank"], c["op_seq"], c["op"])]
+               for r, s, c_op in zip(c["rank"].tolist(), c["op_seq"].tolist(), c["op"].tolist())]
     if not inclusive:
         return c
     rows, idx = [], []
-    for i, (r, seq) in enumerate(zip(c["rank"], c["op_seq"])):
+    for i, (r, seq) in enumerate(zip(c["rank"].tolist(), c["op_seq"].tolist())):
         if pd.isna(seq):
             idx.append(i)
             rows.append((c["op"].iat[i], pd.NA))
@@ -424,10 +424,12 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
     c = attributed(colls[["rank", "op", "op_seq", "kind", "bytes_sent", "bytes_recv", "duration_ms", "phase",
                           "in_flight"]], ops[["rank", "seq", "op", "parent_seq"]], inclusive)
     # one pass over the collectives and one over the ops: pandas per (op, rank) costs far more than the sums
-    depth = {(int(r), int(s)): int(d) for r, s, d in zip(ops["rank"], ops["seq"], ops["depth"])} if len(ops) else {}
+    depth = {(int(r), int(s)): int(d) for r, s, d in zip(*(ops[k].tolist() for k in ("rank", "seq", "depth")))} \
+        if len(ops) else {}
     acc: dict[tuple, _OpComm] = {}
-    for op, r, s, kind, sent, recv, ms, ph, fl in zip(c["op"], c["rank"], c["op_seq"], c["kind"], c["bytes_sent"],
-                                                      c["bytes_recv"], c["duration_ms"], c["phase"], c["in_flight"]):
+    # plain lists: iterating a Series (Arrow-backed text above all) costs a Python call per value
+    for op, r, s, kind, sent, recv, ms, ph, fl in zip(*(c[k].tolist() for k in (
+            "op", "rank", "op_seq", "kind", "bytes_sent", "bytes_recv", "duration_ms", "phase", "in_flight"))):
         a = acc.setdefault((op, int(r)), _OpComm())
         a.n_collectives += 1
         call_depth = None if pd.isna(s) else depth.get((int(r), int(s)))
@@ -445,7 +447,7 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
             a.comm_ms += done
         a.n_in_flight += bool(fl)
     if len(ops):
-        calls = list(zip(ops["op"], ops["rank"], ops["phase"], ops["depth"], ops["host_ms"]))
+        calls = list(zip(*(ops[k].tolist() for k in ("op", "rank", "phase", "depth", "host_ms"))))
         for op, r, ph, d, ms in calls:
             if ph == "forward":
                 a = acc.setdefault((op, int(r)), _OpComm())
