@@ -128,6 +128,8 @@ def main(argv=None) -> None:
                     help="an older sharddbg (a folder holding its sharddbg/, e.g. from git archive) whose load_trace "
                          "of the columnar file is measured beside this one's")
     ap.add_argument("--skip-old-json", action="store_true", help="leave out the JSON save of before (json.dump: minutes)")
+    ap.add_argument("--skip-json-load", action="store_true", help="leave out load_trace of the JSON file (minutes)")
+    ap.add_argument("--compare-formats", action="store_true", help="also the table as Arrow IPC against Parquet")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.gather:
@@ -169,12 +171,13 @@ def main(argv=None) -> None:
     note("save columnar, a trace of dicts (one pass per kind)", c,
          f"{os.path.getsize(arrow_path) / 2**20:.0f} MiB vs JSON {os.path.getsize(json_path) / 2**20:.0f} MiB")
     before_path = os.path.join(folder, "big-before.sdtrace.arrow")
-    if args.before_code:  # the file as the older code wrote it (its own columns version), loaded by it
+    if args.before_code and not os.path.exists(before_path):  # the file as the older code wrote it
         subprocess.run([sys.executable, "-c", "import sys, sharddbg; sharddbg.load_trace(sys.argv[1]).save(sys.argv[2])",
                         json_path, before_path], env=dict(os.environ, PYTHONPATH=str(args.before_code)), check=True)
+    if args.before_code:  # loaded by the older code
         wall, cpu, rss = load_in_a_fresh_process(before_path, args.before_code)
         note("load_trace columnar, the code before (fresh process)", (wall, cpu), f"peak RSS {rss:.2f} GiB")
-    for label, path in (("JSON", json_path), ("columnar", arrow_path)):
+    for label, path in (("JSON", json_path), ("columnar", arrow_path))[1 if args.skip_json_load else 0:]:
         wall, cpu, rss = load_in_a_fresh_process(path)
         note(f"load_trace {label} (fresh process)", (wall, cpu), f"peak RSS {rss:.2f} GiB")
     if args.before_code:
@@ -182,10 +185,11 @@ def main(argv=None) -> None:
         note("load_trace columnar, the file the code before wrote", (wall, cpu), f"peak RSS {rss:.2f} GiB")
 
     # Arrow IPC against Parquet, the same table, pyarrow alone
-    sink = pa.BufferOutputStream()
-    columnar.write_document(doc, sink)
-    table = pa.ipc.open_file(pa.BufferReader(sink.getvalue())).read_all()
-    for label, write, read, suffix in (
+    sink = pa.BufferOutputStream() if args.compare_formats else None
+    if sink is not None:
+        columnar.write_document(doc, sink)
+        table = pa.ipc.open_file(pa.BufferReader(sink.getvalue())).read_all()
+    for label, write, read, suffix in () if sink is None else (
             ("Arrow IPC (zstd)", lambda p: _write_ipc(pa, table, p), lambda p: pa.ipc.open_file(p).read_all(), ".arrow"),
             ("Parquet (snappy)", lambda p: pq.write_table(table, p), lambda p: pq.read_table(p), ".parquet")):
         path = os.path.join(folder, "table" + suffix)
@@ -209,15 +213,7 @@ def main(argv=None) -> None:
     c = Clock()
     t.get_collectives()
     note("get_collectives, a trace of dicts", c, f"x{old_colls[1] / max(c.read()[1], 1e-9):.1f} CPU")
-    del events
-    t._current = None
-    c = Clock()
-    t.get_op_summary()
-    note("get_op_summary (ops and collectives built)", c)
-    c = Clock()
-    t.get_comm_by_op()
-    note("get_comm_by_op (ops and collectives built)", c)
-    del t, doc
+    del events, t, doc
     # the trace loaded from the columnar file: it keeps the columns
     c = Clock()
     held = sharddbg.load_trace(arrow_path)
