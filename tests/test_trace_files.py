@@ -390,6 +390,24 @@ def test_columnar_trace_keeps_its_columns_and_makes_records_only_when_asked(tmp_
     pd.testing.assert_frame_equal(t.get_op_summary(), again.get_op_summary())
 
 
+def test_summary_and_comm_by_op_on_whole_columns_are_the_tables_of_the_call_by_call_sums():
+    """The op summary and the communication per op, worked out on whole columns (what a big trace gets), are the
+    tables the call-by-call sums give (what a small one gets), on the golden trace and on its ops without
+    collectives."""
+    from sharddbg.analysis import comm as comm_analysis
+    from sharddbg.analysis import summary
+
+    t = load_trace(GOLDEN)
+    ops, colls = t.get_ops(), t.get_collectives()
+    assert len(ops) + len(colls) < comm_analysis._ROWS_BY_COLUMNS  # the golden trace takes the call-by-call sums
+    for o, c in ((ops, colls), (ops, colls.iloc[0:0])):
+        for nested in (False, True):
+            pd.testing.assert_frame_equal(summary.op_summary_by_columns(o, c, nested),
+                                          summary.op_summary_by_call(o, c, nested), check_dtype=len(c) > 0)
+        pd.testing.assert_frame_equal(comm_analysis.comm_by_op_by_columns(c, o), comm_analysis.comm_by_op(c, o),
+                                      check_dtype=len(c) > 0)
+
+
 def test_columnar_file_of_columns_version_1_still_loads(tmp_path):
     """A file of the first columns version (text in plain large_string columns, not dictionary-encoded) loads,
     as columns, to the same trace."""

@@ -421,6 +421,8 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
         raise ValueError(f"inclusive must be True or False, got {inclusive!r}")
     if by == "call":
         return _comm_by_call(attributed(colls, ops, inclusive), ops)
+    if not inclusive and len(ops) + len(colls) >= _ROWS_BY_COLUMNS:
+        return comm_by_op_by_columns(colls, ops)
     c = attributed(colls[["rank", "op", "op_seq", "kind", "bytes_sent", "bytes_recv", "duration_ms", "phase",
                           "in_flight"]], ops[["rank", "seq", "op", "parent_seq"]], inclusive)
     # one pass over the collectives and one over the ops: pandas per (op, rank) costs far more than the sums
@@ -473,6 +475,104 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
             "n_in_flight": int(a.n_in_flight),
         })
     df = pd.DataFrame(rows, columns=COMM_BY_OP_COLUMNS)
+    df["total_ms"] = df["comm_ms"] + df["bwd_comm_ms"]
+    df = df.sort_values(["total_ms", "op", "rank"], ascending=[False, True, True], kind="stable")
+    return df.drop(columns="total_ms").reset_index(drop=True)
+
+
+# below this many rows (ops and collectives) comm_by_op adds up a row at a time: on a small trace that is quicker
+# than the fixed cost of the groupbys
+_ROWS_BY_COLUMNS = 20_000
+
+
+def comm_by_op_by_columns(colls: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
+    """``comm_by_op(colls, ops)`` (by op name and rank, exclusive) worked out on whole columns, without Python per
+    collective or per call: for big traces.
+
+    Parameters
+    ----------
+    colls : pandas.DataFrame
+        ``Trace.get_collectives()``.
+    ops : pandas.DataFrame
+        ``Trace.get_ops()``.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``Trace.get_comm_by_op()``: the table ``comm_by_op`` adds up a row at a time, its sums added in another
+        order.
+
+    Examples
+    --------
+    >>> comm_by_op_by_columns(t.get_collectives(), t.get_ops()).columns[0]
+    'op'
+    """
+    c = colls[["rank", "op", "op_seq", "kind", "bytes_sent", "bytes_recv", "duration_ms", "phase", "in_flight"]]
+    rank = c["rank"].to_numpy(dtype=np.int64)
+    op = c["op"].to_numpy(dtype=object, na_value=None)
+    op = np.where(pd.isna(op), NO_OP, op) if len(op) else op
+    depth = np.full(len(c), -1, dtype=np.int64)  # -1: no op record (or no call at all)
+    if len(ops) and len(c):
+        keyed = ops[["rank", "seq", "op", "depth"]].drop_duplicates(["rank", "seq"], keep="last")
+        index = pd.MultiIndex.from_arrays([keyed["rank"].to_numpy(dtype=np.int64), keyed["seq"].to_numpy(dtype=np.int64)])
+        has_call = c["op_seq"].notna().to_numpy()
+        at = index.get_indexer(pd.MultiIndex.from_arrays([rank, c["op_seq"].to_numpy(dtype=np.int64, na_value=-1)]))
+        at = np.where(has_call, at, -1)
+        found = at >= 0
+        # the name of the op record a collective names (the record is the one source of an op's name)
+        op = np.where(found, keyed["op"].to_numpy(dtype=object)[np.maximum(at, 0)], op)
+        depth = np.where(found, keyed["depth"].to_numpy(dtype=np.int64)[np.maximum(at, 0)], -1)
+    backward = (c["phase"] == "backward").fillna(False).to_numpy(dtype=bool)
+    done = c["duration_ms"].to_numpy(dtype=np.float64, na_value=np.nan)
+    done = np.where(np.isnan(done), 0.0, done)
+    per = pd.DataFrame({
+        "op": op, "rank": rank, "n_collectives": 1, "own_n_collectives": depth == 0,
+        "nested_n_collectives": depth > 0,
+        "bytes_sent": c["bytes_sent"].fillna(0).to_numpy(dtype=np.int64),
+        "bytes_recv": c["bytes_recv"].fillna(0).to_numpy(dtype=np.int64),
+        "comm_ms": np.where(backward, 0.0, done), "bwd_n_collectives": backward,
+        "bwd_comm_ms": np.where(backward, done, 0.0),
+        "n_in_flight": c["in_flight"].fillna(False).to_numpy(dtype=bool)})
+    comm = per.groupby(["op", "rank"], sort=False).sum()
+    kinds = pd.DataFrame({"op": op, "rank": rank, "kind": c["kind"].astype(str).to_numpy(dtype=object)}) \
+        .groupby(["op", "rank", "kind"], sort=True).size()
+    kind_counts: dict[tuple, dict] = {}
+    for (o, r, k), n in kinds.items():
+        kind_counts.setdefault((o, r), {})[k] = int(n)
+    phase = ops["phase"].to_numpy(dtype=object, na_value=None) if len(ops) else np.array([], dtype=object)
+    host = ops["host_ms"].to_numpy(dtype=np.float64, na_value=np.nan) if len(ops) else np.array([])
+    host = np.where(np.isnan(host), 0.0, host)
+    o_depth = ops["depth"].to_numpy(dtype=np.int64) if len(ops) else np.array([], dtype=np.int64)
+    o_names = ops["op"].to_numpy(dtype=object) if len(ops) else np.array([], dtype=object)
+    o_rank = ops["rank"].to_numpy(dtype=np.int64) if len(ops) else np.array([], dtype=np.int64)
+    forward = phase == "forward"
+    calls = pd.DataFrame({"op": o_names[forward], "rank": o_rank[forward], "calls": 1,
+                          "own_calls": o_depth[forward] == 0, "nested_calls": o_depth[forward] > 0,
+                          "op_ms": host[forward]}).groupby(["op", "rank"], sort=False).sum()
+    bwd = phase == "backward"
+    bwd_ms = pd.DataFrame({"op": o_names[bwd], "rank": o_rank[bwd], "bwd_op_ms": host[bwd]}) \
+        .groupby(["op", "rank"], sort=False).sum()
+    keys = comm.index.union(calls.index, sort=False) if len(calls) else comm.index
+    df = pd.DataFrame(index=keys)
+    for name in ("calls", "own_calls", "nested_calls", "op_ms"):
+        df[name] = calls[name].reindex(keys).fillna(0).to_numpy() if len(calls) else 0
+    for name in ("n_collectives", "own_n_collectives", "nested_n_collectives", "bytes_sent", "bytes_recv", "comm_ms",
+                 "bwd_n_collectives", "bwd_comm_ms", "n_in_flight"):
+        df[name] = comm[name].reindex(keys).fillna(0).to_numpy() if len(comm) else 0
+    df["bwd_op_ms"] = bwd_ms["bwd_op_ms"].reindex(keys).fillna(0.0).to_numpy() if len(bwd_ms) else 0.0
+    df = df.reset_index().rename(columns={"level_0": "op", "level_1": "rank"})
+    df["kinds"] = [kind_counts.get((o, r), {}) for o, r in zip(df["op"].tolist(), df["rank"].tolist())]
+    for name in ("calls", "own_calls", "nested_calls", "n_collectives", "own_n_collectives", "nested_n_collectives",
+                 "bytes_sent", "bytes_recv", "bwd_n_collectives", "n_in_flight", "rank"):
+        df[name] = df[name].astype(np.int64)
+    for name in ("op_ms", "comm_ms", "bwd_comm_ms", "bwd_op_ms"):
+        df[name] = df[name].astype(np.float64)
+    df["op_ms"] = df["op_ms"].where(df["calls"] > 0)
+    df["comm_share"] = (df["comm_ms"] / df["op_ms"]).where((df["calls"] > 0) & (df["op_ms"] > 0))
+    df["op"] = df["op"].astype(object)
+    df = df.assign(_op=df["op"].astype(str)).sort_values(["_op", "rank"], kind="stable").drop(columns="_op")
+    df = pd.DataFrame({name: df[name].to_numpy() if name != "op" else df["op"].tolist() for name in COMM_BY_OP_COLUMNS},
+                      columns=COMM_BY_OP_COLUMNS)
     df["total_ms"] = df["comm_ms"] + df["bwd_comm_ms"]
     df = df.sort_values(["total_ms", "op", "rank"], ascending=[False, True, True], kind="stable")
     return df.drop(columns="total_ms").reset_index(drop=True)
