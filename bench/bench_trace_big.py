@@ -97,12 +97,15 @@ class Clock:
         return time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
+# the peak resident memory of the loading process: VmHWM, this process's own (getrusage's ru_maxrss keeps, across
+# exec, what the process held when it was forked: the size of the bench itself)
 _LOADER = """
-import resource, sys, time
+import sys, time
 import sharddbg
 wall, cpu = time.perf_counter(), time.process_time()
 t = sharddbg.load_trace(sys.argv[1])
-print(time.perf_counter() - wall, time.process_time() - cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(time.perf_counter() - wall, time.process_time() - cpu, peak * 1024)
 """
 
 
@@ -110,7 +113,9 @@ def load_in_a_fresh_process(path: str, code: Path = ROOT) -> tuple[float, float,
     """(wall s, CPU s, peak RSS GiB) of ``load_trace(path)`` in a process of its own, importing sharddbg from
     ``code`` (this checkout, or an older one's ``git archive``)."""
     env = dict(os.environ, PYTHONPATH=str(code))
-    out = subprocess.run([sys.executable, "-c", _LOADER, path], capture_output=True, text=True, env=env, check=True)
+    # run from ``code``: ``python -c`` puts the working folder before PYTHONPATH on sys.path
+    out = subprocess.run([sys.executable, "-c", _LOADER, os.path.abspath(path)], capture_output=True, text=True,
+                         env=env, check=True, cwd=str(code))
     wall, cpu, rss = (float(x) for x in out.stdout.split()[-3:])
     return wall, cpu, rss / 2**30
 
@@ -130,10 +135,15 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-old-json", action="store_true", help="leave out the JSON save of before (json.dump: minutes)")
     ap.add_argument("--skip-json-load", action="store_true", help="leave out load_trace of the JSON file (minutes)")
     ap.add_argument("--compare-formats", action="store_true", help="also the table as Arrow IPC against Parquet")
+    ap.add_argument("--columnar-only", default=None, metavar="FILE",
+                    help="only the columnar file FILE (a .sdtrace.arrow this bench wrote): load it (a fresh process, "
+                         "and this one), build its tables, save it again")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.gather:
         return gather(args.gather_ranks, args.gather_events)
+    if args.columnar_only:
+        return columnar_only(args.columnar_only)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -173,7 +183,8 @@ def main(argv=None) -> None:
     before_path = os.path.join(folder, "big-before.sdtrace.arrow")
     if args.before_code and not os.path.exists(before_path):  # the file as the older code wrote it
         subprocess.run([sys.executable, "-c", "import sys, sharddbg; sharddbg.load_trace(sys.argv[1]).save(sys.argv[2])",
-                        json_path, before_path], env=dict(os.environ, PYTHONPATH=str(args.before_code)), check=True)
+                        json_path, before_path], env=dict(os.environ, PYTHONPATH=str(args.before_code)), check=True,
+                       cwd=str(args.before_code))
     if args.before_code:  # loaded by the older code
         wall, cpu, rss = load_in_a_fresh_process(before_path, args.before_code)
         note("load_trace columnar, the code before (fresh process)", (wall, cpu), f"peak RSS {rss:.2f} GiB")
@@ -235,6 +246,30 @@ def main(argv=None) -> None:
     note("save columnar, the columnar trace (its table written)", c)
     print(f"\nsharddbg {sharddbg.__version__ if hasattr(sharddbg, '__version__') else ''} pyarrow {pa.__version__} "
           f"python {sys.version.split()[0]} load average {os.getloadavg()}")
+
+
+def columnar_only(path: str) -> None:
+    """Load the columnar file ``path`` in a fresh process and in this one, build the tables from its columns, save
+    it again: wall and CPU seconds of each step, peak memory of the fresh process."""
+    import sharddbg
+
+    def note(what: str, wall: float, cpu: float, extra: str = "") -> None:
+        print(f"{what:58s} {wall:8.2f} s wall {cpu:8.2f} s CPU {extra}", flush=True)
+
+    wall, cpu, rss = load_in_a_fresh_process(path)
+    note("load_trace columnar (fresh process)", wall, cpu, f"peak RSS {rss:.2f} GiB")
+    c = Clock()
+    t = sharddbg.load_trace(path)
+    note("load_trace columnar (this process)", *c.read())
+    for table in ("get_ops", "get_collectives", "get_op_summary", "get_comm_by_op"):
+        c = Clock()
+        getattr(t, table)()
+        note(f"{table}, the columnar trace", *c.read())
+    c = Clock()
+    t.save(os.path.join(os.path.dirname(os.path.abspath(path)), "again.sdtrace.arrow"))
+    note("save columnar, the columnar trace (its table written)", *c.read())
+    peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(f"peak RSS of this process {peak / 2**20:.2f} GiB; load average {os.getloadavg()}")
 
 
 def gather(n_payloads: int, n_events: int) -> None:
