@@ -235,8 +235,13 @@ def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool =
     for name in ("host_ms", "dispatch_ms", "local_ms"):
         calls["first_" + name] = calls[name].where(calls["first"])
         calls["steady_" + name] = calls[name].where(calls["steady"])
-    groups = calls.groupby(["op", "path", "phase"], sort=False)
+    # one integer per (op, path, phase), numbered in order of first appearance: the groups' order, as a groupby on the
+    # three text columns with sort=False gives it, at the cost of one factorize
+    group_code = pd.factorize(pd.MultiIndex.from_arrays([calls["op"], calls["path"], calls["phase"]]))[0]
+    calls["group"] = group_code
+    groups = calls.groupby("group", sort=True)
     agg = groups.agg(
+        op=("op", "first"), path=("path", "first"), phase=("phase", "first"),
         calls=("rank", "size"), nested_calls=("nested", "sum"), first_calls=("first", "sum"),
         steady_calls=("steady", "sum"), first_ms_median=("first_host_ms", "median"),
         steady_ms_median=("steady_host_ms", "median"), steady_ms_p95=("steady_host_ms", lambda v: _p95(v)),
@@ -250,7 +255,7 @@ def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool =
         bytes_inclusive=("total_bytes", "sum"), comm_ms_within_host=("total_ms_within_host", "sum"),
         comm_ms_outside_host=("total_ms_outside_host", "sum"), n_in_flight=("total_in_flight", "sum"),
         errors=("raised", "sum"), any_fallback=("fallback", "any"))
-    agg = agg.reset_index()
+    agg = agg.reset_index(drop=True)
     steady = agg["steady_calls"].to_numpy() > 0
     agg["host_ms_total"] = agg["host_ms_total"].where(agg["host_known"] > 0)
     agg["dispatch_ms_median"] = np.where(steady, agg["dispatch_steady_median"], agg["dispatch_all_median"])
@@ -262,10 +267,9 @@ def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool =
     location = o["location"]
     text = location.notna().to_numpy() if pd.api.types.is_string_dtype(location.dtype) else np.array(
         [isinstance(v, str) for v in location.tolist()], dtype=bool)  # an object column: None only, or a few
-    where = pd.DataFrame({"op": calls["op"], "path": calls["path"], "phase": calls["phase"],
-                          "location": location.array})[text].groupby(
-        ["op", "path", "phase"], sort=False)["location"].unique()
-    agg["locations"] = [list(where.get(k, [])) for k in zip(agg["op"], agg["path"], agg["phase"])]
+    where = pd.DataFrame({"group": group_code, "location": location.array})[text].groupby(
+        "group", sort=True)["location"].unique()
+    agg["locations"] = [list(where.get(k, [])) for k in range(len(agg))]
     agg["fallback"] = agg["path"].isin(FALLBACK_PATHS).to_numpy() | agg["any_fallback"].to_numpy()
     agg["category"] = [_category(op) for op in agg["op"]]
     for name in ("calls", "nested_calls", "first_calls", "steady_calls", "n_collectives", "bytes",
@@ -401,7 +405,9 @@ def _chains(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, list[np
     seq = colls["op_seq"].to_numpy(dtype=np.int64, na_value=0)[rows]
     keyed = pd.DataFrame({"rank": ops["rank"].to_numpy(dtype=np.int64), "seq": ops["seq"].to_numpy(dtype=np.int64),
                           "parent": ops["parent_seq"].to_numpy(dtype=np.float64, na_value=np.nan),
-                          "op": ops["op"].to_numpy(dtype=object)}).drop_duplicates(["rank", "seq"], keep="last")
+                          # op names as codes (>= 0); a call without a record is named by its seq (below: < 0)
+                          "op": pd.factorize(ops["op"], use_na_sentinel=False)[0].astype(np.int64)}
+                         ).drop_duplicates(["rank", "seq"], keep="last")
     index = pd.MultiIndex.from_arrays([keyed["rank"].to_numpy(), keyed["seq"].to_numpy()])
     parents = keyed["parent"].to_numpy()
     names = keyed["op"].to_numpy()
@@ -412,9 +418,9 @@ def _chains(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, list[np
         if not alive.any():
             break
         at = index.get_indexer(pd.MultiIndex.from_arrays([rank, cur]))
-        level_name = np.where(at >= 0, names[np.maximum(at, 0)] if len(names) else None, cur.astype(object))
+        level_name = np.where(at >= 0, names[np.maximum(at, 0)] if len(names) else -1, -1 - cur)
         calls.append(np.where(alive, cur, -1))
-        named.append(np.where(alive, level_name, None))
+        named.append(level_name)
         parent = parents[np.maximum(at, 0)] if len(parents) else np.full(len(rows), np.nan)
         alive = alive & (at >= 0) & ~np.isnan(parent)
         cur = np.where(alive, np.nan_to_num(parent).astype(np.int64), -1)
