@@ -14,7 +14,9 @@ File format (``save`` / ``load_trace``), JSON::
      "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 
 ``save("run.sdtrace.arrow")`` writes the same document as columns instead (``sharddbg.columnar``: an Arrow IPC
-file, for big traces); ``load_trace`` tells the two apart by their first bytes and checks both alike.
+file, for big traces); ``load_trace`` tells the two apart by their first bytes and checks both alike. A trace
+loaded from columns keeps them: its tables are built from the columns, its records made as dicts only when asked
+for (``events(rank)``, ``to_dict()``).
 
 Every writer (``save``, ``to_perfetto``, ``to_html``) goes through ``write_file_atomically``: the file
 appears whole or not at all. ``load_trace`` refuses, naming the field (and payload, rank, event), a file
