@@ -382,7 +382,7 @@ def test_columnar_trace_keeps_its_columns_and_makes_records_only_when_asked(tmp_
     pd.testing.assert_frame_equal(t.get_op_summary(), again.get_op_summary())
 
 
-def test_summary_and_comm_by_op_on_whole_columns_are_the_tables_of_the_call_by_call_sums():
+def test_summary_and_comm_by_op_on_whole_columns_are_the_tables_of_the_call_by_call_sums(monkeypatch):
     """The op summary and the communication per op, worked out on whole columns (what a big trace gets), are the
     tables the call-by-call sums give (what a small one gets), on the golden trace and on its ops without
     collectives."""
@@ -398,6 +398,9 @@ def test_summary_and_comm_by_op_on_whole_columns_are_the_tables_of_the_call_by_c
                                           summary.op_summary_by_call(o, c, nested), check_dtype=len(c) > 0)
         pd.testing.assert_frame_equal(comm_analysis.comm_by_op_by_columns(c, o), comm_analysis.comm_by_op(c, o),
                                       check_dtype=len(c) > 0)
+    # calls keyed by three columns where a seq is too large for the one-integer key
+    monkeypatch.setattr(summary, "_keys_fit", lambda ops, colls: False)
+    pd.testing.assert_frame_equal(summary.op_summary_by_columns(ops, colls, True), summary.op_summary_by_call(ops, colls, True))
 
 
 def test_columnar_file_of_columns_version_1_still_loads(tmp_path):

@@ -194,7 +194,8 @@ def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool =
     """
     if ops.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
-    excl, incl = _comm_per_call_frames(colls, ops)
+    as_int = _keys_fit(ops, colls)
+    excl, incl = _comm_per_call_frames(colls, ops, as_int)
     is_backward = (ops["phase"] == "backward").fillna(False).to_numpy(dtype=bool)
     depth = ops["depth"].to_numpy(dtype=np.int64)
     keep = ops["op"].notna().to_numpy() & ops["path"].notna().to_numpy() & ops["phase"].notna().to_numpy()
@@ -223,7 +224,7 @@ def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool =
     counted = ~(backward & calls.duplicated(["rank", "call", "bwd"]).to_numpy())
     calls["shapes"] = _shape_codes(o["in_local_shapes"].to_numpy(dtype=object))
     calls["first"] = ~calls.duplicated(["rank", "op", "path", "phase", "shapes"]).to_numpy()
-    key = pd.MultiIndex.from_arrays([calls["rank"], calls["call"], calls["bwd"]])
+    key = _call_key(calls["rank"].to_numpy(), calls["call"].to_numpy(), calls["bwd"].to_numpy(), as_int)
     for prefix, table in (("own_", excl), ("total_", incl)):
         found = table.reindex(key) if len(table) else pd.DataFrame(index=key, columns=list(_CALL_COMM))
         for name in _CALL_COMM:
@@ -237,7 +238,11 @@ def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool =
         calls["steady_" + name] = calls[name].where(calls["steady"])
     # one integer per (op, path, phase), numbered in order of first appearance: the groups' order, as a groupby on the
     # three text columns with sort=False gives it, at the cost of one factorize
-    group_code = pd.factorize(pd.MultiIndex.from_arrays([calls["op"], calls["path"], calls["phase"]]))[0]
+    group_code = np.zeros(len(calls), dtype=np.int64)
+    for name in ("op", "path", "phase"):
+        codes, distinct = pd.factorize(calls[name])
+        group_code = group_code * (len(distinct) + 1) + codes
+    group_code = pd.factorize(group_code)[0]
     calls["group"] = group_code
     groups = calls.groupby("group", sort=True)
     agg = groups.agg(
@@ -433,10 +438,11 @@ def _chains(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, list[np
     return rows, calls, counts
 
 
-def _comm_per_call_frames(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+def _comm_per_call_frames(colls: pd.DataFrame, ops: pd.DataFrame, as_int: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``_comm_per_call`` on whole columns: the exclusive and inclusive communication per (rank, call, phase), as
     frames indexed by those three with the columns ``_CALL_COMM``."""
-    empty = pd.DataFrame(columns=["rank", "call", "bwd", *_CALL_COMM]).set_index(["rank", "call", "bwd"])
+    empty = pd.DataFrame(columns=["key", *_CALL_COMM]).set_index("key") if as_int else pd.DataFrame(
+        columns=["rank", "call", "bwd", *_CALL_COMM]).set_index(["rank", "call", "bwd"])
     if colls.empty:
         return empty, empty
     rows, calls, counts = _chains(colls, ops)
@@ -475,8 +481,31 @@ def _comm_per_call_frames(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[pd.Da
         pairs["ms_within_host"] = np.where(within, pairs["ms"], 0.0)
         pairs["ms_outside_host"] = np.where(within, 0.0, pairs["ms"])
         pairs["n"] = 1
-        out.append(pairs.groupby(["rank", "call", "bwd"], sort=False)[list(_CALL_COMM)].sum())
+        if as_int:
+            pairs["key"] = _call_key(pairs["rank"].to_numpy(), pairs["call"].to_numpy(), pairs["bwd"].to_numpy(), True)
+            out.append(pairs.groupby("key", sort=False)[list(_CALL_COMM)].sum())
+        else:
+            out.append(pairs.groupby(["rank", "call", "bwd"], sort=False)[list(_CALL_COMM)].sum())
     return out[0], out[1]
+
+
+def _keys_fit(ops: pd.DataFrame, colls: pd.DataFrame) -> bool:
+    """Every rank and call seq of the two tables fits ``_call_key``'s one integer (ranks below 2**16, seqs
+    within [0, 2**46): the sizes traces have)."""
+    for values, bound in ((ops["rank"], 2**16), (colls["rank"], 2**16), (ops["seq"], 2**46),
+                          (ops["fwd_seq"], 2**46), (ops["parent_seq"], 2**46), (colls["op_seq"], 2**46)):
+        if len(values) and values.notna().any() and not (0 <= values.min() and values.max() < bound):
+            return False
+    return True
+
+
+def _call_key(rank: np.ndarray, call: np.ndarray, backward: np.ndarray, as_int: bool) -> pd.Index:
+    """One key per (rank, call, phase): one integer where ``_keys_fit`` (an index on one integer is many times
+    quicker than on three columns), else the three together."""
+    rank, call = rank.astype(np.int64), call.astype(np.int64)
+    if as_int:
+        return pd.Index((call << 17) | (rank << 1) | backward.astype(np.int64))
+    return pd.MultiIndex.from_arrays([rank, call, backward.astype(bool)])
 
 
 def _timed_spans_frame(ops: pd.DataFrame) -> pd.DataFrame:
