@@ -400,7 +400,8 @@ def test_summary_and_comm_by_op_on_whole_columns_are_the_tables_of_the_call_by_c
                                       check_dtype=len(c) > 0)
     # calls keyed by three columns where a seq is too large for the one-integer key
     monkeypatch.setattr(summary, "_keys_fit", lambda ops, colls: False)
-    pd.testing.assert_frame_equal(summary.op_summary_by_columns(ops, colls, True), summary.op_summary_by_call(ops, colls, True))
+    pd.testing.assert_frame_equal(summary.op_summary_by_columns(ops, colls, True),
+                                  summary.op_summary_by_call(ops, colls, True))
 
 
 def test_columnar_file_of_columns_version_1_still_loads(tmp_path):
@@ -410,7 +411,8 @@ def test_columnar_file_of_columns_version_1_still_loads(tmp_path):
     table = _columnar_table()
     for i, field in enumerate(table.schema):
         if pa.types.is_dictionary(field.type):
-            table = table.set_column(i, pa.field(field.name, pa.large_string()), table.column(i).cast(pa.large_string()))
+            table = table.set_column(i, pa.field(field.name, pa.large_string()),
+                                     table.column(i).cast(pa.large_string()))
     path = tmp_path / COLUMNAR_NAME
     _write_table(_set_header(table, columns=1), path)
     t1 = load_trace(path)

@@ -514,7 +514,8 @@ def comm_by_op_by_columns(colls: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFram
     depth = np.full(len(c), -1, dtype=np.int64)  # -1: no op record (or no call at all)
     if len(ops) and len(c):
         keyed = ops[["rank", "seq", "op", "depth"]].drop_duplicates(["rank", "seq"], keep="last")
-        index = pd.MultiIndex.from_arrays([keyed["rank"].to_numpy(dtype=np.int64), keyed["seq"].to_numpy(dtype=np.int64)])
+        index = pd.MultiIndex.from_arrays([keyed["rank"].to_numpy(dtype=np.int64),
+                                           keyed["seq"].to_numpy(dtype=np.int64)])
         has_call = c["op_seq"].notna().to_numpy()
         at = index.get_indexer(pd.MultiIndex.from_arrays([rank, c["op_seq"].to_numpy(dtype=np.int64, na_value=-1)]))
         at = np.where(has_call, at, -1)

@@ -453,7 +453,8 @@ def _comm_per_call_frames(colls: pd.DataFrame, ops: pd.DataFrame, as_int: bool) 
         "rank": c["rank"].to_numpy(dtype=np.int64),
         "bwd": (c["phase"] == "backward").fillna(False).to_numpy(dtype=bool),
         "ms": c["duration_ms"].to_numpy(dtype=np.float64, na_value=np.nan),
-        "bytes": (c["bytes_sent"].fillna(0).to_numpy(dtype=np.int64) + c["bytes_recv"].fillna(0).to_numpy(dtype=np.int64)),
+        "bytes": (c["bytes_sent"].fillna(0).to_numpy(dtype=np.int64)
+                  + c["bytes_recv"].fillna(0).to_numpy(dtype=np.int64)),
         "in_flight": c["in_flight"].fillna(False).to_numpy(dtype=bool).astype(np.int64),
         "t": c["t_issue_ns"].to_numpy(dtype=np.float64, na_value=np.nan),
         "t_int": c["t_issue_ns"].fillna(0).to_numpy(dtype=np.int64),
@@ -515,7 +516,8 @@ def _timed_spans_frame(ops: pd.DataFrame) -> pd.DataFrame:
     o = ops[["rank", "seq", "fwd_seq", "phase", "t_start_ns", "t_end_ns"]][known]
     backward = (o["phase"] == "backward").fillna(False).to_numpy(dtype=bool)
     fwd = o["fwd_seq"].notna().to_numpy()
-    call = np.where(backward & fwd, o["fwd_seq"].to_numpy(dtype=np.int64, na_value=0), o["seq"].to_numpy(dtype=np.int64))
+    call = np.where(backward & fwd, o["fwd_seq"].to_numpy(dtype=np.int64, na_value=0),
+                    o["seq"].to_numpy(dtype=np.int64))
     return pd.DataFrame({"rank": o["rank"].to_numpy(dtype=np.int64), "call": call,
                          "bwd": backward,
                          "t0": o["t_start_ns"].to_numpy(dtype=np.int64),
