@@ -376,7 +376,9 @@ class Trace:
         >>> int(t.get_op_summary(nested=True)["calls"].sum()) == len(t.get_ops())
         True
         """
-        return _summary.op_summary(self.get_ops(), self.get_collectives(), nested)
+        # the trace's own tables, not copies: the summary only reads them (a copy of a million rows costs a second)
+        self.get_ops(), self.get_collectives()
+        return _summary.op_summary(self._ops, self._collectives, nested)
 
     def get_fallbacks(self, include_metadata: bool = False) -> pd.DataFrame:
         """Ops whose computation took a DTensor fallback, one row per (op, path).
@@ -580,7 +582,8 @@ class Trace:
         >>> t.get_comm_by_op()[["op", "rank", "comm_ms", "op_ms", "comm_share"]]
         >>> t.get_comm_by_op(by="call", inclusive=True).nlargest(5, "comm_ms")
         """
-        return _comm.comm_by_op(self.get_collectives(), self.get_ops(), by, inclusive)
+        self.get_ops(), self.get_collectives()  # built once; comm_by_op only reads them: no copies
+        return _comm.comm_by_op(self._collectives, self._ops, by, inclusive)
 
     def get_comm_by_kind(self) -> pd.DataFrame:
         """Communication per (op, collective kind), all ranks together: the sum over ranks beside the per-rank

@@ -201,7 +201,7 @@ def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool =
     keep = ops["op"].notna().to_numpy() & ops["path"].notna().to_numpy() & ops["phase"].notna().to_numpy()
     if not nested:
         keep &= is_backward | (depth == 0)
-    o = ops[_INPUT_COLUMNS + ["t_start_ns"]][keep]  # the columns read, then the rows: no copy of the rest
+    o = ops[_INPUT_COLUMNS][keep]  # the columns read, then the rows: no copy of the rest
     if o.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     backward = is_backward[keep]
@@ -462,6 +462,11 @@ def _comm_per_call_frames(colls: pd.DataFrame, ops: pd.DataFrame, as_int: bool) 
     })
     base["ms"] = base["ms"].fillna(0.0)
     spans = _timed_spans_frame(ops)
+    on = ["rank", "call", "bwd"]
+    if as_int and len(spans):  # one integer to join on
+        on = ["key"]
+        spans = spans.assign(key=_call_key(spans["rank"].to_numpy(), spans["call"].to_numpy(),
+                                           spans["bwd"].to_numpy(), True)).drop(columns=["rank", "call", "bwd"])
     out = []
     for levels in ([(calls[0], np.ones(len(rows), dtype=bool))], list(zip(calls, counts))):
         parts = []
@@ -474,8 +479,10 @@ def _comm_per_call_frames(colls: pd.DataFrame, ops: pd.DataFrame, as_int: bool) 
         pairs["pair"] = np.arange(len(pairs))
         within = np.zeros(len(pairs), dtype=bool)
         if len(spans):
-            joined = pairs[["pair", "rank", "call", "bwd", "t_int", "t_known"]].merge(
-                spans, on=["rank", "call", "bwd"], how="inner")
+            if as_int:  # one integer to join on
+                pairs["key"] = _call_key(pairs["rank"].to_numpy(), pairs["call"].to_numpy(), pairs["bwd"].to_numpy(),
+                                         True)
+            joined = pairs[["pair", *on, "t_int", "t_known"]].merge(spans, on=on, how="inner")
             inside = joined["t_known"].to_numpy() & (joined["t0"].to_numpy() <= joined["t_int"].to_numpy()) & (
                 (joined["t_int"].to_numpy() <= joined["t1"].to_numpy()) | joined["open"].to_numpy())
             within[np.unique(joined["pair"].to_numpy()[inside])] = True
