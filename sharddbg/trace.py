@@ -69,7 +69,9 @@ class Trace:
     recorders' payloads) or ``load_trace`` (from a file ``save`` wrote). Every ``get_*()`` returns a new
     DataFrame; ``show()``, ``plot_*()``, ``to_html()`` and ``to_perfetto()`` render the trace. The
     arguments are kept as attributes of the same names: ``payloads`` sorted by rank, ``clock_offsets_ns``
-    for those ranks, ``incomplete_ranks`` sorted, ``meta`` read-only.
+    for those ranks, ``incomplete_ranks`` sorted, ``meta`` read-only. A trace loaded from a columnar file
+    (``.sdtrace.arrow``) keeps its columns: each payload's ``events`` is then a sequence
+    (``columnar.LazyRecords``) whose dicts are made on first use; ``events(rank)`` gives a list either way.
 
     Parameters
     ----------
