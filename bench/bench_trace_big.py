@@ -97,19 +97,25 @@ class Clock:
         return time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
+# the peak resident memory of the loading process: VmHWM, this process's own (getrusage's ru_maxrss keeps, across
+# exec, what the process held when it was forked: the size of the bench itself)
 _LOADER = """
-import resource, sys, time
+import sys, time
 import sharddbg
 wall, cpu = time.perf_counter(), time.process_time()
 t = sharddbg.load_trace(sys.argv[1])
-print(time.perf_counter() - wall, time.process_time() - cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(time.perf_counter() - wall, time.process_time() - cpu, peak * 1024)
 """
 
 
-def load_in_a_fresh_process(path: str) -> tuple[float, float, float]:
-    """(wall s, CPU s, peak RSS GiB) of ``load_trace(path)`` in a process of its own."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", _LOADER, path], capture_output=True, text=True, env=env, check=True)
+def load_in_a_fresh_process(path: str, code: Path = ROOT) -> tuple[float, float, float]:
+    """(wall s, CPU s, peak RSS GiB) of ``load_trace(path)`` in a process of its own, importing sharddbg from
+    ``code`` (this checkout, or an older one's ``git archive``)."""
+    env = dict(os.environ, PYTHONPATH=str(code))
+    # run from ``code``: ``python -c`` puts the working folder before PYTHONPATH on sys.path
+    out = subprocess.run([sys.executable, "-c", _LOADER, os.path.abspath(path)], capture_output=True, text=True,
+                         env=env, check=True, cwd=str(code))
     wall, cpu, rss = (float(x) for x in out.stdout.split()[-3:])
     return wall, cpu, rss / 2**30
 
@@ -123,10 +129,21 @@ def main(argv=None) -> None:
     ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
     ap.add_argument("--gather-ranks", type=int, default=8)
     ap.add_argument("--gather-events", type=int, default=10_000)
+    ap.add_argument("--before-code", type=Path, default=None,
+                    help="an older sharddbg (a folder holding its sharddbg/, e.g. from git archive) whose load_trace "
+                         "of the columnar file is measured beside this one's")
+    ap.add_argument("--skip-old-json", action="store_true", help="leave out the JSON save of before (json.dump: minutes)")
+    ap.add_argument("--skip-json-load", action="store_true", help="leave out load_trace of the JSON file (minutes)")
+    ap.add_argument("--compare-formats", action="store_true", help="also the table as Arrow IPC against Parquet")
+    ap.add_argument("--columnar-only", default=None, metavar="FILE",
+                    help="only the columnar file FILE (a .sdtrace.arrow this bench wrote): load it (a fresh process, "
+                         "and this one), build its tables, save it again")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if args.gather:
         return gather(args.gather_ranks, args.gather_events)
+    if args.columnar_only:
+        return columnar_only(args.columnar_only)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -150,27 +167,40 @@ def main(argv=None) -> None:
     folder = args.folder or tempfile.mkdtemp(prefix="sdbench-")
     json_path, arrow_path = os.path.join(folder, "big.sdtrace.json"), os.path.join(folder, "big.sdtrace.arrow")
 
-    c = Clock()
-    with open(json_path + ".old", "w") as f:  # how save wrote JSON before: json.dump, the pure-Python encoder
-        json.dump(t.to_dict(), f, allow_nan=False, separators=(",", ":"))
-    old_save = note("save JSON as before (json.dump)", c)
+    if not args.skip_old_json:
+        c = Clock()
+        with open(json_path + ".old", "w") as f:  # how save wrote JSON before: json.dump, the pure-Python encoder
+            json.dump(t.to_dict(), f, allow_nan=False, separators=(",", ":"))
+        note("save JSON as before (json.dump)", c)
+        os.unlink(json_path + ".old")
     c = Clock()
     t.save(json_path)
-    new_save = note("save JSON now (json.dumps: the C encoder)", c, f"x{old_save[1] / max(c.read()[1], 1e-9):.1f} CPU")
-    os.unlink(json_path + ".old")
+    note("save JSON now (json.dumps: the C encoder)", c)
     c = Clock()
     t.save(arrow_path)
-    note("save columnar (.sdtrace.arrow)", c, f"{os.path.getsize(arrow_path) / 2**20:.0f} MiB vs JSON "
-                                              f"{os.path.getsize(json_path) / 2**20:.0f} MiB")
-    for label, path in (("JSON", json_path), ("columnar", arrow_path)):
+    note("save columnar, a trace of dicts (one pass per kind)", c,
+         f"{os.path.getsize(arrow_path) / 2**20:.0f} MiB vs JSON {os.path.getsize(json_path) / 2**20:.0f} MiB")
+    before_path = os.path.join(folder, "big-before.sdtrace.arrow")
+    if args.before_code and not os.path.exists(before_path):  # the file as the older code wrote it
+        subprocess.run([sys.executable, "-c", "import sys, sharddbg; sharddbg.load_trace(sys.argv[1]).save(sys.argv[2])",
+                        json_path, before_path], env=dict(os.environ, PYTHONPATH=str(args.before_code)), check=True,
+                       cwd=str(args.before_code))
+    if args.before_code:  # loaded by the older code
+        wall, cpu, rss = load_in_a_fresh_process(before_path, args.before_code)
+        note("load_trace columnar, the code before (fresh process)", (wall, cpu), f"peak RSS {rss:.2f} GiB")
+    for label, path in (("JSON", json_path), ("columnar", arrow_path))[1 if args.skip_json_load else 0:]:
         wall, cpu, rss = load_in_a_fresh_process(path)
         note(f"load_trace {label} (fresh process)", (wall, cpu), f"peak RSS {rss:.2f} GiB")
+    if args.before_code:
+        wall, cpu, rss = load_in_a_fresh_process(before_path)
+        note("load_trace columnar, the file the code before wrote", (wall, cpu), f"peak RSS {rss:.2f} GiB")
 
     # Arrow IPC against Parquet, the same table, pyarrow alone
-    sink = pa.BufferOutputStream()
-    columnar.write_document(doc, sink)
-    table = pa.ipc.open_file(pa.BufferReader(sink.getvalue())).read_all()
-    for label, write, read, suffix in (
+    sink = pa.BufferOutputStream() if args.compare_formats else None
+    if sink is not None:
+        columnar.write_document(doc, sink)
+        table = pa.ipc.open_file(pa.BufferReader(sink.getvalue())).read_all()
+    for label, write, read, suffix in () if sink is None else (
             ("Arrow IPC (zstd)", lambda p: _write_ipc(pa, table, p), lambda p: pa.ipc.open_file(p).read_all(), ".arrow"),
             ("Parquet (snappy)", lambda p: pq.write_table(table, p), lambda p: pq.read_table(p), ".parquet")):
         path = os.path.join(folder, "table" + suffix)
@@ -184,24 +214,62 @@ def main(argv=None) -> None:
     events = t._events_by_rank()
     c = Clock()
     ops.ops_frame_by_record(events, t.clock_offsets_ns)
-    old = note("get_ops as before (a row at a time)", c)
+    old_ops = note("get_ops as before (a row at a time)", c)
     c = Clock()
     t.get_ops()
-    note("get_ops now (a column at a time)", c, f"x{old[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    note("get_ops, a trace of dicts (a column at a time)", c, f"x{old_ops[1] / max(c.read()[1], 1e-9):.1f} CPU")
     c = Clock()
     comm.collectives_frame_by_record(events, t.clock_offsets_ns)
-    old = note("get_collectives as before (a row at a time)", c)
+    old_colls = note("get_collectives as before (a row at a time)", c)
     c = Clock()
     t.get_collectives()
-    note("get_collectives now (a column at a time)", c, f"x{old[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    note("get_collectives, a trace of dicts", c, f"x{old_colls[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    del events, t, doc
+    # the trace loaded from the columnar file: it keeps the columns
     c = Clock()
-    t.get_op_summary()
-    note("get_op_summary (ops and collectives built)", c)
+    held = sharddbg.load_trace(arrow_path)
+    note("load_trace columnar (this process)", c)
     c = Clock()
-    t.get_comm_by_op()
-    note("get_comm_by_op (ops and collectives built)", c)
+    held.get_ops()
+    note("get_ops, the columnar trace (from the columns)", c, f"x{old_ops[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    c = Clock()
+    held.get_collectives()
+    note("get_collectives, the columnar trace", c, f"x{old_colls[1] / max(c.read()[1], 1e-9):.1f} CPU")
+    c = Clock()
+    held.get_op_summary()
+    note("get_op_summary, the columnar trace", c)
+    c = Clock()
+    held.get_comm_by_op()
+    note("get_comm_by_op, the columnar trace", c)
+    c = Clock()
+    held.save(os.path.join(folder, "again.sdtrace.arrow"))
+    note("save columnar, the columnar trace (its table written)", c)
     print(f"\nsharddbg {sharddbg.__version__ if hasattr(sharddbg, '__version__') else ''} pyarrow {pa.__version__} "
           f"python {sys.version.split()[0]} load average {os.getloadavg()}")
+
+
+def columnar_only(path: str) -> None:
+    """Load the columnar file ``path`` in a fresh process and in this one, build the tables from its columns, save
+    it again: wall and CPU seconds of each step, peak memory of the fresh process."""
+    import sharddbg
+
+    def note(what: str, wall: float, cpu: float, extra: str = "") -> None:
+        print(f"{what:58s} {wall:8.2f} s wall {cpu:8.2f} s CPU {extra}", flush=True)
+
+    wall, cpu, rss = load_in_a_fresh_process(path)
+    note("load_trace columnar (fresh process)", wall, cpu, f"peak RSS {rss:.2f} GiB")
+    c = Clock()
+    t = sharddbg.load_trace(path)
+    note("load_trace columnar (this process)", *c.read())
+    for table in ("get_ops", "get_collectives", "get_op_summary", "get_comm_by_op"):
+        c = Clock()
+        getattr(t, table)()
+        note(f"{table}, the columnar trace", *c.read())
+    c = Clock()
+    t.save(os.path.join(os.path.dirname(os.path.abspath(path)), "again.sdtrace.arrow"))
+    note("save columnar, the columnar trace (its table written)", *c.read())
+    peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(f"peak RSS of this process {peak / 2**20:.2f} GiB; load average {os.getloadavg()}")
 
 
 def gather(n_payloads: int, n_events: int) -> None:

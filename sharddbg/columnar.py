@@ -11,13 +11,17 @@ one table:
 - the columns: ``rank``, then every field of the op, collective and error records (``schema.OP_FIELDS``,
   ``COLLECTIVE_FIELDS``, ``CELL_ERROR_FIELDS``, ``OPTIONAL_FIELDS``), one column per name. A field holding a
   number, a string or a bool is a typed column (int64, float64, string, bool; null for None); a field that
-  holds a list or a dict (shapes, errors, promotions, ...) is a string column of its JSON text. ``extra``
+  holds a list or a dict (shapes, errors, promotions, ...) is a string column of its JSON text. Every string
+  column is dictionary-encoded (columns version 2; version 1, plain ``large_string``, still reads). ``extra``
   holds, as a JSON object, a record's keys that its kind's columns do not name (a ``meta`` record's ``name``,
   ``t_ns`` and ``data``), else null.
 
 A record holds its kind's fields (an older payload's records as this schema reads them, ``current_events``)
-and the optional fields where they say something. ``read_document`` turns the file back into the JSON
-document, which ``load_trace`` then checks exactly as it checks a JSON file.
+and the optional fields where they say something. ``load_trace`` keeps the table (``EventColumns``): its
+checks run on whole columns (``plainly_valid``), the trace's tables are built from the columns, and a rank's
+records are made as dicts only when asked for (``LazyRecords``). Where a column check finds anything,
+``read_document`` turns the file back into the JSON document, which ``load_trace`` checks exactly as it checks
+a JSON file, naming what is wrong.
 """
 
 from __future__ import annotations
@@ -25,15 +29,21 @@ from __future__ import annotations
 import json
 from functools import partial
 from operator import itemgetter
+from collections.abc import Sequence
 from typing import Any
 
 from . import schema
 
-__all__ = ["COLUMNS_VERSION", "LAYOUT", "COLUMNS", "KIND_COLUMNS", "write_document", "read_document",
+__all__ = ["COLUMNS_VERSION", "LAYOUT", "COLUMNS", "KIND_COLUMNS", "write_document", "read_document", "read_table",
+           "write_table", "table_of_payloads", "records_of", "decoded_json", "distinct_json", "EventColumns",
+           "LazyRecords", "header_of",
            "ColumnarProblem"]
 
 LAYOUT = "columnar"
-COLUMNS_VERSION = 1  # what the columns are; a reader refuses a newer one
+# what the columns are; a reader refuses a newer one. 1: text in large_string columns; 2: text (and JSON text)
+# dictionary-encoded (int32 indices into each column's distinct texts): a million records' op names, paths and
+# shapes held once each, a few MiB in memory instead of hundreds
+COLUMNS_VERSION = 2
 METADATA_KEY = b"sharddbg"
 
 # the record kinds with columns of their own, and their fields in the schema's order
@@ -77,9 +87,21 @@ class ColumnarProblem(Exception):
     """What is wrong in a columnar file (load_trace adds the file's name)."""
 
 
-def _arrow_type(pa, kind: str):
-    return {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.large_string(),
-            "json": pa.large_string()}[kind]
+def _arrow_type(pa, kind: str, version: int = COLUMNS_VERSION):
+    text = pa.large_string() if version < 2 else pa.dictionary(pa.int32(), pa.large_string())
+    return {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": text, "json": text}[kind]
+
+
+def _file_table(table):
+    """``table`` with the column types of this version's file (text dictionary-encoded) and one chunk per column:
+    an IPC file holds one dictionary per column."""
+    import pyarrow as pa
+
+    for i, field in enumerate(table.schema):
+        if field.type == pa.large_string():
+            table = table.set_column(i, pa.field(field.name, _arrow_type(pa, "str")),
+                                     table.column(i).dictionary_encode())
+    return table.combine_chunks()
 
 
 def _json_encoder():
@@ -100,16 +122,42 @@ def write_document(doc: dict, sink) -> None:
     """Write the trace document ``doc`` (``Trace.to_dict``) to ``sink`` (a binary file) as the columnar file.
 
     Raises ValueError for a NaN or infinite number, as JSON does."""
-    import pyarrow as pa
+    write_table(doc, table_of_payloads(doc["ranks"], doc["payloads"]), sink)
 
+
+def header_of(doc: dict) -> dict:
+    """The file's sharddbg header for the trace document ``doc``: the document without its records."""
     header = {k: v for k, v in doc.items() if k != "payloads"}
     header["layout"] = LAYOUT
     header["columns"] = COLUMNS_VERSION
     header["payloads"] = [None if p is None else {k: v for k, v in p.items() if k != "events"}
                           for p in doc["payloads"]]
+    return header
+
+
+def write_table(doc: dict, table, sink) -> None:
+    """Write ``table`` (the columns of ``doc``'s records, ``table_of_payloads``) under ``doc``'s header to ``sink``
+    as the columnar file; ``doc``'s payloads' records are not read (they may be left out)."""
+    import pyarrow as pa
+
+    header = header_of(doc)
+    table = _file_table(table).replace_schema_metadata({
+        METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=False).encode()})
+    # zstd: a trace repeats itself (op names, shapes, lines of code); the columns shrink many times for little CPU
+    with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(table)
+
+
+def table_of_payloads(ranks: list, payloads: list):
+    """The columns (a ``pyarrow.Table``, the file's schema) of the records of ``payloads`` (one per rank of
+    ``ranks``, None for a rank that sent nothing), built in one pass per record kind.
+
+    Raises ValueError for a NaN or infinite number, as JSON does."""
+    import pyarrow as pa
+
     names = ("rank", *COLUMNS, "extra")
     values: dict[str, list] = {name: [] for name in names}
-    for rank, p in zip(doc["ranks"], doc["payloads"]):
+    for rank, p in zip(ranks, payloads):
         if p is None:
             continue
         events = schema.current_events(p)
@@ -152,18 +200,15 @@ def write_document(doc: dict, sink) -> None:
             for v in column:
                 if v is not None and v - v != 0.0:
                     raise ValueError(f"Out of range float values are not JSON compliant: {v!r} in field {name!r}")
-        arrays.append(pa.array(column, type=_arrow_type(pa, kind)))
+        array = pa.array(column, type=_arrow_type(pa, kind, 1))
+        arrays.append(array.dictionary_encode() if kind in ("str", "json") else array)
         fields.append(pa.field(name, _arrow_type(pa, kind)))
-    table = pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata={
-        METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=False).encode()}))
-    # zstd: a trace repeats itself (op names, shapes, lines of code); the columns shrink many times for little CPU
-    with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
-        writer.write_table(table)
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-def read_document(raw: bytes) -> dict:
-    """The trace document (``Trace.to_dict``'s form) a columnar file's bytes hold; ColumnarProblem when the
-    file is not one (truncated, not Arrow, no sharddbg header, a column missing or of the wrong type)."""
+def read_table(raw: bytes) -> tuple[dict, Any]:
+    """The sharddbg header and the table of a columnar file's bytes; ColumnarProblem when the file is not one
+    (truncated, not Arrow, no sharddbg header, a column missing or of the wrong type)."""
     import pyarrow as pa
 
     try:
@@ -188,40 +233,30 @@ def read_document(raw: bytes) -> dict:
     if cols > COLUMNS_VERSION:
         raise ColumnarProblem(f'its columns are of version {cols}, written by a newer sharddbg; this one reads up '
                               f"to {COLUMNS_VERSION}: upgrade sharddbg")
-    want = {"rank": "int", **COLUMNS, "extra": "json"}
-    for name, kind in want.items():
+    for name, kind in _WANT.items():
         if name not in table.column_names:
             raise ColumnarProblem(f"column {name!r} is missing")
         got = table.schema.field(name).type
-        if not got.equals(_arrow_type(pa, kind)):
-            raise ColumnarProblem(f"column {name!r} is of type {got}, expected {_arrow_type(pa, kind)}")
+        if not got.equals(_arrow_type(pa, kind, cols)):
+            raise ColumnarProblem(f"column {name!r} is of type {got}, expected {_arrow_type(pa, kind, cols)}")
+    table = table.select(list(_WANT)).replace_schema_metadata(None)
+    return header, (_file_table(table) if cols < 2 else table)
+
+
+_WANT = {"rank": "int", **COLUMNS, "extra": "json"}  # every column of the file, and its kind
+
+
+def read_document(raw: bytes) -> dict:
+    """The trace document (``Trace.to_dict``'s form) a columnar file's bytes hold, one dict per record;
+    ColumnarProblem when the file is not one (``read_table``) or its columns contradict its header."""
+    header, table = read_table(raw)
     payloads = header.get("payloads")
     ranks = header.get("ranks")
     doc = {k: v for k, v in header.items() if k not in ("layout", "columns")}
     if not isinstance(payloads, list) or not isinstance(ranks, list):
         return doc  # the checks of the JSON document name what is wrong
-    kinds = table.column("kind").to_pylist()
-    records: list[dict | None] = [None] * table.num_rows
-    for kind in set(kinds):
-        rows = [i for i, k in enumerate(kinds) if k == kind]
-        part = table.take(rows) if len(rows) < table.num_rows else table
-        names = KIND_COLUMNS.get(kind, ("kind", "seq"))
-        values = [_column_values(part, name, want[name]) for name in names]
-        # one dict per record, built in C: its kind's fields in the schema's order
-        for i, record in zip(rows, map(dict, map(partial(zip, names), zip(*values)))):
-            records[i] = record
-        for name in (*_OPTIONAL.get(kind, ()), "extra"):
-            column = part.column(name)
-            if column.null_count == len(column):
-                continue  # the common case: nothing to add
-            for i, value in zip(rows, _column_values(part, name, want[name])):
-                if value is not None:
-                    if name == "extra":
-                        records[i].update(value)
-                    else:
-                        records[i][name] = value
     by_rank: dict[Any, list[dict]] = {}
-    for rank, record in zip(table.column("rank").to_pylist(), records):
+    for rank, record in zip(table.column("rank").to_pylist(), records_of(table)):
         by_rank.setdefault(rank, []).append(record)
     listed = {r for r in ranks if type(r) is int}
     for rank in by_rank:
@@ -233,6 +268,32 @@ def read_document(raw: bytes) -> dict:
         if p is None and by_rank.get(r):
             raise ColumnarProblem(f"rank {r} has no payload (null) but {len(by_rank[r])} records")
     return doc
+
+
+def records_of(table) -> list[dict]:
+    """One dict per row of ``table`` (the file's columns), in its order: its kind's fields in the schema's order,
+    the optional ones where not null, and what ``extra`` holds."""
+    kinds = table.column("kind").to_pylist()
+    records: list[dict | None] = [None] * table.num_rows
+    for kind in set(kinds):
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        part = table.take(rows) if len(rows) < table.num_rows else table
+        names = KIND_COLUMNS.get(kind, ("kind", "seq"))
+        values = [_column_values(part, name, _WANT[name]) for name in names]
+        # one dict per record, built in C: its kind's fields in the schema's order
+        for i, record in zip(rows, map(dict, map(partial(zip, names), zip(*values)))):
+            records[i] = record
+        for name in (*_OPTIONAL.get(kind, ()), "extra"):
+            column = part.column(name)
+            if column.null_count == len(column):
+                continue  # the common case: nothing to add
+            for i, value in zip(rows, _column_values(part, name, _WANT[name])):
+                if value is not None:
+                    if name == "extra":
+                        records[i].update(value)
+                    else:
+                        records[i][name] = value
+    return records  # type: ignore[return-value]
 
 
 def _column_values(table, name: str, kind: str) -> list:
@@ -247,3 +308,350 @@ def _decode(text: str | None, column: str) -> Any:
         return json.loads(text)
     except ValueError as e:
         raise ColumnarProblem(f"column {column!r} holds {text[:60]!r}, not JSON ({e})") from None
+
+
+def decoded_json(column) -> Any:
+    """A JSON-text column (a ``pyarrow`` array or chunked array) decoded, as a numpy object array: each distinct
+    text is decoded once and its rows share the value (a trace repeats its shapes, errors and lines many times).
+    Null rows hold None. ValueError for a text that is not JSON."""
+    return decoded_json_and_values(column)[0]
+
+
+def decoded_json_and_values(column) -> tuple[Any, list]:
+    """``decoded_json`` of ``column`` and the distinct values decoded (the nulls' None left out)."""
+    import numpy as np
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    n = len(column)
+    if column.null_count == n:
+        return np.full(n, None, dtype=object), []
+    encoded = column if pa.types.is_dictionary(column.type) else column.dictionary_encode()
+    values = [json.loads(text) for text in encoded.dictionary.to_pylist()]
+    distinct = np.empty(len(values) + 1, dtype=object)  # the last one: None, for null rows
+    distinct[:-1] = values
+    return distinct[encoded.indices.fill_null(len(values)).to_numpy(zero_copy_only=False)], values
+
+
+def distinct_json(column) -> list:
+    """The distinct values a JSON-text column holds, decoded (nulls left out). ValueError for a text that is
+    not JSON."""
+    import pyarrow.compute as pc
+
+    return [json.loads(text) for text in pc.unique(column.drop_null()).to_pylist()]
+
+
+class EventColumns:
+    """The records of every rank of a trace as one Arrow table (the columnar file's columns: ``rank``, then every
+    field, ``extra``), rows grouped by rank in ascending order; a rank's records are made as dicts only when asked
+    for (``records``).
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        The columns (``read_table``'s or ``table_of_payloads``'); its ``rank`` column ascending.
+
+    Examples
+    --------
+    >>> header, table = read_table(raw)
+    >>> EventColumns(table).count(0)
+    18
+    """
+
+    def __init__(self, table) -> None:
+        import numpy as np
+
+        self.table = table
+        ranks = table.column("rank").to_numpy()
+        starts = np.flatnonzero(np.diff(ranks)) + 1 if len(ranks) else np.array([], dtype=np.int64)
+        bounds = np.concatenate([[0], starts, [len(ranks)]]).tolist()
+        self._bounds = {int(ranks[a]): (a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a}
+
+    def count(self, rank: int) -> int:
+        """The number of records of ``rank`` (0 for a rank it does not hold).
+
+        Parameters
+        ----------
+        rank : int
+            The rank.
+
+        Returns
+        -------
+        int
+            Its records.
+
+        Examples
+        --------
+        >>> columns.count(0)
+        18
+        """
+        start, stop = self._bounds.get(rank, (0, 0))
+        return stop - start
+
+    def rows(self, rank: int) -> Any:
+        """The rows of ``rank``, a zero-copy slice of the table.
+
+        Parameters
+        ----------
+        rank : int
+            The rank.
+
+        Returns
+        -------
+        pyarrow.Table
+            Its rows, in its payload's order (none for a rank it does not hold).
+
+        Examples
+        --------
+        >>> columns.rows(0).num_rows
+        18
+        """
+        start, stop = self._bounds.get(rank, (0, 0))
+        return self.table.slice(start, stop - start)
+
+    def records(self, rank: int) -> list[dict]:
+        """The records of ``rank`` as dicts (``records_of``), made now.
+
+        Parameters
+        ----------
+        rank : int
+            The rank.
+
+        Returns
+        -------
+        list of dict
+            Its records in its payload's order.
+
+        Examples
+        --------
+        >>> columns.records(0)[0]["kind"]
+        'op'
+        """
+        return records_of(self.rows(rank))
+
+    def of_kind(self, kind: str) -> Any:
+        """The rows of one record kind, every rank's, in the table's order.
+
+        Parameters
+        ----------
+        kind : str
+            "op", "collective", "error" or "meta".
+
+        Returns
+        -------
+        pyarrow.Table
+            Those rows: ``rank``, the kind's columns, its optional ones and ``extra``.
+
+        Examples
+        --------
+        >>> columns.of_kind("op").num_rows
+        72
+        """
+        import pyarrow.compute as pc
+
+        # the kind's own columns only: a copy of every column would double the memory of a big trace
+        names = dict.fromkeys(("rank", *KIND_COLUMNS.get(kind, ("kind", "seq")), *_OPTIONAL.get(kind, ()), "extra"))
+        return self.table.select(list(names)).filter(pc.equal(self.table.column("kind"), kind))
+
+
+class LazyRecords(Sequence):
+    """A rank's records held as columns (``EventColumns``), made into dicts on first use and kept: what a payload
+    of a trace loaded from a columnar file holds as its ``events``. ``len`` does not make them.
+
+    Parameters
+    ----------
+    columns : EventColumns
+        The trace's columns.
+    rank : int
+        Whose records.
+
+    Examples
+    --------
+    >>> events = LazyRecords(columns, 0)
+    >>> len(events), events[0]["kind"]
+    (18, 'op')
+    """
+
+    def __init__(self, columns: EventColumns, rank: int) -> None:
+        self.columns = columns
+        self.rank = rank
+        self._made: list[dict] | None = None
+
+    @property
+    def made(self) -> bool:
+        """The records were made as dicts already."""
+        return self._made is not None
+
+    def as_list(self) -> list[dict]:
+        """The records as a list: those made already, else made now without keeping them (to write them out).
+
+        Returns
+        -------
+        list of dict
+            The rank's records.
+
+        Examples
+        --------
+        >>> LazyRecords(columns, 0).as_list()[0]["kind"]
+        'op'
+        """
+        return list(self._made) if self._made is not None else self.columns.records(self.rank)
+
+    def _records(self) -> list[dict]:
+        if self._made is None:
+            self._made = self.columns.records(self.rank)
+        return self._made
+
+    def __len__(self) -> int:
+        return len(self._made) if self._made is not None else self.columns.count(self.rank)
+
+    def __getitem__(self, i):
+        return self._records()[i]
+
+    def __iter__(self):
+        return iter(self._records())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other) if isinstance(other, (list, Sequence)) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} records of rank {self.rank}, held as columns>"
+
+
+def plainly_valid(table, ranks: list, payloads: list, max_abs_int: int, max_nesting: int) -> bool:
+    """The checks ``load_trace`` runs on every record, run on whole columns: True when every record of ``table``
+    is one that ``schema.validate_payload`` accepts, every integer lies within +-``max_abs_int``, every float is
+    finite, a JSON value nests less than ``max_nesting`` deep, and the rows of each rank (ascending, contiguous)
+    belong to a payload of ``ranks``. False means only "look closer": the records are then made and checked one
+    by one, which names what is wrong (the header, ``ranks`` and ``payloads``, is checked apart).
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        The columns, ``read_table``'s.
+    ranks, payloads : list
+        The header's ``ranks`` and ``payloads`` (in ``ranks`` order, None for a rank that sent nothing).
+    max_abs_int, max_nesting : int
+        The bounds of a trace file (``trace.MAX_ABS_INT``, ``trace.MAX_NESTING``).
+
+    Returns
+    -------
+    bool
+        Whether the columns pass every check.
+
+    Examples
+    --------
+    >>> header, table = read_table(raw)
+    >>> plainly_valid(table, header["ranks"], header["payloads"], 2**61, 64)
+    True
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not table.num_rows:
+        return True
+    rank = table.column("rank")
+    kind = table.column("kind")
+    if rank.null_count or kind.null_count or table.column("seq").null_count:
+        return False
+    rank_values = rank.to_numpy()
+    if (np.diff(rank_values) < 0).any():
+        return False
+    sending = {r for r, p in zip(ranks, payloads) if isinstance(p, dict)}
+    if not set(np.unique(rank_values).tolist()) <= sending:
+        return False
+    kinds = set(pc.unique(kind).to_pylist())
+    if not kinds <= set(schema.KINDS):
+        return False
+    # bounds of the typed columns, over every row
+    for name, column_kind in _WANT.items():
+        column = table.column(name)
+        if column.null_count == len(column):
+            continue
+        if column_kind == "int":
+            low, high = pc.min_max(column).values()
+            if low.as_py() < -max_abs_int or high.as_py() > max_abs_int:
+                return False
+        elif column_kind == "float":
+            if not pc.all(pc.is_finite(column.drop_null())).as_py():
+                return False
+    python_type = {"int": int, "float": float, "bool": bool, "str": str}
+    for record_kind in kinds & set(KIND_FIELDS):
+        mask = pc.equal(kind, record_kind)  # a column at a time: a copy of the whole table would double the memory
+        own = KIND_FIELDS[record_kind]
+        optional = schema.OPTIONAL_FIELDS.get(record_kind, {})
+        n_rows = pc.sum(mask).as_py()
+        for name in COLUMNS:
+            known = name in own or name in optional
+            types = (own.get(name) or optional[name])[0] if known else ()
+            column = table.column(name)
+            if column.null_count == len(column):  # null in these rows too
+                if name in own and type(None) not in types and n_rows:
+                    return False
+                continue
+            column = column.filter(mask)
+            if not known:
+                if column.null_count != len(column):
+                    return False  # a field of another kind: the record's own keys would say it (extra)
+                continue
+            if name in own and column.null_count and type(None) not in types:
+                return False
+            if column.null_count == len(column):
+                continue
+            if COLUMNS[name] != "json":
+                if python_type[COLUMNS[name]] not in types:
+                    return False
+                continue
+            for value in distinct_json(column):
+                if type(value) not in types or not _nests_within(value, max_nesting - 5, max_abs_int):
+                    return False
+                if not _items_valid(record_kind, name, value):
+                    return False
+        if record_kind in (schema.KIND_OP, schema.KIND_COLLECTIVE):
+            if not set(pc.unique(table.column("phase").filter(mask)).to_pylist()) <= set(schema.PHASES):
+                return False
+        if record_kind == schema.KIND_OP:
+            if not set(pc.unique(table.column("path").filter(mask)).to_pylist()) <= set(schema.PATHS):
+                return False
+        if record_kind == schema.KIND_COLLECTIVE:
+            for name in ("bytes_sent", "bytes_recv"):
+                if pc.min(table.column(name).filter(mask)).as_py() < 0:
+                    return False
+    extra = table.column("extra")
+    if extra.null_count != len(extra):
+        for value in distinct_json(extra):
+            if type(value) is not dict or not _nests_within(value, max_nesting - 5, max_abs_int):
+                return False
+    return True
+
+
+def _nests_within(value: Any, levels: int, max_abs_int: int) -> bool:
+    """``value``'s containers nest at most ``levels`` deep, its integers lie within +-``max_abs_int`` and its
+    floats are finite."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        t = type(node)
+        if t is dict or t is list:
+            if depth > levels:
+                return False
+            stack.extend((v, depth + 1) for v in (node.values() if t is dict else node))
+        elif t is float and node - node != 0.0:
+            return False
+        elif t is int and not -max_abs_int <= node <= max_abs_int:
+            return False
+    return True
+
+
+def _items_valid(kind: str, name: str, value: Any) -> bool:
+    """The records nested in a field (an op's error and promotions, the optional fields' items) hold their
+    fields, as ``schema.validate_event`` checks them."""
+    try:
+        schema.validate_nested(kind, name, value)
+    except (schema.SchemaError, KeyError, TypeError):
+        return False
+    return True

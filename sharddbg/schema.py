@@ -562,6 +562,19 @@ _OPTIONAL_ITEM_FIELDS = {"spec_mismatches": SPEC_MISMATCH_FIELDS, "replicas": RE
                          "preflight": PREFLIGHT_FIELDS}
 
 
+def validate_nested(kind: str, name: str, value: Any) -> None:
+    """Raise SchemaError unless the records nested in field ``name`` of a ``kind`` record hold their fields, as
+    ``validate_event`` checks them: an op's ``error`` (ERROR_FIELDS) and ``promotions`` (PROMOTION_FIELDS), the
+    items of an OPTIONAL_FIELDS field. Other fields hold no records: nothing to check."""
+    if kind == KIND_OP and name == "error" and value is not None:
+        _check_fields(value, ERROR_FIELDS, "error", ERROR_FIELDS_SINCE)
+    elif kind == KIND_OP and name == "promotions":
+        for item in value:
+            _check_fields(item, PROMOTION_FIELDS, "promotion")
+    elif name in OPTIONAL_FIELDS.get(kind, {}):
+        _check_optional({name: value}, kind, "record")
+
+
 def validate_payload(p: Any) -> None:
     """Raise SchemaError unless ``p`` is a payload of this schema version with valid records."""
     if not isinstance(p, dict) or p.get("format") != PAYLOAD_FORMAT:

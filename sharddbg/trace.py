@@ -14,7 +14,9 @@ File format (``save`` / ``load_trace``), JSON::
      "payloads": [<payload of rank 0>, ..., null for a rank that sent nothing]}
 
 ``save("run.sdtrace.arrow")`` writes the same document as columns instead (``sharddbg.columnar``: an Arrow IPC
-file, for big traces); ``load_trace`` tells the two apart by their first bytes and checks both alike.
+file, for big traces); ``load_trace`` tells the two apart by their first bytes and checks both alike. A trace
+loaded from columns keeps them: its tables are built from the columns, its records made as dicts only when asked
+for (``events(rank)``, ``to_dict()``).
 
 Every writer (``save``, ``to_perfetto``, ``to_html``) goes through ``write_file_atomically``: the file
 appears whole or not at all. ``load_trace`` refuses, naming the field (and payload, rank, event), a file
@@ -67,7 +69,9 @@ class Trace:
     recorders' payloads) or ``load_trace`` (from a file ``save`` wrote). Every ``get_*()`` returns a new
     DataFrame; ``show()``, ``plot_*()``, ``to_html()`` and ``to_perfetto()`` render the trace. The
     arguments are kept as attributes of the same names: ``payloads`` sorted by rank, ``clock_offsets_ns``
-    for those ranks, ``incomplete_ranks`` sorted, ``meta`` read-only.
+    for those ranks, ``incomplete_ranks`` sorted, ``meta`` read-only. A trace loaded from a columnar file
+    (``.sdtrace.arrow``) keeps its columns: each payload's ``events`` is then a sequence
+    (``columnar.LazyRecords``) whose dicts are made on first use; ``events(rank)`` gives a list either way.
 
     Parameters
     ----------
@@ -115,6 +119,9 @@ class Trace:
         # read-only: what a trace says about itself is set when it is built (schema.TRACE_META_FIELDS)
         self.meta: Mapping[str, Any] = MappingProxyType(meta)
         self._current: dict[int, list[dict]] | None = None  # the records as this schema reads them
+        # every rank's records as one Arrow table, where the trace was read or gathered as columns: the tables
+        # are built from it and the records made as dicts only when asked for (columnar.LazyRecords)
+        self._columns: columnar.EventColumns | None = None
         self._ops: pd.DataFrame | None = None
         self._collectives: pd.DataFrame | None = None
         self._findings: list[Finding] | None = None  # worked out once: a trace does not change once built
@@ -258,8 +265,26 @@ class Trace:
         """Rank -> its records as this schema version reads them (``schema.current_events``: an older payload's
         records gain the fields added since), made once; what the analyses read."""
         if self._current is None:
-            self._current = {r: schema.current_events(p) if p else [] for r, p in self.payloads.items()}
+            self._current = {r: schema.current_events(dict(p, events=list(p["events"]))) if p else []
+                             for r, p in self.payloads.items()}
         return self._current
+
+    def _records_where(self, kind: str, field: str | None = None) -> dict[int, list[dict]]:
+        """Rank -> its records of ``kind`` (those where ``field`` is not null, when given), as this schema reads
+        them: of a trace held as columns, only those rows are made into dicts."""
+        if self._columns is None or any(isinstance(p["events"], columnar.LazyRecords) and p["events"].made
+                                        for p in self.payloads.values() if p):
+            return {r: [ev for ev in events if ev.get("kind") == kind and (field is None or ev.get(field))]
+                    for r, events in self._events_by_rank().items()}
+        import pyarrow.compute as pc
+
+        rows = self._columns.of_kind(kind)
+        if field is not None:
+            rows = rows.filter(pc.is_valid(rows.column(field)))
+        by_rank: dict[int, list[dict]] = {r: [] for r in self.payloads}
+        for rank, record in zip(rows.column("rank").to_pylist(), columnar.records_of(rows)):
+            by_rank[rank].append(record)
+        return by_rank
 
     def __repr__(self) -> str:
         n = sum(len(p["events"]) for p in self.payloads.values() if p)
@@ -300,6 +325,8 @@ class Trace:
         >>> ops[ops["exc_type"].notna()][["rank", "op", "exc_type", "location"]]
         >>> ops.groupby(["path", "phase"])["host_ms"].sum()
         """
+        if self._ops is None and self._columns is not None:
+            self._ops = _ops.ops_frame_from_columns(self._columns.of_kind(schema.KIND_OP), self.clock_offsets_ns)
         if self._ops is None:
             self._ops = _ops.ops_frame(self._events_by_rank(),
                                        self.clock_offsets_ns)
@@ -351,7 +378,9 @@ class Trace:
         >>> int(t.get_op_summary(nested=True)["calls"].sum()) == len(t.get_ops())
         True
         """
-        return _summary.op_summary(self.get_ops(), self.get_collectives(), nested)
+        # the trace's own tables, not copies: the summary only reads them (a copy of a million rows costs a second)
+        self.get_ops(), self.get_collectives()
+        return _summary.op_summary(self._ops, self._collectives, nested)
 
     def get_fallbacks(self, include_metadata: bool = False) -> pd.DataFrame:
         """Ops whose computation took a DTensor fallback, one row per (op, path).
@@ -441,7 +470,7 @@ class Trace:
         --------
         >>> t.get_cell_errors()[["rank", "exc_type", "message", "location"]]
         """
-        return _ops.cell_errors_frame(self._events_by_rank(),
+        return _ops.cell_errors_frame(self._records_where(schema.KIND_ERROR),
                                       self.clock_offsets_ns)
 
     @property
@@ -500,6 +529,9 @@ class Trace:
         >>> c.groupby("kind")[["bytes_sent", "duration_ms"]].sum()
         >>> c[c["state"] != "completed"][["rank", "kind", "state", "error", "location"]]
         """
+        if self._collectives is None and self._columns is not None:
+            self._collectives = _comm.collectives_frame_from_columns(self._columns.of_kind(schema.KIND_COLLECTIVE),
+                                                                     self.clock_offsets_ns)
         if self._collectives is None:
             self._collectives = _comm.collectives_frame(self._events_by_rank(),
                                                         self.clock_offsets_ns)
@@ -552,7 +584,8 @@ class Trace:
         >>> t.get_comm_by_op()[["op", "rank", "comm_ms", "op_ms", "comm_share"]]
         >>> t.get_comm_by_op(by="call", inclusive=True).nlargest(5, "comm_ms")
         """
-        return _comm.comm_by_op(self.get_collectives(), self.get_ops(), by, inclusive)
+        self.get_ops(), self.get_collectives()  # built once; comm_by_op only reads them: no copies
+        return _comm.comm_by_op(self._collectives, self._ops, by, inclusive)
 
     def get_comm_by_kind(self) -> pd.DataFrame:
         """Communication per (op, collective kind), all ranks together: the sum over ranks beside the per-rank
@@ -721,7 +754,7 @@ class Trace:
         >>> per_tensor = d.groupby(["key", "group_ranks"])["digest"].nunique()
         >>> per_tensor[per_tensor > 1]  # tensors whose replicas disagree
         """
-        return _consistency.replicas_frame(self._events_by_rank(),
+        return _consistency.replicas_frame(self._records_where(schema.KIND_OP, "replicas"),
                                            self.clock_offsets_ns)
 
     def get_preflight(self) -> pd.DataFrame:
@@ -742,7 +775,7 @@ class Trace:
         >>> pf = t.get_preflight()
         >>> pf[pf["status"] != "ok"][["rank", "kind", "op", "status", "detail"]]
         """
-        return _consistency.preflight_frame(self._events_by_rank(),
+        return _consistency.preflight_frame(self._records_where(schema.KIND_COLLECTIVE, "preflight"),
                                             self.get_ops())
 
     # ---- performance pitfalls ------------------------------------------------------------------------
@@ -836,7 +869,8 @@ class Trace:
         dict
             ``format`` ("sharddbg.trace"), ``version``, ``schema_version``, ``meta``, ``clock_offsets_ns``
             ({rank as a string: ns}), ``incomplete_ranks``, ``ranks``, ``payloads`` (in ``ranks`` order,
-            None for a rank that sent nothing). The payloads are the trace's own, not copies.
+            None for a rank that sent nothing). The payloads are the trace's own, not copies, except that of a
+            trace held as columns (loaded from a ``.sdtrace.arrow`` file), whose records are made as dicts here.
 
         Examples
         --------
@@ -844,6 +878,17 @@ class Trace:
         >>> d["format"], d["ranks"] == t.ranks
         ('sharddbg.trace', True)
         """
+        return self._document([self._payload_with_records(r) for r in self.ranks])
+
+    def _payload_with_records(self, rank: int) -> dict | None:
+        """The payload of ``rank`` with its records as a list (made from the columns where held as columns)."""
+        p = self.payloads[rank]
+        if p is not None and isinstance(p["events"], columnar.LazyRecords):
+            return dict(p, events=p["events"].as_list())
+        return p
+
+    def _document(self, payloads: list) -> dict:
+        """The trace document of ``to_dict`` holding ``payloads``."""
         return {
             "format": TRACE_FORMAT,
             "version": TRACE_VERSION,
@@ -852,7 +897,7 @@ class Trace:
             "clock_offsets_ns": {str(r): o for r, o in self.clock_offsets_ns.items()},
             "incomplete_ranks": self.incomplete_ranks,
             "ranks": self.ranks,
-            "payloads": [self.payloads[r] for r in self.ranks],
+            "payloads": payloads,
         }
 
     def save(self, path: str | os.PathLike) -> str:
@@ -899,14 +944,22 @@ class Trace:
         """
         path = refuse_folder(path, "trace.sdtrace.json")
         columnar_file = _trace_file_layout(path) == "columnar"  # refuses a suffix neither layout has first
-        doc = self.to_dict()
         with _analysis_formatting.cyclic_gc_paused():  # the columns of a million records: no cycles among them
             if columnar_file:
-                return write_file_atomically(path, lambda f: columnar.write_document(doc, f.buffer),
+                return write_file_atomically(path, lambda f: columnar.write_table(*self._header_and_table(), f.buffer),
                                              example_name="trace.sdtrace.arrow")
+            doc = self.to_dict()
             return write_file_atomically(
                 path, lambda f: f.write(json.dumps(doc, allow_nan=False, separators=(",", ":"))),
                 example_name="trace.sdtrace.json")
+
+    def _header_and_table(self) -> tuple[dict, Any]:
+        """The trace document (its records need not be in it) and the columns of its records: those the trace
+        holds, else built from its records in one pass per kind."""
+        doc = self._document([self.payloads[r] for r in self.ranks])
+        if self._columns is not None:
+            return doc, self._columns.table
+        return doc, columnar.table_of_payloads(doc["ranks"], doc["payloads"])
 
     def to_perfetto(self, path: str | os.PathLike) -> str:
         """Write Chrome trace-event JSON, to open in ui.perfetto.dev or chrome://tracing.
@@ -1143,12 +1196,41 @@ def _trace_of_regular_file(path: str) -> Trace:
 
 
 def _trace_of_columnar_file(path: str, raw: bytes) -> Trace:
-    """The Trace of a columnar file's bytes, checked as its JSON document would be."""
+    """The Trace of a columnar file's bytes, checked as its JSON document would be; it keeps the columns and
+    makes a rank's records as dicts only when asked for.
+
+    The records' checks run on whole columns (``columnar.plainly_valid``); where they find anything, the file is
+    read again as its JSON document, one dict per record, whose checks name what is wrong."""
     try:
-        d = columnar.read_document(raw)
+        header, table = columnar.read_table(raw)
     except columnar.ColumnarProblem as e:
         raise TraceFileError(f"{path}: corrupt sharddbg trace (columnar file): {e}") from None
-    return _trace_of_document(path, d)
+    ranks, payloads = header.get("ranks"), header.get("payloads")
+    try:
+        plain = (isinstance(ranks, list) and isinstance(payloads, list) and len(ranks) == len(payloads)
+                 and columnar.plainly_valid(table, ranks, payloads, MAX_ABS_INT, MAX_NESTING))
+    except (ValueError, TypeError, OverflowError):  # a text that is not JSON, a value of no known kind
+        plain = False
+    if not plain:
+        return _trace_of_document(path, _document_of_columnar_file(path, raw))
+    d = {k: v for k, v in header.items() if k not in ("layout", "columns")}
+    # the header checked as a document whose payloads have no records yet: the columns were checked above
+    d["payloads"] = [dict(p, events=[]) if isinstance(p, dict) else p for p in payloads]
+    trace = _trace_of_document(path, d)
+    columns = columnar.EventColumns(table)
+    for p in trace.payloads.values():
+        if p is not None:
+            p["events"] = columnar.LazyRecords(columns, p["rank"])
+    trace._columns = columns
+    return trace
+
+
+def _document_of_columnar_file(path: str, raw: bytes) -> dict:
+    """A columnar file's JSON document, one dict per record; TraceFileError naming what is wrong in it."""
+    try:
+        return columnar.read_document(raw)
+    except columnar.ColumnarProblem as e:
+        raise TraceFileError(f"{path}: corrupt sharddbg trace (columnar file): {e}") from None
 
 
 def _trace_of_document(path: str, d: Any) -> Trace:

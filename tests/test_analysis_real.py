@@ -251,6 +251,15 @@ def test_comm_share_at_most_one_on_the_demo_net(cl, tmp_path):
     columns = sharddbg.load_trace(t.save(tmp_path / "demo.sdtrace.arrow"))
     for table in ("get_ops", "get_collectives", "get_op_summary", "get_comm_by_op", "get_errors"):
         pd.testing.assert_frame_equal(getattr(columns, table)(), getattr(t, table)(), check_exact=True)
+    # on whole columns (a big trace's way), the recording's op summary and communication per op are the same
+    from sharddbg.analysis import comm as comm_analysis
+    from sharddbg.analysis import summary
+    for nested in (False, True):
+        pd.testing.assert_frame_equal(summary.op_summary_by_columns(ops, colls, nested), t.get_op_summary(nested))
+    pd.testing.assert_frame_equal(comm_analysis.comm_by_op_by_columns(colls, ops), by)
+    # built from the columns it keeps: no record was made as a dict for them
+    assert not any(p["events"].made for p in columns.payloads.values()), "a table made the records as dicts"
+    assert columns.events(0) == t.events(0)
 
 
 def test_full_tensor_inclusive_matches_comm_debug_mode(cl):

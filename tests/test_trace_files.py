@@ -321,6 +321,13 @@ COLUMNAR_CORRUPTIONS = {
                      r'payload 0 \(rank 0\) event #0 field "t_start_ns" = 4611686018427387904 is out of range'),
     "event_missing_its_kind_field": (lambda t, path: _write_table(_set_cell(t, "op", _first_op_row(t), None), path),
                                      r"payload 0: rank 0 event #0 \(op seq 0\): field 'op' = None has type NoneType"),
+    "unknown_path": (lambda t, path: _write_table(_set_cell(t, "path", _first_op_row(t), "nowhere"), path),
+                     r"payload 0: rank 0 event #0: unknown path 'nowhere'"),
+    "shape_not_a_list": (lambda t, path: _write_table(_set_cell(t, "in_local_shapes", _first_op_row(t), '"x"'), path),
+                         r"payload 0: rank 0 event #0 \(op seq 0\): field 'in_local_shapes' = 'x' has type str"),
+    "error_missing_its_message": (
+        lambda t, path: _write_table(_set_cell(t, "error", _first_op_row(t), '{"exc_type":"E"}'), path),
+        r"payload 0: rank 0 event #0 error: missing field\(s\) \['message'"),
 }
 
 
@@ -343,18 +350,88 @@ def test_corrupt_columnar_file_is_refused_naming_the_cause(tmp_path, case):
     assert re.search(match, message), message
 
 
-def test_columnar_file_round_trips_the_golden_trace(tmp_path):
-    """Saved as .sdtrace.arrow and read back: the same records (as this schema reads them), header and tables."""
+TABLES = ("get_ops", "get_collectives", "get_op_summary", "get_comm_by_op", "get_errors", "get_cell_errors",
+          "get_fallbacks", "get_replica_digests", "get_preflight", "get_findings")
+
+
+def test_columnar_trace_keeps_its_columns_and_makes_records_only_when_asked(tmp_path):
+    """A trace saved as .sdtrace.arrow and loaded holds its records as columns: its header is the JSON trace's,
+    its tables (the op summary, communication per op, findings, ...) too, without a dict made per record;
+    ``events(rank)`` makes that rank's records, the same as the file's (as this schema reads them); saved again as
+    columns or as JSON it reads back the same."""
     t = load_trace(GOLDEN)
     t2 = load_trace(t.save(tmp_path / COLUMNAR_NAME))
     assert (tmp_path / COLUMNAR_NAME).read_bytes().startswith(b"ARROW1")
     d, d2 = t.to_dict(), t2.to_dict()
     assert {k: v for k, v in d.items() if k != "payloads"} == {k: v for k, v in d2.items() if k != "payloads"}
     for p, p2 in zip(d["payloads"], d2["payloads"]):
-        assert schema.current_events(p) == p2["events"]
         assert {k: v for k, v in p.items() if k != "events"} == {k: v for k, v in p2.items() if k != "events"}
-    for table in ("get_ops", "get_collectives", "get_op_summary", "get_comm_by_op", "get_errors", "get_cell_errors"):
-        pd.testing.assert_frame_equal(getattr(t, table)(), getattr(t2, table)())
+    held = [t2.payloads[r]["events"] for r in t2.ranks]
+    assert all(isinstance(events, columnar.LazyRecords) for events in held)
+    assert [len(events) for events in held] == [len(t.events(r)) for r in t.ranks]
+    for table in TABLES:
+        pd.testing.assert_frame_equal(getattr(t, table)(), getattr(t2, table)(), obj=table)
+    assert not any(events.made for events in held), "a table made a dict per record"
+    again = load_trace(t2.save(tmp_path / "again.sdtrace.arrow"))
+    as_json = load_trace(t2.save(tmp_path / "again.sdtrace.json"))
+    assert not any(events.made for events in held), "saving as columns made a dict per record"
+    assert t2.events(0) == schema.current_events(t.payloads[0])
+    assert held[0].made and not held[1].made, "events(rank) makes that rank's records only"
+    for r in t.ranks:
+        assert t2.events(r) == schema.current_events(t.payloads[r]) == again.events(r) == as_json.events(r)
+    pd.testing.assert_frame_equal(t.get_op_summary(), again.get_op_summary())
+
+
+def test_summary_and_comm_by_op_on_whole_columns_are_the_tables_of_the_call_by_call_sums(monkeypatch):
+    """The op summary and the communication per op, worked out on whole columns (what a big trace gets), are the
+    tables the call-by-call sums give (what a small one gets), on the golden trace and on its ops without
+    collectives."""
+    from sharddbg.analysis import comm as comm_analysis
+    from sharddbg.analysis import summary
+
+    t = load_trace(GOLDEN)
+    ops, colls = t.get_ops(), t.get_collectives()
+    assert len(ops) + len(colls) < comm_analysis._ROWS_BY_COLUMNS  # the golden trace takes the call-by-call sums
+    for o, c in ((ops, colls), (ops, colls.iloc[0:0])):
+        for nested in (False, True):
+            pd.testing.assert_frame_equal(summary.op_summary_by_columns(o, c, nested),
+                                          summary.op_summary_by_call(o, c, nested), check_dtype=len(c) > 0)
+        pd.testing.assert_frame_equal(comm_analysis.comm_by_op_by_columns(c, o), comm_analysis.comm_by_op(c, o),
+                                      check_dtype=len(c) > 0)
+    # calls keyed by three columns where a seq is too large for the one-integer key
+    monkeypatch.setattr(summary, "_keys_fit", lambda ops, colls: False)
+    pd.testing.assert_frame_equal(summary.op_summary_by_columns(ops, colls, True),
+                                  summary.op_summary_by_call(ops, colls, True))
+
+
+def test_columnar_file_of_columns_version_1_still_loads(tmp_path):
+    """A file of the first columns version (text in plain large_string columns, not dictionary-encoded) loads,
+    as columns, to the same trace."""
+    t = load_trace(GOLDEN)
+    table = _columnar_table()
+    for i, field in enumerate(table.schema):
+        if pa.types.is_dictionary(field.type):
+            table = table.set_column(i, pa.field(field.name, pa.large_string()),
+                                     table.column(i).cast(pa.large_string()))
+    path = tmp_path / COLUMNAR_NAME
+    _write_table(_set_header(table, columns=1), path)
+    t1 = load_trace(path)
+    assert isinstance(t1.payloads[0]["events"], columnar.LazyRecords)
+    pd.testing.assert_frame_equal(t.get_ops(), t1.get_ops())
+    pd.testing.assert_frame_equal(t.get_collectives(), t1.get_collectives())
+
+
+def test_columnar_file_whose_ranks_interleave_loads_record_by_record(tmp_path):
+    """Rows of the ranks interleaved (a file no sharddbg writes, still a valid trace) load through the record by
+    record path, to the same trace."""
+    t = load_trace(GOLDEN)
+    table = _columnar_table()
+    order = sorted(range(table.num_rows), key=lambda i: (i % 2, i))
+    path = tmp_path / COLUMNAR_NAME
+    _write_table(table.take(order), path)
+    t2 = load_trace(path)
+    assert not isinstance(t2.payloads[0]["events"], columnar.LazyRecords)
+    pd.testing.assert_frame_equal(t.get_ops(), t2.get_ops())
 
 
 @pytest.mark.parametrize("name", ["run.sdtrace.parquet", "run.csv", "run.sdtrace", "run.feather"])

@@ -28,13 +28,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from operator import itemgetter
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ..schema import COLLECTIVE_FIELDS
 from .formatting import cyclic_gc_paused, format_location
-from .ops import NO_OP, inferred_column
+from .ops import (NO_OP, arrow_or_json_column, inferred_column, json_column, locations_of_columns,
+                  offsets_per_row)
 
 COLLECTIVE_COLUMNS = [
     "rank", "seq", "group_seq", "kind", "group_ranks", "mesh_dim", "bytes_sent", "bytes_recv", "t_issue_ns",
@@ -110,6 +112,53 @@ def _collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int
     for c in ("t_issue_ns", "t_return_ns", "t_done_ns"):
         df[c] = df[c].astype("Int64") - shift
     return _collective_states(df)
+
+
+def collectives_frame_from_columns(table: Any, offsets_ns: dict[int, int]) -> pd.DataFrame:
+    """``collectives_frame`` built from the collective rows of a trace held as columns
+    (``columnar.EventColumns.of_kind("collective")``, a ``pyarrow.Table``) without making a dict per record:
+    exactly the table ``collectives_frame`` builds from the same records.
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        The collective rows, every rank's, grouped by rank in ascending order.
+    offsets_ns : dict of int to int
+        Rank -> its clock offset, ns.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``Trace.get_collectives()``.
+
+    Examples
+    --------
+    >>> collectives_frame_from_columns(columns.of_kind("collective"), {0: 0}).columns[0]
+    'rank'
+    """
+    import pyarrow as pa
+
+    preflight = table.column("preflight")
+    if preflight.null_count != len(preflight):  # the pre-flight stopped some before they were issued: left out
+        checked = json_column(preflight)
+        stopped = np.array([p is not None and p.get("status") == "mismatch" for p in checked], dtype=bool)
+        table = table.filter(pa.array(~stopped))
+    if not table.num_rows:
+        return collectives_frame({}, offsets_ns)
+    with cyclic_gc_paused():
+        columns = COLLECTIVE_COLUMNS + COLLECTIVE_EXTRA_COLUMNS
+        n = table.num_rows
+        rank = table.column("rank").to_numpy()
+        cols: dict[str, Any] = {k: arrow_or_json_column(table, k) for k in columns if k in COLLECTIVE_FIELDS}
+        cols["rank"] = rank
+        cols["kind"] = arrow_or_json_column(table, "coll")
+        cols["location"] = locations_of_columns(table)
+        missing = np.full(n, math.nan)  # what DataFrame(list of dicts) puts in a column no record names
+        df = pd.DataFrame({k: cols.get(k, missing) for k in columns}, columns=columns)
+        shift = offsets_per_row(rank, offsets_ns)
+        for c in ("t_issue_ns", "t_return_ns", "t_done_ns"):
+            df[c] = df[c].astype("Int64") - shift
+        return _collective_states(df)
 
 
 def collectives_frame_by_record(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -> pd.DataFrame:
@@ -306,11 +355,11 @@ def attributed(colls: pd.DataFrame, ops: pd.DataFrame, inclusive: bool) -> pd.Da
     parent, names = op_parents_and_names(ops)
     # the name of the op record a collective names (the record is the one source of an op's name)
     c["op"] = [c_op if pd.isna(s) else names.get((int(r), int(s)), c_op)
-               for r, s, c_op in zip(c["rank"], c["op_seq"], c["op"])]
+               for r, s, c_op in zip(c["rank"].tolist(), c["op_seq"].tolist(), c["op"].tolist())]
     if not inclusive:
         return c
     rows, idx = [], []
-    for i, (r, seq) in enumerate(zip(c["rank"], c["op_seq"])):
+    for i, (r, seq) in enumerate(zip(c["rank"].tolist(), c["op_seq"].tolist())):
         if pd.isna(seq):
             idx.append(i)
             rows.append((c["op"].iat[i], pd.NA))
@@ -372,13 +421,17 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
         raise ValueError(f"inclusive must be True or False, got {inclusive!r}")
     if by == "call":
         return _comm_by_call(attributed(colls, ops, inclusive), ops)
+    if not inclusive and len(ops) + len(colls) >= _ROWS_BY_COLUMNS:
+        return comm_by_op_by_columns(colls, ops)
     c = attributed(colls[["rank", "op", "op_seq", "kind", "bytes_sent", "bytes_recv", "duration_ms", "phase",
                           "in_flight"]], ops[["rank", "seq", "op", "parent_seq"]], inclusive)
     # one pass over the collectives and one over the ops: pandas per (op, rank) costs far more than the sums
-    depth = {(int(r), int(s)): int(d) for r, s, d in zip(ops["rank"], ops["seq"], ops["depth"])} if len(ops) else {}
+    depth = {(int(r), int(s)): int(d) for r, s, d in zip(*(ops[k].tolist() for k in ("rank", "seq", "depth")))} \
+        if len(ops) else {}
     acc: dict[tuple, _OpComm] = {}
-    for op, r, s, kind, sent, recv, ms, ph, fl in zip(c["op"], c["rank"], c["op_seq"], c["kind"], c["bytes_sent"],
-                                                      c["bytes_recv"], c["duration_ms"], c["phase"], c["in_flight"]):
+    # plain lists: iterating a Series (Arrow-backed text above all) costs a Python call per value
+    for op, r, s, kind, sent, recv, ms, ph, fl in zip(*(c[k].tolist() for k in (
+            "op", "rank", "op_seq", "kind", "bytes_sent", "bytes_recv", "duration_ms", "phase", "in_flight"))):
         a = acc.setdefault((op, int(r)), _OpComm())
         a.n_collectives += 1
         call_depth = None if pd.isna(s) else depth.get((int(r), int(s)))
@@ -396,7 +449,7 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
             a.comm_ms += done
         a.n_in_flight += bool(fl)
     if len(ops):
-        calls = list(zip(ops["op"], ops["rank"], ops["phase"], ops["depth"], ops["host_ms"]))
+        calls = list(zip(*(ops[k].tolist() for k in ("op", "rank", "phase", "depth", "host_ms"))))
         for op, r, ph, d, ms in calls:
             if ph == "forward":
                 a = acc.setdefault((op, int(r)), _OpComm())
@@ -422,6 +475,105 @@ def comm_by_op(colls: pd.DataFrame, ops: pd.DataFrame, by: str = "op", inclusive
             "n_in_flight": int(a.n_in_flight),
         })
     df = pd.DataFrame(rows, columns=COMM_BY_OP_COLUMNS)
+    df["total_ms"] = df["comm_ms"] + df["bwd_comm_ms"]
+    df = df.sort_values(["total_ms", "op", "rank"], ascending=[False, True, True], kind="stable")
+    return df.drop(columns="total_ms").reset_index(drop=True)
+
+
+# below this many rows (ops and collectives) comm_by_op adds up a row at a time: on a small trace that is quicker
+# than the fixed cost of the groupbys
+_ROWS_BY_COLUMNS = 20_000
+
+
+def comm_by_op_by_columns(colls: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
+    """``comm_by_op(colls, ops)`` (by op name and rank, exclusive) worked out on whole columns, without Python per
+    collective or per call: for big traces.
+
+    Parameters
+    ----------
+    colls : pandas.DataFrame
+        ``Trace.get_collectives()``.
+    ops : pandas.DataFrame
+        ``Trace.get_ops()``.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``Trace.get_comm_by_op()``: the table ``comm_by_op`` adds up a row at a time, its sums added in another
+        order.
+
+    Examples
+    --------
+    >>> comm_by_op_by_columns(t.get_collectives(), t.get_ops()).columns[0]
+    'op'
+    """
+    c = colls[["rank", "op", "op_seq", "kind", "bytes_sent", "bytes_recv", "duration_ms", "phase", "in_flight"]]
+    rank = c["rank"].to_numpy(dtype=np.int64)
+    op = c["op"].to_numpy(dtype=object, na_value=None)
+    op = np.where(pd.isna(op), NO_OP, op) if len(op) else op
+    depth = np.full(len(c), -1, dtype=np.int64)  # -1: no op record (or no call at all)
+    if len(ops) and len(c):
+        keyed = ops[["rank", "seq", "op", "depth"]].drop_duplicates(["rank", "seq"], keep="last")
+        index = pd.MultiIndex.from_arrays([keyed["rank"].to_numpy(dtype=np.int64),
+                                           keyed["seq"].to_numpy(dtype=np.int64)])
+        has_call = c["op_seq"].notna().to_numpy()
+        at = index.get_indexer(pd.MultiIndex.from_arrays([rank, c["op_seq"].to_numpy(dtype=np.int64, na_value=-1)]))
+        at = np.where(has_call, at, -1)
+        found = at >= 0
+        # the name of the op record a collective names (the record is the one source of an op's name)
+        op = np.where(found, keyed["op"].to_numpy(dtype=object)[np.maximum(at, 0)], op)
+        depth = np.where(found, keyed["depth"].to_numpy(dtype=np.int64)[np.maximum(at, 0)], -1)
+    backward = (c["phase"] == "backward").fillna(False).to_numpy(dtype=bool)
+    done = c["duration_ms"].to_numpy(dtype=np.float64, na_value=np.nan)
+    done = np.where(np.isnan(done), 0.0, done)
+    per = pd.DataFrame({
+        "op": op, "rank": rank, "n_collectives": 1, "own_n_collectives": depth == 0,
+        "nested_n_collectives": depth > 0,
+        "bytes_sent": c["bytes_sent"].fillna(0).to_numpy(dtype=np.int64),
+        "bytes_recv": c["bytes_recv"].fillna(0).to_numpy(dtype=np.int64),
+        "comm_ms": np.where(backward, 0.0, done), "bwd_n_collectives": backward,
+        "bwd_comm_ms": np.where(backward, done, 0.0),
+        "n_in_flight": c["in_flight"].fillna(False).to_numpy(dtype=bool)})
+    comm = per.groupby(["op", "rank"], sort=False).sum()
+    kinds = pd.DataFrame({"op": op, "rank": rank, "kind": c["kind"].astype(str).to_numpy(dtype=object)}) \
+        .groupby(["op", "rank", "kind"], sort=True).size()
+    kind_counts: dict[tuple, dict] = {}
+    for (o, r, k), n in kinds.items():
+        kind_counts.setdefault((o, r), {})[k] = int(n)
+    phase = ops["phase"].to_numpy(dtype=object, na_value=None) if len(ops) else np.array([], dtype=object)
+    host = ops["host_ms"].to_numpy(dtype=np.float64, na_value=np.nan) if len(ops) else np.array([])
+    host = np.where(np.isnan(host), 0.0, host)
+    o_depth = ops["depth"].to_numpy(dtype=np.int64) if len(ops) else np.array([], dtype=np.int64)
+    o_names = ops["op"].to_numpy(dtype=object) if len(ops) else np.array([], dtype=object)
+    o_rank = ops["rank"].to_numpy(dtype=np.int64) if len(ops) else np.array([], dtype=np.int64)
+    forward = phase == "forward"
+    calls = pd.DataFrame({"op": o_names[forward], "rank": o_rank[forward], "calls": 1,
+                          "own_calls": o_depth[forward] == 0, "nested_calls": o_depth[forward] > 0,
+                          "op_ms": host[forward]}).groupby(["op", "rank"], sort=False).sum()
+    bwd = phase == "backward"
+    bwd_ms = pd.DataFrame({"op": o_names[bwd], "rank": o_rank[bwd], "bwd_op_ms": host[bwd]}) \
+        .groupby(["op", "rank"], sort=False).sum()
+    keys = comm.index.union(calls.index, sort=False) if len(calls) else comm.index
+    df = pd.DataFrame(index=keys)
+    for name in ("calls", "own_calls", "nested_calls", "op_ms"):
+        df[name] = calls[name].reindex(keys).fillna(0).to_numpy() if len(calls) else 0
+    for name in ("n_collectives", "own_n_collectives", "nested_n_collectives", "bytes_sent", "bytes_recv", "comm_ms",
+                 "bwd_n_collectives", "bwd_comm_ms", "n_in_flight"):
+        df[name] = comm[name].reindex(keys).fillna(0).to_numpy() if len(comm) else 0
+    df["bwd_op_ms"] = bwd_ms["bwd_op_ms"].reindex(keys).fillna(0.0).to_numpy() if len(bwd_ms) else 0.0
+    df = df.reset_index().rename(columns={"level_0": "op", "level_1": "rank"})
+    df["kinds"] = [kind_counts.get((o, r), {}) for o, r in zip(df["op"].tolist(), df["rank"].tolist())]
+    for name in ("calls", "own_calls", "nested_calls", "n_collectives", "own_n_collectives", "nested_n_collectives",
+                 "bytes_sent", "bytes_recv", "bwd_n_collectives", "n_in_flight", "rank"):
+        df[name] = df[name].astype(np.int64)
+    for name in ("op_ms", "comm_ms", "bwd_comm_ms", "bwd_op_ms"):
+        df[name] = df[name].astype(np.float64)
+    df["op_ms"] = df["op_ms"].where(df["calls"] > 0)
+    df["comm_share"] = (df["comm_ms"] / df["op_ms"]).where((df["calls"] > 0) & (df["op_ms"] > 0))
+    df["op"] = df["op"].astype(object)
+    df = df.assign(_op=df["op"].astype(str)).sort_values(["_op", "rank"], kind="stable").drop(columns="_op")
+    df = pd.DataFrame({name: df[name].to_numpy() if name != "op" else df["op"].tolist() for name in COMM_BY_OP_COLUMNS},
+                      columns=COMM_BY_OP_COLUMNS)
     df["total_ms"] = df["comm_ms"] + df["bwd_comm_ms"]
     df = df.sort_values(["total_ms", "op", "rank"], ascending=[False, True, True], kind="stable")
     return df.drop(columns="total_ms").reset_index(drop=True)

@@ -143,6 +143,334 @@ def _ops_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) 
     return df.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True)
 
 
+def ops_frame_from_columns(table: Any, offsets_ns: dict[int, int]) -> pd.DataFrame:
+    """``ops_frame`` built from the op rows of a trace held as columns (``columnar.EventColumns.of_kind("op")``, a
+    ``pyarrow.Table``) without making a dict per record: exactly the table ``ops_frame`` builds from the same
+    records.
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        The op rows, every rank's, grouped by rank in ascending order (the columnar file's columns).
+    offsets_ns : dict of int to int
+        Rank -> its clock offset, ns.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``Trace.get_ops()``.
+
+    Examples
+    --------
+    >>> ops_frame_from_columns(columns.of_kind("op"), {0: 0}).equals(ops_frame(records_by_rank, {0: 0}))
+    True
+    """
+    if not table.num_rows:
+        return ops_frame({}, offsets_ns)
+    with cyclic_gc_paused():
+        return _ops_frame_from_columns(table, offsets_ns)
+
+
+def _ops_frame_from_columns(table: Any, offsets_ns: dict[int, int]) -> pd.DataFrame:
+    n = table.num_rows
+    derived = {"rank", "error", "exc_type", "message", "traceback", "error_origin_seq", "unmasked", "error_handled",
+               "location", "spec_mismatch"}
+    columns = OPS_COLUMNS + OPS_EXTRA_COLUMNS
+    numbers = {"host_ms", "device_ms", "local_ms", "mem_delta_bytes"}  # made float below
+    cols: dict[str, Any] = {name: arrow_or_json_column(table, name) if name not in numbers else np.zeros(n)
+                            for name in columns if name not in derived}
+    rank = table.column("rank").to_numpy()
+    cols["rank"] = rank
+    errors = json_column(table.column("error"))
+    raised = [i for i in np.flatnonzero(table.column("error").is_valid().to_numpy(zero_copy_only=False))
+              if errors[i]]  # few: the parts of an error are read where there is one
+    for name, part in (("error", lambda e: f"{e['exc_type']}: {e['message']}"), ("exc_type", lambda e: e["exc_type"]),
+                       ("message", lambda e: e["message"]), ("traceback", lambda e: e["traceback"]),
+                       ("error_origin_seq", lambda e: e["origin_seq"]), ("error_handled", lambda e: e.get("handled"))):
+        cols[name] = sparse_column(n, raised, [part(errors[i]) for i in raised])
+    unmasked = np.zeros(n, dtype=bool)
+    for i in raised:
+        unmasked[i] = bool(errors[i]["unmasked"])
+    cols["unmasked"] = unmasked
+    cols["location"] = locations_of_columns(table)
+    found = json_column(table.column("spec_mismatches"))
+    checked = np.flatnonzero(table.column("spec_mismatches").is_valid().to_numpy(zero_copy_only=False))
+    cols["spec_mismatch"] = sparse_column(n, checked, [spec_mismatch_text(found[i]) for i in checked])
+    df = pd.DataFrame({name: cols[name] for name in columns}, columns=columns)
+    shift = offsets_per_row(rank, offsets_ns)
+    for c in ("t_start_ns", "t_end_ns"):
+        df[c] = df[c].astype("Int64") - shift
+    for c in ("host_ms", "device_ms", "local_ms", "mem_delta_bytes"):  # None (not measured) -> NaN
+        df[c] = table.column(c).cast("float64").to_numpy()
+    for c in ("t_start_ns", "t_end_ns", "parent_seq", "fwd_seq", "error_origin_seq", "user_cell"):
+        df[c] = df[c].astype("Int64")
+    return sorted_by_rank_and_seq(df)
+
+
+def sorted_by_rank_and_seq(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` sorted by ``rank``, then ``seq`` (stable), with a fresh index; not copied when in that order already
+    (a payload's records are, mostly).
+
+    Parameters
+    ----------
+    df : pandas.DataFrame
+        Rows with ``rank`` and ``seq`` (integers, no missing values).
+
+    Returns
+    -------
+    pandas.DataFrame
+        The rows in that order, indexed 0, 1, ...
+
+    Examples
+    --------
+    >>> sorted_by_rank_and_seq(pd.DataFrame({"rank": [1, 0], "seq": [0, 5]}))["rank"].tolist()
+    [0, 1]
+    """
+    rank, seq = df["rank"].to_numpy(), df["seq"].to_numpy()
+    if len(df) < 2 or ((np.diff(rank) > 0) | ((np.diff(rank) == 0) & (np.diff(seq) >= 0))).all():
+        return df.reset_index(drop=True)
+    return df.sort_values(["rank", "seq"], kind="stable").reset_index(drop=True)
+
+
+def sparse_column(n: int, rows: Any, values: list) -> Any:
+    """``inferred_column`` of a column of ``n`` values that are None except at ``rows``, which hold ``values``:
+    built without going through the Nones one by one (a trace's errors and spec mismatches are few).
+
+    Parameters
+    ----------
+    n : int
+        The column's length.
+    rows : sequence of int
+        Where the values are, ascending.
+    values : list
+        The values there.
+
+    Returns
+    -------
+    numpy.ndarray or pandas.api.extensions.ExtensionArray
+        The column, as ``inferred_column`` types it.
+
+    Examples
+    --------
+    >>> sparse_column(3, [1], ["x"]).tolist()
+    [nan, 'x', nan]
+    """
+    import pyarrow as pa
+
+    if len(rows) == n or all(v is None for v in values):
+        column = np.full(n, None, dtype=object)
+        column[np.asarray(rows, dtype=np.int64)] = np.fromiter(values, dtype=object, count=len(values))
+        return column if len(rows) < n else inferred_column(list(values))
+    kind = inferred_column(list(values) + [None]).dtype
+    rows = np.asarray(rows, dtype=np.int64)
+    if kind == np.float64:
+        column = np.full(n, np.nan)
+        column[rows] = np.asarray(pd.to_numeric(pd.Series(values, dtype=object), errors="coerce"), dtype=float)
+        return column
+    if isinstance(kind, pd.StringDtype):
+        where = np.full(n, len(values), dtype=np.int64)
+        where[rows] = np.arange(len(values))
+        text = pa.array(list(values) + [None], type=pa.large_string()).take(pa.array(where))
+        return pd.array(text, dtype=kind)
+    column = np.full(n, None, dtype=object)
+    column[rows] = np.fromiter(values, dtype=object, count=len(values))
+    return inferred_column(column)
+
+
+def arrow_or_json_column(table: Any, name: str) -> Any:
+    """Column ``name`` of rows held as columns, typed as ``inferred_column`` types its values: a JSON-text column
+    (``columnar.COLUMNS``) decoded, any other read as it is (``arrow_column_as_inferred``).
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        The rows (the columnar file's columns).
+    name : str
+        The field.
+
+    Returns
+    -------
+    numpy.ndarray or pandas.api.extensions.ExtensionArray
+        The column, to put in a DataFrame.
+
+    Examples
+    --------
+    >>> arrow_or_json_column(columns.of_kind("op"), "in_local_shapes")[0]
+    [[1, 3, 17, 32]]
+    """
+    from ..columnar import COLUMNS
+
+    if COLUMNS.get(name) == "json":
+        from ..columnar import decoded_json_and_values
+
+        decoded, values = decoded_json_and_values(table.column(name))
+        if all(type(v) in (list, dict) for v in values):
+            return decoded  # lists, dicts and None: objects, as inferred_column leaves them
+        return inferred_column(decoded)
+    return arrow_column_as_inferred(table.column(name))
+
+
+def offsets_per_row(rank: np.ndarray, offsets_ns: dict[int, int]) -> np.ndarray:
+    """Each row's clock offset (ns, int64), from its rank.
+
+    Parameters
+    ----------
+    rank : numpy.ndarray
+        The rank of each row.
+    offsets_ns : dict of int to int
+        Rank -> its clock offset; a rank left out has 0.
+
+    Returns
+    -------
+    numpy.ndarray
+        int64, one per row.
+
+    Examples
+    --------
+    >>> offsets_per_row(np.array([0, 1, 1]), {1: 5}).tolist()
+    [0, 5, 5]
+    """
+    shift = np.zeros(len(rank), dtype=np.int64)
+    for r, off in offsets_ns.items():
+        if off:
+            shift[rank == r] = int(off)
+    return shift
+
+
+def json_column(column: Any) -> np.ndarray:
+    """A JSON-text column of the columnar trace, decoded (``columnar.decoded_json``): a numpy object array.
+
+    Parameters
+    ----------
+    column : pyarrow.ChunkedArray
+        The column.
+
+    Returns
+    -------
+    numpy.ndarray
+        One value per row, None for a null; rows of the same text share one value.
+
+    Examples
+    --------
+    >>> json_column(pyarrow.chunked_array([['[1, 2]', None]])).tolist()
+    [[1, 2], None]
+    """
+    from ..columnar import decoded_json
+
+    return decoded_json(column)
+
+
+def arrow_column_as_inferred(column: Any) -> Any:
+    """One column of the columnar trace, typed as ``inferred_column`` types the same values made into Python
+    objects, without making them: ints (float with NaN where null), floats, bools, text (pandas' ``str``), a
+    JSON-text column decoded (objects); a column of nulls only is None objects.
+
+    Parameters
+    ----------
+    column : pyarrow.ChunkedArray
+        The column (int64, float64, bool or large_string; text of a JSON column's kind is decoded).
+
+    Returns
+    -------
+    numpy.ndarray or pandas.api.extensions.ExtensionArray
+        The column, to put in a DataFrame.
+
+    Examples
+    --------
+    >>> arrow_column_as_inferred(pyarrow.chunked_array([[1, None]])).dtype
+    dtype('float64')
+    """
+    import pyarrow as pa
+
+    n = len(column)
+    if column.null_count == n:
+        return np.full(n, None, dtype=object)
+    t = column.type
+    if pa.types.is_integer(t):
+        return column.to_numpy() if not column.null_count else column.cast(pa.float64()).to_numpy()
+    if pa.types.is_floating(t):
+        return column.to_numpy()
+    if pa.types.is_boolean(t):
+        return column.to_numpy() if not column.null_count else np.array(column.to_pylist(), dtype=object)
+    if pa.types.is_dictionary(t):
+        column = column.cast(t.value_type)
+    return pd.array(column, dtype=pd.StringDtype("pyarrow", na_value=np.nan))
+
+
+def locations_of_columns(table: Any) -> Any:
+    """The ``location`` column (``format_location``) of rows held as columns: worked out once per distinct
+    (user_frame, user_cell, user_code).
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        Rows with the columns ``user_frame``, ``user_cell``, ``user_code``.
+
+    Returns
+    -------
+    pandas.api.extensions.ExtensionArray or numpy.ndarray
+        One location per row, typed as ``inferred_column`` types it.
+
+    Examples
+    --------
+    >>> locations_of_columns(columns.of_kind("op"))[0]
+    'cell [3], line 2: `y = conv(x)`'
+    """
+    import pyarrow as pa
+
+    codes, distinct = distinct_rows(table, ("user_frame", "user_cell", "user_code"))
+    texts = [format_location(*key) for key in distinct]
+    if all(t is None for t in texts):
+        return np.full(table.num_rows, None, dtype=object)
+    if any(t is None for t in texts):
+        return inferred_column(np.array(texts, dtype=object)[codes])
+    return pd.array(pa.array(texts, type=pa.large_string()).take(pa.array(codes)),
+                    dtype=pd.StringDtype("pyarrow", na_value=np.nan))
+
+
+def distinct_rows(table: Any, names: tuple[str, ...]) -> tuple[np.ndarray, list[tuple]]:
+    """The distinct rows of some columns of ``table`` (nulls as None) and, per row, which of them it is.
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        The rows.
+    names : tuple of str
+        The columns that make a row's key.
+
+    Returns
+    -------
+    tuple of numpy.ndarray and list of tuple
+        A code per row (an index into the list) and the distinct keys, first seen first.
+
+    Examples
+    --------
+    >>> distinct_rows(pyarrow.table({"a": ["x", "y", "x"]}), ("a",))
+    (array([0, 1, 0]), [('x',), ('y',)])
+    """
+    n = table.num_rows
+    combined = np.zeros(n, dtype=np.int64)
+    values: list[list] = []
+    for name in names:
+        column = table.column(name)
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        encoded = column.dictionary_encode()
+        size = len(encoded.dictionary) + 1  # the last: null
+        values.append(encoded.dictionary.to_pylist() + [None])
+        combined = combined * size + encoded.indices.fill_null(size - 1).to_numpy(zero_copy_only=False)
+    codes, uniques = pd.factorize(combined)
+    first = np.empty(len(uniques), dtype=np.int64)
+    first[codes[::-1]] = np.arange(n - 1, -1, -1)  # the first row of each key: the last write wins
+    distinct = []
+    for row in first.tolist():
+        key, rest = [], int(combined[row])
+        for name_values in reversed(values):
+            rest, index = divmod(rest, len(name_values))
+            key.append(name_values[index])
+        distinct.append(tuple(reversed(key)))
+    return codes, distinct
+
+
 def inferred_column(values: list) -> Any:
     """One column of values, typed as ``pandas.DataFrame(list of dicts)`` types it: the same inference (numbers,
     bools and text typed; lists, dicts, None-only and mixed columns left as objects), a column at a time.
@@ -166,7 +494,8 @@ def inferred_column(values: list) -> Any:
     """
     from pandas.core.internals.construction import convert_object_array
 
-    column = np.fromiter(values, dtype=object, count=len(values))  # lists stay one value each
+    column = values if isinstance(values, np.ndarray) and values.dtype == object else np.fromiter(
+        values, dtype=object, count=len(values))  # lists stay one value each
     return convert_object_array([column], dtype=None, dtype_backend="numpy", coerce_float=False)[0]
 
 

@@ -154,8 +154,155 @@ def _comm_per_call(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[dict[tuple, 
     return exclusive, inclusive
 
 
+# below this many op calls the summary is worked out a call at a time: on a small trace that is quicker than the
+# fixed cost of the groupbys and merges (about 0.1 s)
+_CALLS_BY_COLUMNS = 20_000
+
+
 def op_summary(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool = False) -> pd.DataFrame:
-    """One row per (op, path, phase); see the module docstring for every column's meaning."""
+    """One row per (op, path, phase); see the module docstring for every column's meaning.
+
+    On whole columns (``op_summary_by_columns``) for a big trace, a call at a time (``op_summary_by_call``) for
+    a small one: the same table, its sums added in another order."""
+    if len(ops) < _CALLS_BY_COLUMNS:
+        return _op_summary_by_call(ops, colls, nested)
+    return op_summary_by_columns(ops, colls, nested)
+
+
+def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool = False) -> pd.DataFrame:
+    """``op_summary`` worked out on whole columns (groupbys and merges, no Python per call): for big traces.
+
+    Parameters
+    ----------
+    ops : pandas.DataFrame
+        ``Trace.get_ops()``.
+    colls : pandas.DataFrame
+        ``Trace.get_collectives()``.
+    nested : bool
+        As ``op_summary``.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``Trace.get_op_summary(nested)``: the table ``op_summary_by_call`` gives, its sums added in another
+        order.
+
+    Examples
+    --------
+    >>> op_summary_by_columns(t.get_ops(), t.get_collectives()).columns[0]
+    'op'
+    """
+    if ops.empty:
+        return pd.DataFrame(columns=SUMMARY_COLUMNS)
+    as_int = _keys_fit(ops, colls)
+    excl, incl = _comm_per_call_frames(colls, ops, as_int)
+    is_backward = (ops["phase"] == "backward").fillna(False).to_numpy(dtype=bool)
+    depth = ops["depth"].to_numpy(dtype=np.int64)
+    keep = ops["op"].notna().to_numpy() & ops["path"].notna().to_numpy() & ops["phase"].notna().to_numpy()
+    if not nested:
+        keep &= is_backward | (depth == 0)
+    o = ops[_INPUT_COLUMNS][keep]  # the columns read, then the rows: no copy of the rest
+    if o.empty:
+        return pd.DataFrame(columns=SUMMARY_COLUMNS)
+    backward = is_backward[keep]
+    fwd = o["fwd_seq"].notna().to_numpy()
+    calls = pd.DataFrame({
+        "op": o["op"].array, "path": o["path"].array, "phase": o["phase"].array,
+        "bwd": backward,
+        "rank": o["rank"].to_numpy(dtype=np.int64),
+        "call": np.where(backward & fwd, o["fwd_seq"].to_numpy(dtype=np.int64, na_value=0),
+                         o["seq"].to_numpy(dtype=np.int64)),
+        "nested": (o["depth"].to_numpy(dtype=np.int64) > 0),
+        "host_ms": o["host_ms"].to_numpy(dtype=np.float64, na_value=np.nan),
+        "device_ms": o["device_ms"].to_numpy(dtype=np.float64, na_value=np.nan),
+        "fallback": o["fallback"].fillna(False).to_numpy(dtype=bool),
+        "raised": o["exc_type"].notna().to_numpy(),
+    })
+    local = o["local_ms"].to_numpy(dtype=np.float64, na_value=np.nan)
+    calls["local_ms"] = np.where(np.isnan(calls["device_ms"].to_numpy()), local, calls["device_ms"].to_numpy())
+    # several backward events of one forward call share its backward communication: counted on the first only
+    counted = ~(backward & calls.duplicated(["rank", "call", "bwd"]).to_numpy())
+    calls["shapes"] = _shape_codes(o["in_local_shapes"].to_numpy(dtype=object))
+    calls["first"] = ~calls.duplicated(["rank", "op", "path", "phase", "shapes"]).to_numpy()
+    key = _call_key(calls["rank"].to_numpy(), calls["call"].to_numpy(), calls["bwd"].to_numpy(), as_int)
+    for prefix, table in (("own_", excl), ("total_", incl)):
+        found = table.reindex(key) if len(table) else pd.DataFrame(index=key, columns=list(_CALL_COMM))
+        for name in _CALL_COMM:
+            values = found[name].to_numpy(dtype=np.float64, na_value=np.nan)
+            values = np.where(counted & ~np.isnan(values), values, 0.0)
+            calls[prefix + name] = values
+    calls["dispatch_ms"] = calls["host_ms"] - calls["total_ms_within_host"] - calls["local_ms"]
+    calls["steady"] = ~calls["first"]
+    for name in ("host_ms", "dispatch_ms", "local_ms"):
+        calls["first_" + name] = calls[name].where(calls["first"])
+        calls["steady_" + name] = calls[name].where(calls["steady"])
+    # one integer per (op, path, phase), numbered in order of first appearance: the groups' order, as a groupby on the
+    # three text columns with sort=False gives it, at the cost of one factorize
+    group_code = np.zeros(len(calls), dtype=np.int64)
+    for name in ("op", "path", "phase"):
+        codes, distinct = pd.factorize(calls[name])
+        group_code = group_code * (len(distinct) + 1) + codes
+    group_code = pd.factorize(group_code)[0]
+    calls["group"] = group_code
+    groups = calls.groupby("group", sort=True)
+    agg = groups.agg(
+        op=("op", "first"), path=("path", "first"), phase=("phase", "first"),
+        calls=("rank", "size"), nested_calls=("nested", "sum"), first_calls=("first", "sum"),
+        steady_calls=("steady", "sum"), first_ms_median=("first_host_ms", "median"),
+        steady_ms_median=("steady_host_ms", "median"), steady_ms_p95=("steady_host_ms", lambda v: _p95(v)),
+        host_ms_total=("host_ms", "sum"), host_known=("host_ms", "count"),
+        device_ms_median=("device_ms", "median"), local_ms_median=("local_ms", "median"),
+        dispatch_all_median=("dispatch_ms", "median"), dispatch_all_min=("dispatch_ms", "min"),
+        dispatch_steady_median=("steady_dispatch_ms", "median"), dispatch_steady_min=("steady_dispatch_ms", "min"),
+        local_all_median=("local_ms", "median"), local_steady_median=("steady_local_ms", "median"),
+        n_collectives=("own_n", "sum"), comm_ms=("own_ms", "sum"), bytes=("own_bytes", "sum"),
+        n_collectives_inclusive=("total_n", "sum"), comm_ms_inclusive=("total_ms", "sum"),
+        bytes_inclusive=("total_bytes", "sum"), comm_ms_within_host=("total_ms_within_host", "sum"),
+        comm_ms_outside_host=("total_ms_outside_host", "sum"), n_in_flight=("total_in_flight", "sum"),
+        errors=("raised", "sum"), any_fallback=("fallback", "any"))
+    agg = agg.reset_index(drop=True)
+    steady = agg["steady_calls"].to_numpy() > 0
+    agg["host_ms_total"] = agg["host_ms_total"].where(agg["host_known"] > 0)
+    agg["dispatch_ms_median"] = np.where(steady, agg["dispatch_steady_median"], agg["dispatch_all_median"])
+    least = np.where(steady, agg["dispatch_steady_min"], agg["dispatch_all_min"])
+    loc = np.where(steady, agg["local_steady_median"], agg["local_all_median"])
+    agg["dispatch_bound"] = ~np.isnan(least) & ~np.isnan(loc) & (least > loc)
+    ranks = groups["rank"].unique()
+    agg["ranks"] = [sorted(int(r) for r in v) for v in ranks.to_numpy()]
+    location = o["location"]
+    text = location.notna().to_numpy() if pd.api.types.is_string_dtype(location.dtype) else np.array(
+        [isinstance(v, str) for v in location.tolist()], dtype=bool)  # an object column: None only, or a few
+    where = pd.DataFrame({"group": group_code, "location": location.array})[text].groupby(
+        "group", sort=True)["location"].unique()
+    agg["locations"] = [list(where.get(k, [])) for k in range(len(agg))]
+    agg["fallback"] = agg["path"].isin(FALLBACK_PATHS).to_numpy() | agg["any_fallback"].to_numpy()
+    agg["category"] = [_category(op) for op in agg["op"]]
+    for name in ("calls", "nested_calls", "first_calls", "steady_calls", "n_collectives", "bytes",
+                 "n_collectives_inclusive", "bytes_inclusive", "n_in_flight", "errors"):
+        agg[name] = agg[name].astype(np.int64)
+    df = agg[SUMMARY_COLUMNS]
+    return df.sort_values(["host_ms_total", "calls"], ascending=False, kind="stable", na_position="last") \
+        .reset_index(drop=True)
+
+
+def _shape_codes(shapes: np.ndarray) -> np.ndarray:
+    """A code per row that is the same where the local input shapes are (their ``repr`` is): worked out once per
+    distinct object (a trace held as columns shares one list among the rows of the same shapes)."""
+    codes, distinct = pd.factorize(np.fromiter(map(id, shapes), dtype=np.int64, count=len(shapes)))
+    first = np.empty(len(distinct), dtype=np.int64)
+    first[codes[::-1]] = np.arange(len(shapes) - 1, -1, -1)
+    texts = np.array([repr(shapes[i]) for i in first.tolist()], dtype=object)
+    return pd.factorize(texts)[0][codes]
+
+
+def _p95(values: pd.Series) -> float:
+    known = values.to_numpy(dtype=np.float64)
+    known = known[~np.isnan(known)]
+    return float(np.quantile(known, 0.95)) if len(known) else math.nan
+
+
+def _op_summary_by_call(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool = False) -> pd.DataFrame:
+    """``op_summary_by_call``."""
     if ops.empty:
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
     excl, incl = _comm_per_call(colls, ops)
@@ -222,3 +369,164 @@ def op_summary(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool = False) -> 
     df = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
     return df.sort_values(["host_ms_total", "calls"], ascending=False, kind="stable", na_position="last") \
         .reset_index(drop=True)
+
+
+def op_summary_by_call(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool = False) -> pd.DataFrame:
+    """``op_summary`` worked out a call at a time in plain Python, as it was before it read whole columns: kept to
+    check that both give the same table.
+
+    Parameters
+    ----------
+    ops : pandas.DataFrame
+        ``Trace.get_ops()``.
+    colls : pandas.DataFrame
+        ``Trace.get_collectives()``.
+    nested : bool
+        As ``op_summary``.
+
+    Returns
+    -------
+    pandas.DataFrame
+        ``Trace.get_op_summary(nested)``.
+
+    Examples
+    --------
+    >>> op_summary_by_call(t.get_ops(), t.get_collectives()).columns[0]
+    'op'
+    """
+    return _op_summary_by_call(ops, colls, nested)
+
+
+_CALL_COMM = ("n", "ms", "bytes", "in_flight", "ms_within_host", "ms_outside_host")
+
+
+def _chains(colls: pd.DataFrame, ops: pd.DataFrame) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """For the collectives issued in a recorded call: their rows, and per level of the chain of enclosing calls
+    (0: the call that issued it), each one's call there (-1 past the chain's end) and whether it counts there
+    (``comm.collective_calls``: each op name once, in its outermost call on the chain)."""
+    has_call = colls["op_seq"].notna().to_numpy()
+    rows = np.flatnonzero(has_call)
+    rank = colls["rank"].to_numpy(dtype=np.int64)[rows]
+    seq = colls["op_seq"].to_numpy(dtype=np.int64, na_value=0)[rows]
+    keyed = pd.DataFrame({"rank": ops["rank"].to_numpy(dtype=np.int64), "seq": ops["seq"].to_numpy(dtype=np.int64),
+                          "parent": ops["parent_seq"].to_numpy(dtype=np.float64, na_value=np.nan),
+                          # op names as codes (>= 0); a call without a record is named by its seq (below: < 0)
+                          "op": pd.factorize(ops["op"], use_na_sentinel=False)[0].astype(np.int64)}
+                         ).drop_duplicates(["rank", "seq"], keep="last")
+    index = pd.MultiIndex.from_arrays([keyed["rank"].to_numpy(), keyed["seq"].to_numpy()])
+    parents = keyed["parent"].to_numpy()
+    names = keyed["op"].to_numpy()
+    calls, named = [], []
+    cur = seq.copy()
+    alive = np.ones(len(rows), dtype=bool)
+    for _level in range(256):  # nesting is shallow; the bound is for a corrupt file
+        if not alive.any():
+            break
+        at = index.get_indexer(pd.MultiIndex.from_arrays([rank, cur]))
+        level_name = np.where(at >= 0, names[np.maximum(at, 0)] if len(names) else -1, -1 - cur)
+        calls.append(np.where(alive, cur, -1))
+        named.append(level_name)
+        parent = parents[np.maximum(at, 0)] if len(parents) else np.full(len(rows), np.nan)
+        alive = alive & (at >= 0) & ~np.isnan(parent)
+        cur = np.where(alive, np.nan_to_num(parent).astype(np.int64), -1)
+    counts = []
+    for k in range(len(calls)):
+        outer = np.zeros(len(rows), dtype=bool)  # the same name further out on the chain
+        for j in range(k + 1, len(calls)):
+            outer |= (calls[j] >= 0) & (named[j] == named[k])
+        counts.append((calls[k] >= 0) & ~outer)
+    return rows, calls, counts
+
+
+def _comm_per_call_frames(colls: pd.DataFrame, ops: pd.DataFrame, as_int: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``_comm_per_call`` on whole columns: the exclusive and inclusive communication per (rank, call, phase), as
+    frames indexed by those three with the columns ``_CALL_COMM``."""
+    empty = pd.DataFrame(columns=["key", *_CALL_COMM]).set_index("key") if as_int else pd.DataFrame(
+        columns=["rank", "call", "bwd", *_CALL_COMM]).set_index(["rank", "call", "bwd"])
+    if colls.empty:
+        return empty, empty
+    rows, calls, counts = _chains(colls, ops)
+    if not len(rows):
+        return empty, empty
+    c = colls[["rank", "phase", "duration_ms", "bytes_sent", "bytes_recv", "in_flight", "t_issue_ns"]].iloc[rows]
+    base = pd.DataFrame({
+        "rank": c["rank"].to_numpy(dtype=np.int64),
+        "bwd": (c["phase"] == "backward").fillna(False).to_numpy(dtype=bool),
+        "ms": c["duration_ms"].to_numpy(dtype=np.float64, na_value=np.nan),
+        "bytes": (c["bytes_sent"].fillna(0).to_numpy(dtype=np.int64)
+                  + c["bytes_recv"].fillna(0).to_numpy(dtype=np.int64)),
+        "in_flight": c["in_flight"].fillna(False).to_numpy(dtype=bool).astype(np.int64),
+        "t": c["t_issue_ns"].to_numpy(dtype=np.float64, na_value=np.nan),
+        "t_int": c["t_issue_ns"].fillna(0).to_numpy(dtype=np.int64),
+        "t_known": c["t_issue_ns"].notna().to_numpy(),
+    })
+    base["ms"] = base["ms"].fillna(0.0)
+    spans = _timed_spans_frame(ops)
+    on = ["rank", "call", "bwd"]
+    if as_int and len(spans):  # one integer to join on
+        on = ["key"]
+        spans = spans.assign(key=_call_key(spans["rank"].to_numpy(), spans["call"].to_numpy(),
+                                           spans["bwd"].to_numpy(), True)).drop(columns=["rank", "call", "bwd"])
+    out = []
+    for levels in ([(calls[0], np.ones(len(rows), dtype=bool))], list(zip(calls, counts))):
+        parts = []
+        for call, counted in levels:
+            part = base[counted].copy()
+            part["call"] = call[counted]
+            part["order"] = np.flatnonzero(counted)
+            parts.append(part)
+        pairs = pd.concat(parts, ignore_index=True)
+        pairs["pair"] = np.arange(len(pairs))
+        within = np.zeros(len(pairs), dtype=bool)
+        if len(spans):
+            if as_int:  # one integer to join on
+                pairs["key"] = _call_key(pairs["rank"].to_numpy(), pairs["call"].to_numpy(), pairs["bwd"].to_numpy(),
+                                         True)
+            joined = pairs[["pair", *on, "t_int", "t_known"]].merge(spans, on=on, how="inner")
+            inside = joined["t_known"].to_numpy() & (joined["t0"].to_numpy() <= joined["t_int"].to_numpy()) & (
+                (joined["t_int"].to_numpy() <= joined["t1"].to_numpy()) | joined["open"].to_numpy())
+            within[np.unique(joined["pair"].to_numpy()[inside])] = True
+        pairs["ms_within_host"] = np.where(within, pairs["ms"], 0.0)
+        pairs["ms_outside_host"] = np.where(within, 0.0, pairs["ms"])
+        pairs["n"] = 1
+        if as_int:
+            pairs["key"] = _call_key(pairs["rank"].to_numpy(), pairs["call"].to_numpy(), pairs["bwd"].to_numpy(), True)
+            out.append(pairs.groupby("key", sort=False)[list(_CALL_COMM)].sum())
+        else:
+            out.append(pairs.groupby(["rank", "call", "bwd"], sort=False)[list(_CALL_COMM)].sum())
+    return out[0], out[1]
+
+
+def _keys_fit(ops: pd.DataFrame, colls: pd.DataFrame) -> bool:
+    """Every rank and call seq of the two tables fits ``_call_key``'s one integer (ranks below 2**16, seqs
+    within [0, 2**46): the sizes traces have)."""
+    for values, bound in ((ops["rank"], 2**16), (colls["rank"], 2**16), (ops["seq"], 2**46),
+                          (ops["fwd_seq"], 2**46), (ops["parent_seq"], 2**46), (colls["op_seq"], 2**46)):
+        if len(values) and values.notna().any() and not (0 <= values.min() and values.max() < bound):
+            return False
+    return True
+
+
+def _call_key(rank: np.ndarray, call: np.ndarray, backward: np.ndarray, as_int: bool) -> pd.Index:
+    """One key per (rank, call, phase): one integer where ``_keys_fit`` (an index on one integer is many times
+    quicker than on three columns), else the three together."""
+    rank, call = rank.astype(np.int64), call.astype(np.int64)
+    if as_int:
+        return pd.Index((call << 17) | (rank << 1) | backward.astype(np.int64))
+    return pd.MultiIndex.from_arrays([rank, call, backward.astype(bool)])
+
+
+def _timed_spans_frame(ops: pd.DataFrame) -> pd.DataFrame:
+    """``_timed_spans`` as a frame: rank, call, phase, t0, t1 (``open``: still running at snapshot time)."""
+    t0 = ops["t_start_ns"]
+    known = t0.notna().to_numpy()
+    o = ops[["rank", "seq", "fwd_seq", "phase", "t_start_ns", "t_end_ns"]][known]
+    backward = (o["phase"] == "backward").fillna(False).to_numpy(dtype=bool)
+    fwd = o["fwd_seq"].notna().to_numpy()
+    call = np.where(backward & fwd, o["fwd_seq"].to_numpy(dtype=np.int64, na_value=0),
+                    o["seq"].to_numpy(dtype=np.int64))
+    return pd.DataFrame({"rank": o["rank"].to_numpy(dtype=np.int64), "call": call,
+                         "bwd": backward,
+                         "t0": o["t_start_ns"].to_numpy(dtype=np.int64),
+                         "t1": o["t_end_ns"].fillna(0).to_numpy(dtype=np.int64),
+                         "open": o["t_end_ns"].isna().to_numpy()})
