@@ -261,15 +261,17 @@ def pytest_collection_modifyitems(config, items):
         return 1, handed_on[item.path], name in last
 
     items.sort(key=order)
-    in_background.hand_over(items, Path(__file__).resolve().parent.parent)
 
 
 def pytest_collection_finish(session):
-    """When the session runs a test of tests/test_setup.py that needs its clean install: clone and start the
-    install now, in a process of its own (``setup_in_background``), so that its minutes of pip, unzip and npm
-    overlap with the other tests; test_setup.py's fixtures wait for its results."""
+    """The engine launchers' selected tests start in a second pytest process (``in_background``). When the
+    session runs a test of tests/test_setup.py that needs its clean install: clone and start the install now,
+    in a process of its own (``setup_in_background``), so that its minutes of pip, unzip and npm overlap with
+    the other tests; test_setup.py's fixtures wait for its results."""
     if session.config.option.collectonly:
         return
+    # after every plugin's selection (-k, -m, deselected): what is left of the background modules starts now
+    in_background.hand_over(session.items, Path(__file__).resolve().parent.parent)
     needs_install = [item for item in session.items
                      if item.path.name == "test_setup.py" and "demo_installed" in item.fixturenames]
     if needs_install:

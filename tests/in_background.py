@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,5 +169,9 @@ def hand_over(session_items: list, repo: Path) -> None:
 
 
 def end_for_good() -> None:
+    """At the session's end: the second process ended (killed if it still runs); its folder removed when every
+    test there passed or skipped (kept, with its output and its clusters' logs, when one failed)."""
     if RUNNING is not None:
         RUNNING.end()
+        if RUNNING.proc.returncode == 0:
+            shutil.rmtree(RUNNING.folder, ignore_errors=True)

@@ -322,5 +322,9 @@ def test_slurm_launcher_starts_ranks_as_a_job_and_stops_clean(slurm):
     finally:
         cl.stop()
     assert_all_gone(pids)
-    jobs = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True).stdout.strip()
-    assert jobs == "", f"the engines' job is still queued or running: {jobs}"
+    # its processes are gone; Slurm lists the cancelled job as COMPLETING until slurmd has reported it done
+    deadline = time.monotonic() + 60
+    while (jobs := subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True).stdout.strip()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert jobs == "", f"the engines' job is still queued or running 60 s after the stop: {jobs}"
