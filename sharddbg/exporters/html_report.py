@@ -18,7 +18,7 @@ from ..files import refuse_folder, write_file_atomically
 from ..views.comm import plot_comm_by_op
 from ..views.common import (FINDING_CATEGORY_TITLES, SEVERITY_MARKS, error_entries, fallback_table, json_for_script, module_as_script,
                             path_color, render, static)
-from ..views.explorer import DEFAULT_MAX_ROWS, explorer_data
+from ..views.explorer import explorer_data
 from ..views.imbalance import plot_imbalance
 from ..views.timeline import plot_timeline
 
@@ -26,9 +26,10 @@ if TYPE_CHECKING:
     from ..trace import Trace
 
 
-def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, max_rows: int = DEFAULT_MAX_ROWS) -> str:
+def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, max_rows: int | None = None) -> str:
     """Write the report for ``trace`` to ``path`` (one self-contained HTML file). Returns the path. The file
-    appears whole or not at all (``sharddbg.files.write_file_atomically``)."""
+    appears whole or not at all (``sharddbg.files.write_file_atomically``). ``max_rows``: the explorer's calls
+    (``views.explorer.explorer_data``: by default all of a small trace's, a bounded sample of a big one's)."""
     import plotly.io as pio
 
     path = refuse_folder(path, "report.html")  # before the seconds spent making the report

@@ -47,6 +47,14 @@ BARS_UP_TO = 10_000
 # grows with the events); plot_timeline(t, time_range=(a, b)) draws a window span by span.
 OVERVIEW_ABOVE = 30_000
 OVERVIEW_BINS = 1500
+# The overview's cells (lanes x bins) are at most this many: with many ranks the bins get wider, so that the figure's
+# payload stays a few MB (its hover text is per cell) whatever the trace's size.
+OVERVIEW_CELLS = 24_000
+OVERVIEW_MIN_BINS = 200
+# A big trace's overview also draws, span by span, the windows around its slowest spans (shaded; zoom into one to
+# see each op), at most DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each.
+DETAIL_WINDOWS = 4
+DETAIL_WINDOW_SPANS = 2_000
 X_PAD = 0.02  # room left and right of the first and last span, as a share of the time drawn
 # The modebar buttons that would send the figure to a cloud service.
 CLOUD_BUTTONS = ["sendDataToCloud", "editInChartStudio"]
@@ -258,13 +266,83 @@ def _lanes(ranks: list[int], ops: pd.DataFrame, coll: pd.DataFrame) -> list[tupl
     return sorted(out)
 
 
+def overview_bins(n_lanes: int) -> int:
+    """How many time bins the overview has for ``n_lanes`` lanes: ``OVERVIEW_BINS``, fewer where the cells
+    would be more than ``OVERVIEW_CELLS`` (never fewer than ``OVERVIEW_MIN_BINS``).
+
+    Parameters
+    ----------
+    n_lanes : int
+        The lanes drawn (ranks x autograd / ops / collectives).
+
+    Returns
+    -------
+    int
+        The number of bins.
+
+    Examples
+    --------
+    >>> overview_bins(12), overview_bins(48)
+    (1500, 500)
+    """
+    return int(min(OVERVIEW_BINS, max(OVERVIEW_MIN_BINS, OVERVIEW_CELLS // max(n_lanes, 1))))
+
+
+def busy_ms(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The time the spans ``[starts, ends]`` cover in each bin between ``edges`` (ms), summed over the spans
+    (spans that overlap each other count twice): the overview's busy time and comm time per bin.
+
+    Parameters
+    ----------
+    starts, ends : numpy.ndarray
+        The spans' start and end (ms).
+    edges : numpy.ndarray
+        The bins' edges (ms, increasing; ``len(edges) - 1`` bins).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``len(edges) - 1`` sums in ms.
+
+    Examples
+    --------
+    >>> busy_ms(np.array([0.5]), np.array([2.5]), np.array([0.0, 1.0, 2.0, 3.0])).tolist()
+    [0.5, 1.0, 0.5]
+    """
+    # covered(x) = sum over spans of clip(x - start, 0, end - start), from sorted starts and ends and their prefix sums
+    s, e = np.sort(starts.astype(float)), np.sort(ends.astype(float))
+    cs, ce = np.concatenate([[0.0], np.cumsum(s)]), np.concatenate([[0.0], np.cumsum(e)])
+    ks, ke = np.searchsorted(s, edges, side="right"), np.searchsorted(e, edges, side="right")
+    covered = edges * ks - cs[ks] - edges * ke + ce[ke]
+    return np.diff(covered)
+
+
+def _busy_by_bin(spans: pd.DataFrame, lane: str, bins: int, x0: float, x1: float) -> dict:
+    """(rank, lane, bin) -> busy ms: a lane's top spans (ops at depth 0: nested ones lie inside them) per bin."""
+    if spans.empty:
+        return {}
+    if lane == "ops":  # the first op lane's spans (the top ops; a backward op inside Tensor.backward among them)
+        spans = spans[np.isclose(spans["y"].to_numpy(float) - spans["rank"].to_numpy(float), OP_LANE0)]
+    edges = x0 + (max(x1 - x0, 1e-9) / bins) * np.arange(bins + 1)
+    out = {}
+    for r, part in spans.groupby("rank"):
+        busy = busy_ms(part["start_ms"].to_numpy(float), part["end_ms"].to_numpy(float), edges)
+        for b in np.flatnonzero(busy > 0):
+            out[(int(r), lane, int(b))] = float(busy[b])
+    return out
+
+
 def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int], bins: int, x0: float, x1: float):
-    """Draw the binned overview: one heatmap image, lanes as rows (autograd, ops, collectives)."""
+    """Draw the binned overview: one heatmap image, lanes as rows (autograd, ops, collectives); a cell's hover
+    says its spans by category and how much of the bin they cover (busy; for collectives: comm time)."""
     import plotly.graph_objects as go
 
     ov = pd.concat([timeline_overview(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
                     timeline_overview(ops[ops["lane"] == "ops"], "ops", bins, x0, x1),
                     timeline_overview(coll, "collectives", bins, x0, x1)])
+    busy = {**_busy_by_bin(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
+            **_busy_by_bin(ops[ops["lane"] == "ops"], "ops", bins, x0, x1),
+            **_busy_by_bin(coll, "collectives", bins, x0, x1)}
     op_cats = _op_categories(ops)
     coll_cats = sorted(set(coll["category"]))
     cats = op_cats + coll_cats
@@ -286,8 +364,10 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
         i = lane_row[(o.rank, o.lane)]
         z[i, o.bin] = cats.index(o.category)
         what = ", ".join(f"{esc(c.replace('_', ' '))} {n}" for c, n in sorted(o.counts.items(), key=lambda kv: -kv[1]))
+        b_ms = busy.get((int(o.rank), o.lane, int(o.bin)), 0.0)
+        share = f"{'comm' if o.lane == 'collectives' else 'busy'} {b_ms:.3f} ms ({100 * b_ms / width:.0f} %)"
         text[i, o.bin] = (f"rank {o.rank} · {o.lane}<br>{o.bin_start_ms:.3f}–{o.bin_end_ms:.3f} ms<br>"
-                          f"{o.n_spans} span{'s' if o.n_spans != 1 else ''}: {what}")
+                          f"{o.n_spans} span{'s' if o.n_spans != 1 else ''}: {what}<br>{share}")
     n = max(len(cats), 1)
     scale = []
     for k, c in enumerate(cats or ["none"]):
@@ -311,6 +391,77 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
                                  marker={"symbol": "square", "size": 12, "color": colors[c]},
                                  legendgroup=("op:" if c in op_cats else "coll:") + c,
                                  **({"legendgrouptitle_text": group} if first else {})))
+
+
+def detail_windows(ops: pd.DataFrame, coll: pd.DataFrame, n_windows: int = DETAIL_WINDOWS,
+                   max_spans: int = DETAIL_WINDOW_SPANS) -> list[tuple[float, float]]:
+    """The windows a big trace's overview draws span by span: around its slowest spans (top ops, collectives;
+    the autograd lane's whole backward passes left out), each from a quarter of the span's time before it to
+    as much after, holding at most ``max_spans`` spans of ``ops`` and ``coll``, none overlapping another;
+    at most ``n_windows``, in time order.
+
+    Parameters
+    ----------
+    ops, coll : pandas.DataFrame
+        ``timeline_frame`` and ``collective_spans`` rows.
+    n_windows : int
+        How many windows at most.
+    max_spans : int
+        How many spans a window holds at most.
+
+    Returns
+    -------
+    list of (float, float)
+        (start_ms, end_ms) of each window.
+
+    Examples
+    --------
+    >>> detail_windows(timeline_frame(t), collective_spans(t))[:1]
+    [(12.5, 14.25)]
+    """
+    starts = np.sort(np.concatenate([ops["start_ms"].to_numpy(float), coll["start_ms"].to_numpy(float)]))
+    ends = np.sort(np.concatenate([ops["end_ms"].to_numpy(float), coll["end_ms"].to_numpy(float)]))
+    top = ops[ops["lane"] == "ops"] if len(ops) else ops
+    cand = pd.concat([top[["start_ms", "end_ms"]], coll[["start_ms", "end_ms"]]])
+    cand = cand.assign(d=cand["end_ms"] - cand["start_ms"]).sort_values("d", ascending=False, kind="stable")
+    chosen: list[tuple[float, float]] = []
+    for s0, e0, d in cand.head(50 * n_windows).itertuples(index=False, name=None):
+        a, b = s0 - max(d, 1e-6) / 4, e0 + max(d, 1e-6) / 4
+        if any(a <= y and x <= b for x, y in chosen):
+            continue
+        # spans overlapping [a, b]: all but those ending before a or starting after b
+        n = len(starts) - np.searchsorted(ends, a, side="left") - (len(starts) - np.searchsorted(starts, b, side="right"))
+        if n <= max_spans:
+            chosen.append((float(a), float(b)))
+            if len(chosen) == n_windows:
+                break
+    return sorted(chosen)
+
+
+def _detail_traces(fig, ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tuple[float, float]]) -> None:
+    """The spans of ``windows`` drawn one by one over the overview (WebGL lines, hover at each span's middle),
+    each window shaded; their legend entries are the overview's (one click hides a category everywhere)."""
+    import plotly.graph_objects as go
+
+    def inside(df):
+        keep = np.zeros(len(df), dtype=bool)
+        for a, b in windows:
+            keep |= (df["end_ms"].to_numpy(float) >= a) & (df["start_ms"].to_numpy(float) <= b)
+        return df[keep]
+
+    ops_in, coll_in = inside(ops), inside(coll)
+    parts = [(ops_in[ops_in["category"] == c], _op_color(c), 9, "op:" + c) for c in _op_categories(ops_in)] if len(ops_in) else []
+    parts += [(coll_in[coll_in["kind"] == k], col, 7, "coll:" + k) for k, col in collective_colors(coll_in["kind"]).items()] \
+        if len(coll_in) else []
+    for part, color, width, group in parts:
+        x, y, mid = _segments(part)
+        fig.add_trace(go.Scattergl(x=x, y=y, mode="lines", line={"color": color, "width": width}, name="drawn op by op",
+                                   legendgroup=group, showlegend=False, hoverinfo="skip", connectgaps=False))
+        fig.add_trace(go.Scattergl(x=mid, y=part["y"].to_numpy(float), mode="markers", name="drawn op by op",
+                                   legendgroup=group, showlegend=False, marker={"color": color, "size": 9, "opacity": 0},
+                                   hovertext=part["hover"].tolist(), hoverinfo="text", hoverlabel={"bgcolor": color}))
+    for a, b in windows:
+        fig.add_vrect(x0=a, x1=b, fillcolor=FIGURE_LINE, opacity=0.12, line_width=0, layer="below")
 
 
 def _link_trace(links: pd.DataFrame, coll: pd.DataFrame, gl: bool):
@@ -392,9 +543,15 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
     if overview and drawn:
         if time_range is not None:
             lo, hi = time_range
-        _overview_figure(fig, ops, coll, ranks, OVERVIEW_BINS, float(lo), float(hi))
-        title += (f" · overview: {len(ops) + len(coll)} spans in {OVERVIEW_BINS} time bins, the most frequent "
-                  f"path per bin<br><sub>plot_timeline(time_range=(a, b)) draws a window op by op</sub>")
+        bins = overview_bins(len(_lanes(ranks, ops, coll)))
+        _overview_figure(fig, ops, coll, ranks, bins, float(lo), float(hi))
+        windows = detail_windows(ops, coll) if len(ops) + len(coll) > OVERVIEW_ABOVE else []
+        if windows:
+            _detail_traces(fig, ops, coll, windows)
+        title += (f" · overview: {len(ops) + len(coll)} spans in {bins} time bins, the most frequent "
+                  f"path per bin" + (f"; shaded: the {len(windows)} windows around the slowest spans, drawn op by op "
+                                     "(zoom in)" if windows else "")
+                  + "<br><sub>plot_timeline(time_range=(a, b)) draws any window op by op</sub>")
     else:
         bars = len(ops) + len(coll) <= BARS_UP_TO
         _span_figure(fig, ops, coll, collective_links(trace), bars, hi - lo)
