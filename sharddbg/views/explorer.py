@@ -422,16 +422,20 @@ def sample_calls(calls: pd.DataFrame, trace_total: int, where: str = "") -> tupl
 
 
 def _asked_calls(calls: pd.DataFrame, rank: int | None, window: tuple[float, float] | None) -> tuple[pd.DataFrame, str]:
-    """The calls on ``rank`` starting in ``window`` (ms since the first event) and those words (" on rank 2")."""
-    where = []
+    """The calls on ``rank`` starting in ``window`` (ms since the first event), each with its rows on the other
+    ranks when a rank is asked for, and those words (" on rank 2 ...")."""
+    where, asked = [], calls
     if rank is not None:
-        calls = calls[(calls["rank"] == rank).to_numpy()]
+        asked = asked[(asked["rank"] == rank).to_numpy()]
         where.append(f" on rank {rank}")
     if window is not None:
         a, b = window
-        calls = calls[((calls["t_start_ms"] >= a) & (calls["t_start_ms"] <= b)).to_numpy()]
+        asked = asked[((asked["t_start_ms"] >= a) & (asked["t_start_ms"] <= b)).to_numpy()]
         where.append(f" starting in {a:g}–{b:g} ms")
-    return calls, "".join(where)
+    if rank is not None:  # each call on the other ranks too: its detail shows it on every rank
+        asked = calls[calls["key"].isin(set(asked["key"])).to_numpy()]
+        where.append(" (with the same calls on the other ranks)")
+    return asked, "".join(where)
 
 
 def _check_part(trace: Trace, rank, window) -> None:
@@ -504,6 +508,7 @@ def _data(trace: Trace, tables: _Tables, max_rows: int | None, rank: int | None 
         # a bounded payload: what it holds and how to see the rest (None: the list holds every call, or the first
         # max_rows as asked)
         "sample": None if sample is None else {**sample.__dict__, "shown": sample.shown},
+        "initial_rank": rank,  # the rank asked for: the list opens filtered to it
         "left_out_text": sample.sentence() if sample is not None else
         (f"this view lists the {len(shown)} op calls{where}; the other {total - len(shown)} of the trace are left out "
          "of the list (the op summary counts every call): t.show() for the whole trace"

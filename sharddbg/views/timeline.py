@@ -49,12 +49,12 @@ OVERVIEW_ABOVE = 30_000
 OVERVIEW_BINS = 1500
 # The overview's cells (lanes x bins) are at most this many: with many ranks the bins get wider, so that the figure's
 # payload stays a few MB (its hover text is per cell) whatever the trace's size.
-OVERVIEW_CELLS = 24_000
+OVERVIEW_CELLS = 16_000
 OVERVIEW_MIN_BINS = 200
 # A big trace's overview also draws, span by span, the windows around its slowest spans (shaded; zoom into one to
 # see each op), at most DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each.
 DETAIL_WINDOWS = 4
-DETAIL_WINDOW_SPANS = 2_000
+DETAIL_WINDOW_SPANS = 1_000
 X_PAD = 0.02  # room left and right of the first and last span, as a share of the time drawn
 # The modebar buttons that would send the figure to a cloud service.
 CLOUD_BUTTONS = ["sendDataToCloud", "editInChartStudio"]
@@ -283,7 +283,7 @@ def overview_bins(n_lanes: int) -> int:
     Examples
     --------
     >>> overview_bins(12), overview_bins(48)
-    (1500, 500)
+    (1500, 333)
     """
     return int(min(OVERVIEW_BINS, max(OVERVIEW_MIN_BINS, OVERVIEW_CELLS // max(n_lanes, 1))))
 

@@ -82,6 +82,7 @@ export function renderExplorer(model, el) {
   const [lRank, fRank] = sel("rank", "sd-f-rank", [["", "all"], ...data.ranks.map((r) => [String(r), String(r)])]);
   const [lPath, fPath] = sel("path", "sd-f-path", [["", "all"], ["@fallback", "any DTensor fallback"], ...data.paths.map((p) => [p, p])]);
   const [lPhase, fPhase] = sel("phase", "sd-f-phase", [["", "all"], ...data.phases.map((p) => [p, p])]);
+  if (data.initial_rank != null) fRank.value = String(data.initial_rank);  // t.show(rank=...)
   const fOp = h("input", { class: "sd-f-op", type: "search", placeholder: "op name contains…", "aria-label": "op" });
   const fFlag = h("input", { class: "sd-f-flagged", type: "checkbox" });
   root.append(h("div", { class: "sd-filters" }, lView, lRank, h("label", { class: "sd-control" }, "op ", fOp), lPath, lPhase,
