@@ -510,9 +510,10 @@ def _data(trace: Trace, tables: _Tables, max_rows: int | None, rank: int | None 
         "sample": None if sample is None else {**sample.__dict__, "shown": sample.shown},
         "initial_rank": rank,  # the rank asked for: the list opens filtered to it
         "left_out_text": sample.sentence() if sample is not None else
-        (f"this view lists the {len(shown)} op calls{where}; the other {total - len(shown)} of the trace are left out "
-         "of the list (the op summary counts every call): t.show() for the whole trace"
-         if bounded and len(shown) < total else None),
+        (f"this view lists the {len(shown)} op calls{where}" + (
+            f"; the other {total - len(shown)} of the trace are left out of the list (the op summary counts every "
+            "call)" if len(shown) < total else "") + ": t.show() for the whole trace"
+         if rank is not None or window is not None else None),
         "coll_fields": COLL_FIELDS,
         "collectives": [[json_value(v) for v in r] for r in coll.itertuples(index=False, name=None)],
         "has_collectives": trace.collectives_recorded,
