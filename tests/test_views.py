@@ -1451,6 +1451,8 @@ def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16,
     assert 0 < len(windows) <= tl.DETAIL_WINDOWS and "windows around the slowest spans" in fig.layout.title.text
     assert len(fig.layout.shapes) == len(windows) + 15  # shaded windows, the 15 lines between rank bands
     drawn = sum(len(d.x) for d in fig.data if d.type == "scattergl" and d.mode == "markers")
+    (marks,) = [d for d in fig.data if d.type == "scatter" and d.name == "drawn op by op"]
+    assert len(marks.x) == len(windows)
     overlap = lambda f, a, b: (f["end_ms"] >= a) & (f["start_ms"] <= b)
     inside_ops = np.any([overlap(ops, a, b) for a, b in windows], axis=0)
     inside_colls = np.any([overlap(colls, a, b) for a, b in windows], axis=0)

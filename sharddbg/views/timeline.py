@@ -50,6 +50,7 @@ OVERVIEW_BINS = 1500
 # The overview's cells (lanes x bins) are at most this many: with many ranks the bins get wider, so that the figure's
 # payload stays a few MB (its hover text is per cell) whatever the trace's size.
 OVERVIEW_CELLS = 16_000
+OVERVIEW_LANES_FULL = 16  # up to this many lanes (5 ranks) the overview keeps its OVERVIEW_BINS bins
 OVERVIEW_MIN_BINS = 200
 # A big trace's overview also draws, span by span, the windows around its slowest spans (shaded; zoom into one to
 # see each op), at most DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each.
@@ -267,8 +268,9 @@ def _lanes(ranks: list[int], ops: pd.DataFrame, coll: pd.DataFrame) -> list[tupl
 
 
 def overview_bins(n_lanes: int) -> int:
-    """How many time bins the overview has for ``n_lanes`` lanes: ``OVERVIEW_BINS``, fewer where the cells
-    would be more than ``OVERVIEW_CELLS`` (never fewer than ``OVERVIEW_MIN_BINS``).
+    """How many time bins the overview has for ``n_lanes`` lanes: ``OVERVIEW_BINS`` up to
+    ``OVERVIEW_LANES_FULL`` lanes; above, at most ``OVERVIEW_CELLS`` cells (never fewer than ``OVERVIEW_MIN_BINS``
+    bins).
 
     Parameters
     ----------
@@ -285,7 +287,9 @@ def overview_bins(n_lanes: int) -> int:
     >>> overview_bins(12), overview_bins(48)
     (1500, 333)
     """
-    return int(min(OVERVIEW_BINS, max(OVERVIEW_MIN_BINS, OVERVIEW_CELLS // max(n_lanes, 1))))
+    if n_lanes <= OVERVIEW_LANES_FULL:
+        return OVERVIEW_BINS
+    return int(min(OVERVIEW_BINS, max(OVERVIEW_MIN_BINS, OVERVIEW_CELLS // n_lanes)))
 
 
 def busy_ms(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
@@ -461,8 +465,16 @@ def _detail_traces(fig, ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tup
         fig.add_trace(go.Scattergl(x=mid, y=part["y"].to_numpy(float), mode="markers", name="drawn op by op",
                                    legendgroup=group, showlegend=False, marker={"color": color, "size": 9, "opacity": 0},
                                    hovertext=part["hover"].tolist(), hoverinfo="text", hoverlabel={"bgcolor": color}))
+    # shaded, and edged by a dotted line that shows where a window is narrower than a pixel; a marker above the
+    # first rank says what it is
     for a, b in windows:
-        fig.add_vrect(x0=a, x1=b, fillcolor=FIGURE_LINE, opacity=0.12, line_width=0, layer="below")
+        fig.add_vrect(x0=a, x1=b, fillcolor=FIGURE_LINE, opacity=0.25, line={"color": FIGURE_LINE, "width": 1, "dash": "dot"},
+                      layer="below")
+    top = float(ops["rank"].min() if len(ops) else coll["rank"].min()) - 0.5
+    fig.add_trace(go.Scatter(x=[(a + b) / 2 for a, b in windows], y=[top] * len(windows), mode="markers", cliponaxis=False,
+                             marker={"symbol": "triangle-down", "size": 10, "color": FIGURE_LINE}, name="drawn op by op",
+                             hovertext=[f"{a:.3f}–{b:.3f} ms: drawn op by op around one of the slowest spans; zoom in here"
+                                        for a, b in windows], hoverinfo="text"))
 
 
 def _link_trace(links: pd.DataFrame, coll: pd.DataFrame, gl: bool):
