@@ -106,9 +106,16 @@ def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
     band), category (path, or "error"), label (drawn inside the span), hover (HTML-escaped). In-flight ops
     end at the last recorded time. ``aggregate``: only the spans of the first op lane and the autograd
     lane (nested ops merged into their parent's span) — on by default above ``AGGREGATE_ABOVE`` spans."""
+    df, ops = _op_spans(trace, aggregate)
+    return df.assign(hover=_op_hover(ops))[TIMELINE_COLUMNS]
+
+
+def _op_spans(trace: Trace, aggregate: bool | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``timeline_frame``'s rows without their hover text (its index: 0, 1, ...), and the rows of
+    ``get_ops()`` they come from, in the same order: a big trace's hover text is written only for what is drawn."""
     ops = trace.get_ops()
     if ops.empty:
-        return pd.DataFrame(columns=TIMELINE_COLUMNS)
+        return pd.DataFrame(columns=[c for c in TIMELINE_COLUMNS if c != "hover"]), ops
     wide = np.array([is_autograd_wide(o) for o in ops["op"]], dtype=bool)
     lane_depth = _lane_depths(ops)
     if aggregate is None:
@@ -116,10 +123,15 @@ def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
     if aggregate:
         keep = wide | (lane_depth == 0)
         ops, wide, lane_depth = ops[keep], wide[keep], lane_depth[keep]
-    df = op_span_frame(ops, _time_origin(trace))
+    df = op_span_frame(ops, _time_origin(trace)).reset_index(drop=True)
     df["lane"] = np.where(wide, "autograd", "ops")
     df["y"] = df["rank"] + np.where(wide, AUTOGRAD_LANE, OP_LANE0 + LANE_STEP * np.minimum(lane_depth, MAX_LANES - 1))
     df["label"] = [esc(_label(o)) for o in df["op"]]
+    return df, ops
+
+
+def _op_hover(ops: pd.DataFrame) -> list[str]:
+    """The hover text of each op of ``ops`` (rows of ``get_ops()``), HTML-escaped."""
     hover = []
     for o in ops.itertuples(index=False):
         hover.append(
@@ -131,8 +143,7 @@ def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
             + ("still running" if pd.isna(o.host_ms) else f"{o.host_ms:.3f} ms")
             + (f"<br>module {esc(o.module)}" if isinstance(o.module, str) else "")
             + (f"<br>error: {esc(o.error)}" if isinstance(o.error, str) else ""))
-    df["hover"] = hover
-    return df[TIMELINE_COLUMNS]
+    return hover
 
 
 def _group_text(ranks, mesh_dim) -> str:
@@ -145,12 +156,21 @@ def collective_links(trace: Trace) -> pd.DataFrame:
     collective issued on more than one rank: collective (its id), group (text), group_seq, kind, ranks,
     start_ms (each rank's issue, ms since the first event, in the order of ``ranks``), first_rank / last_rank
     (the first and the last to issue it), lag_ms (how long after the first the last issued it)."""
+    return _links(trace, None)
+
+
+def _links(trace: Trace, only: set | None) -> pd.DataFrame:
+    """``collective_links``, of the collectives whose id is in ``only`` (all for None)."""
     colls = trace.get_collectives()
     if colls.empty:
         return pd.DataFrame(columns=LINK_COLUMNS)
     t0 = _time_origin(trace)
     rows = []
-    for collective, part in colls.groupby(matched_collectives(colls), sort=False):
+    ids = matched_collectives(colls)
+    if only is not None:
+        keep = ids.isin(only).to_numpy()
+        colls, ids = colls[keep], ids[keep]
+    for collective, part in colls.groupby(ids, sort=False):
         if part["rank"].nunique() < 2:
             continue
         part = part.sort_values("rank")
@@ -169,16 +189,34 @@ def collective_spans(trace: Trace) -> pd.DataFrame:
     """One row per collective: rank, seq, kind, op, start_ms, end_ms, bytes, category (its kind), group
     (text), group_seq, y (lane), hover (HTML-escaped; it names the collective across ranks: which rank
     issued it last, how long after the first). Empty, with these columns, when the trace has none."""
+    df, colls = _coll_spans(trace)
+    if df.empty:
+        return pd.DataFrame(columns=COLLECTIVE_SPAN_COLUMNS)
+    return df.assign(hover=_coll_hover(trace, df, colls))[COLLECTIVE_SPAN_COLUMNS]
+
+
+def _coll_spans(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``collective_spans``'s rows without their hover text (its index: 0, 1, ...), and the rows of
+    ``get_collectives()`` they come from, in the same order."""
     colls = trace.get_collectives()
     df = collective_span_frame(colls, _time_origin(trace))
     if df.empty:
-        return pd.DataFrame(columns=COLLECTIVE_SPAN_COLUMNS)
+        return pd.DataFrame(columns=[c for c in COLLECTIVE_SPAN_COLUMNS if c != "hover"]), colls
+    df = df.reset_index(drop=True)
     df["group"] = [_group_text(g if isinstance(g, list) else None, m) for g, m in zip(colls["group_ranks"], colls["mesh_dim"])]
     df["group_seq"] = colls["group_seq"].astype(int).values
     df["collective"] = matched_collectives(colls).astype(int).values
     df["y"] = df["rank"] + COLL_LANE
+    return df, colls
+
+
+def _coll_hover(trace: Trace, df: pd.DataFrame, colls: pd.DataFrame) -> list[str]:
+    """The hover text of the collectives ``df`` (rows of ``_coll_spans``; ``colls``: their rows of
+    ``get_collectives()``, in the same order), HTML-escaped."""
+    if df.empty:
+        return []
     across = {}
-    for link in collective_links(trace).itertuples(index=False):
+    for link in _links(trace, set(df["collective"])).itertuples(index=False):
         across[link.collective] = (
             f"<br>{esc(link.group)} #{link.group_seq}: rank {link.last_rank} issued it last, "
             f"{link.lag_ms:.3f} ms after rank {link.first_rank}")
@@ -186,12 +224,11 @@ def collective_spans(trace: Trace) -> pd.DataFrame:
     # not the op that issued it
     owners = collective_owners(colls, trace.get_ops())
     within = [f" (in {esc(o)})" if o != i else "" for o, i in zip(owners["owner"], owners["issued_in"])]
-    df["hover"] = [
+    return [
         f"<b>{esc(c.kind)}</b> · rank {int(c.rank)}<br>from op {esc(c.op if isinstance(c.op, str) else NO_OP)}{inside}<br>"
         f"sent {format_bytes(c.bytes_sent)} · received {format_bytes(c.bytes_recv)}<br>{c.end_ms - c.start_ms:.3f} ms"
         + across.get(c.collective, f"<br>{esc(c.group)} #{c.group_seq}")
         for c, inside in zip(df.itertuples(index=False), within)]
-    return df[COLLECTIVE_SPAN_COLUMNS]
 
 
 def _text_color(color: str) -> str:
@@ -443,18 +480,20 @@ def detail_windows(ops: pd.DataFrame, coll: pd.DataFrame, n_windows: int = DETAI
     return sorted(chosen)
 
 
+def _in_windows(df: pd.DataFrame, windows: list[tuple[float, float]]) -> pd.DataFrame:
+    """The spans of ``df`` that overlap one of ``windows``."""
+    keep = np.zeros(len(df), dtype=bool)
+    for a, b in windows:
+        keep |= (df["end_ms"].to_numpy(float) >= a) & (df["start_ms"].to_numpy(float) <= b)
+    return df[keep]
+
+
 def _detail_traces(fig, ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tuple[float, float]]) -> None:
     """The spans of ``windows`` drawn one by one over the overview (WebGL lines, hover at each span's middle),
     each window shaded; their legend entries are the overview's (one click hides a category everywhere)."""
     import plotly.graph_objects as go
 
-    def inside(df):
-        keep = np.zeros(len(df), dtype=bool)
-        for a, b in windows:
-            keep |= (df["end_ms"].to_numpy(float) >= a) & (df["start_ms"].to_numpy(float) <= b)
-        return df[keep]
-
-    ops_in, coll_in = inside(ops), inside(coll)
+    ops_in, coll_in = _in_windows(ops, windows), _in_windows(coll, windows)
     parts = [(ops_in[ops_in["category"] == c], _op_color(c), 9, "op:" + c) for c in _op_categories(ops_in)] if len(ops_in) else []
     parts += [(coll_in[coll_in["kind"] == k], col, 7, "coll:" + k) for k, col in collective_colors(coll_in["kind"]).items()] \
         if len(coll_in) else []
@@ -541,9 +580,16 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
 
     all_ops = trace.get_ops()
     merged = aggregate if aggregate is not None else len(all_ops) > AGGREGATE_ABOVE
-    frame = timeline_frame(trace, aggregate=merged)
+    # the spans first, their hover text only for those drawn one by one (a big trace's overview draws a few)
+    frame, op_rows = _op_spans(trace, merged)
+    coll_frame, coll_rows = _coll_spans(trace)
     ops = in_window(frame, time_range)
-    coll = in_window(collective_spans(trace), time_range)
+    coll = in_window(coll_frame, time_range)
+
+    def hovered(o: pd.DataFrame, c: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+        return (o.assign(hover=_op_hover(op_rows.iloc[o.index.to_numpy()])),
+                c.assign(hover=_coll_hover(trace, c, coll_rows.iloc[c.index.to_numpy()])))
+
     ranks = list(trace.ranks)
     fig = go.Figure()
     if overview is None:
@@ -560,13 +606,14 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
         _overview_figure(fig, ops, coll, ranks, bins, float(lo), float(hi))
         windows = detail_windows(ops, coll) if len(ops) + len(coll) > OVERVIEW_ABOVE else []
         if windows:
-            _detail_traces(fig, ops, coll, windows)
+            _detail_traces(fig, *hovered(_in_windows(ops, windows), _in_windows(coll, windows)), windows)
         title += (f" · overview: {len(ops) + len(coll)} spans in {bins} time bins, the most frequent "
                   f"path per bin" + (f"; shaded: the {len(windows)} windows around the slowest spans, drawn op by op "
                                      "(zoom in)" if windows else "")
                   + "<br><sub>plot_timeline(time_range=(a, b)) draws any window op by op</sub>")
     else:
         bars = len(ops) + len(coll) <= BARS_UP_TO
+        ops, coll = hovered(ops, coll)
         _span_figure(fig, ops, coll, collective_links(trace), bars, hi - lo)
         if merged and len(frame) < len(all_ops):
             title += f" · nested ops merged ({len(ops)} spans drawn)"
