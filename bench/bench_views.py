@@ -15,7 +15,11 @@
    (``check_html``, ``doctor_html``, ``smoke_html``, ``replica_check_html``) on made-up tables of a
    realistic size.
 
+4. A big trace's standalone report (``--only big --trace PATH``, a trace saved by bench/bench_trace_big.py):
+   its size, first paint and the interactions (op filter, every call, a call's detail, scroll, timeline zoom).
+
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py [--events 100000] [--repeats 5] [--only static]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py --only big --trace big.sdtrace.arrow [--report r.html]
 
 Prints a table; with --append, adds a section to bench/RESULTS.md.
 """
@@ -130,6 +134,65 @@ def bench_timeline(n_events: int, repeats: int) -> list[dict]:
                          "zoom_s": statistics.median(zooms)})
         browser.close()
     return rows
+
+
+def bench_big_report(trace_path: str, repeats: int, report_path: str | None = None) -> dict:
+    """The standalone report of a big saved trace (``bench/bench_trace_big.py --folder``) in chromium: its size,
+    when the explorer's list is first on screen, when everything is drawn (the timeline, the comm figure and
+    the explorer's list), and the interactions: type in the explorer's op filter, show every call, open a call's detail,
+    scroll the page to the explorer, zoom the timeline into its first window drawn op by op and back."""
+    from playwright.sync_api import sync_playwright
+
+    import sharddbg
+
+    if report_path is None or not os.path.exists(report_path):
+        t = sharddbg.load_trace(trace_path)
+        report_path = report_path or tempfile.mktemp(suffix=".html")
+        t0 = time.perf_counter()
+        t.to_html(report_path)
+        build_s = time.perf_counter() - t0
+    else:
+        build_s = float("nan")
+    size_mb = os.path.getsize(report_path) / 2**20
+    frame = "() => new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)))"
+    out: dict[str, list[float]] = {k: [] for k in ("explorer", "paint", "filter", "every_call", "detail", "scroll", "zoom")}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        for _ in range(repeats):
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            # when the explorer's list is first on screen (ms since the navigation started), checked every frame
+            page.add_init_script("""window.__sdExplorerAt = null; (function poll() {
+                if (document.querySelector('#sd-explorer .sd-list tr')) window.__sdExplorerAt = performance.now();
+                else requestAnimationFrame(poll); })();""")
+            t0 = time.perf_counter()
+            page.goto(f"file://{report_path}", timeout=600_000)
+            page.wait_for_function("""() => ['sd-fig-timeline', 'sd-fig-comm'].every(i => { const d = document.getElementById(i);
+                return d && d._fullLayout; }) && document.querySelector('#sd-explorer .sd-list tr')""", timeout=600_000)
+            page.evaluate(frame)
+            out["paint"].append(time.perf_counter() - t0)
+            out["explorer"].append(page.evaluate("() => window.__sdExplorerAt") / 1000)
+
+            def timed(js: str) -> float:
+                return page.evaluate(f"""async () => {{ const t0 = performance.now(); {js};
+                    await ({frame})(); return (performance.now() - t0) / 1000; }}""")
+
+            out["filter"].append(timed("""const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = 'conv';
+                f.dispatchEvent(new Event('input'))"""))
+            timed("const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = ''; f.dispatchEvent(new Event('input'))")
+            out["every_call"].append(timed("""const v = document.querySelector('#sd-explorer .sd-f-view'); v.value = 'calls';
+                v.dispatchEvent(new Event('change'))"""))
+            out["detail"].append(timed("document.querySelector('#sd-explorer tr.sd-op').click()"))
+            assert page.evaluate("() => document.querySelector('#sd-explorer .sd-detail').style.display !== 'none'")
+            out["scroll"].append(timed("document.getElementById('sd-explorer').scrollIntoView()"))
+            out["zoom"].append(page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
+                const s = (d.layout.shapes || []).find(s => s.type === 'rect'), [a, b] = d._fullLayout.xaxis.range;
+                const w = s ? [s.x0, s.x1] : [a + 0.45 * (b - a), a + 0.55 * (b - a)], t0 = performance.now();
+                await Plotly.relayout(d, {'xaxis.range': w}); await Plotly.relayout(d, {'xaxis.range': [a, b]});
+                return (performance.now() - t0) / 2000; }"""))
+            out["dom"] = [page.evaluate("() => document.getElementsByTagName('*').length")]
+            page.close()
+        browser.close()
+    return {"report_MB": size_mb, "build_s": build_s, **{k: statistics.median(v) for k, v in out.items()}}
 
 
 def _free_port() -> int:
@@ -316,7 +379,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--only", choices=("timeline", "inspector", "static"), help="run one part only")
+    ap.add_argument("--only", choices=("timeline", "inspector", "static", "big"), help="run one part only")
+    ap.add_argument("--trace", help="with --only big: a saved big trace (bench/bench_trace_big.py --folder)")
+    ap.add_argument("--report", help="with --only big: the report's path (made from --trace unless it exists)")
     ap.add_argument("--append", action="store_true", help="add the results to bench/RESULTS.md")
     args = ap.parse_args()
     lines = [f"machine: {os.cpu_count()} cores (shared), chromium headless without GPU (software WebGL), "
@@ -333,6 +398,13 @@ def main() -> int:
         lines += ["", "| shard inspector, 4 ranks, (1, 3, 66, 64) on dim 2 | median | min |", "|---|---|---|",
                   f"| `cl.inspect(\"x\")` in Python (gather 4 snapshots, check, build the widget) | {insp['python_s'] * 1000:.0f} ms | {insp['python_min_s'] * 1000:.0f} ms |",
                   f"| JupyterLab: run the cell `sharddbg.inspect(\"x\")` until its 4 blocks are on screen | {insp['browser_s'] * 1000:.0f} ms | {insp['browser_min_s'] * 1000:.0f} ms |"]
+    if args.only == "big":
+        r = bench_big_report(args.trace, args.repeats, args.report)
+        lines += ["", "| big trace's report | size | build (Python) | explorer on screen | everything drawn | op filter | every call | open a call's detail | scroll | timeline zoom | DOM elements |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|",
+                  f"| {os.path.basename(args.trace)} | {r['report_MB']:.1f} MB | {r['build_s']:.0f} s | {r['explorer']:.2f} s | {r['paint']:.2f} s | "
+                  f"{r['filter'] * 1000:.0f} ms | {r['every_call'] * 1000:.0f} ms | {r['detail'] * 1000:.0f} ms | "
+                  f"{r['scroll'] * 1000:.0f} ms | {r['zoom'] * 1000:.0f} ms | {r['dom']:.0f} |"]
     if args.only in (None, "static"):
         lines += ["", "| static rendering (Python) | median | min |", "|---|---|---|"]
         lines += [f"| {r['what']} | {r['median_s'] * 1000:.2f} ms | {r['min_s'] * 1000:.2f} ms |"

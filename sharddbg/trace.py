@@ -996,9 +996,11 @@ class Trace:
         Parameters
         ----------
         **kwargs : Any
-            Passed to ``views.explorer.TraceExplorer``: ``max_rows`` (calls sent to the browser, 20,000 by
-            default: errors first, then fallbacks, then the rest in time order) and the widget's own
-            keywords.
+            Passed to ``views.explorer.TraceExplorer``: ``rank`` and ``window`` ((start_ms, end_ms) since
+            the first event: the calls starting in it) to list a part of the trace, ``max_rows`` (calls sent
+            to the browser: by default up to 20,000 of a small trace, errors first, then fallbacks, then the
+            rest in time order; a bounded sample of a big one, which the page describes) and the widget's
+            own keywords.
 
         Returns
         -------
@@ -1009,6 +1011,7 @@ class Trace:
         --------
         >>> t.show()
         >>> t.show(max_rows=2_000)
+        >>> t.show(rank=2, window=(120.0, 130.0))
         """
         return rendering.explorer(self, **kwargs)
 

@@ -596,16 +596,24 @@ def test_explorer(session):
     # opened on a call, as a diff's answer opens it on the first op that departs: without a click, that call's
     # summary row is expanded, its row selected and in view, its detail open; the cell is taken away afterwards
     _run_new_cell(page, "_c = t.get_ops().query(\"op == 'torch.conv2d' and rank == 2 and phase == 'forward'\")"
-                        ".iloc[1]; t.show(selected=[2, int(_c.seq)])")
+                        ".iloc[1]; t.show(selected=[2, int(_c.seq)], rank=2)")
     opened = page.locator(".sd-explorer").nth(1)
     expect(opened.locator(".sd-detail .sd-detail-op")).to_have_text("torch.conv2d", timeout=30_000)
+    # a part of the trace (rank 2): the page says what the list holds and how to see the rest
+    expect(opened.locator(".sd-left-out")).to_contain_text("op calls on rank 2 (with the same calls on the other ranks)")
+    expect(opened.locator(".sd-left-out")).to_contain_text("t.show() for the whole trace")
     chosen = opened.locator(".sd-list tr.sd-selected")
     expect(chosen).to_have_count(1)
     expect(chosen).to_have_attribute("data-rank", "2")
     expect(chosen).to_have_attribute("data-op", "torch.conv2d")
     opened.scroll_into_view_if_needed()  # the new cell's output may lie below the notebook's fold
     expect(chosen).to_be_in_viewport()  # and within it, the list scrolled to the row
-    expect(opened.locator(".sd-list tr.sd-expansion tr.sd-call-group")).to_have_count(4)  # the convs' row, expanded
+    # the convs' row, expanded, filtered to rank 2 (t.show(rank=2)): the groups of calls that ran on rank 2
+    expect(opened.locator("select.sd-f-rank")).to_have_value("2")
+    expect(opened.locator(".sd-list tr.sd-expansion tr.sd-call-group")).to_have_count(2)
+    assert all("2" in g.split(",") for g in opened.locator(".sd-list tr.sd-expansion tr.sd-call-group").evaluate_all(
+        "rs => rs.map(r => r.dataset.ranks)"))
+    opened.screenshot(path=str(ARTIFACTS / "browser_explorer_rank_part.png"))
     page.locator(".jp-Notebook .jp-Cell", has_text="t.show(selected=").locator(".jp-InputPrompt").click()
     page.keyboard.press("Escape")
     page.keyboard.press("d")

@@ -1329,3 +1329,137 @@ def test_inspector_says_its_verdict_before_the_drawing():
     assert page.index(wrong.verdict) < first_warning < page.index('<pre class="sd-grid">') < page.index("sd-ranks")
     text = wrong.text()
     assert text.index("WARNING: rank 0: tensor dim 2 is not sharded") < text.index("rank 0!")
+
+
+# ---- big traces: bounded payloads -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def big16() -> Trace:
+    """The golden trace's records repeated over 16 ranks (6,400 events; bench/bench_trace_big.py makes the
+    million-event one the same way); the tests lower the size thresholds to it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_trace_big", DATA.parent.parent / "bench" / "bench_trace_big.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    doc = mod.big_trace_document(6_400, 16)
+    return Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}, [], doc["meta"])
+
+
+def _origin_ms(t) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """get_ops / get_collectives with start_ms / end_ms since the trace's first event, from their ns columns."""
+    ops, colls = t.get_ops(), t.get_collectives()
+    t0 = min(int(ops["t_start_ns"].min()), int(colls["t_issue_ns"].min()))
+    ops = ops.assign(start_ms=(ops["t_start_ns"] - t0) / 1e6,
+                     end_ms=(ops["t_end_ns"].fillna(ops["t_end_ns"].max()) - t0) / 1e6)
+    colls = colls.assign(start_ms=(colls["t_issue_ns"] - t0) / 1e6,
+                         end_ms=(colls["t_done_ns"].fillna(colls["t_issue_ns"]) - t0) / 1e6)
+    return ops, colls
+
+
+def test_big_trace_explorer_ships_a_bounded_sample_and_says_so(trace, big16, monkeypatch):
+    from sharddbg.views import bundle
+
+    # a small trace is as before: every call, no sentence
+    small = ex.explorer_data(trace)
+    assert small["sample"] is None and small["left_out_text"] is None and small["left_out"] == 0
+    for name, value in (("BIG_TRACE_ABOVE", 1000), ("BIG_ERRORS", 40), ("BIG_FALLBACKS", 40), ("BIG_SLOWEST", 100),
+                        ("BIG_FIRST", 100), ("SAMPLE_ROWS", 280)):
+        monkeypatch.setattr(ex, name, value)
+    ops, colls = _origin_ms(big16)
+    data = ex.explorer_data(big16)
+    rows = pd.DataFrame(ex.decode_rows(data))
+    assert len(rows) <= 280 and data["total"] == len(ops) and data["left_out"] == len(ops) - len(rows)
+    # the sentence, against the trace's own tables: how many raised / fell back, how many rows, how to see the rest
+    from sharddbg.analysis.ops import is_fallback
+
+    raising = ops["exc_type"].notna() & ops["error_handled"].map(lambda h: h is not True)
+    raised, fell_back = int(raising.sum()), int((is_fallback(ops) & ~raising).sum())
+    assert fell_back > 40 and raised > 40
+    text = data["left_out_text"]
+    assert text.startswith(f"this view holds {len(rows)} of the {len(ops)} op calls")
+    assert f"40 of the {raised} that raised" in text and f"40 of the {fell_back} DTensor fallbacks" in text
+    assert f"{len(ops) - len(rows)} are left out of the list" in text and "t.show(rank=2, window=(" in text
+    # the slowest ordinary call and the first one in time are there, on every rank they ran on
+    plain = ops[~raising & ~is_fallback(ops)]
+    slowest = plain.loc[plain["host_ms"].idxmax()]
+    first = plain.loc[plain["t_start_ns"].idxmin()]
+    shipped = set(zip(rows["rank"], rows["seq"]))
+    assert (slowest["rank"], slowest["seq"]) in shipped and (first["rank"], first["seq"]) in shipped
+    assert rows.groupby("key")["rank"].nunique().max() == 16  # whole calls: each on all 16 ranks
+    # only the collectives the shipped calls count, and every one a shipped call's detail lists
+    shipped_colls = {(c[0], c[1]) for c in data["collectives"]}
+    assert 0 < len(shipped_colls) < len(colls)
+    for r in rows[rows["kind"] == "op"].head(2).itertuples():
+        mine = ex.op_detail(big16, r.rank, r.seq)["collectives"]
+        assert set(zip(mine["rank"], mine["seq"])) <= shipped_colls
+    # the summary still counts every call
+    assert sum(s["calls"] for s in data["summary"]) == int(big16.get_op_summary()["calls"].sum())
+    # a rank and a window: the calls of rank 2 starting in it (ms since the first event), all of them
+    a, b = 0.3 * ops["start_ms"].max(), 0.31 * ops["start_ms"].max()
+    part = ex.explorer_data(big16, rank=2, window=(a, b))
+    want = ops[(ops["rank"] == 2) & (ops["start_ms"] >= a) & (ops["start_ms"] <= b)]
+    got = pd.DataFrame(ex.decode_rows(part))
+    on2 = got[got["rank"] == 2]
+    assert 0 < len(on2) == len(want) and set(on2["seq"]) == set(want["seq"]) and part["sample"] is None
+    assert set(got["key"]) == set(on2["key"]) and got["rank"].nunique() == 16  # each call on every rank
+    assert part["initial_rank"] == 2
+    assert part["left_out_text"].startswith(f"this view lists the {len(got)} op calls on rank 2 starting in ")
+    with pytest.raises(ValueError, match="rank 99 is not in this trace"):
+        ex.explorer_data(big16, rank=99)
+    with pytest.raises(ValueError, match=r"window must be \(start_ms, end_ms\)"):
+        big16.show(window=(5.0, 1.0))
+    # the notebook keeps the bounded view when the trace is too big to keep
+    w = big16.show()
+    drawn_bytes = len(json.dumps(w.data, separators=(",", ":"), allow_nan=False))
+    monkeypatch.setattr(bundle, "PAYLOAD_MAX_BYTES", drawn_bytes + 100)
+    payload = w._repr_mimebundle_()[0][bundle.VIEW_MIMETYPE]
+    assert payload["data"] is None and payload["drawn"] == json.loads(json.dumps(w.data)) and "the view is kept" in payload["note"]
+
+
+def test_busy_ms_is_the_spans_time_in_each_bin():
+    rng = np.random.default_rng(7)
+    starts = rng.uniform(0, 100, 300)
+    ends = starts + rng.uniform(0, 20, 300)
+    edges = np.linspace(-5, 130, 28)
+    want = [np.clip(np.minimum(ends, hi) - np.maximum(starts, lo), 0, None).sum() for lo, hi in zip(edges[:-1], edges[1:])]
+    assert np.allclose(tl.busy_ms(starts, ends, edges), want) and np.isclose(sum(want), (ends - starts).sum())
+
+
+def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16, monkeypatch):
+    from sharddbg.views.figure import figure_drawn
+
+    for name, value in (("OVERVIEW_ABOVE", 1000), ("OVERVIEW_CELLS", 4000), ("OVERVIEW_MIN_BINS", 50),
+                        ("DETAIL_WINDOW_SPANS", 300)):
+        monkeypatch.setattr(tl, name, value)
+    ops, colls = _origin_ms(big16)
+    fig = tl.plot_timeline(big16)
+    (hm,) = [d for d in fig.data if d.type == "heatmap"]
+    lanes = 16 * 3  # autograd, ops, collectives on each rank
+    assert len(hm.x) == tl.overview_bins(lanes) == 4000 // lanes
+    # each rank's comm time, summed over its bins' hover text, is its collectives' time (get_collectives)
+    comm = {}
+    for row in hm.text:
+        for cell in row:
+            if cell and "· collectives" in cell:
+                r = int(cell.split()[1])
+                comm[r] = comm.get(r, 0.0) + float(re.search(r"comm ([\d.]+) ms", cell).group(1))
+    want = (colls["end_ms"] - colls["start_ms"]).groupby(colls["rank"]).sum()
+    for r in range(16):
+        assert comm[r] == pytest.approx(want[r], abs=5e-4 * len(hm.x))
+    # the windows around the slowest spans: every span in them drawn one by one, each window within its bound
+    windows = tl.detail_windows(tl.timeline_frame(big16), tl.collective_spans(big16))
+    assert 0 < len(windows) <= tl.DETAIL_WINDOWS and "windows around the slowest spans" in fig.layout.title.text
+    assert len(fig.layout.shapes) == len(windows) + 15  # shaded windows, the 15 lines between rank bands
+    drawn = sum(len(d.x) for d in fig.data if d.type == "scattergl" and d.mode == "markers")
+    (marks,) = [d for d in fig.data if d.type == "scatter" and d.name == "drawn op by op"]
+    assert len(marks.x) == len(windows)
+    overlap = lambda f, a, b: (f["end_ms"] >= a) & (f["start_ms"] <= b)
+    inside_ops = np.any([overlap(ops, a, b) for a, b in windows], axis=0)
+    inside_colls = np.any([overlap(colls, a, b) for a, b in windows], axis=0)
+    assert drawn == int(inside_ops.sum() + inside_colls.sum())
+    for a, b in windows:
+        assert int(overlap(ops, a, b).sum() + overlap(colls, a, b).sum()) <= 300
+    slowest = colls.loc[(colls["end_ms"] - colls["start_ms"]).idxmax()]
+    assert any(a <= slowest["start_ms"] and slowest["end_ms"] <= b for a, b in windows) or \
+        (colls["end_ms"] - colls["start_ms"]).max() < (ops["end_ms"] - ops["start_ms"]).max()
+    assert len(json.dumps(figure_drawn(fig))) < 2_000_000

@@ -18,7 +18,7 @@ from ..files import refuse_folder, write_file_atomically
 from ..views.comm import plot_comm_by_op
 from ..views.common import (FINDING_CATEGORY_TITLES, SEVERITY_MARKS, error_entries, fallback_table, json_for_script, module_as_script,
                             path_color, render, static)
-from ..views.explorer import DEFAULT_MAX_ROWS, explorer_data
+from ..views.explorer import explorer_data
 from ..views.imbalance import plot_imbalance
 from ..views.timeline import plot_timeline
 
@@ -26,19 +26,25 @@ if TYPE_CHECKING:
     from ..trace import Trace
 
 
-def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, max_rows: int = DEFAULT_MAX_ROWS) -> str:
+def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, max_rows: int | None = None) -> str:
     """Write the report for ``trace`` to ``path`` (one self-contained HTML file). Returns the path. The file
-    appears whole or not at all (``sharddbg.files.write_file_atomically``)."""
+    appears whole or not at all (``sharddbg.files.write_file_atomically``). ``max_rows``: the explorer's calls
+    (``views.explorer.explorer_data``: by default all of a small trace's, a bounded sample of a big one's)."""
     import plotly.io as pio
+    from plotly.offline import get_plotlyjs
 
     path = refuse_folder(path, "report.html")  # before the seconds spent making the report
     ops = trace.get_ops()
     title = title or "sharddbg trace report"
     figs = [("timeline", plot_timeline(trace)), ("comm", plot_comm_by_op(trace)), ("imbalance", plot_imbalance(trace))]
     fig_html = {}
-    for i, (name, fig) in enumerate(figs):
-        fig_html[name] = pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), div_id=f"sd-fig-{name}",
-                                     config={"displaylogo": False, "responsive": True})
+    for name, fig in figs:
+        # each figure drawn once the page is parsed: the explorer's script and plotly.js (at the page's end) run
+        # first, so the page and its explorer are on screen before the figures are drawn
+        fig_html[name] = pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=f"sd-fig-{name}",
+                                     config={"displaylogo": False, "responsive": True}).replace(
+            "<script>", '<script>window.addEventListener("DOMContentLoaded", function () {', 1).replace(
+            "</script>", "});</script>", 1)
     paths = ops["path"].value_counts() if len(ops) else pd.Series(dtype=int)
     fallback_columns, fallback_rows = fallback_table(trace)
     doc = render("report.html", title=title, headline=trace.overview.headline(),
@@ -49,5 +55,5 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
                  code=trace.meta.get("code"), errors=error_entries(trace), fallback_columns=fallback_columns,
                  fallback_rows=fallback_rows, figures=fig_html,
                  explorer_json=json_for_script(explorer_data(trace, max_rows=max_rows)),
-                 explorer_js=module_as_script(static("explorer.js"), "_sdExplorer"))
+                 explorer_js=module_as_script(static("explorer.js"), "_sdExplorer"), plotly_js=get_plotlyjs())
     return write_file_atomically(path, lambda f: f.write(doc), example_name="report.html")

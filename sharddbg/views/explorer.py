@@ -58,6 +58,15 @@ TABLE_FIELDS = ("op", "path", "phase", "kind", "key", "module", "user_frame", "h
 # Lists (shapes, placements per argument): their JSON text goes into the same table.
 JSON_FIELDS = ("in_local_shapes", "in_global_shapes", "out_local_shape", "out_global_shape", "in_placements")
 DEFAULT_MAX_ROWS = 20_000
+# A big trace (more op calls than this): the browser gets a bounded sample of its calls (``BigSample``) and only the
+# collectives those calls count, so that the page opens in about a second whatever the trace's size; the op summary
+# still counts every call, and the page says what is left out and how to see it.
+BIG_TRACE_ABOVE = 50_000
+BIG_ERRORS = 1_000  # at most this many calls of each kind: errors, fallbacks, slowest, first in time
+BIG_FALLBACKS = 1_000
+BIG_SLOWEST = 1_000
+BIG_FIRST = 1_000
+BIG_GROUPS = 50  # call groups under each summary row in a big trace's payload (the rest counted)
 STATIC_ROWS = 200  # summary rows, and op calls, in the static rendering (errors and fallbacks first)
 STATIC_GROUPS = 8  # call groups under each summary row in the static renderings
 TEXT_SUMMARY_ROWS = 30  # summary rows in the text
@@ -270,6 +279,16 @@ def _counted_for(coll: pd.DataFrame, per_rank: pd.DataFrame) -> pd.Series:
                      index=coll.index, dtype=bool)
 
 
+def _counted_by(coll: pd.DataFrame, calls: pd.DataFrame) -> pd.Series:
+    """Which collectives count for any of ``calls`` (rows of ``explorer_frame``): issued or enclosed by one of
+    them, or by the forward call of a backward one (what their details list)."""
+    pairs = set(zip(calls["rank"].astype(int), calls["seq"].astype(int)))
+    fwd = calls[calls["fwd_seq"].notna()]
+    pairs |= set(zip(fwd["rank"].astype(int), fwd["fwd_seq"].astype(int)))
+    return pd.Series([any((int(r), int(s)) in pairs for s in seqs) for r, seqs in zip(coll["rank"], coll["counted_seqs"])],
+                     index=coll.index, dtype=bool)
+
+
 def op_detail(trace: Trace, rank: int, seq: int) -> dict:
     """What the detail panel shows for op ``seq`` of ``rank``: ``row`` (that call), ``per_rank`` (the same
     call on every rank, a DataFrame in rank order), ``collectives`` (those it caused, every rank),
@@ -287,19 +306,183 @@ def op_detail(trace: Trace, rank: int, seq: int) -> dict:
             "patch_family": family}
 
 
-def explorer_data(trace: Trace, max_rows: int = DEFAULT_MAX_ROWS) -> dict:
+@dataclass(frozen=True)
+class CallSample:
+    """Which op calls the explorer's payload holds when it cannot hold them all (a big trace, or a rank or time
+    window asked for): counts of rows (one call on one rank), each kind with the number of its kind in the rows
+    asked for. A call is taken on every rank it ran on, so that its detail shows it on every rank."""
+
+    asked: int  # rows in the trace, or on the rank / in the window asked for
+    trace_total: int  # rows in the whole trace
+    errors: int
+    errors_total: int
+    fallbacks: int
+    fallbacks_total: int
+    slowest: int  # ordinary calls taken for their host time (the slowest first)
+    first: int  # ordinary calls taken from the start, in time order
+    where: str  # "" or " on rank 2", " starting in 10–20 ms", ...
+
+    @property
+    def shown(self) -> int:
+        """The rows the payload holds.
+
+        Returns
+        -------
+        int
+            errors + fallbacks + slowest + first.
+
+        Examples
+        --------
+        >>> CallSample(10, 10, 1, 1, 0, 0, 2, 3, "").shown
+        6
+        """
+        return self.errors + self.fallbacks + self.slowest + self.first
+
+    def sentence(self) -> str:
+        """What the page shows and what it leaves out, and how to see the rest, in one sentence.
+
+        Returns
+        -------
+        str
+            The sentence the explorer shows above its list.
+
+        Examples
+        --------
+        >>> CallSample(100, 100, 1, 1, 0, 0, 2, 3, "").sentence().split(":")[0]
+        'this view holds 6 of the 100 op calls (one call on one rank)'
+        """
+        parts = [f"{self.errors} of the {self.errors_total} that raised" if self.errors < self.errors_total
+                 else f"all {self.errors} that raised",
+                 f"{self.fallbacks} of the {self.fallbacks_total} DTensor fallbacks"
+                 if self.fallbacks < self.fallbacks_total else f"all {self.fallbacks} DTensor fallbacks",
+                 f"the {self.slowest} slowest of the others (each call on every rank)",
+                 f"the first {self.first} in time"]
+        return (f"this view holds {self.shown} of the {self.asked} op calls{self.where} (one call on one rank): "
+                + ", ".join(parts) + f"; {self.asked - self.shown} are left out of the list, none of the trace: the op "
+                "summary counts every call. To list others: t.show(rank=2, window=(start_ms, end_ms)) (calls starting "
+                "in that window, ms since the first event, as the timeline's axis), or t.get_ops() for all of them")
+
+
+# at most this many rows of a sample in all: a payload of a few MB that a browser parses in well under a second
+SAMPLE_ROWS = BIG_ERRORS + BIG_FALLBACKS + BIG_SLOWEST + BIG_FIRST
+
+
+def _whole_calls(part: pd.DataFrame, order: pd.Index, budget: int) -> pd.Index:
+    """The row labels of ``part``'s calls (``key``: one call on every rank) in the order of ``order`` (keys),
+    whole calls only, while their rows fit in ``budget``."""
+    if budget <= 0 or part.empty:
+        return part.index[:0]
+    sizes = part.groupby("key", sort=False).size().reindex(order)
+    keep = order[(sizes.cumsum() <= budget).to_numpy()]
+    if not len(keep):  # one call holds more rows than the budget: its first rows
+        return part.index[:budget]
+    return part.index[part["key"].isin(keep).to_numpy()]
+
+
+def sample_calls(calls: pd.DataFrame, trace_total: int, where: str = "") -> tuple[pd.DataFrame, CallSample]:
+    """A bounded sample of ``calls`` (rows of ``explorer_frame``, in its order): the first ``BIG_ERRORS``
+    rows that raised, the first ``BIG_FALLBACKS`` fallbacks, the ``BIG_SLOWEST`` rows of the slowest
+    other calls (by their largest host time on any rank), and the ``BIG_FIRST`` rows of the first other calls
+    in time; whole calls (every rank's row) where they fit.
+
+    Parameters
+    ----------
+    calls : pandas.DataFrame
+        Rows of ``explorer_frame`` (errors first, then fallbacks, then time order).
+    trace_total : int
+        How many rows the whole trace holds (said in the sentence when ``calls`` is a part of them).
+    where : str
+        Which part of the trace ``calls`` are (" on rank 2"), said in the sentence.
+
+    Returns
+    -------
+    tuple of (pandas.DataFrame, CallSample)
+        The rows kept, in ``calls``' order, and what they are.
+
+    Examples
+    --------
+    >>> rows, sample = sample_calls(explorer_frame(t), len(explorer_frame(t)))
+    >>> sample.shown == len(rows)
+    True
+    """
+    errors = calls[(calls["kind"] == "error").to_numpy()]
+    fallbacks = calls[(calls["kind"] == "fallback").to_numpy()]
+    others = calls[(calls["kind"] == "op").to_numpy()]
+    keep_errors = errors.index[:BIG_ERRORS]
+    keep_fallbacks = fallbacks.index[:BIG_FALLBACKS]
+    slowest_keys = others.groupby("key", sort=False)["host_ms"].max().sort_values(ascending=False, kind="stable").index
+    keep_slowest = _whole_calls(others, slowest_keys, BIG_SLOWEST)
+    rest = others.drop(index=keep_slowest)
+    keep_first = _whole_calls(rest, pd.Index(rest["key"].unique()), BIG_FIRST)
+    keep = keep_errors.append([keep_fallbacks, keep_slowest, keep_first])
+    shown = calls.loc[sorted(keep)] if len(keep) else calls.iloc[:0]
+    return shown, CallSample(asked=len(calls), trace_total=trace_total, errors=len(keep_errors),
+                             errors_total=len(errors), fallbacks=len(keep_fallbacks), fallbacks_total=len(fallbacks),
+                             slowest=len(keep_slowest), first=len(keep_first), where=where)
+
+
+def _asked_calls(calls: pd.DataFrame, rank: int | None, window: tuple[float, float] | None) -> tuple[pd.DataFrame, str]:
+    """The calls on ``rank`` starting in ``window`` (ms since the first event), each with its rows on the other
+    ranks when a rank is asked for, and those words (" on rank 2 ...")."""
+    where, asked = [], calls
+    if rank is not None:
+        asked = asked[(asked["rank"] == rank).to_numpy()]
+        where.append(f" on rank {rank}")
+    if window is not None:
+        a, b = window
+        asked = asked[((asked["t_start_ms"] >= a) & (asked["t_start_ms"] <= b)).to_numpy()]
+        where.append(f" starting in {a:g}–{b:g} ms")
+    if rank is not None:  # each call on the other ranks too: its detail shows it on every rank
+        asked = calls[calls["key"].isin(set(asked["key"])).to_numpy()]
+        where.append(" (with the same calls on the other ranks)")
+    return asked, "".join(where)
+
+
+def _check_part(trace: Trace, rank, window) -> None:
+    """Refuse a rank the trace does not hold or a window that is not (start_ms, end_ms), before any work."""
+    if rank is not None and rank not in set(int(r) for r in trace.ranks):
+        raise ValueError(f"rank {rank!r} is not in this trace (its ranks: {list(trace.ranks)})")
+    if window is not None:
+        ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in window) and window[0] <= window[1]
+        if not ok:
+            raise ValueError(f"window must be (start_ms, end_ms) with start_ms <= end_ms (ms since the first event, "
+                             f"as the timeline's axis), not {window!r}")
+
+
+def explorer_data(trace: Trace, max_rows: int | None = None, *, rank: int | None = None,
+                  window: tuple[float, float] | None = None) -> dict:
     """Everything the explorer front end needs, JSON-able: the op summary it opens on (``summary``, see
     ``op_summary``), rows (column-wise fields + row arrays), collectives, the filter choices, and how many
-    rows were left out (``max_rows``: errors and fallbacks are always kept, the rest in time order; the
-    summary always covers every call)."""
-    return _data(trace, _tables(trace), max_rows)
+    rows were left out. ``max_rows`` (an int): the first rows in the explorer's order (errors and fallbacks first,
+    the rest in time order). By default (None): every row up to ``DEFAULT_MAX_ROWS`` for a trace of up to
+    ``BIG_TRACE_ABOVE`` op calls; above, or with ``rank`` / ``window`` (ms since the first event: calls starting
+    in it), a bounded sample (``sample_calls``) unless the calls asked for fit in ``SAMPLE_ROWS``, with only the
+    collectives the rows shipped count, and ``sample`` (its counts) and ``left_out_text`` (what is left out and
+    how to see it). The summary always covers every call."""
+    _check_part(trace, rank, window)
+    return _data(trace, _tables(trace), max_rows, rank=rank, window=window)
 
 
-def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
-    rows = tables.calls[ROW_FIELDS]
+def _data(trace: Trace, tables: _Tables, max_rows: int | None, rank: int | None = None,
+          window: tuple[float, float] | None = None) -> dict:
+    rows = tables.calls
     total = len(rows)
-    shown = rows.iloc[:max_rows]
+    sample, where = None, ""
+    if max_rows is not None:
+        shown = rows.iloc[:max_rows]
+    elif rank is None and window is None and total <= BIG_TRACE_ABOVE:
+        shown = rows.iloc[:DEFAULT_MAX_ROWS]
+    else:
+        asked, where = _asked_calls(rows, rank, window)
+        shown = asked
+        if len(asked) > SAMPLE_ROWS:
+            shown, sample = sample_calls(asked, total, where)
+    bounded = max_rows is None and (sample is not None or rank is not None or window is not None or total > BIG_TRACE_ABOVE)
     coll = _collectives(trace)
+    if bounded and len(coll):  # only the collectives the shipped calls count (what their details list)
+        coll = coll[_counted_by(coll, shown)]
+    shown = shown[ROW_FIELDS]
     strings: list[str] = []
     index: dict[str, int] = {}
     coded = set(ROW_FIELDS.index(f) for f in TABLE_FIELDS)
@@ -322,6 +505,15 @@ def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
     return {
         "fields": ROW_FIELDS, "coded": sorted(TABLE_FIELDS), "json_coded": sorted(JSON_FIELDS), "strings": strings, "rows": out_rows,
         "total": total, "left_out": total - len(shown),
+        # a bounded payload: what it holds and how to see the rest (None: the list holds every call, or the first
+        # max_rows as asked)
+        "sample": None if sample is None else {**sample.__dict__, "shown": sample.shown},
+        "initial_rank": rank,  # the rank asked for: the list opens filtered to it
+        "left_out_text": sample.sentence() if sample is not None else
+        (f"this view lists the {len(shown)} op calls{where}" + (
+            f"; the other {total - len(shown)} of the trace are left out of the list (the op summary counts every "
+            "call)" if len(shown) < total else "") + ": t.show() for the whole trace"
+         if rank is not None or window is not None else None),
         "coll_fields": COLL_FIELDS,
         "collectives": [[json_value(v) for v in r] for r in coll.itertuples(index=False, name=None)],
         "has_collectives": trace.collectives_recorded,
@@ -335,7 +527,7 @@ def _data(trace: Trace, tables: _Tables, max_rows: int) -> dict:
         "findings": [f.as_dict() for f in trace.findings],
         "severity_marks": SEVERITY_MARKS,
         "category_titles": FINDING_CATEGORY_TITLES,
-        "summary": _summary_rows(tables),
+        "summary": _summary_rows(tables, BIG_GROUPS if bounded else None),
         "list_columns": [list(c) for c in LIST_COLUMNS],
         "summary_columns": [list(c) for c in SUMMARY_LIST_COLUMNS],
         "group_columns": [list(c) for c in GROUP_LIST_COLUMNS],
@@ -353,11 +545,17 @@ def patch_families(trace: Trace) -> dict[str, dict]:
     return {r["op"]: {k: json_value(r[k]) for k in keys} for r in fb.to_dict("records")}
 
 
-def _summary_rows(tables: _Tables) -> list[dict]:
+def _summary_rows(tables: _Tables, max_groups: int | None = None) -> list[dict]:
+    """The summary rows, each with its call groups (the first ``max_groups``; ``more_groups``: how many more)."""
+    groups = tables.groups
+    more = groups.groupby("summary_row").size() if len(groups) else pd.Series(dtype="int64")
+    if max_groups is not None and len(groups):
+        groups = groups[(groups.groupby("summary_row").cumcount() < max_groups).to_numpy()]
     by_row: dict[int, list[dict]] = {}
-    for g in tables.groups.to_dict("records"):
+    for g in groups.to_dict("records"):
         by_row.setdefault(g["summary_row"], []).append({k: json_value(v) for k, v in g.items() if k != "summary_row"})
-    return [{**{k: json_value(v) for k, v in r.items()}, "ranks_text": ranks_text(r["ranks"]), "groups": by_row.get(i, [])}
+    return [{**{k: json_value(v) for k, v in r.items()}, "ranks_text": ranks_text(r["ranks"]), "groups": by_row.get(i, []),
+             **({"more_groups": int(more.get(i, 0)) - len(by_row.get(i, []))} if max_groups is not None else {})}
             for i, r in enumerate(tables.summary.to_dict("records"))]
 
 
@@ -543,9 +741,11 @@ class TraceExplorer(anywidget.AnyWidget):
     data = traitlets.Dict().tag(sync=True)
     selected = traitlets.List([]).tag(sync=True)
 
-    def __init__(self, trace: Trace, max_rows: int = DEFAULT_MAX_ROWS, **kwargs):
+    def __init__(self, trace: Trace, max_rows: int | None = None, *, rank: int | None = None,
+                 window: tuple[float, float] | None = None, **kwargs):
+        _check_part(trace, rank, window)
         tables = _tables(trace)  # the widget's data, its text, its static rendering and its details read these
-        super().__init__(data=_data(trace, tables, max_rows), **kwargs)
+        super().__init__(data=_data(trace, tables, max_rows, rank=rank, window=window), **kwargs)
         self.trace = trace
         self._tables = tables
 

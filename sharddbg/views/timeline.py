@@ -47,6 +47,15 @@ BARS_UP_TO = 10_000
 # grows with the events); plot_timeline(t, time_range=(a, b)) draws a window span by span.
 OVERVIEW_ABOVE = 30_000
 OVERVIEW_BINS = 1500
+# The overview's cells (lanes x bins) are at most this many: with many ranks the bins get wider, so that the figure's
+# payload stays a few MB (its hover text is per cell) whatever the trace's size.
+OVERVIEW_CELLS = 16_000
+OVERVIEW_LANES_FULL = 16  # up to this many lanes (5 ranks) the overview keeps its OVERVIEW_BINS bins
+OVERVIEW_MIN_BINS = 200
+# A big trace's overview also draws, span by span, the windows around its slowest spans (shaded; zoom into one to
+# see each op), at most DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each.
+DETAIL_WINDOWS = 4
+DETAIL_WINDOW_SPANS = 1_000
 X_PAD = 0.02  # room left and right of the first and last span, as a share of the time drawn
 # The modebar buttons that would send the figure to a cloud service.
 CLOUD_BUTTONS = ["sendDataToCloud", "editInChartStudio"]
@@ -97,9 +106,16 @@ def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
     band), category (path, or "error"), label (drawn inside the span), hover (HTML-escaped). In-flight ops
     end at the last recorded time. ``aggregate``: only the spans of the first op lane and the autograd
     lane (nested ops merged into their parent's span) — on by default above ``AGGREGATE_ABOVE`` spans."""
+    df, ops = _op_spans(trace, aggregate)
+    return df.assign(hover=_op_hover(ops))[TIMELINE_COLUMNS]
+
+
+def _op_spans(trace: Trace, aggregate: bool | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``timeline_frame``'s rows without their hover text (its index: 0, 1, ...), and the rows of
+    ``get_ops()`` they come from, in the same order: a big trace's hover text is written only for what is drawn."""
     ops = trace.get_ops()
     if ops.empty:
-        return pd.DataFrame(columns=TIMELINE_COLUMNS)
+        return pd.DataFrame(columns=[c for c in TIMELINE_COLUMNS if c != "hover"]), ops
     wide = np.array([is_autograd_wide(o) for o in ops["op"]], dtype=bool)
     lane_depth = _lane_depths(ops)
     if aggregate is None:
@@ -107,10 +123,15 @@ def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
     if aggregate:
         keep = wide | (lane_depth == 0)
         ops, wide, lane_depth = ops[keep], wide[keep], lane_depth[keep]
-    df = op_span_frame(ops, _time_origin(trace))
+    df = op_span_frame(ops, _time_origin(trace)).reset_index(drop=True)
     df["lane"] = np.where(wide, "autograd", "ops")
     df["y"] = df["rank"] + np.where(wide, AUTOGRAD_LANE, OP_LANE0 + LANE_STEP * np.minimum(lane_depth, MAX_LANES - 1))
     df["label"] = [esc(_label(o)) for o in df["op"]]
+    return df, ops
+
+
+def _op_hover(ops: pd.DataFrame) -> list[str]:
+    """The hover text of each op of ``ops`` (rows of ``get_ops()``), HTML-escaped."""
     hover = []
     for o in ops.itertuples(index=False):
         hover.append(
@@ -122,8 +143,7 @@ def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
             + ("still running" if pd.isna(o.host_ms) else f"{o.host_ms:.3f} ms")
             + (f"<br>module {esc(o.module)}" if isinstance(o.module, str) else "")
             + (f"<br>error: {esc(o.error)}" if isinstance(o.error, str) else ""))
-    df["hover"] = hover
-    return df[TIMELINE_COLUMNS]
+    return hover
 
 
 def _group_text(ranks, mesh_dim) -> str:
@@ -136,12 +156,21 @@ def collective_links(trace: Trace) -> pd.DataFrame:
     collective issued on more than one rank: collective (its id), group (text), group_seq, kind, ranks,
     start_ms (each rank's issue, ms since the first event, in the order of ``ranks``), first_rank / last_rank
     (the first and the last to issue it), lag_ms (how long after the first the last issued it)."""
+    return _links(trace, None)
+
+
+def _links(trace: Trace, only: set | None) -> pd.DataFrame:
+    """``collective_links``, of the collectives whose id is in ``only`` (all for None)."""
     colls = trace.get_collectives()
     if colls.empty:
         return pd.DataFrame(columns=LINK_COLUMNS)
     t0 = _time_origin(trace)
     rows = []
-    for collective, part in colls.groupby(matched_collectives(colls), sort=False):
+    ids = matched_collectives(colls)
+    if only is not None:
+        keep = ids.isin(only).to_numpy()
+        colls, ids = colls[keep], ids[keep]
+    for collective, part in colls.groupby(ids, sort=False):
         if part["rank"].nunique() < 2:
             continue
         part = part.sort_values("rank")
@@ -160,16 +189,34 @@ def collective_spans(trace: Trace) -> pd.DataFrame:
     """One row per collective: rank, seq, kind, op, start_ms, end_ms, bytes, category (its kind), group
     (text), group_seq, y (lane), hover (HTML-escaped; it names the collective across ranks: which rank
     issued it last, how long after the first). Empty, with these columns, when the trace has none."""
+    df, colls = _coll_spans(trace)
+    if df.empty:
+        return pd.DataFrame(columns=COLLECTIVE_SPAN_COLUMNS)
+    return df.assign(hover=_coll_hover(trace, df, colls))[COLLECTIVE_SPAN_COLUMNS]
+
+
+def _coll_spans(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``collective_spans``'s rows without their hover text (its index: 0, 1, ...), and the rows of
+    ``get_collectives()`` they come from, in the same order."""
     colls = trace.get_collectives()
     df = collective_span_frame(colls, _time_origin(trace))
     if df.empty:
-        return pd.DataFrame(columns=COLLECTIVE_SPAN_COLUMNS)
+        return pd.DataFrame(columns=[c for c in COLLECTIVE_SPAN_COLUMNS if c != "hover"]), colls
+    df = df.reset_index(drop=True)
     df["group"] = [_group_text(g if isinstance(g, list) else None, m) for g, m in zip(colls["group_ranks"], colls["mesh_dim"])]
     df["group_seq"] = colls["group_seq"].astype(int).values
     df["collective"] = matched_collectives(colls).astype(int).values
     df["y"] = df["rank"] + COLL_LANE
+    return df, colls
+
+
+def _coll_hover(trace: Trace, df: pd.DataFrame, colls: pd.DataFrame) -> list[str]:
+    """The hover text of the collectives ``df`` (rows of ``_coll_spans``; ``colls``: their rows of
+    ``get_collectives()``, in the same order), HTML-escaped."""
+    if df.empty:
+        return []
     across = {}
-    for link in collective_links(trace).itertuples(index=False):
+    for link in _links(trace, set(df["collective"])).itertuples(index=False):
         across[link.collective] = (
             f"<br>{esc(link.group)} #{link.group_seq}: rank {link.last_rank} issued it last, "
             f"{link.lag_ms:.3f} ms after rank {link.first_rank}")
@@ -177,12 +224,11 @@ def collective_spans(trace: Trace) -> pd.DataFrame:
     # not the op that issued it
     owners = collective_owners(colls, trace.get_ops())
     within = [f" (in {esc(o)})" if o != i else "" for o, i in zip(owners["owner"], owners["issued_in"])]
-    df["hover"] = [
+    return [
         f"<b>{esc(c.kind)}</b> · rank {int(c.rank)}<br>from op {esc(c.op if isinstance(c.op, str) else NO_OP)}{inside}<br>"
         f"sent {format_bytes(c.bytes_sent)} · received {format_bytes(c.bytes_recv)}<br>{c.end_ms - c.start_ms:.3f} ms"
         + across.get(c.collective, f"<br>{esc(c.group)} #{c.group_seq}")
         for c, inside in zip(df.itertuples(index=False), within)]
-    return df[COLLECTIVE_SPAN_COLUMNS]
 
 
 def _text_color(color: str) -> str:
@@ -258,13 +304,86 @@ def _lanes(ranks: list[int], ops: pd.DataFrame, coll: pd.DataFrame) -> list[tupl
     return sorted(out)
 
 
+def overview_bins(n_lanes: int) -> int:
+    """How many time bins the overview has for ``n_lanes`` lanes: ``OVERVIEW_BINS`` up to
+    ``OVERVIEW_LANES_FULL`` lanes; above, at most ``OVERVIEW_CELLS`` cells (never fewer than ``OVERVIEW_MIN_BINS``
+    bins).
+
+    Parameters
+    ----------
+    n_lanes : int
+        The lanes drawn (ranks x autograd / ops / collectives).
+
+    Returns
+    -------
+    int
+        The number of bins.
+
+    Examples
+    --------
+    >>> overview_bins(12), overview_bins(48)
+    (1500, 333)
+    """
+    if n_lanes <= OVERVIEW_LANES_FULL:
+        return OVERVIEW_BINS
+    return int(min(OVERVIEW_BINS, max(OVERVIEW_MIN_BINS, OVERVIEW_CELLS // n_lanes)))
+
+
+def busy_ms(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The time the spans ``[starts, ends]`` cover in each bin between ``edges`` (ms), summed over the spans
+    (spans that overlap each other count twice): the overview's busy time and comm time per bin.
+
+    Parameters
+    ----------
+    starts, ends : numpy.ndarray
+        The spans' start and end (ms).
+    edges : numpy.ndarray
+        The bins' edges (ms, increasing; ``len(edges) - 1`` bins).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``len(edges) - 1`` sums in ms.
+
+    Examples
+    --------
+    >>> busy_ms(np.array([0.5]), np.array([2.5]), np.array([0.0, 1.0, 2.0, 3.0])).tolist()
+    [0.5, 1.0, 0.5]
+    """
+    # covered(x) = sum over spans of clip(x - start, 0, end - start), from sorted starts and ends and their prefix sums
+    s, e = np.sort(starts.astype(float)), np.sort(ends.astype(float))
+    cs, ce = np.concatenate([[0.0], np.cumsum(s)]), np.concatenate([[0.0], np.cumsum(e)])
+    ks, ke = np.searchsorted(s, edges, side="right"), np.searchsorted(e, edges, side="right")
+    covered = edges * ks - cs[ks] - edges * ke + ce[ke]
+    return np.diff(covered)
+
+
+def _busy_by_bin(spans: pd.DataFrame, lane: str, bins: int, x0: float, x1: float) -> dict:
+    """(rank, lane, bin) -> busy ms: a lane's top spans (ops at depth 0: nested ones lie inside them) per bin."""
+    if spans.empty:
+        return {}
+    if lane == "ops":  # the first op lane's spans (the top ops; a backward op inside Tensor.backward among them)
+        spans = spans[np.isclose(spans["y"].to_numpy(float) - spans["rank"].to_numpy(float), OP_LANE0)]
+    edges = x0 + (max(x1 - x0, 1e-9) / bins) * np.arange(bins + 1)
+    out = {}
+    for r, part in spans.groupby("rank"):
+        busy = busy_ms(part["start_ms"].to_numpy(float), part["end_ms"].to_numpy(float), edges)
+        for b in np.flatnonzero(busy > 0):
+            out[(int(r), lane, int(b))] = float(busy[b])
+    return out
+
+
 def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int], bins: int, x0: float, x1: float):
-    """Draw the binned overview: one heatmap image, lanes as rows (autograd, ops, collectives)."""
+    """Draw the binned overview: one heatmap image, lanes as rows (autograd, ops, collectives); a cell's hover
+    says its spans by category and how much of the bin they cover (busy; for collectives: comm time)."""
     import plotly.graph_objects as go
 
     ov = pd.concat([timeline_overview(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
                     timeline_overview(ops[ops["lane"] == "ops"], "ops", bins, x0, x1),
                     timeline_overview(coll, "collectives", bins, x0, x1)])
+    busy = {**_busy_by_bin(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
+            **_busy_by_bin(ops[ops["lane"] == "ops"], "ops", bins, x0, x1),
+            **_busy_by_bin(coll, "collectives", bins, x0, x1)}
     op_cats = _op_categories(ops)
     coll_cats = sorted(set(coll["category"]))
     cats = op_cats + coll_cats
@@ -286,8 +405,10 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
         i = lane_row[(o.rank, o.lane)]
         z[i, o.bin] = cats.index(o.category)
         what = ", ".join(f"{esc(c.replace('_', ' '))} {n}" for c, n in sorted(o.counts.items(), key=lambda kv: -kv[1]))
+        b_ms = busy.get((int(o.rank), o.lane, int(o.bin)), 0.0)
+        share = f"{'comm' if o.lane == 'collectives' else 'busy'} {b_ms:.3f} ms ({100 * b_ms / width:.0f} %)"
         text[i, o.bin] = (f"rank {o.rank} · {o.lane}<br>{o.bin_start_ms:.3f}–{o.bin_end_ms:.3f} ms<br>"
-                          f"{o.n_spans} span{'s' if o.n_spans != 1 else ''}: {what}")
+                          f"{o.n_spans} span{'s' if o.n_spans != 1 else ''}: {what}<br>{share}")
     n = max(len(cats), 1)
     scale = []
     for k, c in enumerate(cats or ["none"]):
@@ -311,6 +432,88 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
                                  marker={"symbol": "square", "size": 12, "color": colors[c]},
                                  legendgroup=("op:" if c in op_cats else "coll:") + c,
                                  **({"legendgrouptitle_text": group} if first else {})))
+
+
+def detail_windows(ops: pd.DataFrame, coll: pd.DataFrame, n_windows: int = DETAIL_WINDOWS,
+                   max_spans: int = DETAIL_WINDOW_SPANS) -> list[tuple[float, float]]:
+    """The windows a big trace's overview draws span by span: around its slowest spans (top ops, collectives;
+    the autograd lane's whole backward passes left out), each from a quarter of the span's time before it to
+    as much after, holding at most ``max_spans`` spans of ``ops`` and ``coll``, none overlapping another;
+    at most ``n_windows``, in time order.
+
+    Parameters
+    ----------
+    ops, coll : pandas.DataFrame
+        ``timeline_frame`` and ``collective_spans`` rows.
+    n_windows : int
+        How many windows at most.
+    max_spans : int
+        How many spans a window holds at most.
+
+    Returns
+    -------
+    list of (float, float)
+        (start_ms, end_ms) of each window.
+
+    Examples
+    --------
+    >>> windows = detail_windows(timeline_frame(t), collective_spans(t))
+    >>> all(a < b for a, b in windows)
+    True
+    """
+    starts = np.sort(np.concatenate([ops["start_ms"].to_numpy(float), coll["start_ms"].to_numpy(float)]))
+    ends = np.sort(np.concatenate([ops["end_ms"].to_numpy(float), coll["end_ms"].to_numpy(float)]))
+    top = ops[ops["lane"] == "ops"] if len(ops) else ops
+    cand = pd.concat([top[["start_ms", "end_ms"]], coll[["start_ms", "end_ms"]]])
+    cand = cand.assign(d=cand["end_ms"] - cand["start_ms"]).sort_values("d", ascending=False, kind="stable")
+    chosen: list[tuple[float, float]] = []
+    for s0, e0, d in cand.head(50 * n_windows).itertuples(index=False, name=None):
+        a, b = s0 - max(d, 1e-6) / 4, e0 + max(d, 1e-6) / 4
+        if any(a <= y and x <= b for x, y in chosen):
+            continue
+        # spans overlapping [a, b]: all but those ending before a or starting after b
+        n = len(starts) - np.searchsorted(ends, a, side="left") - (len(starts) - np.searchsorted(starts, b, side="right"))
+        if n <= max_spans:
+            chosen.append((float(a), float(b)))
+            if len(chosen) == n_windows:
+                break
+    return sorted(chosen)
+
+
+def _in_windows(df: pd.DataFrame, windows: list[tuple[float, float]]) -> pd.DataFrame:
+    """The spans of ``df`` that overlap one of ``windows``."""
+    keep = np.zeros(len(df), dtype=bool)
+    for a, b in windows:
+        keep |= (df["end_ms"].to_numpy(float) >= a) & (df["start_ms"].to_numpy(float) <= b)
+    return df[keep]
+
+
+def _detail_traces(fig, ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tuple[float, float]]) -> None:
+    """The spans of ``windows`` drawn one by one over the overview (WebGL lines, hover at each span's middle),
+    each window shaded; their legend entries are the overview's (one click hides a category everywhere)."""
+    import plotly.graph_objects as go
+
+    ops_in, coll_in = _in_windows(ops, windows), _in_windows(coll, windows)
+    parts = [(ops_in[ops_in["category"] == c], _op_color(c), 9, "op:" + c) for c in _op_categories(ops_in)] if len(ops_in) else []
+    parts += [(coll_in[coll_in["kind"] == k], col, 7, "coll:" + k) for k, col in collective_colors(coll_in["kind"]).items()] \
+        if len(coll_in) else []
+    for part, color, width, group in parts:
+        x, y, mid = _segments(part)
+        fig.add_trace(go.Scattergl(x=x, y=y, mode="lines", line={"color": color, "width": width}, name="drawn op by op",
+                                   legendgroup=group, showlegend=False, hoverinfo="skip", connectgaps=False))
+        fig.add_trace(go.Scattergl(x=mid, y=part["y"].to_numpy(float), mode="markers", name="drawn op by op",
+                                   legendgroup=group, showlegend=False, marker={"color": color, "size": 9, "opacity": 0},
+                                   hovertext=part["hover"].tolist(), hoverinfo="text", hoverlabel={"bgcolor": color}))
+    # shaded, and edged by a dotted line that shows where a window is narrower than a pixel; a marker above the
+    # first rank says what it is
+    for a, b in windows:
+        fig.add_vrect(x0=a, x1=b, fillcolor=FIGURE_LINE, opacity=0.25, line={"color": FIGURE_LINE, "width": 1, "dash": "dot"},
+                      layer="below")
+    top = float(ops["rank"].min() if len(ops) else coll["rank"].min()) - 0.5
+    fig.add_trace(go.Scatter(x=[(a + b) / 2 for a, b in windows], y=[top] * len(windows), mode="markers", cliponaxis=False,
+                             marker={"symbol": "triangle-down", "size": 10, "color": FIGURE_LINE}, name="drawn op by op",
+                             hovertext=[f"{a:.3f}–{b:.3f} ms: drawn op by op around one of the slowest spans; zoom in here"
+                                        for a, b in windows], hoverinfo="text"))
 
 
 def _link_trace(links: pd.DataFrame, coll: pd.DataFrame, gl: bool):
@@ -377,9 +580,16 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
 
     all_ops = trace.get_ops()
     merged = aggregate if aggregate is not None else len(all_ops) > AGGREGATE_ABOVE
-    frame = timeline_frame(trace, aggregate=merged)
+    # the spans first, their hover text only for those drawn one by one (a big trace's overview draws a few)
+    frame, op_rows = _op_spans(trace, merged)
+    coll_frame, coll_rows = _coll_spans(trace)
     ops = in_window(frame, time_range)
-    coll = in_window(collective_spans(trace), time_range)
+    coll = in_window(coll_frame, time_range)
+
+    def hovered(o: pd.DataFrame, c: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+        return (o.assign(hover=_op_hover(op_rows.iloc[o.index.to_numpy()])),
+                c.assign(hover=_coll_hover(trace, c, coll_rows.iloc[c.index.to_numpy()])))
+
     ranks = list(trace.ranks)
     fig = go.Figure()
     if overview is None:
@@ -392,11 +602,18 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
     if overview and drawn:
         if time_range is not None:
             lo, hi = time_range
-        _overview_figure(fig, ops, coll, ranks, OVERVIEW_BINS, float(lo), float(hi))
-        title += (f" · overview: {len(ops) + len(coll)} spans in {OVERVIEW_BINS} time bins, the most frequent "
-                  f"path per bin<br><sub>plot_timeline(time_range=(a, b)) draws a window op by op</sub>")
+        bins = overview_bins(len(_lanes(ranks, ops, coll)))
+        _overview_figure(fig, ops, coll, ranks, bins, float(lo), float(hi))
+        windows = detail_windows(ops, coll) if len(ops) + len(coll) > OVERVIEW_ABOVE else []
+        if windows:
+            _detail_traces(fig, *hovered(_in_windows(ops, windows), _in_windows(coll, windows)), windows)
+        title += (f" · overview: {len(ops) + len(coll)} spans in {bins} time bins, the most frequent "
+                  f"path per bin" + (f"; shaded: the {len(windows)} windows around the slowest spans, drawn op by op "
+                                     "(zoom in)" if windows else "")
+                  + "<br><sub>plot_timeline(time_range=(a, b)) draws any window op by op</sub>")
     else:
         bars = len(ops) + len(coll) <= BARS_UP_TO
+        ops, coll = hovered(ops, coll)
         _span_figure(fig, ops, coll, collective_links(trace), bars, hi - lo)
         if merged and len(frame) < len(all_ops):
             title += f" · nested ops merged ({len(ops)} spans drawn)"

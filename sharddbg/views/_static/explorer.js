@@ -82,6 +82,7 @@ export function renderExplorer(model, el) {
   const [lRank, fRank] = sel("rank", "sd-f-rank", [["", "all"], ...data.ranks.map((r) => [String(r), String(r)])]);
   const [lPath, fPath] = sel("path", "sd-f-path", [["", "all"], ["@fallback", "any DTensor fallback"], ...data.paths.map((p) => [p, p])]);
   const [lPhase, fPhase] = sel("phase", "sd-f-phase", [["", "all"], ...data.phases.map((p) => [p, p])]);
+  if (data.initial_rank != null) fRank.value = String(data.initial_rank);  // t.show(rank=...)
   const fOp = h("input", { class: "sd-f-op", type: "search", placeholder: "op name contains…", "aria-label": "op" });
   const fFlag = h("input", { class: "sd-f-flagged", type: "checkbox" });
   root.append(h("div", { class: "sd-filters" }, lView, lRank, h("label", { class: "sd-control" }, "op ", fOp), lPath, lPhase,
@@ -90,7 +91,9 @@ export function renderExplorer(model, el) {
   const list = h("div", { class: "sd-list" });
   const detail = h("div", { class: "sd-detail", style: "display:none" });
   root.append(status, list, detail);
-  if (data.left_out) root.insertBefore(h("div", { class: "sd-warning", text: `${data.left_out} ordinary op calls left out of the list (max_rows); errors and fallbacks are all here, and the op summary counts every call` }), status);
+  // a big trace's payload holds a sample of its calls: the page says which, and how to list the others
+  if (data.left_out_text) root.insertBefore(h("div", { class: "sd-warning sd-left-out", text: data.left_out_text }), status);
+  else if (data.left_out) root.insertBefore(h("div", { class: "sd-warning sd-left-out", text: `${data.left_out} ordinary op calls left out of the list (max_rows); errors and fallbacks are all here, and the op summary counts every call` }), status);
 
   // an op name that may break after each dot (never inside a name), in full on hover; a backward row is marked
   // "bwd" so it reads apart from the forward row of the same op
@@ -151,7 +154,8 @@ export function renderExplorer(model, el) {
     model.set("selected", selected); model.save_changes && model.save_changes();
     if (!r) {  // a call beyond max_rows: the summary covers it, the rows shipped here do not
       detail.replaceChildren(h("div", { class: "sd-meta", text: `rank ${selected[0]}, seq ${selected[1]}: this call is not among the ` +
-        `${rows.length} calls shipped to this view (max_rows); t.show(max_rows=...) or t.get_ops() has it` }));
+        `${rows.length} calls shipped to this view` + (data.sample ? "" : " (max_rows)") + `; t.show(rank=${selected[0]}, ` +
+        `window=...) lists the calls of a window, t.get_ops() has every call` }));
       detail.style.display = "";
       detail.setAttribute("data-rank", selected[0]); detail.setAttribute("data-seq", selected[1]);
       return;
@@ -320,6 +324,8 @@ export function renderExplorer(model, el) {
       tr.addEventListener("click", (e) => { e.stopPropagation(); showDetail(r, tr, g); });
       tb.append(tr);
     }
+    if (s.more_groups) tb.append(h("tr", { class: "sd-more-groups" }, h("td", { colspan: cols.length, class: "sd-meta",
+      text: `… ${s.more_groups} more groups of different calls, left out of this view: t.show(rank=..., window=...) lists them` })));
     t.append(tb);
     return [t, hasSel];
   }
