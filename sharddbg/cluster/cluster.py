@@ -330,7 +330,7 @@ class Cluster:
         mapped to its rank, and every rank joins torch.distributed on a fresh loopback port with the backend
         (``backend``, or NCCL where the host has GPUs and gloo where it has none), builds the ``ddp x domain`` mesh
         and fills physicsnemo's DistributedManager. When a step fails, everything started so far is shut down
-        before the error is raised. The steps' durations are in ``timings`` (``start_s`` for the whole). An
+        before the error is raised. The steps' durations are in ``timings`` (``start_s`` for the whole).
         With a ``launcher``, ssh hosts are first checked to answer without a password; the fork server starts only
         the controller (on ``ip``'s address, else loopback) and ipyparallel's launcher starts the engines, which
         import torch and physicsnemo themselves; ``backend`` None then means NCCL where every engine sees a GPU. An
