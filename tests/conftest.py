@@ -281,6 +281,11 @@ def pytest_collection_finish(session):
         setup_in_background.start_for(REPO, SETUP_FILES)
 
 
+def pytest_runtest_setup(item):
+    """The engine launchers' tests start beside the session once it is past the browser and notebook tests."""
+    in_background.start_when_due(item)
+
+
 def pytest_sessionfinish(session):
     """Whatever ended the session (a failure with -x, Ctrl-C): the clean install's lifeline is closed, so nothing
     of it is left running or on disk (its helper also sees the lifeline close if this process is killed)."""

@@ -3,8 +3,9 @@
 The engine launchers' tests (tests/test_launchers.py) start clusters whose engines are not forks of a preloaded
 fork server: every engine imports torch and physicsnemo itself, minutes of CPU in all, while the session's other
 tests leave one of the two cores idle much of the time (they wait on kernels, browsers and collectives). So when
-a session selects them together with other tests, ``tests/conftest.py`` starts them at once in a second pytest
-process (``BackgroundRun``: niced, its own ``SHARDDBG_HOME``, its report in JUnit XML) and puts in their place
+a session selects them together with other tests, ``tests/conftest.py`` runs them in a second pytest
+process (``BackgroundRun``: niced, its own ``SHARDDBG_HOME``, its report in JUnit XML; started once the browser
+and notebook tests are done, which a busy machine slows most) and puts in their place
 items of the same names (``ResultOfBackgroundRun``) that, late in the session, wait for that process and pass,
 skip or fail exactly as the test did there, with its failure text. Run alone (``pytest tests/test_launchers.py``)
 they run in the foreground as usual. A session that ends in any way ends the second process with it.
@@ -27,9 +28,12 @@ from pathlib import Path
 import pytest
 
 BACKGROUND_MODULES = ("test_launchers.py",)
+# the modules the second process waits for: their browsers, kernels and pages are the most sensitive to a busy
+# machine (a run beside them made them 115 s slower), and the clean install shares their minutes already
+NOT_BESIDE = ("test_browser.py", "test_notebooks.py")
 INSIDE_ENV = "SHARDDBG_TESTS_IN_BACKGROUND"  # set in the second process: it runs its tests itself
 WAIT_S = 1800.0  # the second process's whole run; its tests' own limits are far below
-NICENESS = 5  # below the session's tests, above nothing: its engines still answer their heartbeats
+NICENESS = 10  # below the session's tests (like the clean install); its engines still answer their heartbeats
 PR_SET_PDEATHSIG = 1
 
 
@@ -125,6 +129,16 @@ class BackgroundRun:
 
 
 RUNNING: BackgroundRun | None = None
+_WAITING: tuple[Path, list[str]] | None = None  # what starts once the session has passed NOT_BESIDE
+
+
+def start_when_due(item) -> None:
+    """Before each test: start the second process once the session runs a test outside ``NOT_BESIDE``."""
+    global RUNNING, _WAITING
+    if _WAITING is not None and item.path.name not in NOT_BESIDE:
+        repo, nodeids = _WAITING
+        _WAITING = None
+        RUNNING = BackgroundRun(repo, nodeids)
 
 
 class FailedInBackground(Exception):
@@ -154,15 +168,16 @@ class ResultOfBackgroundRun(pytest.Item):
 
 
 def hand_over(session_items: list, repo: Path) -> None:
-    """Where the session runs other tests too: start the background modules' selected tests in the second
-    process, and put their stand-ins in their places (``session_items`` is changed in place)."""
-    global RUNNING
+    """Where the session runs other tests too: the background modules' selected tests go to the second process
+    (started by ``start_when_due``), and their stand-ins take their places (``session_items`` is changed in
+    place)."""
+    global _WAITING
     if inside_background_run():
         return
     chosen = [item for item in session_items if item.path.name in BACKGROUND_MODULES]
     if not chosen or len(chosen) == len(session_items):
         return
-    RUNNING = BackgroundRun(repo, [item.nodeid for item in chosen])
+    _WAITING = (repo, [item.nodeid for item in chosen])
     for index, item in enumerate(session_items):
         if item.path.name in BACKGROUND_MODULES:
             session_items[index] = ResultOfBackgroundRun.from_parent(item.parent, name=item.name)
