@@ -33,6 +33,7 @@ from ..errors import ClusterError
 from . import registry
 from .execution import BrokenGroup, RankExecution
 from .mesh import MeshSpec
+from .processes import pid_alive
 from .recording import CellTracer
 
 DETACHED_FOLDER = "detached"
@@ -1252,29 +1253,3 @@ def _age(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds // 60} min"
     return f"{seconds // 3600} h {seconds % 3600 // 60} min"
-
-
-def pid_alive(pid: int | None) -> bool:
-    """Whether process ``pid`` runs (a zombie does not; None does not).
-
-    Parameters
-    ----------
-    pid : int or None
-        The process id.
-
-    Returns
-    -------
-    bool
-        True while it runs.
-
-    Examples
-    --------
-    >>> pid_alive(os.getpid())
-    True
-    """
-    if pid is None:
-        return False
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

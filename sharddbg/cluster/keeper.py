@@ -20,6 +20,7 @@ import traceback
 
 from . import detached, registry
 from .cluster import Cluster
+from .processes import pid_alive
 
 # how often the keeper looks at the engines' queues (for the idle timeout) while nobody asks it anything
 POLL_S = 1.0
@@ -147,7 +148,7 @@ class Keeper:
             if readable:
                 if self.handle_one():
                     return
-            elif not detached.pid_alive(self.cluster.fork_server_pid):
+            elif not pid_alive(self.cluster.fork_server_pid):
                 # stopped from outside (the cluster panel's stop, a kill): nothing is left to keep
                 self.stop("stopped from outside: its fork server ended")
                 return

@@ -63,8 +63,10 @@ def choose_backend(requested: str | None, cuda_count: int, n: int) -> str:
     return backend
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not)."""
+def pid_alive(pid: int | None) -> bool:
+    """Whether ``pid`` runs (a zombie does not; None, no process yet, does not)."""
+    if pid is None:
+        return False
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
