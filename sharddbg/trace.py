@@ -292,6 +292,23 @@ class Trace:
                 f"incomplete_ranks={self.incomplete_ranks}>")
 
     # ---- DataFrames (one-line delegations) ---------------------------------------------------------
+    def _ops_table(self) -> pd.DataFrame:
+        """The op table, built once and not copied: for the analyses here, which only read it."""
+        if self._ops is None and self._columns is not None:
+            self._ops = _ops.ops_frame_from_columns(self._columns.of_kind(schema.KIND_OP), self.clock_offsets_ns)
+        if self._ops is None:
+            self._ops = _ops.ops_frame(self._events_by_rank(), self.clock_offsets_ns)
+        return self._ops
+
+    def _collectives_table(self) -> pd.DataFrame:
+        """The collectives' table, built once and not copied (as ``_ops_table``)."""
+        if self._collectives is None and self._columns is not None:
+            self._collectives = _comm.collectives_frame_from_columns(self._columns.of_kind(schema.KIND_COLLECTIVE),
+                                                                     self.clock_offsets_ns)
+        if self._collectives is None:
+            self._collectives = _comm.collectives_frame(self._events_by_rank(), self.clock_offsets_ns)
+        return self._collectives
+
     def get_ops(self) -> pd.DataFrame:
         """Every op call of every rank, one row each: the table the others are built from.
 
@@ -325,12 +342,7 @@ class Trace:
         >>> ops[ops["exc_type"].notna()][["rank", "op", "exc_type", "location"]]
         >>> ops.groupby(["path", "phase"])["host_ms"].sum()
         """
-        if self._ops is None and self._columns is not None:
-            self._ops = _ops.ops_frame_from_columns(self._columns.of_kind(schema.KIND_OP), self.clock_offsets_ns)
-        if self._ops is None:
-            self._ops = _ops.ops_frame(self._events_by_rank(),
-                                       self.clock_offsets_ns)
-        return self._ops.copy()
+        return self._ops_table().copy()
 
     def get_op_summary(self, nested: bool = False) -> pd.DataFrame:
         """The table to read first: one row per (op, dispatch path, phase), all ranks together.
@@ -379,8 +391,7 @@ class Trace:
         True
         """
         # the trace's own tables, not copies: the summary only reads them (a copy of a million rows costs a second)
-        self.get_ops(), self.get_collectives()
-        return _summary.op_summary(self._ops, self._collectives, nested)
+        return _summary.op_summary(self._ops_table(), self._collectives_table(), nested)
 
     def get_fallbacks(self, include_metadata: bool = False) -> pd.DataFrame:
         """Ops whose computation took a DTensor fallback, one row per (op, path).
@@ -529,13 +540,7 @@ class Trace:
         >>> c.groupby("kind")[["bytes_sent", "duration_ms"]].sum()
         >>> c[c["state"] != "completed"][["rank", "kind", "state", "error", "location"]]
         """
-        if self._collectives is None and self._columns is not None:
-            self._collectives = _comm.collectives_frame_from_columns(self._columns.of_kind(schema.KIND_COLLECTIVE),
-                                                                     self.clock_offsets_ns)
-        if self._collectives is None:
-            self._collectives = _comm.collectives_frame(self._events_by_rank(),
-                                                        self.clock_offsets_ns)
-        return self._collectives.copy()
+        return self._collectives_table().copy()
 
     def get_comm_by_op(self, by: str = "op", inclusive: bool = False) -> pd.DataFrame:
         """Communication per op name and rank, or per op call; forward and backward apart.
@@ -584,8 +589,8 @@ class Trace:
         >>> t.get_comm_by_op()[["op", "rank", "comm_ms", "op_ms", "comm_share"]]
         >>> t.get_comm_by_op(by="call", inclusive=True).nlargest(5, "comm_ms")
         """
-        self.get_ops(), self.get_collectives()  # built once; comm_by_op only reads them: no copies
-        return _comm.comm_by_op(self._collectives, self._ops, by, inclusive)
+        # built once; comm_by_op only reads them: no copies
+        return _comm.comm_by_op(self._collectives_table(), self._ops_table(), by, inclusive)
 
     def get_comm_by_kind(self) -> pd.DataFrame:
         """Communication per (op, collective kind), all ranks together: the sum over ranks beside the per-rank

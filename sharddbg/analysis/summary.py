@@ -201,52 +201,51 @@ def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool =
     keep = ops["op"].notna().to_numpy() & ops["path"].notna().to_numpy() & ops["phase"].notna().to_numpy()
     if not nested:
         keep &= is_backward | (depth == 0)
-    o = ops[_INPUT_COLUMNS][keep]  # the columns read, then the rows: no copy of the rest
-    if o.empty:
+    rows = np.flatnonzero(keep)  # the rows read; each column is taken at them alone (no copy of the whole table)
+    if not len(rows):
         return pd.DataFrame(columns=SUMMARY_COLUMNS)
-    backward = is_backward[keep]
-    fwd = o["fwd_seq"].notna().to_numpy()
-    calls = pd.DataFrame({
-        "op": o["op"].array, "path": o["path"].array, "phase": o["phase"].array,
-        "bwd": backward,
-        "rank": o["rank"].to_numpy(dtype=np.int64),
-        "call": np.where(backward & fwd, o["fwd_seq"].to_numpy(dtype=np.int64, na_value=0),
-                         o["seq"].to_numpy(dtype=np.int64)),
-        "nested": (o["depth"].to_numpy(dtype=np.int64) > 0),
-        "host_ms": o["host_ms"].to_numpy(dtype=np.float64, na_value=np.nan),
-        "device_ms": o["device_ms"].to_numpy(dtype=np.float64, na_value=np.nan),
-        "fallback": o["fallback"].fillna(False).to_numpy(dtype=bool),
-        "raised": o["exc_type"].notna().to_numpy(),
-    })
-    local = o["local_ms"].to_numpy(dtype=np.float64, na_value=np.nan)
-    calls["local_ms"] = np.where(np.isnan(calls["device_ms"].to_numpy()), local, calls["device_ms"].to_numpy())
+
+    def column(name: str, dtype, na_value=None) -> np.ndarray:
+        values = ops[name].to_numpy(dtype=dtype, na_value=na_value) if na_value is not None else \
+            ops[name].to_numpy(dtype=dtype)
+        return values[rows]
+
+    backward = is_backward[rows]
+    rank = column("rank", np.int64)
+    fwd = ops["fwd_seq"].notna().to_numpy()[rows]
+    call = np.where(backward & fwd, column("fwd_seq", np.int64, 0), column("seq", np.int64))
+    host = column("host_ms", np.float64, np.nan)
+    device = column("device_ms", np.float64, np.nan)
+    local = np.where(np.isnan(device), column("local_ms", np.float64, np.nan), device)
+    # one integer per (op, path, phase), numbered in order of first appearance: the groups' order, as a groupby on the
+    # three text columns with sort=False gives it
+    group = np.zeros(len(rows), dtype=np.int64)
+    for name in ("op", "path", "phase"):
+        codes, distinct = pd.factorize(ops[name].take(rows))
+        group = group * (len(distinct) + 1) + codes
+    group, _ = pd.factorize(group)
+    key = _call_key(rank, call, backward, as_int)
     # several backward events of one forward call share its backward communication: counted on the first only
-    counted = ~(backward & calls.duplicated(["rank", "call", "bwd"]).to_numpy())
-    calls["shapes"] = _shape_codes(o["in_local_shapes"].to_numpy(dtype=object))
-    calls["first"] = ~calls.duplicated(["rank", "op", "path", "phase", "shapes"]).to_numpy()
-    key = _call_key(calls["rank"].to_numpy(), calls["call"].to_numpy(), calls["bwd"].to_numpy(), as_int)
+    counted = ~(backward & key.duplicated())
+    shapes = _shape_codes(ops["in_local_shapes"].to_numpy(dtype=object)[rows])
+    first = ~pd.DataFrame({"rank": rank, "group": group, "shapes": shapes}).duplicated().to_numpy()
+    steady = ~first
+    comm = {}
     for prefix, table in (("own_", excl), ("total_", incl)):
         found = table.reindex(key) if len(table) else pd.DataFrame(index=key, columns=list(_CALL_COMM))
         for name in _CALL_COMM:
             values = found[name].to_numpy(dtype=np.float64, na_value=np.nan)
-            values = np.where(counted & ~np.isnan(values), values, 0.0)
-            calls[prefix + name] = values
-    calls["dispatch_ms"] = calls["host_ms"] - calls["total_ms_within_host"] - calls["local_ms"]
-    calls["steady"] = ~calls["first"]
-    for name in ("host_ms", "dispatch_ms", "local_ms"):
-        calls["first_" + name] = calls[name].where(calls["first"])
-        calls["steady_" + name] = calls[name].where(calls["steady"])
-    # one integer per (op, path, phase), numbered in order of first appearance: the groups' order, as a groupby on the
-    # three text columns with sort=False gives it, at the cost of one factorize
-    group_code = np.zeros(len(calls), dtype=np.int64)
-    for name in ("op", "path", "phase"):
-        codes, distinct = pd.factorize(calls[name])
-        group_code = group_code * (len(distinct) + 1) + codes
-    group_code = pd.factorize(group_code)[0]
-    calls["group"] = group_code
+            comm[prefix + name] = np.where(counted & ~np.isnan(values), values, 0.0)
+    dispatch = host - comm["total_ms_within_host"] - local
+    calls = pd.DataFrame({
+        "group": group, "rank": rank, "nested": column("depth", np.int64) > 0, "first": first, "steady": steady,
+        "host_ms": host, "device_ms": device, "local_ms": local, "dispatch_ms": dispatch,
+        "first_host_ms": np.where(first, host, np.nan), "steady_host_ms": np.where(steady, host, np.nan),
+        "steady_dispatch_ms": np.where(steady, dispatch, np.nan), "steady_local_ms": np.where(steady, local, np.nan),
+        "fallback": ops["fallback"].fillna(False).to_numpy(dtype=bool)[rows],
+        "raised": ops["exc_type"].notna().to_numpy()[rows], **comm})
     groups = calls.groupby("group", sort=True)
     agg = groups.agg(
-        op=("op", "first"), path=("path", "first"), phase=("phase", "first"),
         calls=("rank", "size"), nested_calls=("nested", "sum"), first_calls=("first", "sum"),
         steady_calls=("steady", "sum"), first_ms_median=("first_host_ms", "median"),
         steady_ms_median=("steady_host_ms", "median"), steady_ms_p95=("steady_host_ms", lambda v: _p95(v)),
@@ -261,18 +260,25 @@ def op_summary_by_columns(ops: pd.DataFrame, colls: pd.DataFrame, nested: bool =
         comm_ms_outside_host=("total_ms_outside_host", "sum"), n_in_flight=("total_in_flight", "sum"),
         errors=("raised", "sum"), any_fallback=("fallback", "any"))
     agg = agg.reset_index(drop=True)
-    steady = agg["steady_calls"].to_numpy() > 0
+    # each group's op, path and phase: those of its first row
+    _, first_row = np.unique(group, return_index=True)
+    for name in ("op", "path", "phase"):
+        agg.insert(0 if name == "op" else 1 if name == "path" else 2, name, ops[name].take(rows[first_row]).array)
+    steady_any = agg["steady_calls"].to_numpy() > 0
     agg["host_ms_total"] = agg["host_ms_total"].where(agg["host_known"] > 0)
-    agg["dispatch_ms_median"] = np.where(steady, agg["dispatch_steady_median"], agg["dispatch_all_median"])
-    least = np.where(steady, agg["dispatch_steady_min"], agg["dispatch_all_min"])
-    loc = np.where(steady, agg["local_steady_median"], agg["local_all_median"])
+    agg["dispatch_ms_median"] = np.where(steady_any, agg["dispatch_steady_median"], agg["dispatch_all_median"])
+    least = np.where(steady_any, agg["dispatch_steady_min"], agg["dispatch_all_min"])
+    loc = np.where(steady_any, agg["local_steady_median"], agg["local_all_median"])
     agg["dispatch_bound"] = ~np.isnan(least) & ~np.isnan(loc) & (least > loc)
-    ranks = groups["rank"].unique()
-    agg["ranks"] = [sorted(int(r) for r in v) for v in ranks.to_numpy()]
-    location = o["location"]
+    # the ranks of each group: the distinct (group, rank) pairs, sorted, cut at each group's start
+    pairs = np.unique(group * (int(rank.max()) + 1) + rank)
+    pair_group, pair_rank = np.divmod(pairs, int(rank.max()) + 1)
+    starts = np.searchsorted(pair_group, np.arange(len(agg) + 1))
+    agg["ranks"] = [pair_rank[starts[k]:starts[k + 1]].tolist() for k in range(len(agg))]
+    location = ops["location"].take(rows)
     text = location.notna().to_numpy() if pd.api.types.is_string_dtype(location.dtype) else np.array(
         [isinstance(v, str) for v in location.tolist()], dtype=bool)  # an object column: None only, or a few
-    where = pd.DataFrame({"group": group_code, "location": location.array})[text].groupby(
+    where = pd.DataFrame({"group": group, "location": location.array})[text].groupby(
         "group", sort=True)["location"].unique()
     agg["locations"] = [list(where.get(k, [])) for k in range(len(agg))]
     agg["fallback"] = agg["path"].isin(FALLBACK_PATHS).to_numpy() | agg["any_fallback"].to_numpy()
@@ -448,53 +454,73 @@ def _comm_per_call_frames(colls: pd.DataFrame, ops: pd.DataFrame, as_int: bool) 
     rows, calls, counts = _chains(colls, ops)
     if not len(rows):
         return empty, empty
-    c = colls[["rank", "phase", "duration_ms", "bytes_sent", "bytes_recv", "in_flight", "t_issue_ns"]].iloc[rows]
-    base = pd.DataFrame({
-        "rank": c["rank"].to_numpy(dtype=np.int64),
-        "bwd": (c["phase"] == "backward").fillna(False).to_numpy(dtype=bool),
-        "ms": c["duration_ms"].to_numpy(dtype=np.float64, na_value=np.nan),
-        "bytes": (c["bytes_sent"].fillna(0).to_numpy(dtype=np.int64)
-                  + c["bytes_recv"].fillna(0).to_numpy(dtype=np.int64)),
-        "in_flight": c["in_flight"].fillna(False).to_numpy(dtype=bool).astype(np.int64),
-        "t": c["t_issue_ns"].to_numpy(dtype=np.float64, na_value=np.nan),
-        "t_int": c["t_issue_ns"].fillna(0).to_numpy(dtype=np.int64),
-        "t_known": c["t_issue_ns"].notna().to_numpy(),
-    })
-    base["ms"] = base["ms"].fillna(0.0)
+    rank = colls["rank"].to_numpy(dtype=np.int64)[rows]
+    bwd = (colls["phase"] == "backward").fillna(False).to_numpy(dtype=bool)[rows]
+    ms = np.nan_to_num(colls["duration_ms"].to_numpy(dtype=np.float64, na_value=np.nan)[rows], nan=0.0)
+    sent_recv = (colls["bytes_sent"].fillna(0).to_numpy(dtype=np.int64)
+                 + colls["bytes_recv"].fillna(0).to_numpy(dtype=np.int64))[rows]
+    in_flight = colls["in_flight"].fillna(False).to_numpy(dtype=bool).astype(np.int64)[rows]
+    t_issue = colls["t_issue_ns"].fillna(0).to_numpy(dtype=np.int64)[rows]
+    t_known = colls["t_issue_ns"].notna().to_numpy()[rows]
     spans = _timed_spans_frame(ops)
-    on = ["rank", "call", "bwd"]
-    if as_int and len(spans):  # one integer to join on
-        on = ["key"]
-        spans = spans.assign(key=_call_key(spans["rank"].to_numpy(), spans["call"].to_numpy(),
-                                           spans["bwd"].to_numpy(), True)).drop(columns=["rank", "call", "bwd"])
     out = []
     for levels in ([(calls[0], np.ones(len(rows), dtype=bool))], list(zip(calls, counts))):
-        parts = []
-        for call, counted in levels:
-            part = base[counted].copy()
-            part["call"] = call[counted]
-            part["order"] = np.flatnonzero(counted)
-            parts.append(part)
-        pairs = pd.concat(parts, ignore_index=True)
-        pairs["pair"] = np.arange(len(pairs))
-        within = np.zeros(len(pairs), dtype=bool)
-        if len(spans):
-            if as_int:  # one integer to join on
-                pairs["key"] = _call_key(pairs["rank"].to_numpy(), pairs["call"].to_numpy(), pairs["bwd"].to_numpy(),
-                                         True)
-            joined = pairs[["pair", *on, "t_int", "t_known"]].merge(spans, on=on, how="inner")
-            inside = joined["t_known"].to_numpy() & (joined["t0"].to_numpy() <= joined["t_int"].to_numpy()) & (
-                (joined["t_int"].to_numpy() <= joined["t1"].to_numpy()) | joined["open"].to_numpy())
-            within[np.unique(joined["pair"].to_numpy()[inside])] = True
-        pairs["ms_within_host"] = np.where(within, pairs["ms"], 0.0)
-        pairs["ms_outside_host"] = np.where(within, 0.0, pairs["ms"])
-        pairs["n"] = 1
+        # one row per (collective, enclosing call it counts for), level after level
+        at = np.concatenate([np.flatnonzero(counted) for _call, counted in levels])
+        call = np.concatenate([call[counted] for call, counted in levels])
+        p_rank, p_bwd, p_ms = rank[at], bwd[at], ms[at]
         if as_int:
-            pairs["key"] = _call_key(pairs["rank"].to_numpy(), pairs["call"].to_numpy(), pairs["bwd"].to_numpy(), True)
+            key = np.asarray(_call_key(p_rank, call, p_bwd, True))
+            within = _issued_within(key, t_issue[at], t_known[at], spans)
+        else:
+            within = _issued_within_by_merge(p_rank, call, p_bwd, t_issue[at], t_known[at], spans)
+        pairs = pd.DataFrame({
+            "n": np.ones(len(at), dtype=np.int64), "ms": p_ms, "bytes": sent_recv[at], "in_flight": in_flight[at],
+            "ms_within_host": np.where(within, p_ms, 0.0), "ms_outside_host": np.where(within, 0.0, p_ms)})
+        if as_int:
+            pairs["key"] = key
             out.append(pairs.groupby("key", sort=False)[list(_CALL_COMM)].sum())
         else:
+            pairs["rank"], pairs["call"], pairs["bwd"] = p_rank, call, p_bwd
             out.append(pairs.groupby(["rank", "call", "bwd"], sort=False)[list(_CALL_COMM)].sum())
     return out[0], out[1]
+
+
+def _issued_within(key: np.ndarray, t: np.ndarray, t_known: np.ndarray, spans: pd.DataFrame) -> np.ndarray:
+    """For each collective (its call's one-integer key and issue time): whether one of that call's timed spans
+    (``_timed_spans_frame``) contains its issue time. Spans sorted by key; a call has few (its backward events),
+    so they are compared a position at a time for all collectives together."""
+    within = np.zeros(len(key), dtype=bool)
+    if not len(spans):
+        return within
+    span_key = np.asarray(_call_key(spans["rank"].to_numpy(), spans["call"].to_numpy(), spans["bwd"].to_numpy(), True))
+    order = np.argsort(span_key, kind="stable")
+    span_key = span_key[order]
+    t0, t1 = spans["t0"].to_numpy()[order], spans["t1"].to_numpy()[order]
+    still_open = spans["open"].to_numpy()[order]
+    first = np.searchsorted(span_key, key, side="left")
+    end = np.searchsorted(span_key, key, side="right")
+    for offset in range(int((end - first).max(initial=0))):
+        at = first + offset
+        there = t_known & (at < end)
+        j = np.minimum(at, len(span_key) - 1)
+        within |= there & (t0[j] <= t) & ((t <= t1[j]) | still_open[j])
+    return within
+
+
+def _issued_within_by_merge(rank: np.ndarray, call: np.ndarray, bwd: np.ndarray, t: np.ndarray, t_known: np.ndarray,
+                            spans: pd.DataFrame) -> np.ndarray:
+    """``_issued_within`` for keys that do not fit one integer: a merge on the three columns."""
+    within = np.zeros(len(rank), dtype=bool)
+    if not len(spans):
+        return within
+    pairs = pd.DataFrame({"pair": np.arange(len(rank)), "rank": rank, "call": call, "bwd": bwd, "t_int": t,
+                          "t_known": t_known})
+    joined = pairs.merge(spans, on=["rank", "call", "bwd"], how="inner")
+    inside = joined["t_known"].to_numpy() & (joined["t0"].to_numpy() <= joined["t_int"].to_numpy()) & (
+        (joined["t_int"].to_numpy() <= joined["t1"].to_numpy()) | joined["open"].to_numpy())
+    within[np.unique(joined["pair"].to_numpy()[inside])] = True
+    return within
 
 
 def _keys_fit(ops: pd.DataFrame, colls: pd.DataFrame) -> bool:
