@@ -97,7 +97,7 @@ def test_detached_cluster_outlives_a_kernel_restart(cluster4, capsys):
         kc.start_channels()
         kc.wait_for_ready(timeout=120)
         first = last_json(run_in_kernel(kc, f"""
-import json, time, sharddbg
+import json, sys, time, sharddbg
 t0 = time.perf_counter()
 cl = sharddbg.Cluster.connect({name!r})
 took = time.perf_counter() - t0
@@ -108,9 +108,12 @@ try:
 except Exception as exc:
     failed = type(exc).__name__
 print(json.dumps(dict(took=took, events=sum(len(p["events"]) for p in trace.payloads.values() if p),
-                      broken=cl.broken, failed=failed, pids=cl.pids)))
+                      broken=cl.broken, failed=failed, pids=cl.pids, torch_imported="torch" in sys.modules)))
 """))
         assert first["broken"] and first["failed"] == "RankError" and first["events"] > 0, first
+        # the kernel ran, traced and failed a cell without importing torch (seconds of import; a Ctrl-C meant for the
+        # wait would land inside it)
+        assert not first["torch_imported"], first
 
         km.restart_kernel(now=True)  # killed, as a crashed kernel is
         kc.wait_for_ready(timeout=120)

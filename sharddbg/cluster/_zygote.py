@@ -175,7 +175,7 @@ def _preload(config: dict) -> dict:
 
         with _keep_cuda_uninitialised(gpu_host=gpu_host):
             torch.set_num_threads(int(config.get("threads_per_rank") or 1))
-            facts["torch"] = torch.__version__
+            facts["torch"] = str(torch.__version__)
             facts.setdefault("cuda_count", 0)
             facts["t_torch_s"] = time.perf_counter() - t0
             facts["preload"] = "full"

@@ -1093,7 +1093,7 @@ def _execute(view, code: str):
     request's metadata: the ranks name their cell by it (``engine.recorder.cells``), not by their own count."""
     from ipyparallel import AsyncResult
 
-    from ..engine.recorder.cells import NOTEBOOK_CELL_KEY
+    from ..engine.requests import NOTEBOOK_CELL_KEY  # not engine.recorder's: that package imports torch
 
     metadata = {"label": view.label, NOTEBOOK_CELL_KEY: _notebook_cell()}
     idents, targets = view.client._build_targets(view.targets)

@@ -256,7 +256,7 @@ def run(job: dict) -> dict | None:
     dist.barrier()
     dist.destroy_process_group()
     answer["sharddbg_loaded"] = sorted(m for m in sys.modules if m == "sharddbg" or m.startswith("sharddbg."))
-    answer["versions"] = {"torch": torch.__version__, "physicsnemo": getattr(physicsnemo, "__version__", "?"),
+    answer["versions"] = {"torch": str(torch.__version__), "physicsnemo": getattr(physicsnemo, "__version__", "?"),
                           "python": sys.version.split()[0]}
     return answer
 
@@ -412,7 +412,7 @@ def run_smoke(job: dict) -> dict:
         dist.barrier()
     answer["sharddbg_loaded"] = sorted(m for m, module in sys.modules.items() if (m == "sharddbg" or m.startswith(
         "sharddbg.")) and getattr(module, "__file__", None))
-    answer["versions"] = {"torch": torch.__version__, "physicsnemo": getattr(physicsnemo, "__version__", "?"),
+    answer["versions"] = {"torch": str(torch.__version__), "physicsnemo": getattr(physicsnemo, "__version__", "?"),
                           "python": sys.version.split()[0]}
     return answer
 

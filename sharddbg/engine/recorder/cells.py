@@ -25,12 +25,11 @@ from types import FrameType
 from typing import Any
 
 from ..frames import HIDE_FRAMES, is_library_file
+from ..requests import NOTEBOOK_CELL_KEY
 
 _CELL_NAME = re.compile(r"In\s*\[\s*(\d+)\s*\]")
 _cells: dict[str, int | None] = {}  # file name -> the notebook's count of the cell compiled to it (None: a file)
 
-# the execute request's metadata key carrying the notebook's execution count of the cell that sent the code
-NOTEBOOK_CELL_KEY = "sharddbg_notebook_cell"
 # how a cell that came without a notebook count (cl.run from a plain script) is named
 SENT_CELL = "cell sent by cl.run"
 # this rank's cell files -> the notebook's execution count of the cell that sent each (None: none was sent)

@@ -363,7 +363,7 @@ def _meta(rec: RecordingState) -> dict:
     # how the cluster set this rank up, when it did (registered-by-physicsnemo / -by-sharddbg / none)
     boot_mode = STATE.patches.patch_mode if STATE.patches is not None else None
     return {
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a plain str: a TorchVersion would import torch where it is unpickled
         "physicsnemo": pn,
         "python": platform.python_version(),
         "host": platform.node(),
