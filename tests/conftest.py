@@ -243,8 +243,8 @@ def pytest_collection_modifyitems(config, items):
     # cl.smoke() rebuilds cluster4's mesh per configuration (restored at the end, but tensors built on the mesh
     # before are stale then): its module runs after every other that uses cluster4
     last = ("test_smoke.py",)
-    # the engine launchers' tests run in a second pytest process beside the session (``in_background``), and
-    # their stand-ins, which wait for its results, come late
+    # the engine launchers' and the recorded jobs' tests run in a second pytest process beside the session
+    # (``in_background``), and their stand-ins, which wait for its results, come late
     handed_on: dict = {}  # module -> the handed-on fixture it uses ("" for none)
     for item in items:
         fixture = next((name for name in HANDED_ON_FIXTURES if name in item.fixturenames), "")
@@ -264,7 +264,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """The engine launchers' selected tests start in a second pytest process (``in_background``). When the
+    """The engine launchers' and recorded jobs' selected tests start in a second pytest process (``in_background``). When the
     session runs a test of tests/test_setup.py that needs its clean install: clone and start the install now,
     in a process of its own (``setup_in_background``), so that its minutes of pip, unzip and npm overlap with
     the other tests; test_setup.py's fixtures wait for its results."""
@@ -282,7 +282,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_setup(item):
-    """The engine launchers' tests start beside the session once it is past the browser and notebook tests."""
+    """The engine launchers' and recorded jobs' tests start beside the session once it is past the browser and notebook tests."""
     in_background.start_when_due(item)
 
 

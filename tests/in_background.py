@@ -1,9 +1,10 @@
 """Test modules that run in a pytest process of their own, beside the rest of the session.
 
 The engine launchers' tests (tests/test_launchers.py) start clusters whose engines are not forks of a preloaded
-fork server: every engine imports torch and physicsnemo itself, minutes of CPU in all, while the session's other
-tests leave one of the two cores idle much of the time (they wait on kernels, browsers and collectives). So when
-a session selects them together with other tests, ``tests/conftest.py`` runs them in a second pytest
+fork server: every engine imports torch and physicsnemo itself. The recorded jobs' tests (tests/test_record_job.py)
+run torchrun jobs whose every rank does the same. Minutes of CPU in all, while the session's other tests leave one
+of the two cores idle much of the time (they wait on kernels, browsers and collectives). So when a session
+selects them together with other tests, ``tests/conftest.py`` runs them in a second pytest
 process (``BackgroundRun``: niced, its own ``SHARDDBG_HOME``, its report in JUnit XML; started once the browser
 and notebook tests are done, which a busy machine slows most) and puts in their place
 items of the same names (``ResultOfBackgroundRun``) that, late in the session, wait for that process and pass,
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-BACKGROUND_MODULES = ("test_launchers.py",)
+BACKGROUND_MODULES = ("test_record_job.py", "test_launchers.py")
 # the modules the second process waits for: their browsers, kernels and pages are the most sensitive to a busy
 # machine (a run beside them made them 115 s slower), and the clean install shares their minutes already
 NOT_BESIDE = ("test_browser.py", "test_notebooks.py")
