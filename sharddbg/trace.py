@@ -181,10 +181,10 @@ class Trace:
         >>> t.ranks
         [0]
         """
-        items = payloads.items() if isinstance(payloads, dict) else enumerate(payloads)
-        if any(isinstance(p, dict) and columnar.EVENTS_AS_COLUMNS in p for _pos, p in items):
-            return _trace_of_payloads_as_columns(cls, dict(items), clock_offsets_ns, meta, incomplete_ranks)
-        items = payloads.items() if isinstance(payloads, dict) else enumerate(payloads)
+        by_position = dict(payloads.items() if isinstance(payloads, dict) else enumerate(payloads))
+        if any(isinstance(p, dict) and columnar.EVENTS_AS_COLUMNS in p for p in by_position.values()):
+            return _trace_of_payloads_as_columns(cls, by_position, clock_offsets_ns, meta, incomplete_ranks)
+        items = by_position.items()
         by_rank: dict[int, dict | None] = {}
         incomplete = set(int(r) for r in incomplete_ranks)
         for pos, p in items:
@@ -1143,7 +1143,7 @@ def _trace_of_payloads_as_columns(cls, payloads: dict, clock_offsets_ns, meta, i
         plain = True
         for pos, p in payloads.items():
             if not (isinstance(p, dict) and columnar.EVENTS_AS_COLUMNS in p):
-                heads[pos] = p
+                heads[pos] = dict(p) if isinstance(p, dict) else p  # its records go into the table: not the caller's
                 continue
             head = {k: v for k, v in p.items() if k != columnar.EVENTS_AS_COLUMNS}
             head["events"] = []
