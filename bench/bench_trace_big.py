@@ -127,6 +127,8 @@ def main(argv=None) -> None:
     ap.add_argument("--source", type=Path, default=GOLDEN, help="the recorded trace whose records are repeated")
     ap.add_argument("--folder", default=None, help="where the files go (default: a temp folder)")
     ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
+    ap.add_argument("--cell-latency", action="store_true",
+                    help="only the latency of tracing a small cell, its payloads as dicts and as columns")
     ap.add_argument("--gather-ranks", type=int, default=8)
     ap.add_argument("--gather-events", type=int, default=10_000)
     ap.add_argument("--before-code", type=Path, default=None,
@@ -142,6 +144,8 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(ROOT))
     if args.gather:
         return gather(args.gather_ranks, args.gather_events)
+    if args.cell_latency:
+        return cell_latency()
     if args.columnar_only:
         return columnar_only(args.columnar_only)
     import pyarrow as pa
@@ -272,9 +276,12 @@ def columnar_only(path: str) -> None:
     print(f"peak RSS of this process {peak / 2**20:.2f} GiB; load average {os.getloadavg()}")
 
 
-def gather(n_payloads: int, n_events: int) -> None:
+def gather(n_payloads: int, n_events: int, runs: int = 3) -> None:
     """Pull ``n_payloads`` payloads of ``n_events`` records from the engines of a 2-rank cluster and build the
-    Trace: the wall and CPU seconds of the client."""
+    Trace, as dicts (pickled, checked record by record) and as columns (each payload made into Arrow columns on its
+    engine, ``columnar.payload_as_columns``, what ``api.recording_stop(columns_from=...)`` sends; the client reads
+    and checks them on columns), ``runs`` times each, alternating: wall and CPU seconds of the client, CPU seconds
+    of the engines."""
     import sharddbg
     from sharddbg.trace import Trace
 
@@ -282,22 +289,67 @@ def gather(n_payloads: int, n_events: int) -> None:
     cl.start()
     try:
         cl.run(f"""
-import pickle, sys
+import pickle, sys, time
 import torch.distributed as _dist
+from sharddbg import columnar as _columnar
 sys.path.insert(0, {str(ROOT / "bench")!r})
 from bench_trace_big import big_trace_document
 _doc = big_trace_document({n_payloads * n_events}, {n_payloads})
 held = [pickle.loads(pickle.dumps(p)) for p in _doc["payloads"][_dist.get_rank()::2]]  # unshared
+del _doc
+
+def _shipped(as_columns):
+    cpu = time.process_time()
+    out = [_columnar.payload_as_columns(p) for p in held] if as_columns else held
+    return out, time.process_time() - cpu
 """, timeout=300)
-        for _ in range(3):
-            c = Clock()
-            payloads = [p for per_engine in cl.eval("held", timeout=300) for p in per_engine]
-            pulled = c.read()
-            Trace.from_payloads({p["rank"]: p for p in payloads})
-            total = c.read()
-            print(f"pull {len(payloads)} x {n_events} records: {pulled[0]:.2f} s wall ({pulled[1]:.2f} s CPU); "
-                  f"check and build the Trace: {total[0] - pulled[0]:.2f} s wall ({total[1] - pulled[1]:.2f} s "
-                  f"CPU); total {total[0]:.2f} s wall", flush=True)
+        for _ in range(runs):
+            for mode in ("dicts", "columns"):
+                c = Clock()
+                per_engine = cl.eval(f"_shipped({mode == 'columns'})", timeout=300)
+                payloads = [p for shipped, _cpu in per_engine for p in shipped]
+                pulled = c.read()
+                t = Trace.from_payloads({p["rank"]: p for p in payloads})
+                total = c.read()
+                engine_cpu = sum(cpu for _shipped, cpu in per_engine)
+                print(f"{mode:8s} {len(payloads)} x {n_events} records: engines' columns {engine_cpu:.2f} s CPU "
+                      f"(both); pull {pulled[0]:.2f} s wall ({pulled[1]:.2f} s CPU); check and build the Trace: "
+                      f"{total[0] - pulled[0]:.2f} s wall ({total[1] - pulled[1]:.2f} s CPU); total {total[0]:.2f} s "
+                      f"wall, client {total[1]:.2f} s CPU; held as columns: {t._columns is not None}", flush=True)
+                del t, payloads, per_engine
+    finally:
+        cl.stop()
+
+
+def cell_latency(runs: int = 7) -> None:
+    """The wall time of ``cl.trace`` of a small cell (26 records per rank, the golden trace's size) on a 2-rank
+    cluster, its payloads sent as dicts and as columns (``recording.COLUMNS_FROM`` None and 0), alternating."""
+    import statistics
+
+    import sharddbg
+    from sharddbg.cluster import recording
+
+    cl = sharddbg.Cluster(n=2, timeout=300)
+    cl.start()
+    try:
+        cl.run("x = sharddbg.engine.scatter(torch.arange(64.).reshape(1, 1, 16, 4), dim=2)", display=False)
+        cell = "for _ in range(13):\n    y = x + 1\n    y = y * 2\n"
+        cl.trace(cell, display=False)
+        times: dict[str, list[float]] = {"dicts": [], "columns": []}
+        cpu: dict[str, list[float]] = {"dicts": [], "columns": []}
+        for _ in range(runs):
+            for mode, columns_from in (("dicts", None), ("columns", 0)):
+                recording.COLUMNS_FROM = columns_from
+                c = Clock()
+                t = cl.trace(cell, display=False)
+                wall, cpu_s = c.read()
+                times[mode].append(wall)
+                cpu[mode].append(cpu_s)
+                assert (t._columns is not None) == (mode == "columns")
+        for mode in times:
+            print(f"cl.trace of a {len(t.events(0))}-record cell, payloads as {mode}: median {statistics.median(times[mode]):.3f} s "
+                  f"wall (min {min(times[mode]):.3f}, max {max(times[mode]):.3f}), client CPU median "
+                  f"{statistics.median(cpu[mode]):.3f} s", flush=True)
     finally:
         cl.stop()
 

@@ -90,8 +90,15 @@ class ColumnarProblem(Exception):
 
 
 def _arrow_type(pa, kind: str, version: int = COLUMNS_VERSION):
-    text = pa.large_string() if version < 2 else pa.dictionary(pa.int32(), pa.large_string())
-    return {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": text, "json": text}[kind]
+    made = _ARROW_TYPES.get((kind, version))
+    if made is None:  # made once: a type is asked for per column of every table
+        text = pa.large_string() if version < 2 else pa.dictionary(pa.int32(), pa.large_string())
+        made = _ARROW_TYPES[kind, version] = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
+                                              "str": text, "json": text}[kind]
+    return made
+
+
+_ARROW_TYPES: dict[tuple[str, int], Any] = {}
 
 
 def _file_table(table):
@@ -261,13 +268,50 @@ def _kind_table(rank: int, kind: Any, records: list):
                 for i, v in zip(odd, found):
                     column[i] = v
                 values[name] = column
+    made = _json_columns(pa, [name for name in own if COLUMNS[name] == "json"], values, n)
     arrays = [pa.array([rank] * n, pa.int64())]
     fields = [pa.field("rank", pa.int64())]
     for name in (*COLUMNS, "extra"):
         column_kind = "json" if name == "extra" else COLUMNS[name]
-        arrays.append(_arrow_column(pa, name, column_kind, values.get(name), n))
+        arrays.append(made[name] if name in made else _arrow_column(pa, name, column_kind, values.get(name), n))
         fields.append(pa.field(name, _arrow_type(pa, column_kind)))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _json_columns(pa, names: list[str], values: dict, n: int) -> dict:
+    """The JSON-text columns ``names`` of a kind's records, made together: a record's values of all of them are
+    told apart at once (marshal's bytes of the tuple, in C), so that each field's text is made once per distinct
+    combination, and the rows of a combination point at it; a trace repeats its shapes and placements, so the
+    combinations are few."""
+    import marshal
+    from itertools import repeat
+
+    if len(names) < 2:
+        return {}
+    rows = list(zip(*(values[name] for name in names)))
+    try:
+        keys = pa.array(list(map(marshal.dumps, rows, repeat(2, n))), pa.binary()).dictionary_encode()
+    except ValueError:  # a value marshal cannot write: each column on its own, whose encoder names it
+        return {}
+    combinations = [marshal.loads(k) for k in keys.dictionary.to_pylist()]
+    encode = _json_encoder()
+    made = {}
+    for j, name in enumerate(names):
+        texts: dict[bytes, int] = {}  # marshal's bytes of a distinct value -> its place among the texts
+        places = []
+        for combination in combinations:
+            value = combination[j]
+            if value is None:
+                places.append(None)
+                continue
+            key = marshal.dumps(value, 2)
+            place = texts.get(key)
+            if place is None:
+                place = texts[key] = len(texts)
+            places.append(place)
+        dictionary = pa.array(["".join(encode(marshal.loads(k), 0)) for k in texts] or [""], pa.large_string())
+        made[name] = pa.DictionaryArray.from_arrays(pa.array(places, pa.int32()).take(keys.indices), dictionary)
+    return made
 
 
 def _arrow_column(pa, name: str, kind: str, column, n: int):
