@@ -309,7 +309,10 @@ def _json_columns(pa, names: list[str], values: dict, n: int) -> dict:
             if place is None:
                 place = texts[key] = len(texts)
             places.append(place)
-        dictionary = pa.array(["".join(encode(marshal.loads(k), 0)) for k in texts] or [""], pa.large_string())
+        if not texts:  # null in every row
+            made[name] = pa.nulls(n, _arrow_type(pa, "json"))
+            continue
+        dictionary = pa.array(["".join(encode(marshal.loads(k), 0)) for k in texts], pa.large_string())
         made[name] = pa.DictionaryArray.from_arrays(pa.array(places, pa.int32()).take(keys.indices), dictionary)
     return made
 
