@@ -37,7 +37,7 @@ from typing import Any
 from . import schema
 
 __all__ = ["COLUMNS_VERSION", "LAYOUT", "COLUMNS", "KIND_COLUMNS", "write_document", "read_document", "read_table",
-           "write_table", "table_of_payloads", "table_of_records", "concat_tables", "records_of", "decoded_json", "distinct_json", "EventColumns",
+           "write_table", "table_of_payloads", "table_of_records", "concat_tables", "file_table", "records_of", "decoded_json", "distinct_json", "EventColumns",
            "LazyRecords", "header_of", "EVENTS_AS_COLUMNS", "payload_as_columns", "table_of_stream",
            "ColumnarProblem"]
 
@@ -101,9 +101,25 @@ def _arrow_type(pa, kind: str, version: int = COLUMNS_VERSION):
 _ARROW_TYPES: dict[tuple[str, int], Any] = {}
 
 
-def _file_table(table):
+def file_table(table) -> Any:
     """``table`` with the column types of this version's file (text dictionary-encoded) and one chunk per column:
-    an IPC file holds one dictionary per column."""
+    an IPC file holds one dictionary per column.
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        Columns of records, their text plain (``large_string``) or dictionary-encoded.
+
+    Returns
+    -------
+    pyarrow.Table
+        The same rows, text dictionary-encoded, one chunk per column.
+
+    Examples
+    --------
+    >>> file_table(plain).schema.field("op").type
+    DictionaryType(dictionary<values=large_string, indices=int32, ordered=0>)
+    """
     import pyarrow as pa
 
     for i, field in enumerate(table.schema):
@@ -150,7 +166,7 @@ def write_table(doc: dict, table, sink) -> None:
     import pyarrow as pa
 
     header = header_of(doc)
-    table = _file_table(table).replace_schema_metadata({
+    table = file_table(table).replace_schema_metadata({
         METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=False).encode()})
     # zstd: a trace repeats itself (op names, shapes, lines of code); the columns shrink many times for little CPU
     with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
@@ -473,7 +489,7 @@ def read_table(raw: bytes) -> tuple[dict, Any]:
                               f"to {COLUMNS_VERSION}: upgrade sharddbg")
     _check_columns(pa, table, cols)
     table = table.select(list(_WANT)).replace_schema_metadata(None)
-    return header, (_file_table(table) if cols < 2 else table)
+    return header, (file_table(table) if cols < 2 else table)
 
 
 _WANT = {"rank": "int", **COLUMNS, "extra": "json"}  # every column of the file, and its kind

@@ -1209,9 +1209,10 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
     ----------
     path : str or os.PathLike
         The file to read, or a recorded job's folder (``sharddbg.job_files``: ``job.json`` and one
-        ``rank-NNNNN.jsonl`` stream per rank). A rank whose stream has no end (its process was killed, or
-        ended in a hang) loads up to its last flush, incomplete, with the reason; a stream cut mid-line loads
-        up to its last whole line and the reason says where it is cut.
+        ``rank-NNNNN.arrows`` stream per rank, or ``rank-NNNNN.jsonl`` as sharddbg wrote them before). A rank
+        whose stream has no end (its process was killed, or ended in a hang) loads up to its last flush,
+        incomplete, with the reason; a stream cut mid-batch (mid-line) loads up to its last whole batch (line) and
+        the reason says where it is cut. The events of Arrow streams are kept as columns.
     allow_missing_ranks : bool, default False
         For a job folder: load the ranks whose streams are there when some are missing (marked incomplete)
         instead of refusing it.
@@ -1350,7 +1351,7 @@ def _trace_of_job(folder: str, allow_missing_ranks: bool) -> Trace:
     """The Trace of a recorded job's folder (``job_files.read_job``), its hang report in the meta."""
     if not job_files.is_job_folder(folder):
         raise TraceFileError(f"{folder} is a folder, not a trace file or a recorded job (no job.json or "
-                             f"rank-NNNNN.jsonl in it): give a file written by Trace.save() (e.g. run.sdtrace.json) "
+                             f"rank-NNNNN.arrows in it): give a file written by Trace.save() (e.g. run.sdtrace.json) "
                              f"or a folder written by `sharddbg record --out`")
     try:
         job = job_files.read_job(folder, allow_missing_ranks)
@@ -1373,7 +1374,20 @@ def _trace_of_job(folder: str, allow_missing_ranks: bool) -> Trace:
         meta["hang_report"] = report
     offsets = {r: s.clock_offset_ns for r, s in job.ranks.items()}
     incomplete = [r for r, p in payloads.items() if p is None or not p["complete"]]
-    return Trace(payloads, offsets, incomplete, meta)
+    trace = Trace(payloads, offsets, incomplete, meta)
+    held = {r: p["events"] for r, p in trace.payloads.items() if p is not None}
+    if any(isinstance(events, columnar.LazyRecords) for events in held.values()):
+        # streams of Arrow batches: every rank's rows as one table, as a trace loaded from a columnar file keeps them
+        with _analysis_formatting.cyclic_gc_paused():
+            tables = [events.columns.table if isinstance(events, columnar.LazyRecords) else
+                      columnar.table_of_records(r, schema.current_events(trace.payloads[r]))
+                      for r, events in held.items() if len(events)]
+            if tables:
+                columns = columnar.EventColumns(columnar.concat_tables(tables))
+                for r in held:
+                    trace.payloads[r]["events"] = columnar.LazyRecords(columns, r)
+                trace._columns = columns
+    return trace
 
 
 def _read_regular_file(path: str) -> bytes:

@@ -3,8 +3,10 @@ format), so that a process killed at any moment leaves everything up to its last
 
 The recorder keeps its events in its buffer as always; a flush formats those that completed since the last
 one (a collective completes when its wait returns or it fails) and appends them, then a ``state`` line with
-what is still in flight. Flushes run on the job's background thread, and once more, finally, at exit.
-A write that fails (an unwritable folder, a full disk) stops the recording, never the job.
+what is still in flight, as one record batch of the rank's Arrow IPC stream (``job_files.StreamEncoder``; a
+long flush writes a batch per ``BATCH_ROWS`` records). Flushes run on the job's background thread, and once
+more, finally, at exit. A write that fails (an unwritable folder, a full disk) stops the recording, never the
+job. A path ending in ``.jsonl`` is written as JSON lines, the stream of version 1.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from ..recorder.events import CollectiveEvent, OpEvent
 # thread that only releases and retakes the GIL at once usually takes it again before the waiting thread wakes.
 PIECE_CPU_NS = 250_000
 HANDOVER_S = 50e-6
+# A flush of many records writes them as several record batches of about this many rows: encoding a batch holds the
+# GIL (about 1-2 ms for this many); one batch per flush would hold it for the whole flush's records
+BATCH_ROWS = 256
 
 
 def _default(value: Any) -> Any:
@@ -42,8 +47,10 @@ def encode(line: dict) -> str:
 class RankStreamWriter:
     """Appends one rank's lines to ``path``; every method is safe from the job's two threads (one lock)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, rank: int = 0) -> None:
         self.path = path
+        # the Arrow stream's encoder; None: JSON lines (a .jsonl path, version 1)
+        self.encoder = None if path.endswith(job_files.JSON_LINES_SUFFIX) else job_files.StreamEncoder(rank)
         # O_EXCL: never write into another run's file; O_APPEND: every line lands whole at the end
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0),
                           0o644)
@@ -65,7 +72,10 @@ class RankStreamWriter:
         """Append ``lines`` (each a {kind: body} object) in one write; False once writing failed."""
         if self.failed is not None or not lines:
             return self.failed is None
-        return self.write_encoded("".join(encode(line) for line in lines).encode())
+        if self.encoder is None:
+            return self.write_encoded("".join(encode(line) for line in lines).encode())
+        with self.lock:  # the encoder keeps the stream's state: one batch at a time
+            return self.write_encoded(self.encoder.encode(lines))
 
     def write_encoded(self, data: bytes) -> bool:
         """Append lines already encoded, in one write; False once writing failed."""
@@ -114,14 +124,15 @@ class RankStreamWriter:
             meshes = {} if rec.spec_check else None
             extra, self._extra = self._extra, []
             still = []
-            encoded: list[str] = [encode(line) for line in extra]
+            encoded: list = list(extra)  # the lines not written yet
             piece_start = time.thread_time_ns()
             for ev in self._pending:
                 if not final and time.thread_time_ns() - piece_start >= PIECE_CPU_NS:
+                    if self.encoder is None or len(encoded) >= BATCH_ROWS:
+                        if not self.write_encoded(self._encoded(encoded)):  # the write gives the GIL up too
+                            return False
+                        encoded = []
                     self._piece_done(piece_start)
-                    if not self.write_encoded("".join(encoded).encode()):  # the write gives the GIL up too
-                        return False
-                    encoded = []
                     time.sleep(HANDOVER_S)
                     piece_start = time.thread_time_ns()
                 if not final and type(ev) is CollectiveEvent and ev.t_done_ns is None and ev.error is None:
@@ -132,7 +143,7 @@ class RankStreamWriter:
                 except Exception:  # noqa: BLE001 - e.g. its mesh is gone (the group destroyed): kept unchecked
                     rec.internal_errors.append(traceback.format_exc())
                     record = export.record_of(ev, rec, None)
-                encoded.append(encode({"event": record}))
+                encoded.append({"event": record})
                 if type(ev) is OpEvent and ev.error is not None and record["error"]["handled"] is None:
                     self._unsettled_errors.append(ev)
             self._piece_done(piece_start)
@@ -148,10 +159,16 @@ class RankStreamWriter:
                 in_flight += export.in_flight_ops(rec, None)
                 lines.append({"state": {"t_ns": clock.now_ns(), "dropped": rec.dropped, "step": step,
                                         "in_flight": in_flight, "recording": rec.running}})
-            encoded += [encode(line) for line in lines]
-            ok = self.write_encoded("".join(encoded).encode())
+            encoded += lines
+            ok = self.write_encoded(self._encoded(encoded))
         self.largest_flush_ms = max(self.largest_flush_ms, (time.perf_counter() - t0) * 1e3)
         return ok
+
+    def _encoded(self, lines: list[dict]) -> bytes:
+        """The bytes of ``lines``: a record batch of the Arrow stream, or JSON lines."""
+        if self.encoder is None:
+            return "".join(encode(line) for line in lines).encode()
+        return self.encoder.encode(lines)
 
     def _piece_done(self, started_cpu_ns: int) -> None:
         self.largest_piece_ms = max(self.largest_piece_ms, (time.thread_time_ns() - started_cpu_ns) / 1e6)
