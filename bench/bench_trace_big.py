@@ -129,6 +129,9 @@ def main(argv=None) -> None:
     ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
     ap.add_argument("--cell-latency", action="store_true",
                     help="only the latency of tracing a small cell, its payloads as dicts and as columns")
+    ap.add_argument("--save-only", action="store_true",
+                    help="only the columnar save: of a trace of dicts (this code, and --before-code's in a process of "
+                         "its own) and of a trace gathered as columns (the payloads made columns as engines do)")
     ap.add_argument("--gather-ranks", type=int, default=8)
     ap.add_argument("--gather-events", type=int, default=10_000)
     ap.add_argument("--before-code", type=Path, default=None,
@@ -146,6 +149,9 @@ def main(argv=None) -> None:
         return gather(args.gather_ranks, args.gather_events)
     if args.cell_latency:
         return cell_latency()
+    if args.save_only:
+        return save_only(args.events, args.ranks, args.folder or tempfile.mkdtemp(prefix="sdbench-"), args.before_code,
+                         args.source)
     if args.columnar_only:
         return columnar_only(args.columnar_only)
     import pyarrow as pa
@@ -250,6 +256,63 @@ def main(argv=None) -> None:
     note("save columnar, the columnar trace (its table written)", c)
     print(f"\nsharddbg {sharddbg.__version__ if hasattr(sharddbg, '__version__') else ''} pyarrow {pa.__version__} "
           f"python {sys.version.split()[0]} load average {os.getloadavg()}")
+
+
+_SAVER = """
+import json, sys, time
+sys.path.insert(0, sys.argv[4])
+from bench_trace_big import big_trace_document
+from sharddbg.trace import Trace
+doc = big_trace_document(int(sys.argv[1]), int(sys.argv[2]))
+t = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}, [], doc["meta"])
+wall, cpu = time.perf_counter(), time.process_time()
+t.save(sys.argv[3])
+print(time.perf_counter() - wall, time.process_time() - cpu)
+"""
+
+
+def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None, source: Path) -> None:
+    """The columnar save of ``n_events`` records over ``n_ranks`` ranks: a trace of dicts (``--before-code``'s, in a
+    process of its own, and this code's), and a trace built from the payloads as the engines send them as columns
+    (``columnar.payload_as_columns`` on each, ``Trace.from_payloads``): wall and CPU seconds of each step."""
+    import sharddbg
+    from sharddbg import columnar
+    from sharddbg.trace import Trace
+
+    def note(what: str, wall: float, cpu: float, extra: str = "") -> None:
+        print(f"{what:62s} {wall:8.2f} s wall {cpu:8.2f} s CPU {extra}", flush=True)
+
+    os.makedirs(folder, exist_ok=True)
+    if before_code is not None:
+        env = dict(os.environ, PYTHONPATH=str(before_code))
+        out = subprocess.run([sys.executable, "-c", _SAVER, str(n_events), str(n_ranks),
+                              os.path.join(folder, "before.sdtrace.arrow"), str(ROOT / "bench")],
+                             capture_output=True, text=True, env=env, check=True, cwd=str(before_code))
+        note("save columnar, a trace of dicts: the code before", *(float(x) for x in out.stdout.split()[-2:]))
+    c = Clock()
+    doc = big_trace_document(n_events, n_ranks, source)
+    note(f"build {n_events} records over {n_ranks} ranks (bench only)", *c.read())
+    t = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}, [], doc["meta"])
+    c = Clock()
+    t.save(os.path.join(folder, "dicts.sdtrace.arrow"))
+    note("save columnar, a trace of dicts: this code", *c.read())
+    del t
+    c = Clock()
+    shipped = [columnar.payload_as_columns(p) for p in doc["payloads"]]
+    note(f"payloads as columns, {n_ranks} ranks' (the engines' share, here in one process)", *c.read())
+    del doc
+    c = Clock()
+    live = Trace.from_payloads(shipped)
+    note("Trace.from_payloads of payloads as columns (checked on columns)", *c.read(),
+         f"held as columns: {live._columns is not None}")
+    c = Clock()
+    path = live.save(os.path.join(folder, "live.sdtrace.arrow"))
+    note("save columnar, a trace gathered as columns (its table written)", *c.read())
+    wall, cpu, rss = load_in_a_fresh_process(path)
+    note("load_trace of it (fresh process)", wall, cpu, f"peak RSS {rss:.2f} GiB")
+    print(f"pyarrow {__import__('pyarrow').__version__}, python {sys.version.split()[0]}, load average "
+          f"{os.getloadavg()}", flush=True)
+    del sharddbg
 
 
 def columnar_only(path: str) -> None:
