@@ -37,7 +37,7 @@ from typing import Any
 from . import schema
 
 __all__ = ["COLUMNS_VERSION", "LAYOUT", "COLUMNS", "KIND_COLUMNS", "write_document", "read_document", "read_table",
-           "write_table", "table_of_payloads", "table_of_records", "concat_tables", "file_table", "records_of", "decoded_json", "distinct_json", "EventColumns",
+           "write_table", "table_of_payloads", "table_of_records", "table_of_few_records", "concat_tables", "file_table", "records_of", "decoded_json", "distinct_json", "EventColumns",
            "LazyRecords", "header_of", "EVENTS_AS_COLUMNS", "payload_as_columns", "table_of_stream",
            "ColumnarProblem"]
 
@@ -207,6 +207,65 @@ def table_of_records(rank: int, events: list):
 
     with _gc_paused():
         return _table_of_records(rank, events)
+
+
+def table_of_few_records(rank: int, records: list) -> Any:
+    """The columns of ``records`` (``table_of_records``' rows) with plain text (version 1's ``large_string``, no
+    dictionaries), made a record at a time: for a few hundred records, what costs is the number of columns, not of
+    rows, and this makes each column once, where ``table_of_records`` makes every column of every record kind and
+    puts the kinds back in order (a rank stream's batch of a flush). A None in ``records`` is a row null in every
+    column but ``rank``.
+
+    Parameters
+    ----------
+    rank : int
+        The ``rank`` column's value.
+    records : list of dict or None
+        Records as this schema reads them, in order.
+
+    Returns
+    -------
+    pyarrow.Table
+        ``rank``, every field's column, ``extra``; text plain.
+
+    Raises
+    ------
+    ValueError
+        A NaN or an infinite number, which JSON does not hold.
+
+    Examples
+    --------
+    >>> table_of_few_records(0, [{"kind": "meta", "seq": 0}, None]).num_rows
+    2
+    """
+    import pyarrow as pa
+
+    n = len(records)
+    arrays = [pa.array([rank] * n, pa.int64())]
+    fields = [pa.field("rank", pa.int64())]
+    known = [None if ev is None else _KNOWN.get(ev.get("kind"), _KNOWN[None]) for ev in records]
+    encode = _json_encoder()
+    for name, kind in (*COLUMNS.items(), ("extra", "json")):
+        if name == "extra":
+            column = [None if ev is None or ev.keys() <= own else
+                      ({k: v for k, v in ev.items() if k not in own} or None) for ev, own in zip(records, known)]
+        else:
+            column = [None if ev is None or name not in own else ev.get(name) for ev, own in zip(records, known)]
+        if kind == "json":
+            column = [None if v is None else "".join(encode(v, 0)) for v in column]
+        elif kind == "float":
+            for v in column:
+                if v is not None and v - v != 0.0:
+                    raise ValueError(f"Out of range float values are not JSON compliant: {v!r} in field {name!r}")
+        arrays.append(pa.array(column, _arrow_type(pa, kind, 1)))
+        fields.append(pa.field(name, _arrow_type(pa, kind, 1)))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+# record kind -> the fields its records hold (its own and its optional ones); None: a kind of no columns of its own
+_KNOWN: dict[Any, frozenset] = {kind: frozenset(KIND_COLUMNS[kind]) | frozenset(_OPTIONAL.get(kind, ()))
+                                for kind in KIND_COLUMNS}
+_KNOWN[None] = frozenset(("kind", "seq"))
 
 
 def _table_of_records(rank: int, events: list):

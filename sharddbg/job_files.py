@@ -516,10 +516,8 @@ class StreamEncoder:
         if not lines:
             return b""
         kinds = [next(iter(line)) for line in lines]
-        records = [line["event"] for line, kind in zip(lines, kinds) if kind == "event"]
-        place = iter(range(len(records)))
-        events = _plain(columnar.table_of_records(self.rank, records))
-        rows = events.take(pa.array([next(place) if kind == "event" else None for kind in kinds], pa.int64()))
+        rows = columnar.table_of_few_records(self.rank, [line["event"] if kind == "event" else None
+                                                         for line, kind in zip(lines, kinds)])
         bodies = [None if kind == "event" else json.dumps(line[kind], separators=(",", ":"), default=as_plain,
                                                          allow_nan=False) for line, kind in zip(lines, kinds)]
         table = pa.Table.from_arrays([pa.array(kinds, pa.large_string()), pa.array(bodies, pa.large_string()),

@@ -31,8 +31,8 @@ from ..recorder.events import CollectiveEvent, OpEvent
 PIECE_CPU_NS = 250_000
 HANDOVER_S = 50e-6
 # A flush of many records writes them as several record batches of about this many rows: encoding a batch holds the
-# GIL (about 1-2 ms for this many); one batch per flush would hold it for the whole flush's records
-BATCH_ROWS = 256
+# GIL (a few ms for this many); one batch per flush would hold it for the whole flush's records
+BATCH_ROWS = 128
 
 
 def _default(value: Any) -> Any:
