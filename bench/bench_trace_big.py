@@ -132,6 +132,10 @@ def main(argv=None) -> None:
     ap.add_argument("--save-only", action="store_true",
                     help="only the columnar save: of a trace of dicts (this code, and --before-code's in a process of "
                          "its own) and of a trace gathered as columns (the payloads made columns as engines do)")
+    ap.add_argument("--job-folder", action="store_true",
+                    help="only a recorded job's folder of these records: written as Arrow streams (a batch per 1000 "
+                         "lines, as a busy rank's flushes write them) and as JSON lines (stream version 1), each loaded "
+                         "in a fresh process")
     ap.add_argument("--gather-ranks", type=int, default=8)
     ap.add_argument("--gather-events", type=int, default=10_000)
     ap.add_argument("--before-code", type=Path, default=None,
@@ -149,6 +153,8 @@ def main(argv=None) -> None:
         return gather(args.gather_ranks, args.gather_events)
     if args.cell_latency:
         return cell_latency()
+    if args.job_folder:
+        return job_folder(args.events, args.ranks, args.folder or tempfile.mkdtemp(prefix="sdbench-"), args.source)
     if args.save_only:
         return save_only(args.events, args.ranks, args.folder or tempfile.mkdtemp(prefix="sdbench-"), args.before_code,
                          args.source)
@@ -313,6 +319,43 @@ def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None
     print(f"pyarrow {__import__('pyarrow').__version__}, python {sys.version.split()[0]}, load average "
           f"{os.getloadavg()}", flush=True)
     del sharddbg
+
+
+def job_folder(n_events: int, n_ranks: int, folder: str, source: Path) -> None:
+    """A recorded job's folder holding ``n_events`` records over ``n_ranks`` ranks, as Arrow streams and as JSON
+    lines: the bytes, the time to write them (this process) and ``load_trace`` of each folder in a fresh process."""
+    from sharddbg import job_files, schema
+    flush_lines = 1000  # the lines of one flush of a busy rank: a record batch
+
+    doc = big_trace_document(n_events, n_ranks, source)
+    for suffix in (job_files.STREAM_SUFFIX, job_files.JSON_LINES_SUFFIX):
+        out = os.path.join(folder, "job" + suffix.replace(".", "-"))
+        os.makedirs(out, exist_ok=True)
+        c = Clock()
+        size = 0
+        for p in doc["payloads"]:
+            head = {"format": job_files.STREAM_FORMAT, "version": 2 if suffix == job_files.STREAM_SUFFIX else 1,
+                    "schema_version": schema.SCHEMA_VERSION, "run_id": "bench", "rank": p["rank"],
+                    "world_size": n_ranks, "clock": p["clock"], "meta": p["meta"]}
+            lines = [{"header": head}, {"clock": {"offset_ns": 0, "uncertainty_ns": 0}},
+                     *({"event": ev} for ev in p["events"]),
+                     {"end": {"meta": p["meta"], "dropped": 0, "clock": p["clock"]}}]
+            path = os.path.join(out, job_files.rank_file_name(p["rank"], suffix))
+            if suffix == job_files.STREAM_SUFFIX:
+                encoder = job_files.StreamEncoder(p["rank"])
+                data = b"".join(encoder.encode(lines[i:i + flush_lines]) for i in range(0, len(lines), flush_lines))
+            else:
+                data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
+            with open(path, "wb") as f:
+                f.write(data)
+            size += len(data)
+        wall, cpu = c.read()
+        print(f"write the job's streams as {suffix:8s}: {wall:7.2f} s wall {cpu:7.2f} s CPU, {size / 2**20:.0f} MiB",
+              flush=True)
+        wall, cpu, rss = load_in_a_fresh_process(out)
+        print(f"load_trace of the folder ({suffix}, fresh process): {wall:7.2f} s wall {cpu:7.2f} s CPU, peak RSS "
+              f"{rss:.2f} GiB", flush=True)
+    print(f"load average {os.getloadavg()}", flush=True)
 
 
 def columnar_only(path: str) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 from . import schema
 
 __all__ = ["COLUMNS_VERSION", "LAYOUT", "COLUMNS", "KIND_COLUMNS", "write_document", "read_document", "read_table",
-           "write_table", "table_of_payloads", "table_of_records", "table_of_few_records", "concat_tables", "file_table", "records_of", "decoded_json", "distinct_json", "EventColumns",
+           "write_table", "table_of_payloads", "table_of_records", "table_of_few_records", "RecordRows", "concat_tables", "file_table", "records_of", "decoded_json", "distinct_json", "EventColumns",
            "LazyRecords", "header_of", "EVENTS_AS_COLUMNS", "payload_as_columns", "table_of_stream",
            "ColumnarProblem"]
 
@@ -211,10 +211,10 @@ def table_of_records(rank: int, events: list):
 
 def table_of_few_records(rank: int, records: list) -> Any:
     """The columns of ``records`` (``table_of_records``' rows) with plain text (version 1's ``large_string``, no
-    dictionaries), made a record at a time: for a few hundred records, what costs is the number of columns, not of
-    rows, and this makes each column once, where ``table_of_records`` makes every column of every record kind and
-    puts the kinds back in order (a rank stream's batch of a flush). A None in ``records`` is a row null in every
-    column but ``rank``.
+    dictionaries), made a record at a time (``RecordRows``): for a few hundred records, what costs is the number
+    of columns, not of rows, and this makes each column once, where ``table_of_records`` makes every column of
+    every record kind and puts the kinds back in order. A None in ``records`` is a row null in every column but
+    ``rank``.
 
     Parameters
     ----------
@@ -238,28 +238,110 @@ def table_of_few_records(rank: int, records: list) -> Any:
     >>> table_of_few_records(0, [{"kind": "meta", "seq": 0}, None]).num_rows
     2
     """
-    import pyarrow as pa
+    rows = RecordRows(rank)
+    for record in records:
+        rows.add(record)
+    return rows.table()
 
-    n = len(records)
-    arrays = [pa.array([rank] * n, pa.int64())]
-    fields = [pa.field("rank", pa.int64())]
-    known = [None if ev is None else _KNOWN.get(ev.get("kind"), _KNOWN[None]) for ev in records]
-    encode = _json_encoder()
-    for name, kind in (*COLUMNS.items(), ("extra", "json")):
-        if name == "extra":
-            column = [None if ev is None or ev.keys() <= own else
-                      ({k: v for k, v in ev.items() if k not in own} or None) for ev, own in zip(records, known)]
-        else:
-            column = [None if ev is None or name not in own else ev.get(name) for ev, own in zip(records, known)]
-        if kind == "json":
-            column = [None if v is None else "".join(encode(v, 0)) for v in column]
-        elif kind == "float":
-            for v in column:
-                if v is not None and v - v != 0.0:
-                    raise ValueError(f"Out of range float values are not JSON compliant: {v!r} in field {name!r}")
-        arrays.append(pa.array(column, _arrow_type(pa, kind, 1)))
-        fields.append(pa.field(name, _arrow_type(pa, kind, 1)))
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+class RecordRows:
+    """Records added one at a time (``add``: their values put in per-column lists, JSON text made for lists and
+    dicts), made into a table of plain-text columns at the end (``table``): the work per record can be spread over
+    pieces of time, and only the last step (an Arrow array per column) is done at once.
+
+    Parameters
+    ----------
+    rank : int
+        The ``rank`` column's value.
+
+    Examples
+    --------
+    >>> rows = RecordRows(0)
+    >>> rows.add({"kind": "meta", "seq": 0})
+    >>> rows.table().num_rows
+    1
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._encode = _json_encoder()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.count = 0
+        self._values: list[list] = [[] for _name in _ROW_COLUMNS]
+
+    def add(self, record: dict | None) -> None:
+        """Add a record (None: a row null in every column but ``rank``).
+
+        Parameters
+        ----------
+        record : dict or None
+            A record as this schema reads it.
+
+        Raises
+        ------
+        ValueError
+            A NaN or an infinite number in a field that holds a list or a dict.
+        TypeError
+            A value JSON cannot write, in such a field.
+
+        Examples
+        --------
+        >>> RecordRows(0).add({"kind": "meta", "seq": 0})
+        """
+        self.count += 1
+        if record is None:
+            for column in self._values:
+                column.append(None)
+            return
+        own = _KNOWN.get(record.get("kind"), _KNOWN[None])
+        get = record.get
+        encode = self._encode
+        for (name, is_json), column in zip(_ROW_COLUMNS, self._values):
+            if name == "extra":
+                value = None if record.keys() <= own else ({k: v for k, v in record.items() if k not in own} or None)
+            else:
+                value = get(name) if name in own else None
+            if is_json and value is not None:
+                value = "".join(encode(value, 0))
+            column.append(value)
+
+    def table(self) -> Any:
+        """The records added so far as a table (``table_of_few_records``' columns); the rows are then forgotten.
+
+        Returns
+        -------
+        pyarrow.Table
+            ``rank``, every field's column, ``extra``; text plain.
+
+        Raises
+        ------
+        ValueError
+            A NaN or an infinite number in a float field.
+
+        Examples
+        --------
+        >>> rows.table().column_names[:3]
+        ['rank', 'kind', 'seq']
+        """
+        import pyarrow as pa
+
+        arrays = [pa.array([self.rank] * self.count, pa.int64())]
+        fields = [pa.field("rank", pa.int64())]
+        for (name, _is_json), column in zip(_ROW_COLUMNS, self._values):
+            kind = "json" if name == "extra" else COLUMNS[name]
+            if kind == "float":
+                for v in column:
+                    if v is not None and v - v != 0.0:
+                        raise ValueError(f"Out of range float values are not JSON compliant: {v!r} in field {name!r}")
+            arrays.append(pa.array(column, _arrow_type(pa, kind, 1)))
+            fields.append(pa.field(name, _arrow_type(pa, kind, 1)))
+        self._clear()
+        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+_ROW_COLUMNS = [(name, COLUMNS.get(name, "json") == "json") for name in (*COLUMNS, "extra")]
 
 
 # record kind -> the fields its records hold (its own and its optional ones); None: a kind of no columns of its own
