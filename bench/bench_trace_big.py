@@ -154,7 +154,8 @@ def main(argv=None) -> None:
     if args.cell_latency:
         return cell_latency()
     if args.job_folder:
-        return job_folder(args.events, args.ranks, args.folder or tempfile.mkdtemp(prefix="sdbench-"), args.source)
+        return job_folder(args.events, args.ranks, args.folder or tempfile.mkdtemp(prefix="sdbench-"), args.source,
+                          args.skip_json_load)
     if args.save_only:
         return save_only(args.events, args.ranks, args.folder or tempfile.mkdtemp(prefix="sdbench-"), args.before_code,
                          args.source)
@@ -321,14 +322,14 @@ def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None
     del sharddbg
 
 
-def job_folder(n_events: int, n_ranks: int, folder: str, source: Path) -> None:
+def job_folder(n_events: int, n_ranks: int, folder: str, source: Path, skip_json: bool = False) -> None:
     """A recorded job's folder holding ``n_events`` records over ``n_ranks`` ranks, as Arrow streams and as JSON
     lines: the bytes, the time to write them (this process) and ``load_trace`` of each folder in a fresh process."""
     from sharddbg import job_files, schema
     flush_lines = 1000  # the lines of one flush of a busy rank: a record batch
 
     doc = big_trace_document(n_events, n_ranks, source)
-    for suffix in (job_files.STREAM_SUFFIX, job_files.JSON_LINES_SUFFIX):
+    for suffix in (job_files.STREAM_SUFFIX, job_files.JSON_LINES_SUFFIX)[:1 if skip_json else 2]:
         out = os.path.join(folder, "job" + suffix.replace(".", "-"))
         os.makedirs(out, exist_ok=True)
         c = Clock()

@@ -210,11 +210,10 @@ def table_of_records(rank: int, events: list):
 
 
 def table_of_few_records(rank: int, records: list) -> Any:
-    """The columns of ``records`` (``table_of_records``' rows) with plain text (version 1's ``large_string``, no
-    dictionaries), made a record at a time (``RecordRows``): for a few hundred records, what costs is the number
-    of columns, not of rows, and this makes each column once, where ``table_of_records`` makes every column of
-    every record kind and puts the kinds back in order. A None in ``records`` is a row null in every column but
-    ``rank``.
+    """The columns of ``records`` (``table_of_records``' rows and types), made a record at a time (``RecordRows``):
+    for a few hundred records, what costs is the number of columns, not of rows, and this makes each column once,
+    where ``table_of_records`` makes every column of every record kind and puts the kinds back in order. A None in
+    ``records`` is a row null in every column but ``rank``.
 
     Parameters
     ----------
@@ -226,7 +225,7 @@ def table_of_few_records(rank: int, records: list) -> Any:
     Returns
     -------
     pyarrow.Table
-        ``rank``, every field's column, ``extra``; text plain.
+        ``rank``, every field's column, ``extra``; text dictionary-encoded.
 
     Raises
     ------
@@ -246,7 +245,7 @@ def table_of_few_records(rank: int, records: list) -> Any:
 
 class RecordRows:
     """Records added one at a time (``add``: their values put in per-column lists, JSON text made for lists and
-    dicts), made into a table of plain-text columns at the end (``table``): the work per record can be spread over
+    dicts), made into a table at the end (``table``, the file's column types): the work per record can be spread over
     pieces of time, and only the last step (an Arrow array per column) is done at once.
 
     Parameters
@@ -313,7 +312,7 @@ class RecordRows:
         Returns
         -------
         pyarrow.Table
-            ``rank``, every field's column, ``extra``; text plain.
+            ``rank``, every field's column, ``extra``; text dictionary-encoded.
 
         Raises
         ------
@@ -335,8 +334,9 @@ class RecordRows:
                 for v in column:
                     if v is not None and v - v != 0.0:
                         raise ValueError(f"Out of range float values are not JSON compliant: {v!r} in field {name!r}")
-            arrays.append(pa.array(column, _arrow_type(pa, kind, 1)))
-            fields.append(pa.field(name, _arrow_type(pa, kind, 1)))
+            array = pa.array(column, _arrow_type(pa, kind, 1))
+            arrays.append(array.dictionary_encode() if kind in ("str", "json") else array)
+            fields.append(pa.field(name, _arrow_type(pa, kind)))
         self._clear()
         return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 

@@ -23,8 +23,9 @@ are the stream's lines, in the order they were written; each line is of one kind
 Stream version 2 (``STREAM_VERSION``, ``rank-NNNNN.arrows``): an Arrow IPC stream whose schema metadata says
 ``{"format": STREAM_FORMAT, "version": 2}`` under the key ``sharddbg``; its columns are ``line`` (the line's kind),
 ``body`` (the JSON text of a line that is not an event, null for an event), then the columns of the columnar
-trace file (``sharddbg.columnar``: ``rank``, every record field, ``extra``; text as plain strings), which hold an
-event line's record and are null on the other lines; buffers compressed with lz4. A stream cut mid-batch (its process killed while writing)
+trace file (``sharddbg.columnar``: ``rank``, every record field, ``extra``; text dictionary-encoded, a batch's
+dictionaries its own), which hold an event line's record and are null on the other lines; buffers compressed with
+lz4. A stream cut mid-batch (its process killed while writing)
 reads up to its last whole batch, and says where it is cut. A rank's events are read as columns: a job's trace
 keeps them as one table, as a trace loaded from a ``.sdtrace.arrow`` file does. Version 1 (``rank-NNNNN.jsonl``,
 what sharddbg wrote before) still reads: one JSON object per line with one key, its kind
@@ -92,6 +93,7 @@ class RankStream:
     clock_uncertainty_ns: int | None = None
     cut: str | None = None  # where the file ends mid-record, in words; None when every line is whole
     last_seq: int | None = None  # the largest seq of its records
+    table: Any = None  # its records as columns (an Arrow stream's), ``columnar.table_of_records``' layout
     ended: bool = False  # its end line is there: the rank's recording ended normally
     diagnoses: list[dict] = field(default_factory=list)  # the diagnosis lines, in order
     last_step: int | None = None  # the last optimizer step the rank began
@@ -108,6 +110,7 @@ class RecordedJob:
     world_size: int
     missing_ranks: list[int]
     suffix: str = STREAM_SUFFIX  # its streams' (JSON_LINES_SUFFIX: a folder of version 1)
+    columns: Any = None  # the records of its Arrow streams, every rank's as one table (``columnar.EventColumns``)
 
     def incomplete_reasons(self) -> dict[int, str]:
         """Rank -> why its recording is incomplete, in words (the ranks whose recording ended normally are left
@@ -354,11 +357,12 @@ def _read_arrow_stream(path: str, rank_in_name: int, raw: bytes) -> RankStream:
         whole = source.tell()
     table = pa.Table.from_batches(batches, want)
     read = _Lines(path, rank_in_name, "row")
-    line_kinds = table.column("line").to_numpy(zero_copy_only=False)
-    others = np.flatnonzero(line_kinds != "event")
+    line = table.column("line")
+    is_event = pc.fill_null(pc.equal(line, "event"), False).to_numpy(zero_copy_only=False)
+    others = np.flatnonzero(~is_event)
+    kinds = line.take(others).to_pylist()
     bodies = table.column("body").take(others).to_pylist()
-    for row, body_text in zip(others.tolist(), bodies):
-        kind = line_kinds[row]
+    for row, kind, body_text in zip(others.tolist(), kinds, bodies):
         if kind not in LINE_KINDS:
             raise _problem(path, row + 1, f"not a sharddbg stream line (its kind {kind!r} is none of {LINE_KINDS})")
         try:
@@ -366,11 +370,11 @@ def _read_arrow_stream(path: str, rank_in_name: int, raw: bytes) -> RankStream:
         except (UnicodeDecodeError, ValueError):
             raise _problem(path, row + 1, "its body is not JSON: the file is corrupt") from None
         read.take(row + 1, kind, body)
-    if len(line_kinds) and line_kinds[0] == "event":  # the first line must be the header: JSON lines' words
+    if len(is_event) and is_event[0]:  # the first line must be the header: JSON lines' words
         raise read.problem(1, f'not a sharddbg rank stream (its first line is not a "{STREAM_FORMAT}" header)')
     if read.header is None:
         raise _problem(path, None, "no header line")
-    event_rows = np.flatnonzero(line_kinds == "event")
+    event_rows = np.flatnonzero(is_event)
     seqs = table.column("seq").take(event_rows)
     if seqs.null_count:
         first = event_rows[np.flatnonzero(seqs.is_null().to_numpy(zero_copy_only=False))[0]]
@@ -384,11 +388,12 @@ def _read_arrow_stream(path: str, rank_in_name: int, raw: bytes) -> RankStream:
         read.s.cut = (f"its file ends mid-record at byte {len(raw)} (record batch {cut_batch} is cut after "
                       f"{len(raw) - whole} bytes" + (f"; the last whole event is seq {last_seq})" if last_seq is not None
                                                      else ")"))
-    events = table.select(["rank", *columnar.COLUMNS, "extra"]).take(keep)
+    # the text dictionary-encoded first: the rows kept are then taken as indices, not copied as text
+    events = columnar.file_table(table.select(["rank", *columnar.COLUMNS, "extra"])).take(keep)
     held = set(seq_values.tolist())
     in_flight = read.in_flight(held.__contains__)
     if in_flight:
-        events = pa.concat_tables([events, _plain(columnar.table_of_records(rank_in_name, in_flight))])
+        events = pa.concat_tables([events, columnar.table_of_records(rank_in_name, in_flight)])
         events = events.take(pc.sort_indices(events, [("seq", "ascending")]))
     events = events.set_column(0, "rank", pa.array(np.full(events.num_rows, read.header["rank"], dtype=np.int64)))
     if read.amends:
@@ -397,24 +402,38 @@ def _read_arrow_stream(path: str, rank_in_name: int, raw: bytes) -> RankStream:
     read.s.last_seq = pc.max(events.column("seq")).as_py() if events.num_rows else None
     meta_rows = events.filter(pc.equal(events.column("kind"), schema.KIND_META))
     s = read.finish([], columnar.records_of(meta_rows))
-    ranks, payloads = [s.payload["rank"]], [s.payload]
-    try:
+    try:  # the payload without its records; these are checked on columns, every rank's at once (read_job)
         schema.validate_payload(s.payload)
-        plain = columnar.plainly_valid(events, ranks, payloads, 2**63, 10**6)
     except schema.SchemaError as e:
         raise _problem(path, None, str(e)) from None
+    s.table = events
+    return s
+
+
+def _check_columns(streams: list[RankStream]):
+    """The records of ``streams`` (Arrow streams, read as columns) checked on whole columns, every rank's at once:
+    their table (``columnar.EventColumns``) when nothing is doubted, and each payload's ``events`` its rank's rows;
+    else their records are made as dicts and checked one by one (JobFileProblem naming the file), and None."""
+    from . import columnar
+
+    streams = sorted(streams, key=lambda s: s.rank)
+    try:
+        table = columnar.concat_tables([s.table for s in streams])
+        plain = columnar.plainly_valid(table, [s.rank for s in streams], [s.payload for s in streams], 2**63, 10**6)
     except (ValueError, TypeError, OverflowError):
         plain = False
     if plain:
-        s.payload["events"] = columnar.LazyRecords(columnar.EventColumns(events), s.payload["rank"])
-        return s
-    # a closer look: the records as dicts, checked one by one, which names what is wrong
-    s.payload["events"] = columnar.records_of(events)
-    try:
-        schema.validate_payload(s.payload)
-    except schema.SchemaError as e:
-        raise _problem(path, None, str(e)) from None
-    return s
+        columns = columnar.EventColumns(table)
+        for s in streams:
+            s.payload["events"] = columnar.LazyRecords(columns, s.rank)
+        return columns
+    for s in streams:  # a closer look: the records as dicts, which names what is wrong
+        s.payload["events"] = columnar.records_of(s.table)
+        try:
+            schema.validate_payload(s.payload)
+        except schema.SchemaError as e:
+            raise _problem(s.file, None, str(e)) from None
+    return None
 
 
 def _amended(events, amends: dict[int, bool | None]):
@@ -438,28 +457,21 @@ def _amended(events, amends: dict[int, bool | None]):
 
 def _stream_schema():
     """The columns of a rank stream of version 2 (without its label): ``line``, ``body``, then the columnar file's,
-    text as plain strings (a dictionary per batch would repeat itself at every flush)."""
+    text dictionary-encoded (each batch carries the dictionaries of its own text: a reader unifies them, where
+    plain text would have to be encoded again, a million times)."""
     import pyarrow as pa
 
     from . import columnar
 
     global _SCHEMA
     if _SCHEMA is None:
-        empty = _plain(columnar.table_of_records(0, []))
+        empty = columnar.table_of_records(0, [])
         _SCHEMA = pa.schema([pa.field("line", pa.large_string()), pa.field("body", pa.large_string()),
                              *empty.schema])
     return _SCHEMA
 
 
 _SCHEMA = None
-
-
-def _plain(table):
-    """``table`` with its dictionary-encoded text as plain strings."""
-    import pyarrow as pa
-
-    return table.cast(pa.schema([pa.field(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type)
-                                 for f in table.schema]))
 
 
 class StreamEncoder:
@@ -704,6 +716,8 @@ def read_job(folder: str, allow_missing_ranks: bool = False) -> RecordedJob:
             raise JobFileProblem(f"two streams of rank {rank} in the folder ({os.path.basename(streams[rank].file)} and "
                                  f"{name}): record each job into its own folder (--out)")
         streams[rank] = _read_stream(os.path.join(folder, name), rank)
+    as_columns = [s for s in streams.values() if s.table is not None]
+    columns = _check_columns(as_columns) if as_columns else None
     # the names of the files a rank would have: those of the folder's streams (JSON lines in a folder of version 1)
     suffix = JSON_LINES_SUFFIX if all(n.endswith(JSON_LINES_SUFFIX) for n in names) else STREAM_SUFFIX
     run_ids = {s.header["run_id"]: r for r, s in streams.items()}
@@ -730,7 +744,7 @@ def read_job(folder: str, allow_missing_ranks: bool = False) -> RecordedJob:
                              f"{'are' if len(missing) > 1 else 'is'} missing (no {files}): copy every rank's file "
                              f"into the folder, or load the ranks that are there with "
                              f"load_trace(folder, allow_missing_ranks=True)")
-    return RecordedJob(folder, job, streams, world_size, missing, suffix)
+    return RecordedJob(folder, job, streams, world_size, missing, suffix, columns)
 
 
 def hang_diagnoses(job: RecordedJob) -> dict[int, dict]:

@@ -1376,17 +1376,18 @@ def _trace_of_job(folder: str, allow_missing_ranks: bool) -> Trace:
     incomplete = [r for r, p in payloads.items() if p is None or not p["complete"]]
     trace = Trace(payloads, offsets, incomplete, meta)
     held = {r: p["events"] for r, p in trace.payloads.items() if p is not None}
-    if any(isinstance(events, columnar.LazyRecords) for events in held.values()):
+    if job.columns is not None:
         # streams of Arrow batches: every rank's rows as one table, as a trace loaded from a columnar file keeps them
-        with _analysis_formatting.cyclic_gc_paused():
-            tables = [events.columns.table if isinstance(events, columnar.LazyRecords) else
-                      columnar.table_of_records(r, schema.current_events(trace.payloads[r]))
-                      for r, events in held.items() if len(events)]
-            if tables:
+        columns = job.columns
+        if any(not isinstance(events, columnar.LazyRecords) for events in held.values()):  # JSON lines beside them
+            with _analysis_formatting.cyclic_gc_paused():
+                tables = [events.columns.rows(r) if isinstance(events, columnar.LazyRecords) else
+                          columnar.table_of_records(r, schema.current_events(trace.payloads[r]))
+                          for r, events in held.items() if len(events)]
                 columns = columnar.EventColumns(columnar.concat_tables(tables))
-                for r in held:
-                    trace.payloads[r]["events"] = columnar.LazyRecords(columns, r)
-                trace._columns = columns
+        for r in held:
+            trace.payloads[r]["events"] = columnar.LazyRecords(columns, r)
+        trace._columns = columns
     return trace
 
 
