@@ -71,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="recorded steps: the events of one flush")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long each loop runs")
+    parser.add_argument("--jsonl", action="store_true", help="write JSON lines (stream version 1) instead of Arrow")
     args = parser.parse_args()
     import torch
 
@@ -85,7 +86,11 @@ def main() -> None:
     flushing, stop = threading.Event(), threading.Event()
     flush_ms: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        writer = RankStreamWriter(os.path.join(tmp, "rank-00000.jsonl"))
+        # --jsonl: the JSON lines of stream version 1, to compare
+        writer = RankStreamWriter(os.path.join(tmp, "rank-00000" + (".jsonl" if args.jsonl else ".arrows")))
+        # a job's writer writes its header line when the recording starts, before any flush (an Arrow stream
+        # imports pyarrow then, about 0.4 s): a line first, so that the flushes measured are the job's
+        writer.write_lines([{"clock": {"offset_ns": 0, "uncertainty_ns": 0}}])
 
         def flush_again_and_again() -> None:
             while not stop.is_set():

@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from sharddbg import job_files  # noqa: E402
+
 JOB = REPO / "tests" / "data" / "jobs" / "conv_job.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 MODES = ("unrecorded", "notebook recorder", "sharddbg record", "record, outside the window")
@@ -56,17 +59,17 @@ def launch(mode: str, steps: int, workdir: Path, index: int, nproc: int = 4, dev
         # sharddbg's own CPU time in each rank (its background thread, its step hook) over the rank's life: what
         # being ready costs, measured in the process itself, free of the launch-to-launch noise of step times
         shares = []
-        for stream in sorted(out.glob("rank-*.jsonl")):
-            lines = stream.read_text().splitlines()
-            head, end = json.loads(lines[0])["header"], json.loads(lines[-1])["end"]
+        for stream in sorted(out.glob("rank-*.arrows")):
+            lines = job_files.stream_lines(str(stream))
+            head, end = lines[0]["header"], lines[-1]["end"]
             wall_ms = (end["t_ns"] - head["clock"]["t_start_ns"]) / 1e6
             own = end["sharddbg_cpu_ms"]
             shares.append((own["background"] + own["step_hook"]) / wall_ms)
         result["own_cpu_share"] = max(shares)
     if mode == "sharddbg record":
         flushes, pieces, sizes = [], [], []
-        for stream in sorted(out.glob("rank-*.jsonl")):
-            last = json.loads(stream.read_text().splitlines()[-1])
+        for stream in sorted(out.glob("rank-*.arrows")):
+            last = job_files.stream_lines(str(stream))[-1]
             flushes.append(last["end"]["largest_flush_ms"])
             pieces.append(last["end"]["largest_piece_ms"])
             sizes.append(stream.stat().st_size)

@@ -127,6 +127,15 @@ def main(argv=None) -> None:
     ap.add_argument("--source", type=Path, default=GOLDEN, help="the recorded trace whose records are repeated")
     ap.add_argument("--folder", default=None, help="where the files go (default: a temp folder)")
     ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
+    ap.add_argument("--cell-latency", action="store_true",
+                    help="only the latency of tracing a small cell, its payloads as dicts and as columns")
+    ap.add_argument("--save-only", action="store_true",
+                    help="only the columnar save: of a trace of dicts (this code, and --before-code's in a process of "
+                         "its own) and of a trace gathered as columns (the payloads made columns as engines do)")
+    ap.add_argument("--job-folder", action="store_true",
+                    help="only a recorded job's folder of these records: written as Arrow streams (a batch per 1000 "
+                         "lines, as a busy rank's flushes write them) and as JSON lines (stream version 1), each loaded "
+                         "in a fresh process")
     ap.add_argument("--gather-ranks", type=int, default=8)
     ap.add_argument("--gather-events", type=int, default=10_000)
     ap.add_argument("--before-code", type=Path, default=None,
@@ -142,6 +151,14 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(ROOT))
     if args.gather:
         return gather(args.gather_ranks, args.gather_events)
+    if args.cell_latency:
+        return cell_latency()
+    if args.job_folder:
+        return job_folder(args.events, args.ranks, args.folder or tempfile.mkdtemp(prefix="sdbench-"), args.source,
+                          args.skip_json_load)
+    if args.save_only:
+        return save_only(args.events, args.ranks, args.folder or tempfile.mkdtemp(prefix="sdbench-"), args.before_code,
+                         args.source)
     if args.columnar_only:
         return columnar_only(args.columnar_only)
     import pyarrow as pa
@@ -248,6 +265,100 @@ def main(argv=None) -> None:
           f"python {sys.version.split()[0]} load average {os.getloadavg()}")
 
 
+_SAVER = """
+import json, sys, time
+sys.path.insert(0, sys.argv[4])
+from bench_trace_big import big_trace_document
+from sharddbg.trace import Trace
+doc = big_trace_document(int(sys.argv[1]), int(sys.argv[2]))
+t = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}, [], doc["meta"])
+wall, cpu = time.perf_counter(), time.process_time()
+t.save(sys.argv[3])
+print(time.perf_counter() - wall, time.process_time() - cpu)
+"""
+
+
+def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None, source: Path) -> None:
+    """The columnar save of ``n_events`` records over ``n_ranks`` ranks: a trace of dicts (``--before-code``'s, in a
+    process of its own, and this code's), and a trace built from the payloads as the engines send them as columns
+    (``columnar.payload_as_columns`` on each, ``Trace.from_payloads``): wall and CPU seconds of each step."""
+    import sharddbg
+    from sharddbg import columnar
+    from sharddbg.trace import Trace
+
+    def note(what: str, wall: float, cpu: float, extra: str = "") -> None:
+        print(f"{what:62s} {wall:8.2f} s wall {cpu:8.2f} s CPU {extra}", flush=True)
+
+    os.makedirs(folder, exist_ok=True)
+    if before_code is not None:
+        env = dict(os.environ, PYTHONPATH=str(before_code))
+        out = subprocess.run([sys.executable, "-c", _SAVER, str(n_events), str(n_ranks),
+                              os.path.join(folder, "before.sdtrace.arrow"), str(ROOT / "bench")],
+                             capture_output=True, text=True, env=env, check=True, cwd=str(before_code))
+        note("save columnar, a trace of dicts: the code before", *(float(x) for x in out.stdout.split()[-2:]))
+    c = Clock()
+    doc = big_trace_document(n_events, n_ranks, source)
+    note(f"build {n_events} records over {n_ranks} ranks (bench only)", *c.read())
+    t = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}, [], doc["meta"])
+    c = Clock()
+    t.save(os.path.join(folder, "dicts.sdtrace.arrow"))
+    note("save columnar, a trace of dicts: this code", *c.read())
+    del t
+    c = Clock()
+    shipped = [columnar.payload_as_columns(p) for p in doc["payloads"]]
+    note(f"payloads as columns, {n_ranks} ranks' (the engines' share, here in one process)", *c.read())
+    del doc
+    c = Clock()
+    live = Trace.from_payloads(shipped)
+    note("Trace.from_payloads of payloads as columns (checked on columns)", *c.read(),
+         f"held as columns: {live._columns is not None}")
+    c = Clock()
+    path = live.save(os.path.join(folder, "live.sdtrace.arrow"))
+    note("save columnar, a trace gathered as columns (its table written)", *c.read())
+    wall, cpu, rss = load_in_a_fresh_process(path)
+    note("load_trace of it (fresh process)", wall, cpu, f"peak RSS {rss:.2f} GiB")
+    print(f"pyarrow {__import__('pyarrow').__version__}, python {sys.version.split()[0]}, load average "
+          f"{os.getloadavg()}", flush=True)
+    del sharddbg
+
+
+def job_folder(n_events: int, n_ranks: int, folder: str, source: Path, skip_json: bool = False) -> None:
+    """A recorded job's folder holding ``n_events`` records over ``n_ranks`` ranks, as Arrow streams and as JSON
+    lines: the bytes, the time to write them (this process) and ``load_trace`` of each folder in a fresh process."""
+    from sharddbg import job_files, schema
+    flush_lines = 1000  # the lines of one flush of a busy rank: a record batch
+
+    doc = big_trace_document(n_events, n_ranks, source)
+    for suffix in (job_files.STREAM_SUFFIX, job_files.JSON_LINES_SUFFIX)[:1 if skip_json else 2]:
+        out = os.path.join(folder, "job" + suffix.replace(".", "-"))
+        os.makedirs(out, exist_ok=True)
+        c = Clock()
+        size = 0
+        for p in doc["payloads"]:
+            head = {"format": job_files.STREAM_FORMAT, "version": 2 if suffix == job_files.STREAM_SUFFIX else 1,
+                    "schema_version": schema.SCHEMA_VERSION, "run_id": "bench", "rank": p["rank"],
+                    "world_size": n_ranks, "clock": p["clock"], "meta": p["meta"]}
+            lines = [{"header": head}, {"clock": {"offset_ns": 0, "uncertainty_ns": 0}},
+                     *({"event": ev} for ev in p["events"]),
+                     {"end": {"meta": p["meta"], "dropped": 0, "clock": p["clock"]}}]
+            path = os.path.join(out, job_files.rank_file_name(p["rank"], suffix))
+            if suffix == job_files.STREAM_SUFFIX:
+                encoder = job_files.StreamEncoder(p["rank"])
+                data = b"".join(encoder.encode(lines[i:i + flush_lines]) for i in range(0, len(lines), flush_lines))
+            else:
+                data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
+            with open(path, "wb") as f:
+                f.write(data)
+            size += len(data)
+        wall, cpu = c.read()
+        print(f"write the job's streams as {suffix:8s}: {wall:7.2f} s wall {cpu:7.2f} s CPU, {size / 2**20:.0f} MiB",
+              flush=True)
+        wall, cpu, rss = load_in_a_fresh_process(out)
+        print(f"load_trace of the folder ({suffix}, fresh process): {wall:7.2f} s wall {cpu:7.2f} s CPU, peak RSS "
+              f"{rss:.2f} GiB", flush=True)
+    print(f"load average {os.getloadavg()}", flush=True)
+
+
 def columnar_only(path: str) -> None:
     """Load the columnar file ``path`` in a fresh process and in this one, build the tables from its columns, save
     it again: wall and CPU seconds of each step, peak memory of the fresh process."""
@@ -272,9 +383,12 @@ def columnar_only(path: str) -> None:
     print(f"peak RSS of this process {peak / 2**20:.2f} GiB; load average {os.getloadavg()}")
 
 
-def gather(n_payloads: int, n_events: int) -> None:
+def gather(n_payloads: int, n_events: int, runs: int = 3) -> None:
     """Pull ``n_payloads`` payloads of ``n_events`` records from the engines of a 2-rank cluster and build the
-    Trace: the wall and CPU seconds of the client."""
+    Trace, as dicts (pickled, checked record by record) and as columns (each payload made into Arrow columns on its
+    engine, ``columnar.payload_as_columns``, what ``api.recording_stop(columns_from=...)`` sends; the client reads
+    and checks them on columns), ``runs`` times each, alternating: wall and CPU seconds of the client, CPU seconds
+    of the engines."""
     import sharddbg
     from sharddbg.trace import Trace
 
@@ -282,22 +396,67 @@ def gather(n_payloads: int, n_events: int) -> None:
     cl.start()
     try:
         cl.run(f"""
-import pickle, sys
+import pickle, sys, time
 import torch.distributed as _dist
+from sharddbg import columnar as _columnar
 sys.path.insert(0, {str(ROOT / "bench")!r})
 from bench_trace_big import big_trace_document
 _doc = big_trace_document({n_payloads * n_events}, {n_payloads})
 held = [pickle.loads(pickle.dumps(p)) for p in _doc["payloads"][_dist.get_rank()::2]]  # unshared
+del _doc
+
+def _shipped(as_columns):
+    cpu = time.process_time()
+    out = [_columnar.payload_as_columns(p) for p in held] if as_columns else held
+    return out, time.process_time() - cpu
 """, timeout=300)
-        for _ in range(3):
-            c = Clock()
-            payloads = [p for per_engine in cl.eval("held", timeout=300) for p in per_engine]
-            pulled = c.read()
-            Trace.from_payloads({p["rank"]: p for p in payloads})
-            total = c.read()
-            print(f"pull {len(payloads)} x {n_events} records: {pulled[0]:.2f} s wall ({pulled[1]:.2f} s CPU); "
-                  f"check and build the Trace: {total[0] - pulled[0]:.2f} s wall ({total[1] - pulled[1]:.2f} s "
-                  f"CPU); total {total[0]:.2f} s wall", flush=True)
+        for _ in range(runs):
+            for mode in ("dicts", "columns"):
+                c = Clock()
+                per_engine = cl.eval(f"_shipped({mode == 'columns'})", timeout=300)
+                payloads = [p for shipped, _cpu in per_engine for p in shipped]
+                pulled = c.read()
+                t = Trace.from_payloads({p["rank"]: p for p in payloads})
+                total = c.read()
+                engine_cpu = sum(cpu for _shipped, cpu in per_engine)
+                print(f"{mode:8s} {len(payloads)} x {n_events} records: engines' columns {engine_cpu:.2f} s CPU "
+                      f"(both); pull {pulled[0]:.2f} s wall ({pulled[1]:.2f} s CPU); check and build the Trace: "
+                      f"{total[0] - pulled[0]:.2f} s wall ({total[1] - pulled[1]:.2f} s CPU); total {total[0]:.2f} s "
+                      f"wall, client {total[1]:.2f} s CPU; held as columns: {t._columns is not None}", flush=True)
+                del t, payloads, per_engine
+    finally:
+        cl.stop()
+
+
+def cell_latency(runs: int = 7) -> None:
+    """The wall time of ``cl.trace`` of a small cell (26 records per rank, the golden trace's size) on a 2-rank
+    cluster, its payloads sent as dicts and as columns (``recording.COLUMNS_FROM`` None and 0), alternating."""
+    import statistics
+
+    import sharddbg
+    from sharddbg.cluster import recording
+
+    cl = sharddbg.Cluster(n=2, timeout=300)
+    cl.start()
+    try:
+        cl.run("x = sharddbg.engine.scatter(torch.arange(64.).reshape(1, 1, 16, 4), dim=2)", display=False)
+        cell = "for _ in range(13):\n    y = x + 1\n    y = y * 2\n"
+        cl.trace(cell, display=False)
+        times: dict[str, list[float]] = {"dicts": [], "columns": []}
+        cpu: dict[str, list[float]] = {"dicts": [], "columns": []}
+        for _ in range(runs):
+            for mode, columns_from in (("dicts", None), ("columns", 0)):
+                recording.COLUMNS_FROM = columns_from
+                c = Clock()
+                t = cl.trace(cell, display=False)
+                wall, cpu_s = c.read()
+                times[mode].append(wall)
+                cpu[mode].append(cpu_s)
+                assert (t._columns is not None) == (mode == "columns")
+        for mode in times:
+            print(f"cl.trace of a {len(t.events(0))}-record cell, payloads as {mode}: median {statistics.median(times[mode]):.3f} s "
+                  f"wall (min {min(times[mode]):.3f}, max {max(times[mode]):.3f}), client CPU median "
+                  f"{statistics.median(cpu[mode]):.3f} s", flush=True)
     finally:
         cl.stop()
 

@@ -26,17 +26,19 @@ a JSON file, naming what is wrong.
 
 from __future__ import annotations
 
+import gc
 import json
+from contextlib import contextmanager
 from functools import partial
 from operator import itemgetter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import schema
 
 __all__ = ["COLUMNS_VERSION", "LAYOUT", "COLUMNS", "KIND_COLUMNS", "write_document", "read_document", "read_table",
-           "write_table", "table_of_payloads", "records_of", "decoded_json", "distinct_json", "EventColumns",
-           "LazyRecords", "header_of",
+           "write_table", "table_of_payloads", "table_of_records", "table_of_few_records", "RecordRows", "concat_tables", "file_table", "records_of", "decoded_json", "distinct_json", "EventColumns",
+           "LazyRecords", "header_of", "EVENTS_AS_COLUMNS", "payload_as_columns", "table_of_stream",
            "ColumnarProblem"]
 
 LAYOUT = "columnar"
@@ -88,13 +90,36 @@ class ColumnarProblem(Exception):
 
 
 def _arrow_type(pa, kind: str, version: int = COLUMNS_VERSION):
-    text = pa.large_string() if version < 2 else pa.dictionary(pa.int32(), pa.large_string())
-    return {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": text, "json": text}[kind]
+    made = _ARROW_TYPES.get((kind, version))
+    if made is None:  # made once: a type is asked for per column of every table
+        text = pa.large_string() if version < 2 else pa.dictionary(pa.int32(), pa.large_string())
+        made = _ARROW_TYPES[kind, version] = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(),
+                                              "str": text, "json": text}[kind]
+    return made
 
 
-def _file_table(table):
+_ARROW_TYPES: dict[tuple[str, int], Any] = {}
+
+
+def file_table(table) -> Any:
     """``table`` with the column types of this version's file (text dictionary-encoded) and one chunk per column:
-    an IPC file holds one dictionary per column."""
+    an IPC file holds one dictionary per column.
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+        Columns of records, their text plain (``large_string``) or dictionary-encoded.
+
+    Returns
+    -------
+    pyarrow.Table
+        The same rows, text dictionary-encoded, one chunk per column.
+
+    Examples
+    --------
+    >>> file_table(plain).schema.field("op").type
+    DictionaryType(dictionary<values=large_string, indices=int32, ordered=0>)
+    """
     import pyarrow as pa
 
     for i, field in enumerate(table.schema):
@@ -141,7 +166,7 @@ def write_table(doc: dict, table, sink) -> None:
     import pyarrow as pa
 
     header = header_of(doc)
-    table = _file_table(table).replace_schema_metadata({
+    table = file_table(table).replace_schema_metadata({
         METADATA_KEY: json.dumps(header, separators=(",", ":"), allow_nan=False).encode()})
     # zstd: a trace repeats itself (op names, shapes, lines of code); the columns shrink many times for little CPU
     with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
@@ -150,60 +175,430 @@ def write_table(doc: dict, table, sink) -> None:
 
 def table_of_payloads(ranks: list, payloads: list):
     """The columns (a ``pyarrow.Table``, the file's schema) of the records of ``payloads`` (one per rank of
-    ``ranks``, None for a rank that sent nothing), built in one pass per record kind.
+    ``ranks``, None for a rank that sent nothing), built a column at a time: a field's values read in C, a JSON
+    field's text made once per distinct value.
 
     Raises ValueError for a NaN or infinite number, as JSON does."""
     import pyarrow as pa
 
-    names = ("rank", *COLUMNS, "extra")
-    values: dict[str, list] = {name: [] for name in names}
-    for rank, p in zip(ranks, payloads):
-        if p is None:
-            continue
-        events = schema.current_events(p)
+    with _gc_paused():
+        tables = [table_of_records(rank, schema.current_events(p)) for rank, p in zip(ranks, payloads)
+                  if p is not None]
+    if not tables:
+        return table_of_records(0, [])
+    return concat_tables(tables)
+
+
+def concat_tables(tables: list):
+    """The tables of several ranks (``table_of_records``, each rank's rows together, ranks ascending) as one table
+    of one chunk per column, their dictionaries unified."""
+    import pyarrow as pa
+
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks()
+
+
+def table_of_records(rank: int, events: list):
+    """The columns (``table_of_payloads``' schema) of one rank's records ``events`` (as this schema reads them),
+    in their order.
+
+    Raises ValueError for a NaN or infinite number, as JSON does."""
+    import numpy as np
+    import pyarrow as pa
+
+    with _gc_paused():
+        return _table_of_records(rank, events)
+
+
+def table_of_few_records(rank: int, records: list) -> Any:
+    """The columns of ``records`` (``table_of_records``' rows and types), made a record at a time (``RecordRows``):
+    for a few hundred records, what costs is the number of columns, not of rows, and this makes each column once,
+    where ``table_of_records`` makes every column of every record kind and puts the kinds back in order. A None in
+    ``records`` is a row null in every column but ``rank``.
+
+    Parameters
+    ----------
+    rank : int
+        The ``rank`` column's value.
+    records : list of dict or None
+        Records as this schema reads them, in order.
+
+    Returns
+    -------
+    pyarrow.Table
+        ``rank``, every field's column, ``extra``; text dictionary-encoded.
+
+    Raises
+    ------
+    ValueError
+        A NaN or an infinite number, which JSON does not hold.
+
+    Examples
+    --------
+    >>> table_of_few_records(0, [{"kind": "meta", "seq": 0}, None]).num_rows
+    2
+    """
+    rows = RecordRows(rank)
+    for record in records:
+        rows.add(record)
+    return rows.table()
+
+
+class RecordRows:
+    """Records added one at a time (``add``: their values put in per-column lists, JSON text made for lists and
+    dicts), made into a table at the end (``table``, the file's column types): the work per record can be spread over
+    pieces of time, and only the last step (an Arrow array per column) is done at once.
+
+    Parameters
+    ----------
+    rank : int
+        The ``rank`` column's value.
+
+    Examples
+    --------
+    >>> rows = RecordRows(0)
+    >>> rows.add({"kind": "meta", "seq": 0})
+    >>> rows.table().num_rows
+    1
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._encode = _json_encoder()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.count = 0
+        self._values: list[list] = [[] for _name in _ROW_COLUMNS]
+
+    def add(self, record: dict | None) -> None:
+        """Add a record (None: a row null in every column but ``rank``).
+
+        Parameters
+        ----------
+        record : dict or None
+            A record as this schema reads it.
+
+        Raises
+        ------
+        ValueError
+            A NaN or an infinite number in a field that holds a list or a dict.
+        TypeError
+            A value JSON cannot write, in such a field.
+
+        Examples
+        --------
+        >>> RecordRows(0).add({"kind": "meta", "seq": 0})
+        """
+        self.count += 1
+        if record is None:
+            for column in self._values:
+                column.append(None)
+            return
+        own = _KNOWN.get(record.get("kind"), _KNOWN[None])
+        get = record.get
+        encode = self._encode
+        for (name, is_json), column in zip(_ROW_COLUMNS, self._values):
+            if name == "extra":
+                value = None if record.keys() <= own else ({k: v for k, v in record.items() if k not in own} or None)
+            else:
+                value = get(name) if name in own else None
+            if is_json and value is not None:
+                value = "".join(encode(value, 0))
+            column.append(value)
+
+    def table(self) -> Any:
+        """The records added so far as a table (``table_of_few_records``' columns); the rows are then forgotten.
+
+        Returns
+        -------
+        pyarrow.Table
+            ``rank``, every field's column, ``extra``; text dictionary-encoded.
+
+        Raises
+        ------
+        ValueError
+            A NaN or an infinite number in a float field.
+
+        Examples
+        --------
+        >>> rows.table().column_names[:3]
+        ['rank', 'kind', 'seq']
+        """
+        import pyarrow as pa
+
+        arrays = [pa.array([self.rank] * self.count, pa.int64())]
+        fields = [pa.field("rank", pa.int64())]
+        for (name, _is_json), column in zip(_ROW_COLUMNS, self._values):
+            kind = "json" if name == "extra" else COLUMNS[name]
+            if kind == "float":
+                for v in column:
+                    if v is not None and v - v != 0.0:
+                        raise ValueError(f"Out of range float values are not JSON compliant: {v!r} in field {name!r}")
+            array = pa.array(column, _arrow_type(pa, kind, 1))
+            arrays.append(array.dictionary_encode() if kind in ("str", "json") else array)
+            fields.append(pa.field(name, _arrow_type(pa, kind)))
+        self._clear()
+        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+_ROW_COLUMNS = [(name, COLUMNS.get(name, "json") == "json") for name in (*COLUMNS, "extra")]
+
+
+# record kind -> the fields its records hold (its own and its optional ones); None: a kind of no columns of its own
+_KNOWN: dict[Any, frozenset] = {kind: frozenset(KIND_COLUMNS[kind]) | frozenset(_OPTIONAL.get(kind, ()))
+                                for kind in KIND_COLUMNS}
+_KNOWN[None] = frozenset(("kind", "seq"))
+
+
+def _table_of_records(rank: int, events: list):
+    import numpy as np
+    import pyarrow as pa
+
+    n = len(events)
+    try:
+        kinds = list(map(itemgetter("kind"), events))
+    except (KeyError, TypeError):
         kinds = [ev.get("kind") for ev in events]
-        order: list[int] = []  # the records regrouped by kind below; their places, to put them back in order
-        grouped: dict[str, list] = {name: [] for name in names}
-        for kind in dict.fromkeys(kinds):
-            rows = [i for i, k in enumerate(kinds) if k == kind]
-            records = [events[i] for i in rows]
-            own = KIND_COLUMNS.get(kind, ("kind", "seq"))
-            known = set(own) | set(_OPTIONAL.get(kind, ()))
-            try:  # every record of a known kind holds its fields (as this schema reads it): read in C
-                held = dict(zip(own, map(list, zip(*map(itemgetter(*own), records)))))
-            except KeyError:  # a record made by hand without some: None for what it lacks
-                held = {name: [ev.get(name) for ev in records] for name in own}
-            nothing = [None] * len(records)
-            for name in COLUMNS:
-                if name in held:
-                    grouped[name].extend(held[name])
-                elif name in known:  # an optional field: present only where it says something
-                    grouped[name].extend([ev.get(name) for ev in records])
-                else:
-                    grouped[name].extend(nothing)
-            extra = [None if len(ev) <= len(own) and ev.keys() <= known else
-                     ({k: v for k, v in ev.items() if k not in known} or None) for ev in records]
-            grouped["extra"].extend(extra)
-            order.extend(rows)
-        back = sorted(range(len(order)), key=order.__getitem__)  # the payload's own order again
-        for name in names[1:]:
-            values[name].extend(map(grouped[name].__getitem__, back))
-        values["rank"].extend([rank] * len(events))
-    arrays = []
-    fields = []
-    encode = _json_encoder()
-    for name, column in values.items():
-        kind = "json" if name == "extra" else COLUMNS.get(name, "int")
-        if kind == "json":
-            column = [None if v is None else "".join(encode(v, 0)) for v in column]
-        elif kind == "float":
-            for v in column:
-                if v is not None and v - v != 0.0:
-                    raise ValueError(f"Out of range float values are not JSON compliant: {v!r} in field {name!r}")
-        array = pa.array(column, type=_arrow_type(pa, kind, 1))
-        arrays.append(array.dictionary_encode() if kind in ("str", "json") else array)
-        fields.append(pa.field(name, _arrow_type(pa, kind)))
+    parts = []  # one table per record kind: its rows, every column (null where the kind has no such field)
+    placed = []  # the rows of each part in ``events``
+    kind_array = None
+    for kind in dict.fromkeys(kinds):
+        if kinds.count(kind) == n:
+            records = events
+            placed.append(None)
+        else:
+            if kind_array is None:
+                kind_array = np.fromiter(kinds, dtype=object, count=n)
+            rows = np.flatnonzero(kind_array == kind)
+            records = list(map(events.__getitem__, rows.tolist()))
+            placed.append(rows)
+        parts.append(_kind_table(rank, kind, records))
+    if not parts:
+        return _kind_table(rank, None, [])
+    if len(parts) == 1:
+        return parts[0]
+    # the parts' rows back in the records' order: one take, in C
+    order = np.argsort(np.concatenate(placed), kind="stable")
+    return pa.concat_tables(parts).combine_chunks().take(order)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off: the columns of many records are made of many small tuples, each
+    batch of which would start a collection walking every live object (the records themselves); none of them holds
+    a cycle."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _kind_table(rank: int, kind: Any, records: list):
+    """The columns of ``records``, all of record kind ``kind``."""
+    import pyarrow as pa
+
+    n = len(records)
+    own = KIND_COLUMNS.get(kind, ("kind", "seq"))
+    optional = _OPTIONAL.get(kind, ())
+    known = {*own, *optional}
+    values: dict[str, list] = {}
+    try:  # every record of a known kind holds its fields (as this schema reads it): read in C
+        values.update(zip(own, zip(*map(itemgetter(*own), records))))  # the star reads every record: a KeyError now
+        complete = True
+    except KeyError:  # a record made by hand without some: None for what it lacks
+        values.update((name, [ev.get(name) for ev in records]) for name in own)
+        complete = False
+    # the records with keys beyond their kind's own (optional fields that say something, a meta record's data)
+    width = len(own)
+    odd = [i for i, ev in enumerate(records) if len(ev) != width] if complete else range(n)
+    if odd:
+        for name in (*optional, "extra"):
+            if name == "extra":
+                found = [{k: v for k, v in records[i].items() if k not in known} or None for i in odd]
+            else:
+                found = [records[i].get(name) for i in odd]
+            if any(v is not None for v in found):
+                column = [None] * n
+                for i, v in zip(odd, found):
+                    column[i] = v
+                values[name] = column
+    made = _json_columns(pa, [name for name in own if COLUMNS[name] == "json"], values, n)
+    arrays = [pa.array([rank] * n, pa.int64())]
+    fields = [pa.field("rank", pa.int64())]
+    for name in (*COLUMNS, "extra"):
+        column_kind = "json" if name == "extra" else COLUMNS[name]
+        arrays.append(made[name] if name in made else _arrow_column(pa, name, column_kind, values.get(name), n))
+        fields.append(pa.field(name, _arrow_type(pa, column_kind)))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _json_columns(pa, names: list[str], values: dict, n: int) -> dict:
+    """The JSON-text columns ``names`` of a kind's records, made together: a record's values of all of them are
+    told apart at once (marshal's bytes of the tuple, in C), so that each field's text is made once per distinct
+    combination, and the rows of a combination point at it; a trace repeats its shapes and placements, so the
+    combinations are few."""
+    import marshal
+    from itertools import repeat
+
+    if len(names) < 2:
+        return {}
+    rows = list(zip(*(values[name] for name in names)))
+    try:
+        keys = pa.array(list(map(marshal.dumps, rows, repeat(2, n))), pa.binary()).dictionary_encode()
+    except ValueError:  # a value marshal cannot write: each column on its own, whose encoder names it
+        return {}
+    combinations = [marshal.loads(k) for k in keys.dictionary.to_pylist()]
+    encode = _json_encoder()
+    made = {}
+    for j, name in enumerate(names):
+        texts: dict[bytes, int] = {}  # marshal's bytes of a distinct value -> its place among the texts
+        places = []
+        for combination in combinations:
+            value = combination[j]
+            if value is None:
+                places.append(None)
+                continue
+            key = marshal.dumps(value, 2)
+            place = texts.get(key)
+            if place is None:
+                place = texts[key] = len(texts)
+            places.append(place)
+        if not texts:  # null in every row
+            made[name] = pa.nulls(n, _arrow_type(pa, "json"))
+            continue
+        dictionary = pa.array(["".join(encode(marshal.loads(k), 0)) for k in texts], pa.large_string())
+        made[name] = pa.DictionaryArray.from_arrays(pa.array(places, pa.int32()).take(keys.indices), dictionary)
+    return made
+
+
+def _arrow_column(pa, name: str, kind: str, column, n: int):
+    """The Arrow array of the file's type for one column's values (a sequence, or None: all null)."""
+    import marshal
+    from itertools import repeat
+
+    import pyarrow.compute as pc
+
+    if column is None:
+        return pa.nulls(n, _arrow_type(pa, kind))
+    if kind == "json":
+        # a field holding lists or dicts: its JSON text made once per distinct value, told apart by marshal's bytes
+        # (made in C, exact: 1, 1.0 and True differ, as their JSON does)
+        try:
+            keys = pa.array(list(map(marshal.dumps, column, repeat(2, n))), pa.binary()).dictionary_encode()
+        except ValueError:  # a value marshal cannot write, so neither can JSON: the encoder names it
+            encode = _json_encoder()
+            for v in column:
+                "".join(encode(v, 0))
+            raise
+        distinct = keys.dictionary.to_pylist()
+        encode = _json_encoder()
+        # None's entry is never pointed at (its rows are made null) but must not be null: dictionaries with a null
+        # cannot be unified when the ranks' tables are put together
+        texts = pa.array(["".join(encode(marshal.loads(k), 0)) for k in distinct], pa.large_string())
+        indices = keys.indices
+        if _MARSHAL_NONE in distinct:
+            indices = pc.if_else(pc.equal(indices, distinct.index(_MARSHAL_NONE)), pa.scalar(None, pa.int32()),
+                                 indices)
+        return pa.DictionaryArray.from_arrays(indices, texts)
+    array = pa.array(column, type=_arrow_type(pa, kind, 1))
+    if kind == "str":
+        return array.dictionary_encode()
+    if kind == "float" and array.null_count < n and not pc.all(pc.is_finite(array.drop_null())).as_py():
+        bad = next(v for v in column if v is not None and v - v != 0.0)
+        raise ValueError(f"Out of range float values are not JSON compliant: {bad!r} in field {name!r}")
+    return array
+
+
+_MARSHAL_NONE = b"N"  # marshal's bytes of None: a null row
+
+
+# A payload whose records travel as columns (``payload_as_columns``) holds, instead of ``events``, this key: an Arrow
+# IPC stream of the rank's rows (``table_of_records``' columns, one record batch)
+EVENTS_AS_COLUMNS = "events_as_columns"
+
+
+def payload_as_columns(payload: dict) -> dict:
+    """``payload`` (``schema.PAYLOAD_FIELDS``) with its records as columns: its ``events`` replaced by
+    ``EVENTS_AS_COLUMNS``, the Arrow IPC stream bytes of their columns (``table_of_records``). A rank's big payload
+    is shipped so: the client reads the columns as they are, where a list of dicts is pickled, unpickled and
+    checked record by record.
+
+    Parameters
+    ----------
+    payload : dict
+        A rank's payload, its records in ``events``.
+
+    Returns
+    -------
+    dict
+        The payload without ``events``, with ``EVENTS_AS_COLUMNS``.
+
+    Raises
+    ------
+    ValueError
+        A record holds a NaN or an infinite number, which a trace file cannot hold.
+
+    Examples
+    --------
+    >>> shipped = payload_as_columns(recorder.stop())
+    >>> table_of_stream(shipped[EVENTS_AS_COLUMNS]).num_rows == len(payload["events"])
+    True
+    """
+    import pyarrow as pa
+
+    table = table_of_records(payload["rank"], schema.current_events(payload))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    shipped = {k: v for k, v in payload.items() if k != "events"}
+    shipped[EVENTS_AS_COLUMNS] = sink.getvalue().to_pybytes()
+    return shipped
+
+
+def table_of_stream(raw: bytes):
+    """The table an Arrow IPC stream ``raw`` holds (``payload_as_columns``'); ColumnarProblem when it is not one
+    or its columns are not the file's.
+
+    Parameters
+    ----------
+    raw : bytes
+        The stream's bytes.
+
+    Returns
+    -------
+    pyarrow.Table
+        Its rows: ``rank``, every field's column, ``extra``.
+
+    Raises
+    ------
+    ColumnarProblem
+        Not a readable Arrow IPC stream, or a column missing or of another type.
+
+    Examples
+    --------
+    >>> table_of_stream(shipped[EVENTS_AS_COLUMNS]).column_names[:3]
+    ['rank', 'kind', 'seq']
+    """
+    import pyarrow as pa
+
+    try:
+        table = pa.ipc.open_stream(pa.BufferReader(raw)).read_all()
+    except (pa.ArrowInvalid, pa.ArrowException, OSError, TypeError) as e:
+        raise ColumnarProblem(f"not a readable Arrow IPC stream ({e})") from None
+    _check_columns(pa, table, COLUMNS_VERSION)
+    return table.select(list(_WANT))
+
+
+def _check_columns(pa, table, version: int) -> None:
+    for name, kind in _WANT.items():
+        if name not in table.column_names:
+            raise ColumnarProblem(f"column {name!r} is missing")
+        got = table.schema.field(name).type
+        if not got.equals(_arrow_type(pa, kind, version)):
+            raise ColumnarProblem(f"column {name!r} is of type {got}, expected {_arrow_type(pa, kind, version)}")
 
 
 def read_table(raw: bytes) -> tuple[dict, Any]:
@@ -233,14 +628,9 @@ def read_table(raw: bytes) -> tuple[dict, Any]:
     if cols > COLUMNS_VERSION:
         raise ColumnarProblem(f'its columns are of version {cols}, written by a newer sharddbg; this one reads up '
                               f"to {COLUMNS_VERSION}: upgrade sharddbg")
-    for name, kind in _WANT.items():
-        if name not in table.column_names:
-            raise ColumnarProblem(f"column {name!r} is missing")
-        got = table.schema.field(name).type
-        if not got.equals(_arrow_type(pa, kind, cols)):
-            raise ColumnarProblem(f"column {name!r} is of type {got}, expected {_arrow_type(pa, kind, cols)}")
+    _check_columns(pa, table, cols)
     table = table.select(list(_WANT)).replace_schema_metadata(None)
-    return header, (_file_table(table) if cols < 2 else table)
+    return header, (file_table(table) if cols < 2 else table)
 
 
 _WANT = {"rank": "int", **COLUMNS, "extra": "json"}  # every column of the file, and its kind

@@ -4,7 +4,7 @@ command line, that reads what the user has saved and answers the extension's req
 ``GET <base_url>sharddbg/trace?path=<a file under the server's root>``: what the trace's views draw (the
 explorer's data, the timeline's and the communication-per-op figure's plotly JSON) and the explorer's static
 HTML, for a trace file (``*.sdtrace.json``) or a recorded job (its ``job.json`` or one of its
-``rank-NNNNN.jsonl`` files: the whole folder ``sharddbg record`` wrote, read by ``load_trace`` as the notebook
+``rank-NNNNN.arrows`` (``.jsonl``) files: the whole folder ``sharddbg record`` wrote, read by ``load_trace`` as the notebook
 reads it) opened as a document; or the ``TraceFileError`` text of one that fails validation. Nothing is written.
 
 ``GET <base_url>sharddbg/clusters``: this user's clusters (the state files their owning processes keep under

@@ -142,7 +142,11 @@ class Trace:
 
         Each payload is checked (``schema.validate_payload``) before anything is built. A payload's rank is
         its own ``"rank"`` field; the list position or dict key places only a None. A None, and a payload
-        from ``recorder.peek()`` (``complete`` False), mark their rank incomplete.
+        from ``recorder.peek()`` (``complete`` False), mark their rank incomplete. Payloads whose records came
+        as columns (``api.recording_stop(columns_from=...)``: ``columnar.EVENTS_AS_COLUMNS``) make a trace that
+        keeps them as one table (as one loaded from a ``.sdtrace.arrow`` file does), checked on whole columns;
+        where those checks find anything, the records are made as dicts and checked one by one, so that the
+        error is the one the same records as dicts give.
 
         Parameters
         ----------
@@ -177,7 +181,10 @@ class Trace:
         >>> t.ranks
         [0]
         """
-        items = payloads.items() if isinstance(payloads, dict) else enumerate(payloads)
+        by_position = dict(payloads.items() if isinstance(payloads, dict) else enumerate(payloads))
+        if any(isinstance(p, dict) and columnar.EVENTS_AS_COLUMNS in p for p in by_position.values()):
+            return _trace_of_payloads_as_columns(cls, by_position, clock_offsets_ns, meta, incomplete_ranks)
+        items = by_position.items()
         by_rank: dict[int, dict | None] = {}
         incomplete = set(int(r) for r in incomplete_ranks)
         for pos, p in items:
@@ -1128,6 +1135,73 @@ _INT_BOUND_TEXT = "integers in a trace lie within +-2**61: times are int64 ns, a
 MAX_NESTING = 64
 
 
+def _trace_of_payloads_as_columns(cls, payloads: dict, clock_offsets_ns, meta, incomplete_ranks) -> Trace:
+    """``Trace.from_payloads`` of payloads some of which hold their records as columns: the trace keeps every rank's
+    rows as one table, its records checked on whole columns (``columnar.plainly_valid``); where those checks find
+    anything (or a stream is unreadable), the records are made as dicts and the payloads built as such, whose
+    checks say what is wrong exactly as they say it of dicts."""
+    import pyarrow.compute as pc
+
+    with _analysis_formatting.cyclic_gc_paused():
+        tables: dict[int, Any] = {}
+        heads: dict[Any, dict | None] = {}
+        plain = True
+        for pos, p in payloads.items():
+            if not (isinstance(p, dict) and columnar.EVENTS_AS_COLUMNS in p):
+                heads[pos] = dict(p) if isinstance(p, dict) else p  # its records go into the table: not the caller's
+                continue
+            head = {k: v for k, v in p.items() if k != columnar.EVENTS_AS_COLUMNS}
+            head["events"] = []
+            heads[pos] = head
+            try:
+                table = columnar.table_of_stream(p[columnar.EVENTS_AS_COLUMNS])
+            except columnar.ColumnarProblem:
+                plain = False
+                continue
+            rank = p.get("rank")
+            rank_column = table.column("rank")
+            if not _is_int(rank) or rank in tables or (table.num_rows and (
+                    rank_column.null_count or pc.min(rank_column).as_py() != rank
+                    or pc.max(rank_column).as_py() != rank)):
+                plain = False
+                continue
+            tables[rank] = table
+        if plain:
+            # the header of every payload checked as the dict path checks it (a payload with no records yet)
+            trace = cls.from_payloads(heads, clock_offsets_ns, meta, incomplete_ranks)
+            for rank, p in trace.payloads.items():
+                if p is not None and rank not in tables and p["events"]:
+                    tables[rank] = columnar.table_of_records(rank, schema.current_events(p))
+            ranks = trace.ranks
+            table = columnar.concat_tables([tables[r] for r in ranks if r in tables]) if tables else None
+            try:
+                plain = table is None or columnar.plainly_valid(table, ranks, [trace.payloads[r] for r in ranks],
+                                                                MAX_ABS_INT, MAX_NESTING)
+            except (ValueError, TypeError, OverflowError):
+                plain = False
+            if plain:
+                if table is not None:
+                    columns = columnar.EventColumns(table)
+                    for p in trace.payloads.values():
+                        if p is not None:
+                            p["events"] = columnar.LazyRecords(columns, p["rank"])
+                    trace._columns = columns
+                return trace
+    # a closer look: the records as dicts, checked one by one
+    as_dicts = {pos: (p if not (isinstance(p, dict) and columnar.EVENTS_AS_COLUMNS in p)
+                      else dict(heads[pos], events=_records_of_stream(p[columnar.EVENTS_AS_COLUMNS])))
+                for pos, p in payloads.items()}
+    return cls.from_payloads(as_dicts, clock_offsets_ns, meta, incomplete_ranks)
+
+
+def _records_of_stream(raw: bytes) -> list[dict]:
+    """The records a payload's column stream holds, as dicts; SchemaError when it is not readable."""
+    try:
+        return columnar.records_of(columnar.table_of_stream(raw))
+    except columnar.ColumnarProblem as e:
+        raise schema.SchemaError(f"its records as columns ({columnar.EVENTS_AS_COLUMNS}) cannot be read: {e}") from None
+
+
 def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) -> Trace:
     """Read a trace file written by ``Trace.save`` (JSON or the columnar ``.sdtrace.arrow``, told apart by its
     first bytes), or the folder of a job ``sharddbg record`` recorded.
@@ -1140,9 +1214,10 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
     ----------
     path : str or os.PathLike
         The file to read, or a recorded job's folder (``sharddbg.job_files``: ``job.json`` and one
-        ``rank-NNNNN.jsonl`` stream per rank). A rank whose stream has no end (its process was killed, or
-        ended in a hang) loads up to its last flush, incomplete, with the reason; a stream cut mid-line loads
-        up to its last whole line and the reason says where it is cut.
+        ``rank-NNNNN.arrows`` stream per rank, or ``rank-NNNNN.jsonl`` as sharddbg wrote them before). A rank
+        whose stream has no end (its process was killed, or ended in a hang) loads up to its last flush,
+        incomplete, with the reason; a stream cut mid-batch (mid-line) loads up to its last whole batch (line) and
+        the reason says where it is cut. The events of Arrow streams are kept as columns.
     allow_missing_ranks : bool, default False
         For a job folder: load the ranks whose streams are there when some are missing (marked incomplete)
         instead of refusing it.
@@ -1281,7 +1356,7 @@ def _trace_of_job(folder: str, allow_missing_ranks: bool) -> Trace:
     """The Trace of a recorded job's folder (``job_files.read_job``), its hang report in the meta."""
     if not job_files.is_job_folder(folder):
         raise TraceFileError(f"{folder} is a folder, not a trace file or a recorded job (no job.json or "
-                             f"rank-NNNNN.jsonl in it): give a file written by Trace.save() (e.g. run.sdtrace.json) "
+                             f"rank-NNNNN.arrows in it): give a file written by Trace.save() (e.g. run.sdtrace.json) "
                              f"or a folder written by `sharddbg record --out`")
     try:
         job = job_files.read_job(folder, allow_missing_ranks)
@@ -1304,7 +1379,21 @@ def _trace_of_job(folder: str, allow_missing_ranks: bool) -> Trace:
         meta["hang_report"] = report
     offsets = {r: s.clock_offset_ns for r, s in job.ranks.items()}
     incomplete = [r for r, p in payloads.items() if p is None or not p["complete"]]
-    return Trace(payloads, offsets, incomplete, meta)
+    trace = Trace(payloads, offsets, incomplete, meta)
+    held = {r: p["events"] for r, p in trace.payloads.items() if p is not None}
+    if job.columns is not None:
+        # streams of Arrow batches: every rank's rows as one table, as a trace loaded from a columnar file keeps them
+        columns = job.columns
+        if any(not isinstance(events, columnar.LazyRecords) for events in held.values()):  # JSON lines beside them
+            with _analysis_formatting.cyclic_gc_paused():
+                tables = [events.columns.rows(r) if isinstance(events, columnar.LazyRecords) else
+                          columnar.table_of_records(r, schema.current_events(trace.payloads[r]))
+                          for r, events in held.items() if len(events)]
+                columns = columnar.EventColumns(columnar.concat_tables(tables))
+        for r in held:
+            trace.payloads[r]["events"] = columnar.LazyRecords(columns, r)
+        trace._columns = columns
+    return trace
 
 
 def _read_regular_file(path: str) -> bytes:

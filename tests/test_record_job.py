@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 import sharddbg
-from sharddbg import job_files
+from sharddbg import columnar, job_files
 from sharddbg.errors import TraceFileError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -229,6 +229,9 @@ def test_a_killed_rank_keeps_what_it_flushed_and_the_others_all(fault_launches):
     assert 2 in t.incomplete_ranks
     reason = t.incomplete_reasons[2]
     assert "killed by SIGKILL" in reason and "in step 3" in reason, reason
+    # the streams are Arrow record batches, read as columns up to the killed rank's last flush
+    assert (run.folder / "rank-00002.arrows").exists() and not list(run.folder.glob("*.jsonl"))
+    assert all(isinstance(p["events"], columnar.LazyRecords) for p in t.payloads.values())
     job = job_files.read_job(str(run.folder))
     killed_at = int(note.read_text())
     # its stream was flushed within the last second before the kill: everything it recorded before is there,
@@ -347,8 +350,8 @@ def test_a_plain_python_job_records_one_rank_and_a_full_disk_stops_only_the_reco
     assert t.ranks == [0] and t.incomplete_ranks == [] and t.world_size == 1
     assert (t.get_ops()["op"] == "Tensor.matmul").sum() == 20
     # sharddbg's own CPU time in the process, for the bench: some, and far less than the process's life
-    lines = (tmp_path / "one" / "rank-00000.jsonl").read_text().splitlines()
-    end, head = json.loads(lines[-1])["end"], json.loads(lines[0])["header"]
+    lines = job_files.stream_lines(str(tmp_path / "one" / "rank-00000.arrows"))
+    end, head = lines[-1]["end"], lines[0]["header"]
     own = end["sharddbg_cpu_ms"]
     assert 0 < own["background"] < 0.5 * (end["t_ns"] - head["clock"]["t_start_ns"]) / 1e6, own
     assert own["step_hook"] == 0  # the job has no optimizer
@@ -391,8 +394,7 @@ def test_sigterm_while_the_job_runs_python_ends_the_stream_before_the_process_di
         assert done.returncode != 0, done.stdout
         job = job_files.read_job(str(out))
         assert job.ranks[0].ended, (attempt, done.stderr)
-        ends = [json.loads(line)["end"] for line in (out / "rank-00000.jsonl").read_text().splitlines()
-                if line.startswith('{"end"')]
+        ends = [line["end"] for line in job_files.stream_lines(str(out / "rank-00000.arrows")) if "end" in line]
         assert [e["exit"] for e in ends] == ["SIGTERM"]
         t = sharddbg.load_trace(out)
         assert (t.get_ops()["op"] == "torch.relu").sum() == 1500
@@ -427,50 +429,93 @@ def test_an_out_folder_in_use_is_refused_and_force_moves_the_old_run_aside(tmp_p
     assert done.returncode == 2 and "exists and is not empty" in done.stderr and "--force" in done.stderr
     done = sharddbg_cli("record", "--out", out, "--force", "--", sys.executable, "-c", "print(3)")
     assert done.returncode == 0, done.stderr
-    assert (out / f"replaced-{first}" / "rank-00000.jsonl").exists()  # never overwritten
+    assert (out / f"replaced-{first}" / "rank-00000.arrows").exists()  # never overwritten
     assert json.loads((out / "job.json").read_text())["run_id"] != first
+
+
+def _write_stream(path: Path, lines: list[dict]) -> None:
+    """A rank's stream holding ``lines``, in the format its suffix names: Arrow batches (of 50 lines) or JSON lines
+    (with the header of stream version 1)."""
+    if path.suffix == job_files.JSON_LINES_SUFFIX:
+        head = dict(lines[0]["header"], version=1)
+        path.write_text("".join(json.dumps(line) + "\n" for line in [{"header": head}, *lines[1:]]))
+        return
+    encoder = job_files.StreamEncoder(lines[0]["header"]["rank"])
+    path.write_bytes(b"".join(encoder.encode(lines[i:i + 50]) for i in range(0, len(lines), 50)))
 
 
 def test_load_trace_refuses_broken_folders_and_reads_a_cut_file_up_to_its_last_line(window_run, tmp_path):
     assert window_run.returncode == 0, window_run.output
+    recorded = sharddbg.load_trace(window_run.folder)
+    assert recorded._columns is not None  # the events of Arrow streams, kept as columns
 
-    def copy(name: str) -> Path:
-        dst = tmp_path / name
+    def copy(name: str, suffix: str) -> Path:
+        dst = tmp_path / (name + suffix)
         shutil.copytree(window_run.folder, dst)
+        if suffix == job_files.JSON_LINES_SUFFIX:  # the folder as the sharddbg before wrote it: JSON lines
+            for stream in sorted(dst.glob("rank-*.arrows")):
+                _write_stream(stream.with_suffix(suffix), job_files.stream_lines(str(stream)))
+                stream.unlink()
         return dst
 
-    missing = copy("missing")
-    (missing / "rank-00002.jsonl").unlink()
-    with pytest.raises(TraceFileError, match=r"rank 2 of 4 is missing \(no rank-00002.jsonl\).*allow_missing_ranks"):
-        sharddbg.load_trace(missing)
-    t = sharddbg.load_trace(missing, allow_missing_ranks=True)
-    assert t.incomplete_ranks == [2] and "no stream in the folder" in t.incomplete_reasons[2]
+    for suffix in (job_files.STREAM_SUFFIX, job_files.JSON_LINES_SUFFIX):
+        same = sharddbg.load_trace(copy("same", suffix))  # every rank's records as recorded, either format
+        pd.testing.assert_frame_equal(same.get_ops(), recorded.get_ops(), check_exact=True)
+        assert [same.events(r) for r in same.ranks] == [recorded.events(r) for r in recorded.ranks]
 
-    foreign = copy("foreign")
-    (foreign / "rank-00001.jsonl").write_text("step,loss\n1,0.5\n")
-    with pytest.raises(TraceFileError, match=r"rank-00001.jsonl line 1: not a JSON object"):
-        sharddbg.load_trace(foreign)
+        missing = copy("missing", suffix)
+        (missing / f"rank-00002{suffix}").unlink()
+        with pytest.raises(TraceFileError, match=rf"rank 2 of 4 is missing \(no rank-00002{suffix}\).*allow_missing_ranks"):
+            sharddbg.load_trace(missing)
+        t = sharddbg.load_trace(missing, allow_missing_ranks=True)
+        assert t.incomplete_ranks == [2] and "no stream in the folder" in t.incomplete_reasons[2]
 
-    mixed = copy("mixed")
-    lines = (mixed / "rank-00003.jsonl").read_text().splitlines(keepends=True)
-    head = json.loads(lines[0])
-    head["header"]["run_id"] = "another-run"
-    (mixed / "rank-00003.jsonl").write_text(json.dumps(head) + "\n" + "".join(lines[1:]))
-    with pytest.raises(TraceFileError, match=r"two recorded runs are mixed in this folder: .* another-run"):
-        sharddbg.load_trace(mixed)
+        foreign = copy("foreign", suffix)
+        (foreign / f"rank-00001{suffix}").write_text("step,loss\n1,0.5\n")
+        with pytest.raises(TraceFileError, match=rf"rank-00001{suffix}" + (
+                " line 1: not a JSON object" if suffix == ".jsonl" else ": not a sharddbg rank stream")):
+            sharddbg.load_trace(foreign)
 
-    cut = copy("cut")
-    data = (cut / "rank-00001.jsonl").read_bytes()
-    keep = data.rstrip(b"\n").rfind(b"\n") + 1 + 40  # the last line cut after 40 bytes
-    (cut / "rank-00001.jsonl").write_bytes(data[:keep])
-    t = sharddbg.load_trace(cut)
-    assert 1 in t.incomplete_ranks
-    assert "its file ends mid-record at byte" in t.incomplete_reasons[1] and "cut after 40 bytes" in t.incomplete_reasons[1]
+        mixed = copy("mixed", suffix)
+        lines = job_files.stream_lines(str(mixed / f"rank-00003{suffix}"))
+        lines[0]["header"]["run_id"] = "another-run"
+        _write_stream(mixed / f"rank-00003{suffix}", lines)
+        with pytest.raises(TraceFileError, match=r"two recorded runs are mixed in this folder: .* another-run"):
+            sharddbg.load_trace(mixed)
+
+        second = copy("second", suffix)  # a line the reader refuses, named by its place
+        lines = job_files.stream_lines(str(second / f"rank-00003{suffix}"))
+        _write_stream(second / f"rank-00003{suffix}", lines[:3] + [lines[0]] + lines[3:])
+        with pytest.raises(TraceFileError, match=rf"rank-00003{suffix} (line|row) 4: a second header"):
+            sharddbg.load_trace(second)
+
+        cut = copy("cut", suffix)
+        stream = cut / f"rank-00001{suffix}"
+        lines = job_files.stream_lines(str(stream))
+        _write_stream(stream, lines)
+        data = stream.read_bytes()
+        if suffix == ".jsonl":
+            keep = data.rstrip(b"\n").rfind(b"\n") + 1 + 40  # the last line cut after 40 bytes
+        else:  # the last batch cut after 40 bytes
+            encoder = job_files.StreamEncoder(1)
+            keep = len(b"".join(encoder.encode(batch) for batch in _batches(lines)[:-1])) + 40
+        stream.write_bytes(data[:keep])
+        t = sharddbg.load_trace(cut)
+        assert 1 in t.incomplete_ranks
+        reason = t.incomplete_reasons[1]
+        assert "its file ends mid-record at byte" in reason and "cut after 40 bytes" in reason, reason
+        flushed = {ev["seq"] for ev in t.events(1)}  # what the whole batches (lines) hold
+        assert flushed and flushed <= {ev["seq"] for ev in recorded.events(1)}
 
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(TraceFileError, match="is a folder, not a trace file or a recorded job"):
         sharddbg.load_trace(empty)
+
+
+def _batches(lines: list[dict]) -> list[list[dict]]:
+    """``lines`` in the batches ``_write_stream`` writes."""
+    return [lines[i:i + 50] for i in range(0, len(lines), 50)]
 
 
 @pytest.mark.parametrize("argv, agent", [

@@ -200,6 +200,30 @@ def test_missing_rank_and_schema_validation():
         Trace.from_payloads([payload(0, []), payload(0, [])])
 
 
+def test_payloads_as_columns_build_the_same_trace_and_refuse_what_dicts_refuse():
+    from sharddbg import columnar
+
+    ops = [op(i, "Tensor.abs", error=err(i) if i == 3 else None) for i in range(6)]
+    dicts = [payload(0, ops), payload(1, ops[:2])]
+    t = Trace.from_payloads([columnar.payload_as_columns(dicts[0]), dicts[1]])  # a big rank and a small one
+    assert all(isinstance(p["events"], columnar.LazyRecords) for p in t.payloads.values())
+    assert [t.events(r) for r in t.ranks] == [p["events"] for p in dicts]
+    pd.testing.assert_frame_equal(t.get_ops(), Trace.from_payloads(dicts).get_ops(), check_exact=True)
+    # a record the column checks doubt is made as a dict and checked as one: the same error, word for word
+    bad = payload(0, [op(0, "Tensor.abs", phase="sideways")])
+    with pytest.raises(schema.SchemaError) as as_dicts:
+        Trace.from_payloads([bad])
+    with pytest.raises(schema.SchemaError) as as_columns:
+        Trace.from_payloads([columnar.payload_as_columns(bad)])
+    assert str(as_columns.value) == str(as_dicts.value)
+    with pytest.raises(schema.SchemaError, match="two payloads claim rank 0"):
+        Trace.from_payloads([columnar.payload_as_columns(payload(0, ops)), payload(0, [])])
+    cut = dict(columnar.payload_as_columns(payload(0, ops)))
+    cut[columnar.EVENTS_AS_COLUMNS] = cut[columnar.EVENTS_AS_COLUMNS][:100]
+    with pytest.raises(schema.SchemaError, match="cannot be read: not a readable Arrow IPC stream"):
+        Trace.from_payloads([cut])
+
+
 def test_client_side_imports_no_torch_or_plotly():
     """The data layer (trace, schema, every analysis, the Perfetto exporter) loads without torch, plotting
     or widgets."""

@@ -1,11 +1,16 @@
-"""Cluster.trace on a real cluster when a rank hangs: bounded, partial events kept and marked."""
+"""Cluster.trace on a real cluster: a big cell's records gathered as columns; when a rank hangs: bounded, partial
+events kept and marked."""
 
 import time
 
+import pandas as pd
 import pytest
 
 import sharddbg
+from sharddbg import columnar
+from sharddbg.cluster import recording
 from sharddbg.errors import RankTimeoutError
+from sharddbg.trace import Trace
 
 pytestmark = pytest.mark.cluster
 
@@ -39,3 +44,29 @@ def test_a_rank_that_times_out_keeps_its_events(cluster4):
     assert cluster4.eval("dist.get_world_size()") == [4] * 4
     # after recovery the recorder is off again on every rank, and a new trace works
     assert cluster4.eval("sharddbg.engine.api.is_recording()") == [False] * 4
+
+
+BIG_CELL = """
+for _ in range(30):  # 60 op records on every rank, sent as columns where a rank's records are "many" from 50 on
+    y = xs + 1
+    y = y * 2
+dist.all_reduce(torch.ones(4))
+"""
+
+
+def test_a_big_cell_is_gathered_as_columns_equal_to_its_records(cluster4, tmp_path, monkeypatch):
+    monkeypatch.setattr(recording, "COLUMNS_FROM", 50)  # what "big" means, lowered: the test stays quick
+    cluster4.run("xs = sharddbg.engine.scatter(torch.arange(64.).reshape(1, 1, 16, 4), dim=2)", display=False)
+    t = cluster4.trace(BIG_CELL, display=False)
+    assert all(isinstance(p["events"], columnar.LazyRecords) and not p["events"].made for p in t.payloads.values())
+    assert min(len(p["events"]) for p in t.payloads.values()) >= 60
+    # the records the recorders made, as dicts (a stopped recorder's peek gives its last payload)
+    recorded = cluster4.eval("sharddbg.engine.api.recording_peek()")
+    as_dicts = Trace.from_payloads(recorded, t.clock_offsets_ns, meta=dict(t.meta))
+    pd.testing.assert_frame_equal(t.get_ops(), as_dicts.get_ops(), check_exact=True)
+    pd.testing.assert_frame_equal(t.get_collectives(), as_dicts.get_collectives(), check_exact=True)
+    assert len(t.get_collectives()) == 4
+    assert [t.events(r) for r in t.ranks] == [p["events"] for p in recorded]
+    # saved as columns, the table it holds is written as it is
+    loaded = sharddbg.load_trace(t.save(tmp_path / "big.sdtrace.arrow"))
+    pd.testing.assert_frame_equal(loaded.get_ops(), as_dicts.get_ops(), check_exact=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from .. import schema
+from .. import columnar, schema
 from ..analysis.consistency import first_divergence, replicas_frame
 from ..engine import api
 from ..errors import (RankDiedError, RankError, RankLostError, RankTimeoutError, ShardDbgError, TraceInterrupted,
@@ -27,6 +27,12 @@ from ..errors import (RankDiedError, RankError, RankLostError, RankTimeoutError,
 from ..options import RecordingOptions
 from .control import ControlChannel
 from .execution import RankExecution
+
+
+# A rank that recorded this many records or more sends them as Arrow columns (``columnar.payload_as_columns``),
+# which the client reads and checks a column at a time; fewer go as dicts, which cost less below this size
+# (bench/RESULTS.md, "Gathering from live engines as columns")
+COLUMNS_FROM = 2000
 
 
 class CellTracer:
@@ -92,7 +98,8 @@ class CellTracer:
         wall_s = time.perf_counter() - t0
         done = [r for r in every_rank if r not in payloads]
         if done:
-            payloads.update(zip(done, execution.call(api.recording_stop, ranks=done, what="recorder stop")))
+            payloads.update(zip(done, execution.call(api.recording_stop, ranks=done, what="recorder stop",
+                                                     columns_from=COLUMNS_FROM)))
         unreachable = {**execution.processes.dead_ranks(), **execution.lost_ranks()}
         offsets = control.clock_offsets(ranks=[r for r in every_rank if r not in unreachable])
         offsets_ns = {r: o["offset_ns"] for r, o in offsets.items()}
@@ -140,6 +147,7 @@ def gather_replica_differences(execution: RankExecution, payloads: dict[int, dic
     (``api.replica_differences``, one call per replica group and reference rank). Entries as
     ``schema.REPLICA_DIFFERENCE_FIELDS`` describes them (``analysis.consistency.replica_divergence`` reads them)."""
     __tracebackhide__ = hide_own_frames()
+    payloads = {r: _with_records(p) for r, p in payloads.items()}
     for p in payloads.values():
         if p is not None:
             schema.validate_payload(p)
@@ -173,3 +181,16 @@ def gather_replica_differences(execution: RankExecution, payloads: dict[int, dic
             out.append(dict(entry, key=k, by_rank={str(r): f["max_abs_diff"] for r, f in found.items()},
                             note="; ".join(notes) or None))
     return out
+
+
+def _with_records(payload: dict | None) -> dict | None:
+    """``payload`` with its records as dicts, also where they came as columns (``columnar.EVENTS_AS_COLUMNS``);
+    a stream that cannot be read leaves it as it came (the Trace built from it says why)."""
+    if not (isinstance(payload, dict) and columnar.EVENTS_AS_COLUMNS in payload):
+        return payload
+    try:
+        records = columnar.records_of(columnar.table_of_stream(payload[columnar.EVENTS_AS_COLUMNS]))
+    except columnar.ColumnarProblem:
+        records = []
+    head = {k: v for k, v in payload.items() if k != columnar.EVENTS_AS_COLUMNS}
+    return dict(head, events=records)

@@ -315,11 +315,18 @@ def recording_start(options: dict | None = None, preflight_token: str | None = N
     return recorder.start(options or {}, preflight_token=preflight_token)
 
 
-def recording_stop() -> dict:
+def recording_stop(columns_from: int | None = None) -> dict:
     """Stop it: the rank's payload (``sharddbg.schema``; ``recorder.stop``).
 
     Stops the recording ``recording_start()`` began: every hook is put back, then the events are
     formatted. ``recording_peek()`` returns the same payload until the next recording starts.
+
+    Parameters
+    ----------
+    columns_from : int or None, default None
+        From this many records on, the payload carries them as Arrow columns (``columnar.payload_as_columns``:
+        ``events_as_columns`` instead of ``events``), which ``Trace.from_payloads`` reads without unpickling
+        and checking a dict per record. None: always a list of dicts.
 
     Returns
     -------
@@ -327,7 +334,8 @@ def recording_stop() -> dict:
         The rank's payload (``schema.PAYLOAD_FIELDS``): ``format``, ``schema_version``, ``rank``,
         ``world_size``, ``complete`` (True), ``events`` (the op and collective records, by ``seq``),
         ``dropped`` (records lost to a full buffer), ``clock`` and ``meta`` (versions, patch mode, the
-        recording options).
+        recording options); with ``columns_from`` and that many records or more, ``events_as_columns`` (the
+        Arrow IPC stream of their columns) instead of ``events``.
 
     Raises
     ------
@@ -346,7 +354,15 @@ def recording_stop() -> dict:
     """
     from . import recorder
 
-    return recorder.stop()
+    payload = recorder.stop()
+    if columns_from is not None and len(payload["events"]) >= columns_from:
+        from .. import columnar  # pyarrow only when a big payload is shipped
+
+        try:
+            return columnar.payload_as_columns(payload)
+        except ValueError:  # a NaN or an infinity, which no column file holds: the records as they are
+            pass
+    return payload
 
 
 def recording_peek() -> dict:

@@ -3,8 +3,12 @@ format), so that a process killed at any moment leaves everything up to its last
 
 The recorder keeps its events in its buffer as always; a flush formats those that completed since the last
 one (a collective completes when its wait returns or it fails) and appends them, then a ``state`` line with
-what is still in flight. Flushes run on the job's background thread, and once more, finally, at exit.
-A write that fails (an unwritable folder, a full disk) stops the recording, never the job.
+what is still in flight, as one record batch of the rank's Arrow IPC stream (``job_files.StreamEncoder``: each
+record's values are put in per-column lists piece by piece, the batch made of them at the end of the flush, or
+once ``BATCH_ROWS`` are waiting).
+Flushes run on the job's background thread, and once
+more, finally, at exit. A write that fails (an unwritable folder, a full disk) stops the recording, never the
+job. A path ending in ``.jsonl`` is written as JSON lines, the stream of version 1.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from ..recorder.events import CollectiveEvent, OpEvent
 # thread that only releases and retakes the GIL at once usually takes it again before the waiting thread wakes.
 PIECE_CPU_NS = 250_000
 HANDOVER_S = 50e-6
+# A flush of more records than this writes a record batch of them at a piece's end: making a batch of the rows added
+# holds the GIL (about 4 ms for this many, 8 ms for 900), which a flush of a few thousand would hold for tens of ms
+BATCH_ROWS = 500
 
 
 def _default(value: Any) -> Any:
@@ -42,8 +49,10 @@ def encode(line: dict) -> str:
 class RankStreamWriter:
     """Appends one rank's lines to ``path``; every method is safe from the job's two threads (one lock)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, rank: int = 0) -> None:
         self.path = path
+        # the Arrow stream's encoder; None: JSON lines (a .jsonl path, version 1)
+        self.encoder = None if path.endswith(job_files.JSON_LINES_SUFFIX) else job_files.StreamEncoder(rank)
         # O_EXCL: never write into another run's file; O_APPEND: every line lands whole at the end
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0),
                           0o644)
@@ -65,7 +74,10 @@ class RankStreamWriter:
         """Append ``lines`` (each a {kind: body} object) in one write; False once writing failed."""
         if self.failed is not None or not lines:
             return self.failed is None
-        return self.write_encoded("".join(encode(line) for line in lines).encode())
+        if self.encoder is None:
+            return self.write_encoded("".join(encode(line) for line in lines).encode())
+        with self.lock:  # the encoder keeps the stream's state: one batch at a time
+            return self.write_encoded(self.encoder.encode(lines))
 
     def write_encoded(self, data: bytes) -> bool:
         """Append lines already encoded, in one write; False once writing failed."""
@@ -114,14 +126,18 @@ class RankStreamWriter:
             meshes = {} if rec.spec_check else None
             extra, self._extra = self._extra, []
             still = []
-            encoded: list[str] = [encode(line) for line in extra]
+            encoded: list = []  # JSON lines not written yet (a stream of version 1)
+            for line in extra:
+                self._add(encoded, line)
             piece_start = time.thread_time_ns()
             for ev in self._pending:
                 if not final and time.thread_time_ns() - piece_start >= PIECE_CPU_NS:
+                    if self.encoder is None or self.encoder.pending >= BATCH_ROWS:
+                        data = "".join(encoded).encode() if self.encoder is None else self.encoder.batch()
+                        if not self.write_encoded(data):  # the write gives the GIL up too
+                            return False
+                        encoded = []
                     self._piece_done(piece_start)
-                    if not self.write_encoded("".join(encoded).encode()):  # the write gives the GIL up too
-                        return False
-                    encoded = []
                     time.sleep(HANDOVER_S)
                     piece_start = time.thread_time_ns()
                 if not final and type(ev) is CollectiveEvent and ev.t_done_ns is None and ev.error is None:
@@ -132,7 +148,7 @@ class RankStreamWriter:
                 except Exception:  # noqa: BLE001 - e.g. its mesh is gone (the group destroyed): kept unchecked
                     rec.internal_errors.append(traceback.format_exc())
                     record = export.record_of(ev, rec, None)
-                encoded.append(encode({"event": record}))
+                self._add(encoded, {"event": record})
                 if type(ev) is OpEvent and ev.error is not None and record["error"]["handled"] is None:
                     self._unsettled_errors.append(ev)
             self._piece_done(piece_start)
@@ -148,10 +164,18 @@ class RankStreamWriter:
                 in_flight += export.in_flight_ops(rec, None)
                 lines.append({"state": {"t_ns": clock.now_ns(), "dropped": rec.dropped, "step": step,
                                         "in_flight": in_flight, "recording": rec.running}})
-            encoded += [encode(line) for line in lines]
-            ok = self.write_encoded("".join(encoded).encode())
+            for line in lines:
+                self._add(encoded, line)
+            ok = self.write_encoded("".join(encoded).encode() if self.encoder is None else self.encoder.batch())
         self.largest_flush_ms = max(self.largest_flush_ms, (time.perf_counter() - t0) * 1e3)
         return ok
+
+    def _add(self, encoded: list[str], line: dict) -> None:
+        """``line`` added to what the flush writes: to the Arrow batch being made, or as a JSON line."""
+        if self.encoder is None:
+            encoded.append(encode(line))
+        else:
+            self.encoder.add(line)
 
     def _piece_done(self, started_cpu_ns: int) -> None:
         self.largest_piece_ms = max(self.largest_piece_ms, (time.thread_time_ns() - started_cpu_ns) / 1e6)

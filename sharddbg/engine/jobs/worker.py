@@ -55,7 +55,7 @@ class JobRecording:
         self.blocks_seen = False  # the job marks its steps with sharddbg.recording() blocks
         self.window_done = False
         self.ended = False
-        self.stream = RankStreamWriter(os.path.join(settings.out, job_files.rank_file_name(rank)))
+        self.stream = RankStreamWriter(os.path.join(settings.out, job_files.rank_file_name(rank)), rank)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hang_written: set[int] = set()  # seqs of the collectives a hang diagnosis was written for
