@@ -1101,6 +1101,10 @@ def test_saved_notebook(session):
     shutil.copy(ROOT / "tests" / "data" / "conv4.sdtrace.json", other_root / "conv4.sdtrace.json")
     shutil.copytree(ROOT / "tests" / "data" / "recorded_job", other_root / "recorded_job")
     (other_root / "broken.sdtrace.json").write_text('{"format": "sharddbg.trace", "version": 1')
+    # the binary forms: the golden trace as columns, and the recorded job's lines written again as Arrow streams by
+    # the rank streams' own writer (what `sharddbg record` writes now)
+    sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json").save(other_root / "columns.sdtrace.arrow")
+    _as_arrow_streams(ROOT / "tests" / "data" / "recorded_job", other_root / "job_as_arrow_streams")
     saved = {p: p.read_bytes() for p in other_root.rglob("*") if p.is_file()}
     console: list[str] = []
     on_console = lambda m: console.append(m.text) if m.type == "error" else None  # noqa: E731
@@ -1207,6 +1211,18 @@ def test_saved_notebook(session):
             expect(shown.locator(".sd-ext-section-timeline .js-plotly-plot")).to_have_count(1, timeout=30_000)
             expect(shown.locator(".sd-ext-section-comm .js-plotly-plot")).to_have_count(1)
             page.screenshot(path=str(ARTIFACTS / "browser_job_document_dark.png"))
+            # the same job as Arrow streams, and a columnar trace file: binary, opened by a double-click all the same
+            page.locator(".jp-BreadCrumbs-home").click()
+            page.locator(".jp-DirListing-item", has_text="job_as_arrow_streams").dblclick()
+            page.locator(".jp-DirListing-item", has_text="rank-00000.arrows").dblclick(timeout=30_000)
+            expect(page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-current")).to_contain_text("rank-00000.arrows")
+            expect(shown.locator(".sd-explorer .sd-list tr.sd-summary-row[data-op='Tensor.matmul']")).to_have_count(
+                1, timeout=30_000)
+            page.locator(".jp-BreadCrumbs-home").click()
+            page.locator(".jp-DirListing-item", has_text="columns.sdtrace.arrow").dblclick(timeout=30_000)
+            expect(page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.jp-mod-current")).to_contain_text("columns.sdtrace.arrow")
+            expect(shown.locator(".sd-explorer .sd-list tr.sd-summary-row").first).to_be_visible(timeout=30_000)
+            expect(shown.locator(".sd-ext-error")).to_have_count(0)
         assert not console, console
         assert {p: p.read_bytes() for p in saved} == saved
     finally:
@@ -1242,3 +1258,19 @@ def test_report_light_and_dark(session, tmp_path):
                     assert body == "rgb(17, 17, 17)" and shares.bright < 0.05 and shares.dark > 0.6, (name, shares)
     finally:
         page.close()
+
+
+def _as_arrow_streams(jsonl_job: Path, out: Path) -> None:
+    """A recorded job's folder of JSON-line rank files written again, line for line, as Arrow IPC rank streams by
+    the writer a recording job uses."""
+    from sharddbg import job_files
+    from sharddbg.engine.jobs.stream import RankStreamWriter
+
+    out.mkdir()
+    shutil.copy(jsonl_job / job_files.JOB_FILE, out / job_files.JOB_FILE)
+    for path in sorted(jsonl_job.glob("rank-*.jsonl")):
+        rank = int(path.stem.split("-")[1])
+        writer = RankStreamWriter(str(out / job_files.rank_file_name(rank)), rank)
+        assert writer.write_lines([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+        writer.close()
+

@@ -6,11 +6,15 @@ import { Widget } from '@lumino/widgets';
 import { DRAWERS, pageModel } from './views';
 
 export const TRACE_FILE_TYPE = 'sharddbg-trace';
+export const COLUMNAR_TRACE_FILE_TYPE = 'sharddbg-trace-columns';
 export const JOB_FILE_TYPE = 'sharddbg-job';
+export const JOB_STREAM_FILE_TYPE = 'sharddbg-job-stream';
 export const JOB_RECORD_FILE_TYPE = 'sharddbg-job-record';
 export const TRACE_FACTORY = 'sharddbg trace';
-/** A recorded job's rank files (``sharddbg record``: rank-NNNNN.jsonl): a double-click opens the whole job. */
+/** A recorded job's rank files (``sharddbg record``: rank-NNNNN.arrows, Arrow IPC streams; rank-NNNNN.jsonl in
+ *  older folders): a double-click opens the whole job. */
 export const JOB_FILE_PATTERN = '^rank-\\d{5,}\\.jsonl$';
+export const JOB_STREAM_FILE_PATTERN = '^rank-\\d{5,}\\.arrows$';
 /** The job's own record (job.json): opens the whole job through "Open With" only, since other tools name
  *  their files job.json too and a double-click keeps opening those in the editor. */
 export const JOB_RECORD_FILE_PATTERN = '^job\\.json$';

@@ -6,7 +6,7 @@ import { INotebookTracker } from '@jupyterlab/notebook';
 import { IRenderMimeRegistry } from '@jupyterlab/rendermime';
 
 import { ClusterPanel } from './panel';
-import { JOB_FILE_PATTERN, JOB_FILE_TYPE, JOB_RECORD_FILE_PATTERN, JOB_RECORD_FILE_TYPE, TRACE_FACTORY, TRACE_FILE_TYPE, TraceView, TraceViewFactory } from './document';
+import { COLUMNAR_TRACE_FILE_TYPE, JOB_FILE_PATTERN, JOB_FILE_TYPE, JOB_RECORD_FILE_PATTERN, JOB_RECORD_FILE_TYPE, JOB_STREAM_FILE_PATTERN, JOB_STREAM_FILE_TYPE, TRACE_FACTORY, TRACE_FILE_TYPE, TraceView, TraceViewFactory } from './document';
 import { viewRendererFactory } from './renderer';
 
 /** sharddbg's views drawn from the payload saved in their output bundles: a notebook without its kernel,
@@ -23,8 +23,10 @@ const views: JupyterFrontEndPlugin<void> = {
   }
 };
 
-/** ``*.sdtrace.json`` and recorded jobs (``rank-NNNNN.jsonl`` by a double-click, ``job.json`` through Open With)
- *  opened as documents with the explorer, the timeline and communication per op. */
+/** ``*.sdtrace.json``, ``*.sdtrace.arrow`` and recorded jobs (``rank-NNNNN.arrows`` or ``.jsonl`` by a double-click,
+ *  ``job.json`` through Open With) opened as documents with the explorer, the timeline and communication per op.
+ *  The server reads the file (``load_trace``); the binary ones are fetched as base64 by the document's context,
+ *  which needs a format it can read. */
 const traceFiles: JupyterFrontEndPlugin<void> = {
   id: 'sharddbg-jupyterlab:trace-files',
   description: 'sharddbg trace files and recorded jobs opened with the views',
@@ -37,6 +39,23 @@ const traceFiles: JupyterFrontEndPlugin<void> = {
       mimeTypes: ['application/json'],
       contentType: 'file',
       fileFormat: 'text'
+    });
+    app.docRegistry.addFileType({
+      name: COLUMNAR_TRACE_FILE_TYPE,
+      displayName: 'sharddbg trace (columns)',
+      extensions: ['.sdtrace.arrow'],
+      mimeTypes: ['application/vnd.apache.arrow.file'],
+      contentType: 'file',
+      fileFormat: 'base64'
+    });
+    app.docRegistry.addFileType({
+      name: JOB_STREAM_FILE_TYPE,
+      displayName: 'sharddbg recorded job',
+      extensions: [],
+      pattern: JOB_STREAM_FILE_PATTERN,
+      mimeTypes: ['application/vnd.apache.arrow.stream'],
+      contentType: 'file',
+      fileFormat: 'base64'
     });
     app.docRegistry.addFileType({
       name: JOB_FILE_TYPE,
@@ -60,8 +79,8 @@ const traceFiles: JupyterFrontEndPlugin<void> = {
       new TraceViewFactory({
         name: TRACE_FACTORY,
         label: 'sharddbg trace views',
-        fileTypes: [TRACE_FILE_TYPE, JOB_FILE_TYPE, JOB_RECORD_FILE_TYPE],
-        defaultFor: [TRACE_FILE_TYPE, JOB_FILE_TYPE],
+        fileTypes: [TRACE_FILE_TYPE, COLUMNAR_TRACE_FILE_TYPE, JOB_FILE_TYPE, JOB_STREAM_FILE_TYPE, JOB_RECORD_FILE_TYPE],
+        defaultFor: [TRACE_FILE_TYPE, COLUMNAR_TRACE_FILE_TYPE, JOB_FILE_TYPE, JOB_STREAM_FILE_TYPE],
         readOnly: true
       })
     );
