@@ -124,6 +124,7 @@ class Trace:
         self._columns: columnar.EventColumns | None = None
         self._ops: pd.DataFrame | None = None
         self._collectives: pd.DataFrame | None = None
+        self._fallbacks: dict[bool, pd.DataFrame] = {}  # get_fallbacks(include_metadata), built once each
         self._findings: list[Finding] | None = None  # worked out once: a trace does not change once built
         self._overview: TraceOverview | None = None
         if self.dropped:
@@ -416,7 +417,11 @@ class Trace:
         >>> fb = t.get_fallbacks(include_metadata=True)
         >>> fb[fb["category"] == "metadata"]["op"].tolist()
         """
-        return _patch_families.classified_fallbacks(self.get_ops(), self.get_collectives(), include_metadata)
+        key = bool(include_metadata)
+        if key not in self._fallbacks:  # the report and its views ask several times: the trace does not change
+            self.get_ops(), self.get_collectives()
+            self._fallbacks[key] = _patch_families.classified_fallbacks(self._ops, self._collectives, key)
+        return self._fallbacks[key].copy()
 
     def get_errors(self, include_propagated: bool = False) -> pd.DataFrame:
         """Real exceptions per rank: one row per origin (``analysis.ops.errors``), those that ended the cell and
