@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anywidget
+import numpy as np
 import pandas as pd
 import traitlets
 
@@ -213,10 +214,7 @@ def _build_tables(trace: Trace) -> _Tables:
     # Each summary row's calls, identical ones together; groups numbered in call order (the first call of a
     # group is its earliest occurrence, on its lowest rank).
     calls = ops[ops["summary_row"].notna()].sort_values(["summary_row", "occurrence", "rank", "seq"], kind="stable")
-    # (the repr of plain values: lists of ints, strings, bools, None / NaN for missing ones, the same on every rank)
-    identity = pd.Series([repr(r) for r in calls[list(CALL_IDENTITY)].itertuples(index=False, name=None)],
-                         index=calls.index)
-    codes = identity.groupby(calls["summary_row"], sort=False).transform(lambda s: pd.factorize(s)[0])
+    codes = pd.Series(_identity_groups(calls), index=calls.index)
     ops["call_group"] = pd.array([None] * len(ops), dtype="Int64")
     ops.loc[calls.index, "call_group"] = codes.astype("int64")
     calls = calls.assign(call_group=codes.astype("int64"))
@@ -233,6 +231,36 @@ def _build_tables(trace: Trace) -> _Tables:
     ops["call_start"] = ops.groupby("key")["t_start_ns"].transform("min")  # one call's rows together, rank order
     ops = ops.sort_values(["kind_order", "call_start", "key", "rank", "seq"], kind="stable").reset_index(drop=True)
     return _Tables(ops, summary, pd.DataFrame(groups, columns=GROUP_FIELDS))
+
+
+def _value_codes(values: pd.Series) -> np.ndarray:
+    """One int per row, equal where the values' reprs are equal (lists of ints, strings, bools, None / NaN for
+    missing ones): each distinct object's repr made once (a big trace's lists are shared by the rows that hold them)."""
+    if values.dtype != object:  # plain values (strings, bools, numbers): equal values, equal reprs
+        return pd.factorize(values, use_na_sentinel=False)[0]
+    objects = values.to_numpy(dtype=object)
+    ids = np.fromiter(map(id, objects), dtype=np.int64, count=len(objects))
+    id_codes, unique_ids = pd.factorize(ids)
+    first = np.zeros(len(unique_ids), dtype=np.int64)
+    first[id_codes[::-1]] = np.arange(len(ids))[::-1]  # a row holding each distinct object
+    text_codes = pd.factorize(np.array([repr(objects[k]) for k in first.tolist()], dtype=object))[0]
+    return text_codes[id_codes]
+
+
+def _identity_groups(calls: pd.DataFrame) -> np.ndarray:
+    """Each call's group among its summary row's calls (``CALL_IDENTITY`` equal), numbered in the calls' order from
+    0 in each summary row."""
+    combined = np.zeros(len(calls), dtype=np.int64)
+    for field in CALL_IDENTITY:  # (codes so far, this field's code) as one int, numbered again from 0
+        codes = _value_codes(calls[field]).astype(np.int64)
+        combined = pd.factorize(combined * (int(codes.max(initial=0)) + 1) + codes)[0].astype(np.int64)
+    srow = calls["summary_row"].to_numpy(dtype=np.int64)
+    pair = pd.factorize(srow * (int(combined.max(initial=0)) + 1) + combined)[0]  # numbered in order of first appearance
+    first = np.zeros(pair.max() + 1 if len(pair) else 0, dtype=np.int64)
+    first[pair[::-1]] = np.arange(len(pair))[::-1]
+    # each distinct (summary row, identity), numbered within its summary row in order of first appearance
+    number = pd.Series(srow[first]).groupby(srow[first], sort=False).cumcount().to_numpy()
+    return number[pair]
 
 
 def explorer_frame(trace: Trace) -> pd.DataFrame:

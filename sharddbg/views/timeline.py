@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from ..analysis.comm import NO_OP, collective_owners, matched_collectives
+from ..analysis.comm import NO_OP, call_keys, collective_owners, matched_collectives
 from ..analysis.ops import AUTOGRAD_ENTRY_OPS
 from ..analysis.formatting import format_bytes, format_shape
 from ..analysis.timeline import (ERROR_CATEGORY, collective_span_frame, in_window, op_span_frame,
@@ -80,18 +80,31 @@ def is_autograd_wide(op: str) -> bool:
 
 
 def _lane_depths(ops: pd.DataFrame) -> np.ndarray:
-    """Each op's nesting depth counted from its innermost autograd-wide ancestor (or from the top)."""
-    wide = {(r, s) for r, s, o in zip(ops["rank"], ops["seq"], ops["op"]) if is_autograd_wide(o)}
-    parent = {(r, s): p for r, s, p in zip(ops["rank"], ops["seq"], ops["parent_seq"]) if not pd.isna(p)}
-    out = np.zeros(len(ops), dtype=int)
-    for i, (r, s) in enumerate(zip(ops["rank"], ops["seq"])):
-        depth, key = 0, (r, s)
-        while key in parent:
-            key = (r, int(parent[key]))
-            if key in wide:
-                break
-            depth += 1
-        out[i] = depth
+    """Each op's nesting depth counted from its innermost autograd-wide ancestor (or from the top): its ancestors
+    walked a level at a time for all ops together."""
+    n = len(ops)
+    out = np.zeros(n, dtype=int)
+    if not n:
+        return out
+    key = call_keys(ops["rank"], ops["seq"])
+    parent = call_keys(ops["rank"], ops["parent_seq"])
+    wide_keys = key[ops["op"].isin(AUTOGRAD_ENTRY_OPS).to_numpy(dtype=bool)]
+    index = pd.Index(key)
+    if not index.is_unique:  # a seq recorded twice on a rank: the last record's parent, as a dict would keep
+        last = ~pd.Series(key).duplicated(keep="last").to_numpy()
+        index, parent_of = pd.Index(key[last]), parent[last]
+    else:
+        parent_of = parent
+    cur = parent  # each op's next ancestor (-1: none)
+    live = cur >= 0
+    for _ in range(n):  # at most the deepest nesting; each pass climbs a level
+        if not live.any():
+            break
+        live &= ~np.isin(cur, wide_keys)  # the innermost autograd-wide ancestor ends the count
+        out += live
+        pos = index.get_indexer(np.where(live, cur, -1))
+        cur = np.where(live & (pos >= 0), parent_of[np.maximum(pos, 0)], -1)
+        live &= cur >= 0
     return out
 
 
@@ -116,7 +129,7 @@ def _op_spans(trace: Trace, aggregate: bool | None) -> tuple[pd.DataFrame, pd.Da
     ops = trace.get_ops()
     if ops.empty:
         return pd.DataFrame(columns=[c for c in TIMELINE_COLUMNS if c != "hover"]), ops
-    wide = np.array([is_autograd_wide(o) for o in ops["op"]], dtype=bool)
+    wide = ops["op"].isin(AUTOGRAD_ENTRY_OPS).to_numpy(dtype=bool)  # is_autograd_wide, on the column
     lane_depth = _lane_depths(ops)
     if aggregate is None:
         aggregate = len(ops) > AGGREGATE_ABOVE
@@ -126,7 +139,8 @@ def _op_spans(trace: Trace, aggregate: bool | None) -> tuple[pd.DataFrame, pd.Da
     df = op_span_frame(ops, _time_origin(trace)).reset_index(drop=True)
     df["lane"] = np.where(wide, "autograd", "ops")
     df["y"] = df["rank"] + np.where(wide, AUTOGRAD_LANE, OP_LANE0 + LANE_STEP * np.minimum(lane_depth, MAX_LANES - 1))
-    df["label"] = [esc(_label(o)) for o in df["op"]]
+    labels = {o: esc(_label(o)) for o in df["op"].unique()}  # once per distinct name
+    df["label"] = df["op"].map(labels).tolist()
     return df, ops
 
 
