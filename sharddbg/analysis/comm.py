@@ -366,8 +366,13 @@ class CallChains:
     issued_in: np.ndarray
     owner_seq: Any
 
-    def counted_lists(self) -> list[list[int]]:
+    def counted_lists(self, rows: np.ndarray | None = None) -> list[list[int]]:
         """``counted`` as one list of seqs per collective (innermost first; empty outside ops).
+
+        Parameters
+        ----------
+        rows : numpy.ndarray, optional
+            Only these collectives (positions or a mask); all by default.
 
         Returns
         -------
@@ -378,7 +383,8 @@ class CallChains:
         --------
         >>> call_chains(t.get_collectives(), t.get_ops()).counted_lists()[0]
         """
-        kept = np.where(self.counted, self.seqs, -1).tolist()
+        seqs, counted = (self.seqs, self.counted) if rows is None else (self.seqs[rows], self.counted[rows])
+        kept = np.where(counted, seqs, -1).tolist()
         return [[x for x in row if x >= 0] for row in kept]
 
     def counted_pairs(self, rank: np.ndarray) -> pd.DataFrame:

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import traitlets
 
-from ..analysis.comm import collective_owners
+from ..analysis.comm import call_chains, call_keys, collective_owners
 from ..analysis.formatting import format_shape, is_missing, json_value, ranks_text
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
@@ -307,14 +307,20 @@ def _counted_for(coll: pd.DataFrame, per_rank: pd.DataFrame) -> pd.Series:
                      index=coll.index, dtype=bool)
 
 
-def _counted_by(coll: pd.DataFrame, calls: pd.DataFrame) -> pd.Series:
-    """Which collectives count for any of ``calls`` (rows of ``explorer_frame``): issued or enclosed by one of
-    them, or by the forward call of a backward one (what their details list)."""
-    pairs = set(zip(calls["rank"].astype(int), calls["seq"].astype(int)))
+def _collectives_counted_by(trace: Trace, calls: pd.DataFrame) -> pd.DataFrame:
+    """``_collectives(trace)`` of those that count for any of ``calls`` (rows of ``explorer_frame``: issued or enclosed by one
+    of them, or by the forward call of a backward one: what their details list), on whole columns: the chains of calls of all
+    collectives looked up at once, the lists of counted calls made only for the collectives kept."""
+    colls = trace.get_collectives()
+    if colls.empty:
+        return colls.assign(counted_seqs=pd.Series(dtype=object))[COLL_FIELDS]
+    chains = call_chains(colls, trace.get_ops())
     fwd = calls[calls["fwd_seq"].notna()]
-    pairs |= set(zip(fwd["rank"].astype(int), fwd["fwd_seq"].astype(int)))
-    return pd.Series([any((int(r), int(s)) in pairs for s in seqs) for r, seqs in zip(coll["rank"], coll["counted_seqs"])],
-                     index=coll.index, dtype=bool)
+    wanted = np.concatenate([call_keys(calls["rank"], calls["seq"]), call_keys(fwd["rank"], fwd["fwd_seq"])])
+    pairs = chains.counted_pairs(colls["rank"].to_numpy())
+    keep = np.zeros(len(colls), dtype=bool)
+    keep[pairs["at"].to_numpy()[np.isin(pairs["key"].to_numpy(), wanted)]] = True
+    return colls[keep].assign(counted_seqs=chains.counted_lists(keep))[COLL_FIELDS]
 
 
 def op_detail(trace: Trace, rank: int, seq: int) -> dict:
@@ -507,9 +513,10 @@ def _data(trace: Trace, tables: _Tables, max_rows: int | None, rank: int | None 
         if len(asked) > SAMPLE_ROWS:
             shown, sample = sample_calls(asked, total, where)
     bounded = max_rows is None and (sample is not None or rank is not None or window is not None or total > BIG_TRACE_ABOVE)
-    coll = _collectives(trace)
-    if bounded and len(coll):  # only the collectives the shipped calls count (what their details list)
-        coll = coll[_counted_by(coll, shown)]
+    if bounded:  # only the collectives the shipped calls count (what their details list)
+        coll = _collectives_counted_by(trace, shown)
+    else:
+        coll = _collectives(trace)
     shown = shown[ROW_FIELDS]
     strings: list[str] = []
     index: dict[str, int] = {}
