@@ -1425,7 +1425,7 @@ def test_busy_ms_is_the_spans_time_in_each_bin():
     assert np.allclose(tl.busy_ms(starts, ends, edges), want) and np.isclose(sum(want), (ends - starts).sum())
 
 
-def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16, monkeypatch):
+def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16, monkeypatch, tmp_path):
     from sharddbg.views.figure import figure_drawn
 
     for name, value in (("OVERVIEW_ABOVE", 1000), ("OVERVIEW_CELLS", 4000), ("OVERVIEW_MIN_BINS", 50),
@@ -1463,3 +1463,77 @@ def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16,
     assert any(a <= slowest["start_ms"] and slowest["end_ms"] <= b for a, b in windows) or \
         (colls["end_ms"] - colls["start_ms"]).max() < (ops["end_ms"] - ops["start_ms"]).max()
     assert len(json.dumps(figure_drawn(fig))) < 2_000_000
+    _check_any_window_drawn_from_the_carried_spans(big16, fig, tmp_path)
+
+
+def _zoom_columns(z: dict) -> pd.DataFrame:
+    """The spans a timeline's ``sd_zoom`` carries, decoded as the page decodes them (views/_static/timeline_zoom.js)."""
+    import base64
+    import zlib
+
+    raw, n = zlib.decompress(base64.b64decode(z["columns"])), z["n"]
+    parts, at = {}, 0
+    for name, dtype in (("delta", "<u4"), ("duration", "<u4"), ("row", "<u2"), ("category", "u1"), ("name", "<u2")):
+        size = np.dtype(dtype).itemsize * n
+        parts[name] = np.frombuffer(raw[at:at + size], dtype=dtype)
+        at += size
+    assert at == len(raw)
+    start = z["origin_ms"] + np.cumsum(parts["delta"].astype(np.int64)) * z["tick_ms"]
+    return pd.DataFrame({"start_ms": start, "end_ms": start + parts["duration"] * z["tick_ms"],
+                         "y": np.array(z["rows"])[parts["row"]], "category": np.array(z["categories"])[parts["category"]],
+                         "name": np.array(z["names"], dtype=object)[parts["name"]]})
+
+
+def _check_any_window_drawn_from_the_carried_spans(big16, fig, tmp_path) -> None:
+    """Zoomed into any window (not only the slowest ones drawn in Python), the page draws its spans one by one from
+    the spans the figure carries: decoded here as the page does, and by the page's own script under node."""
+    import shutil
+
+    z = fig.layout.meta["sd_zoom"]
+    ops, coll = tl.timeline_frame(big16), tl.collective_spans(big16)
+    spans = _zoom_columns(z)
+    assert z["n"] == len(spans) == len(ops) + len(coll) and z["draw_up_to"] == tl.ZOOM_DRAW_SPANS
+    # a window away from every one drawn in Python: its spans, from the carried columns, are the trace's own
+    windows = tl.detail_windows(ops, coll)
+    x1 = float(max(ops["end_ms"].max(), coll["end_ms"].max()))
+    a = next(x for x in np.linspace(0, x1, 41)[1:-1]
+             if all(x + x1 / 200 < w0 or x > w1 for w0, w1 in windows))
+    b = a + x1 / 200
+    overlap = lambda f: f[(f["end_ms"] >= a) & (f["start_ms"] <= b)]
+    want = pd.concat([overlap(ops)[["start_ms", "end_ms", "y", "category"]], overlap(coll)[["start_ms", "end_ms", "y", "category"]]])
+    got = overlap(spans)
+    tick = z["tick_ms"]
+    assert 0 < len(got) == len(want) <= tl.ZOOM_DRAW_SPANS
+    got_keys = sorted(zip(np.round(got["start_ms"] / tick), np.round(got["y"], 6)))
+    want_keys = sorted(zip(np.round(want["start_ms"] / tick), np.round(want["y"].astype(float), 6)))
+    assert got_keys == want_keys
+    assert set(got["category"]) == {c.replace("_", " ") for c in want["category"]}
+    assert set(got["name"]) >= set(overlap(ops)["op"])
+    assert len(z["columns"]) < 40 * z["n"]  # compact: a few bytes a span
+    # the page's own script finds the same spans (node runs the module as the page does; skipped without node)
+    node = shutil.which("node")
+    if node is None:  # the page's script is then checked by bench/bench_views.py in chromium only
+        return
+    js = Path(sharddbg.__file__).parent / "views" / "_static" / "timeline_zoom.js"
+    (tmp_path / "zoom.json").write_text(json.dumps(z))
+    script = tmp_path / "check.mjs"
+    script.write_text(f"""
+        import {{ readFileSync }} from "fs";
+        globalThis.document = {{}};
+        const z = JSON.parse(readFileSync({json.dumps(str(tmp_path / "zoom.json"))}, "utf8"));
+        const m = await import({json.dumps(js.as_uri())});
+        const ev = await m.decodeSpans(z);
+        const per = m.visibleSpans(ev, {a}, {b}, z.draw_up_to, z.categories);
+        const idx = per.flat();
+        console.log(JSON.stringify({{n: idx.length, starts: idx.map(i => Math.round((ev.start[i] - z.origin_ms) / z.tick_ms)).sort((x, y) => x - y)}}));
+    """)
+    out = json.loads(subprocess.run([node, str(script)], capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert out["n"] == len(want)
+    assert out["starts"] == sorted(int(round((s - z["origin_ms"]) / tick)) for s in got["start_ms"])
+    # too many spans in the window: none drawn one by one (the overview's bins stay)
+    assert subprocess.run([node, "--input-type=module", "-e", f"""
+        import {{ readFileSync }} from "fs";
+        const z = JSON.parse(readFileSync({json.dumps(str(tmp_path / "zoom.json"))}, "utf8"));
+        const m = await import({json.dumps(js.as_uri())});
+        const ev = await m.decodeSpans(z);
+        process.exit(m.visibleSpans(ev, -1, 1e12, 10, z.categories) === null ? 0 : 1);"""], timeout=60).returncode == 0

@@ -56,6 +56,12 @@ OVERVIEW_MIN_BINS = 200
 # see each op), at most DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each.
 DETAIL_WINDOWS = 4
 DETAIL_WINDOW_SPANS = 1_000
+# A big trace's overview also carries every span it bins as compact columns (``zoom_events``): zoomed in to a window of
+# at most ZOOM_DRAW_SPANS spans, the page draws them one by one (views/_static/timeline_zoom.js: on a canvas over the
+# plot, a hover of its own), without a kernel and without a second plotly redraw.
+# Traces of more spans than ZOOM_EVENTS_MAX carry none (the report's size stays bounded: 13 bytes a span, deflated).
+ZOOM_DRAW_SPANS = 20_000
+ZOOM_EVENTS_MAX = 2_000_000
 X_PAD = 0.02  # room left and right of the first and last span, as a share of the time drawn
 # The modebar buttons that would send the figure to a cloud service.
 CLOUD_BUTTONS = ["sendDataToCloud", "editInChartStudio"]
@@ -530,6 +536,73 @@ def _detail_traces(fig, ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tup
                                         for a, b in windows], hoverinfo="text"))
 
 
+def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], colors: dict[str, str]) -> dict | None:
+    """Every span of ``ops`` and ``coll`` as compact columns, for the page to draw any window one by one when
+    zoomed in (``views/_static/timeline_zoom.js``): sorted by start; ``columns`` is base64 of the zlib-deflated
+    bytes of, in this order, ``start`` (uint32 ticks from the previous span's start), ``duration`` (uint32 ticks),
+    ``row`` (uint16, into ``rows``: each span's y), ``category`` (uint8, into ``categories``) and ``name`` (uint16,
+    into ``names``: the op's name, HTML-escaped, for collectives their kind and the op that issued them), all
+    little-endian; a tick is ``tick_ms`` ms from ``origin_ms``.
+
+    Parameters
+    ----------
+    ops, coll : pandas.DataFrame
+        ``timeline_frame`` and ``collective_spans`` rows (hover text not needed).
+    categories : list of str
+        The categories drawn, in legend order (every span's category among them).
+    colors : dict
+        Category -> colour.
+
+    Returns
+    -------
+    dict or None
+        ``n``, ``origin_ms``, ``tick_ms``, ``rows``, ``categories``, ``colors``, ``collective`` (per category: a
+        collective kind), ``groups`` (per category: its legend group), ``names``, ``columns``, ``draw_up_to``
+        (``ZOOM_DRAW_SPANS``), ``bar_px`` (a span's thickness for ops and for collectives); None when there are no
+        spans or more than ``ZOOM_EVENTS_MAX``.
+
+    Examples
+    --------
+    >>> z = zoom_events(timeline_frame(t), collective_spans(t), ["aten_direct", "all_reduce"], {})
+    >>> z is None or z["n"] == len(timeline_frame(t)) + len(collective_spans(t))
+    True
+    """
+    import base64
+    import zlib
+
+    n = len(ops) + len(coll)
+    if n == 0 or n > ZOOM_EVENTS_MAX:
+        return None
+    start = np.concatenate([ops["start_ms"].to_numpy(float), coll["start_ms"].to_numpy(float)])
+    end = np.concatenate([ops["end_ms"].to_numpy(float), coll["end_ms"].to_numpy(float)])
+    y = np.concatenate([ops["y"].to_numpy(float), coll["y"].to_numpy(float)])
+    cat = np.concatenate([ops["category"].to_numpy(dtype=object), coll["category"].to_numpy(dtype=object)])
+    coll_names = (coll["kind"].astype(str) + " · from " + coll["op"].fillna(NO_OP).astype(str)).to_numpy(dtype=object) \
+        if len(coll) else np.array([], dtype=object)
+    name = np.concatenate([ops["op"].to_numpy(dtype=object), coll_names])
+    order = np.argsort(start, kind="stable")
+    start, end, y, cat, name = start[order], np.maximum(end[order], start[order]), y[order], cat[order], name[order]
+    origin = float(start[0])
+    tick = max(float(end.max() - origin) / (2**32 - 2), 1e-6)  # 1 ns at the finest
+    ticks = np.round((start - origin) / tick).astype(np.int64)
+    delta = np.diff(ticks, prepend=0).astype(np.uint32)
+    duration = np.minimum(np.round((end - start) / tick), 2**32 - 1).astype(np.uint32)
+    row_codes, rows = pd.factorize(np.round(y, 6))
+    cat_index = {c: k for k, c in enumerate(categories)}
+    name_codes, names = pd.factorize(name)
+    payload = b"".join(a.astype(a.dtype.newbyteorder("<")).tobytes() for a in (
+        delta, duration, row_codes.astype(np.uint16), pd.Series(cat).map(cat_index).to_numpy(dtype=np.uint8),
+        name_codes.astype(np.uint16)))
+    return {"n": int(n), "origin_ms": origin, "tick_ms": tick, "rows": [float(v) for v in rows],
+            "categories": [esc(c.replace("_", " ")) for c in categories],
+            "colors": [colors.get(c, "#888888") for c in categories],
+            "collective": [bool(len(coll)) and c in set(coll["category"]) for c in categories],
+            # each category's legend group: a category hidden from the legend is not drawn either
+            "groups": [("coll:" if len(coll) and c in set(coll["category"]) else "op:") + c for c in categories],
+            "names": [esc(v) for v in names], "columns": base64.b64encode(zlib.compress(payload, 6)).decode("ascii"),
+            "draw_up_to": ZOOM_DRAW_SPANS, "bar_px": [9, 7]}
+
+
 def _link_trace(links: pd.DataFrame, coll: pd.DataFrame, gl: bool):
     """Dotted lines joining the same collective's spans on every rank (at each rank's issue time)."""
     import plotly.graph_objects as go
@@ -621,10 +694,18 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
         windows = detail_windows(ops, coll) if len(ops) + len(coll) > OVERVIEW_ABOVE else []
         if windows:
             _detail_traces(fig, *hovered(_in_windows(ops, windows), _in_windows(coll, windows)), windows)
+        op_cats, coll_cats = _op_categories(ops) if len(ops) else [], sorted(set(coll["category"]))
+        colors = {c: _op_color(c) for c in op_cats}
+        colors.update(collective_colors(coll_cats))
+        zoom = zoom_events(ops, coll, op_cats + coll_cats, colors)
+        if zoom is not None:  # any window of at most ZOOM_DRAW_SPANS spans is drawn one by one once zoomed into
+            fig.update_layout(meta={"sd_zoom": zoom})
         title += (f" · overview: {len(ops) + len(coll)} spans in {bins} time bins, the most frequent "
                   f"path per bin" + (f"; shaded: the {len(windows)} windows around the slowest spans, drawn op by op "
                                      "(zoom in)" if windows else "")
-                  + "<br><sub>plot_timeline(time_range=(a, b)) draws any window op by op</sub>")
+                  + ("<br><sub>zoom in to a window of at most "
+                     f"{ZOOM_DRAW_SPANS:,} spans to see it op by op; " if zoom is not None else "<br><sub>")
+                  + "plot_timeline(time_range=(a, b)) draws any window op by op</sub>")
     else:
         bars = len(ops) + len(coll) <= BARS_UP_TO
         ops, coll = hovered(ops, coll)
