@@ -1537,3 +1537,56 @@ def _check_any_window_drawn_from_the_carried_spans(big16, fig, tmp_path) -> None
         const m = await import({json.dumps(js.as_uri())});
         const ev = await m.decodeSpans(z);
         process.exit(m.visibleSpans(ev, -1, 1e12, 10, z.categories) === null ? 0 : 1);"""], timeout=60).returncode == 0
+
+
+def _lane_depths_by_record(ops: pd.DataFrame) -> list[int]:
+    """Each op's depth below its innermost autograd-wide ancestor, walked one op at a time (the rule the timeline's
+    lanes follow)."""
+    wide = {(r, s) for r, s, o in zip(ops["rank"], ops["seq"], ops["op"]) if tl.is_autograd_wide(o)}
+    parent = {(r, s): int(p) for r, s, p in zip(ops["rank"], ops["seq"], ops["parent_seq"]) if not pd.isna(p)}
+    out = []
+    for r, s in zip(ops["rank"], ops["seq"]):
+        depth, key = 0, (r, s)
+        while key in parent:
+            key = (r, parent[key])
+            if key in wide:
+                break
+            depth += 1
+        out.append(depth)
+    return out
+
+
+def test_big_trace_tables_on_columns_are_the_record_by_record_ones(trace, big16, monkeypatch):
+    """What a big trace's report reads on whole columns (the collectives' owners, the imbalance, the mismatches, the
+    timeline's lanes, the explorer's groups of identical calls) equals what the code reading one record at a time
+    gives, on the golden trace and on the 16-rank one."""
+    from sharddbg.analysis import comm
+
+    for t in (trace, big16):
+        ops, colls = t.get_ops(), t.get_collectives()
+        # owners: all collectives at once against collective_calls one at a time (the small-trace path)
+        monkeypatch.setattr(comm, "BY_COLUMNS_ABOVE", 10**9)
+        by_record = comm.collective_owners(colls, ops)
+        imbalance = comm.imbalance(ops, colls)
+        monkeypatch.setattr(comm, "BY_COLUMNS_ABOVE", 0)
+        pd.testing.assert_frame_equal(comm.collective_owners(colls, ops), by_record, check_exact=True)
+        pd.testing.assert_frame_equal(comm.imbalance(ops, colls), imbalance, check_exact=False, rtol=1e-12)
+        assert imbalance["shard_elems"].sum() > 0 and imbalance["n_collectives"].sum() == len(colls)
+        # mismatches (every third collective kept: ranks missing, most collectives now mismatched): the quick look
+        # on plain lists leaves out only collectives the full look finds nothing wrong with
+        part = colls.iloc[::3]
+        full = part.assign(_match=comm.matched_collectives(part)).sort_values(comm.MATCH_KEY, kind="stable")
+        want = [row for _, d in full.groupby("_match", sort=False) for row in comm._mismatch_rows(d, set(t.ranks))]
+        got = comm.collective_mismatches(part, traced_ranks=t.ranks)
+        assert len(got) == len(want) > 0 and got.to_dict("records") == want
+        assert comm.collective_mismatches(colls, traced_ranks=t.ranks).empty
+        # the timeline's lanes
+        assert tl._lane_depths(ops).tolist() == _lane_depths_by_record(ops)
+        assert (tl._lane_depths(ops) > 0).any()
+        # the explorer's groups of identical calls: their values' reprs compared, numbered in call order per summary row
+        order = ex._tables(t).calls
+        order = order[order["summary_row"].notna()].sort_values(["summary_row", "occurrence", "rank", "seq"], kind="stable")
+        identity = pd.Series([repr(r) for r in order[list(ex.CALL_IDENTITY)].itertuples(index=False, name=None)],
+                             index=order.index)
+        want_groups = identity.groupby(order["summary_row"], sort=False).transform(lambda s: pd.factorize(s)[0])
+        assert (order["call_group"].astype("int64") == want_groups).all() and want_groups.max() > 0

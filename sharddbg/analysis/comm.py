@@ -328,9 +328,27 @@ def collective_owners(colls: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
     --------
     >>> collective_owners(t.get_collectives(), t.get_ops())[["owner", "issued_in"]].value_counts()
     """
-    chains = call_chains(colls, ops)
-    return pd.DataFrame({"owner": chains.owner, "owner_seq": chains.owner_seq, "issued_in": chains.issued_in,
-                         "counted_seqs": chains.counted_lists()}, index=colls.index)
+    if len(colls) + len(ops) >= BY_COLUMNS_ABOVE:  # a big trace: a nesting level at a time for all of them
+        chains = call_chains(colls, ops)
+        return pd.DataFrame({"owner": chains.owner, "owner_seq": chains.owner_seq, "issued_in": chains.issued_in,
+                             "counted_seqs": chains.counted_lists()}, index=colls.index)
+    parent, name = op_parents_and_names(ops)
+    owner, owner_seq, issued, counted = [], [], [], []
+    for r, s, c_op in zip(colls["rank"].tolist(), colls["op_seq"].tolist(), colls["op"].tolist()):
+        c_op = NO_OP if pd.isna(c_op) else c_op
+        if pd.isna(s):
+            owner.append(c_op)
+            owner_seq.append(pd.NA)
+            issued.append(c_op)
+            counted.append([])
+            continue
+        calls = collective_calls(int(r), int(s), parent, name)
+        owner.append(name.get((int(r), calls.owner), c_op))
+        owner_seq.append(calls.owner)
+        issued.append(name.get((int(r), int(s)), c_op))
+        counted.append(list(calls.counted))
+    return pd.DataFrame({"owner": owner, "owner_seq": pd.array(owner_seq, dtype="Int64"), "issued_in": issued,
+                         "counted_seqs": counted}, index=colls.index)
 
 
 # (rank, seq) of a call as one int64: ranks stay far below 2**23, seqs below 2**40
