@@ -867,18 +867,19 @@ def comm_by_op_kind(colls: pd.DataFrame, ops: pd.DataFrame | None = None) -> pd.
 
 def _union_ms(starts, ends) -> float:
     """Length (ms) of the union of [start, end) intervals in ns: wall time with at least one collective open."""
-    spans = sorted((int(a), int(b)) for a, b in zip(starts, ends) if not pd.isna(a) and not pd.isna(b) and b >= a)
-    total, cur_a, cur_b = 0, None, None
-    for a, b in spans:
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None:
-        total += cur_b - cur_a
-    return total / 1e6
+    a, b = pd.Series(starts, dtype="Int64"), pd.Series(ends, dtype="Int64")
+    ok = (a.notna() & b.notna()).to_numpy(dtype=bool)
+    a, b = a.to_numpy(dtype=np.int64, na_value=0)[ok], b.to_numpy(dtype=np.int64, na_value=0)[ok]
+    keep = b >= a
+    a, b = a[keep], b[keep]
+    if not len(a):
+        return 0.0
+    order = np.lexsort((b, a))
+    a, b = a[order], b[order]
+    reach = np.maximum.accumulate(b)  # the furthest end so far: a span starting after it opens a new stretch
+    first = np.flatnonzero(np.concatenate([[True], a[1:] > reach[:-1]]))
+    last = np.concatenate([first[1:] - 1, [len(a) - 1]])
+    return int((reach[last] - a[first]).sum()) / 1e6
 
 
 def comm_by_rank(colls: pd.DataFrame, ops: pd.DataFrame, ranks=None) -> pd.DataFrame:
@@ -889,17 +890,19 @@ def comm_by_rank(colls: pd.DataFrame, ops: pd.DataFrame, ranks=None) -> pd.DataF
     has zeros)."""
     keys = set(int(r) for r in colls["rank"]) | set(int(r) for r in ops["rank"]) | set(int(r) for r in (ranks or ()))
     rows = []
+    c_rank, o_rank = colls["rank"].to_numpy(), ops["rank"].to_numpy()
     for rank in sorted(keys):
-        g = colls[colls["rank"] == rank]
-        o = ops[ops["rank"] == rank]
-        done = g[~g["in_flight"]]
-        t0 = [x for x in list(g["t_issue_ns"]) + list(o["t_start_ns"]) if not pd.isna(x)]
-        t1 = [x for x in list(g["t_done_ns"]) + list(g["t_issue_ns"]) + list(o["t_end_ns"]) if not pd.isna(x)]
+        g = colls[c_rank == rank]
+        o = ops[o_rank == rank]
+        done = g[~g["in_flight"].to_numpy(dtype=bool)]
+        # the first and last recorded times (exact integers: ns since the epoch do not fit a float)
+        t0 = [x for x in (g["t_issue_ns"].min(), o["t_start_ns"].min()) if not pd.isna(x)]
+        t1 = [x for x in (g["t_done_ns"].max(), g["t_issue_ns"].max(), o["t_end_ns"].max()) if not pd.isna(x)]
         rows.append({
             "rank": rank, "n_collectives": int(len(g)), "n_in_flight": int(g["in_flight"].sum()),
             "bytes_sent": int(g["bytes_sent"].sum()), "bytes_recv": int(g["bytes_recv"].sum()),
             "comm_ms": _sum_ms(g["duration_ms"]), "comm_wall_ms": _union_ms(done["t_issue_ns"], done["t_done_ns"]),
-            "span_ms": (max(t1) - min(t0)) / 1e6 if t0 and t1 else math.nan,
+            "span_ms": (int(max(t1)) - int(min(t0))) / 1e6 if t0 and t1 else math.nan,
         })
     return pd.DataFrame(rows, columns=COMM_BY_RANK_COLUMNS)
 

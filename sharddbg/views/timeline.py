@@ -223,7 +223,16 @@ def _coll_spans(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame]:
     if df.empty:
         return pd.DataFrame(columns=[c for c in COLLECTIVE_SPAN_COLUMNS if c != "hover"]), colls
     df = df.reset_index(drop=True)
-    df["group"] = [_group_text(g if isinstance(g, list) else None, m) for g, m in zip(colls["group_ranks"], colls["mesh_dim"])]
+    # once per distinct group (its ranks' list object and mesh dim): a big trace has a handful
+    texts: dict = {}
+    group = []
+    for g, m in zip(colls["group_ranks"].tolist(), colls["mesh_dim"].tolist()):
+        key = (id(g), m if isinstance(m, str) else None)
+        text = texts.get(key)
+        if text is None:
+            text = texts[key] = _group_text(g if isinstance(g, list) else None, m)
+        group.append(text)
+    df["group"] = group
     df["group_seq"] = colls["group_seq"].astype(int).values
     df["collective"] = matched_collectives(colls).astype(int).values
     df["y"] = df["rank"] + COLL_LANE
@@ -303,7 +312,7 @@ def _op_categories(ops: pd.DataFrame) -> list[str]:
     """The op categories present, in legend order: dispatch paths as PATH_COLORS lists them, errors,
     then any other path."""
     order = list(PATH_COLORS) + [ERROR_CATEGORY]
-    present = set(ops["category"])
+    present = set(ops["category"].unique())
     return [c for c in order if c in present] + sorted(present - set(order))
 
 
@@ -580,6 +589,7 @@ def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], co
     coll_names = (coll["kind"].astype(str) + " · from " + coll["op"].fillna(NO_OP).astype(str)).to_numpy(dtype=object) \
         if len(coll) else np.array([], dtype=object)
     name = np.concatenate([ops["op"].to_numpy(dtype=object), coll_names])
+    coll_kinds = set(coll["category"].unique()) if len(coll) else set()
     order = np.argsort(start, kind="stable")
     start, end, y, cat, name = start[order], np.maximum(end[order], start[order]), y[order], cat[order], name[order]
     origin = float(start[0])
@@ -596,9 +606,9 @@ def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], co
     return {"n": int(n), "origin_ms": origin, "tick_ms": tick, "rows": [float(v) for v in rows],
             "categories": [esc(c.replace("_", " ")) for c in categories],
             "colors": [colors.get(c, "#888888") for c in categories],
-            "collective": [bool(len(coll)) and c in set(coll["category"]) for c in categories],
+            "collective": [c in coll_kinds for c in categories],
             # each category's legend group: a category hidden from the legend is not drawn either
-            "groups": [("coll:" if len(coll) and c in set(coll["category"]) else "op:") + c for c in categories],
+            "groups": [("coll:" if c in coll_kinds else "op:") + c for c in categories],
             "names": [esc(v) for v in names], "columns": base64.b64encode(zlib.compress(payload, 6)).decode("ascii"),
             "draw_up_to": ZOOM_DRAW_SPANS, "bar_px": [9, 7]}
 
