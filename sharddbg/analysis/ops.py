@@ -588,11 +588,11 @@ def fallbacks(ops: pd.DataFrame, include_metadata: bool = False) -> pd.DataFrame
             "calls": int(len(g)),
             "ranks": sorted(int(r) for r in g["rank"].unique()),
             "host_ms_total": float(g["host_ms"].sum(min_count=1)) if g["host_ms"].notna().any() else math.nan,
-            "user_frames": sorted({f for f in g["user_frame"] if isinstance(f, str)}),
+            "user_frames": sorted({f for f in g["user_frame"].unique() if isinstance(f, str)}),
             "via_handler": bool(via),
             "bwd_host_ms_total": float(b["host_ms"].sum()) if len(b) else 0.0,
             "category": "metadata" if is_metadata_op(op) else "compute",
-            "locations": sorted({w for w in g["location"] if isinstance(w, str)}),
+            "locations": sorted({w for w in g["location"].unique() if isinstance(w, str)}),
         })
     return pd.DataFrame(out, columns=FALLBACK_COLUMNS).sort_values(
         ["host_ms_total", "calls"], ascending=False, kind="stable").reset_index(drop=True)

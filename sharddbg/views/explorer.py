@@ -553,7 +553,7 @@ def _data(trace: Trace, tables: _Tables, max_rows: int | None, rank: int | None 
         "collectives": [[json_value(v) for v in r] for r in coll.itertuples(index=False, name=None)],
         "has_collectives": trace.collectives_recorded,
         "ranks": [int(r) for r in trace.ranks],
-        "paths": sorted(set(rows["path"])), "phases": sorted(set(rows["phase"])),
+        "paths": sorted(set(rows["path"].unique())), "phases": sorted(set(rows["phase"].unique())),
         "path_colors": PATH_COLORS,
         "counts": {k: int((rows["kind"] == k).sum()) for k in ("error", "fallback", "op")},
         "incomplete_ranks": [int(r) for r in trace.incomplete_ranks],
