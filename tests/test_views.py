@@ -1496,16 +1496,19 @@ def _check_any_window_drawn_from_the_carried_spans(big16, fig, tmp_path) -> None
     # a window away from every one drawn in Python: its spans, from the carried columns, are the trace's own
     windows = tl.detail_windows(ops, coll)
     x1 = float(max(ops["end_ms"].max(), coll["end_ms"].max()))
-    a = next(x for x in np.linspace(0, x1, 41)[1:-1]
-             if all(x + x1 / 200 < w0 or x > w1 for w0, w1 in windows))
+    tick = z["tick_ms"]  # the carried times' resolution: a window whose edges no span starts or ends near
+    edges = np.concatenate([ops["start_ms"], ops["end_ms"], coll["start_ms"], coll["end_ms"]]).astype(float)
+    a = next(x for x in np.linspace(0, x1, 81)[1:-1]
+             if all(x + x1 / 200 < w0 or x > w1 for w0, w1 in windows)
+             and not (np.abs(edges - x) < 3 * tick).any() and not (np.abs(edges - x - x1 / 200) < 3 * tick).any())
     b = a + x1 / 200
     overlap = lambda f: f[(f["end_ms"] >= a) & (f["start_ms"] <= b)]
     want = pd.concat([overlap(ops)[["start_ms", "end_ms", "y", "category"]], overlap(coll)[["start_ms", "end_ms", "y", "category"]]])
     got = overlap(spans)
-    tick = z["tick_ms"]
     assert 0 < len(got) == len(want) <= tl.ZOOM_DRAW_SPANS
-    got_keys = sorted(zip(np.round(got["start_ms"] / tick), np.round(got["y"], 6)))
-    want_keys = sorted(zip(np.round(want["start_ms"] / tick), np.round(want["y"].astype(float), 6)))
+    ticks = lambda ms: np.round((np.asarray(ms, dtype=float) - z["origin_ms"]) / tick).astype(np.int64)
+    got_keys = sorted(zip(ticks(got["start_ms"]), np.round(got["y"], 6)))
+    want_keys = sorted(zip(ticks(want["start_ms"]), np.round(want["y"].astype(float), 6)))
     assert got_keys == want_keys
     assert set(got["category"]) == {c.replace("_", " ") for c in want["category"]}
     assert set(got["name"]) >= set(overlap(ops)["op"])
@@ -1529,7 +1532,7 @@ def _check_any_window_drawn_from_the_carried_spans(big16, fig, tmp_path) -> None
     """)
     out = json.loads(subprocess.run([node, str(script)], capture_output=True, text=True, check=True, timeout=60).stdout)
     assert out["n"] == len(want)
-    assert out["starts"] == sorted(int(round((s - z["origin_ms"]) / tick)) for s in got["start_ms"])
+    assert out["starts"] == sorted(ticks(got["start_ms"]).tolist())
     # too many spans in the window: none drawn one by one (the overview's bins stay)
     assert subprocess.run([node, "--input-type=module", "-e", f"""
         import {{ readFileSync }} from "fs";

@@ -61,7 +61,7 @@ DETAIL_WINDOW_SPANS = 1_000
 # plot, a hover of its own), without a kernel and without a second plotly redraw.
 # Traces of more spans than ZOOM_EVENTS_MAX carry none (the report's size stays bounded: 13 bytes a span, deflated).
 ZOOM_DRAW_SPANS = 20_000
-ZOOM_EVENTS_MAX = 2_000_000
+ZOOM_EVENTS_MAX = 1_500_000
 X_PAD = 0.02  # room left and right of the first and last span, as a share of the time drawn
 # The modebar buttons that would send the figure to a cloud service.
 CLOUD_BUTTONS = ["sendDataToCloud", "editInChartStudio"]
@@ -593,7 +593,8 @@ def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], co
     order = np.argsort(start, kind="stable")
     start, end, y, cat, name = start[order], np.maximum(end[order], start[order]), y[order], cat[order], name[order]
     origin = float(start[0])
-    tick = max(float(end.max() - origin) / (2**32 - 2), 1e-6)  # 1 ns at the finest
+    # 1 µs (what the hover shows: ms to 3 decimals) unless the trace is longer than 2**32 µs: fewer bits to deflate
+    tick = max(float(end.max() - origin) / (2**32 - 2), 1e-3)
     ticks = np.round((start - origin) / tick).astype(np.int64)
     delta = np.diff(ticks, prepend=0).astype(np.uint32)
     duration = np.minimum(np.round((end - start) / tick), 2**32 - 1).astype(np.uint32)
