@@ -1464,6 +1464,13 @@ def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16,
         (colls["end_ms"] - colls["start_ms"]).max() < (ops["end_ms"] - ops["start_ms"]).max()
     assert len(json.dumps(figure_drawn(fig))) < 2_000_000
     _check_any_window_drawn_from_the_carried_spans(big16, fig, tmp_path)
+    # a notebook that cannot keep the figure with the spans it carries keeps it without them
+    from sharddbg.views import bundle
+
+    with_spans = len(json.dumps(figure_drawn(fig), separators=(",", ":")))
+    monkeypatch.setattr(bundle, "PAYLOAD_MAX_BYTES", with_spans - len(fig.layout.meta["sd_zoom"]["columns"]) // 2)
+    kept = fig.sharddbg_payload()["drawn"]["figure"]
+    assert "sd_zoom" not in (kept["layout"].get("meta") or {}) and len(kept["data"]) == len(fig.data)
 
 
 def _zoom_columns(z: dict) -> pd.DataFrame:
