@@ -183,7 +183,9 @@ def _build_tables(trace: Trace) -> _Tables:
         return _Tables(pd.DataFrame(columns=ROW_FIELDS),
                        summary.assign(kind=pd.Series(dtype=object), spec_mismatches=pd.Series(dtype="int64")),
                        pd.DataFrame(columns=GROUP_FIELDS))
-    ops = ops.sort_values(["rank", "seq"], kind="stable").copy()
+    # only the columns the explorer reads: every sort and filter below moves each column kept (a big trace's cost)
+    used = set(ROW_FIELDS) | set(CALL_IDENTITY) | {"t_start_ns", "error_handled", "fallback"}
+    ops = ops[[c for c in ops.columns if c in used]].sort_values(["rank", "seq"], kind="stable")
     ops["occurrence"] = ops.groupby(["rank", "phase", "op"], sort=False).cumcount()
     ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + ops["occurrence"].astype(str)
     ops["kind"] = "op"
