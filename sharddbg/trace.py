@@ -331,7 +331,8 @@ class Trace:
         if self._ops is None:
             self._ops = _ops.ops_frame(self._events_by_rank(),
                                        self.clock_offsets_ns)
-        return self._ops.copy()
+        # copy-on-write (pandas 3): changing the copy copies what it changes; the table itself is not copied per call
+        return self._ops.copy(deep=False)
 
     def get_op_summary(self, nested: bool = False) -> pd.DataFrame:
         """The table to read first: one row per (op, dispatch path, phase), all ranks together.
@@ -540,7 +541,7 @@ class Trace:
         if self._collectives is None:
             self._collectives = _comm.collectives_frame(self._events_by_rank(),
                                                         self.clock_offsets_ns)
-        return self._collectives.copy()
+        return self._collectives.copy(deep=False)  # copy-on-write, as get_ops
 
     def get_comm_by_op(self, by: str = "op", inclusive: bool = False) -> pd.DataFrame:
         """Communication per op name and rank, or per op call; forward and backward apart.

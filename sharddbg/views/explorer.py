@@ -208,10 +208,15 @@ def _build_tables(trace: Trace) -> _Tables:
                              spec_mismatches=[int(bad_spec.get(k, 0)) for k in
                                               zip(summary["op"], summary["path"], summary["phase"])])
     summary = summary.sort_values("kind_order", kind="stable").drop(columns="kind_order").reset_index(drop=True)
-    row_of = {k: i for i, k in enumerate(zip(summary["op"], summary["path"], summary["phase"]))}
-    ops["summary_row"] = pd.array([row_of.get(k) if m else None for k, m in
-                                   zip(zip(ops["op"].tolist(), ops["path"].tolist(), ops["phase"].tolist()), member.tolist())],
-                                  dtype="Int64")
+    # each member call's summary row: (op, path, phase) looked up for all calls at once
+    rows_index = pd.MultiIndex.from_arrays([summary["op"].astype(object), summary["path"].astype(object),
+                                            summary["phase"].astype(object)])
+    at = rows_index.get_indexer(pd.MultiIndex.from_arrays([ops["op"].astype(object), ops["path"].astype(object),
+                                                           ops["phase"].astype(object)])) if len(rows_index) else \
+        np.full(len(ops), -1)
+    summary_row = pd.array(at, dtype="Int64")
+    summary_row[(at < 0) | ~member.to_numpy(dtype=bool)] = pd.NA
+    ops["summary_row"] = summary_row
 
     # Each summary row's calls, identical ones together; groups numbered in call order (the first call of a
     # group is its earliest occurrence, on its lowest rank).
