@@ -185,7 +185,10 @@ def _build_tables(trace: Trace) -> _Tables:
                        pd.DataFrame(columns=GROUP_FIELDS))
     # only the columns the explorer reads: every sort and filter below moves each column kept (a big trace's cost)
     used = set(ROW_FIELDS) | set(CALL_IDENTITY) | {"t_start_ns", "error_handled", "fallback"}
-    ops = ops[[c for c in ops.columns if c in used]].sort_values(["rank", "seq"], kind="stable")
+    ops = ops[[c for c in ops.columns if c in used]]
+    rank, seq = ops["rank"].to_numpy(), ops["seq"].to_numpy()
+    if len(ops) > 1 and not ((rank[1:] > rank[:-1]) | ((rank[1:] == rank[:-1]) & (seq[1:] >= seq[:-1]))).all():
+        ops = ops.sort_values(["rank", "seq"], kind="stable")  # get_ops() is in this order already: no sort
     ops["occurrence"] = ops.groupby(["rank", "phase", "op"], sort=False).cumcount()
     ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + ops["occurrence"].astype(str)
     ops["kind"] = "op"
@@ -220,7 +223,9 @@ def _build_tables(trace: Trace) -> _Tables:
 
     # Each summary row's calls, identical ones together; groups numbered in call order (the first call of a
     # group is its earliest occurrence, on its lowest rank).
-    calls = ops[ops["summary_row"].notna()].sort_values(["summary_row", "occurrence", "rank", "seq"], kind="stable")
+    calls = ops.loc[ops["summary_row"].notna().to_numpy(), ["summary_row", "occurrence", "rank", "seq", "host_ms", "device_ms",
+                                                            *CALL_IDENTITY]] \
+        .sort_values(["summary_row", "occurrence", "rank", "seq"], kind="stable")
     codes = pd.Series(_identity_groups(calls), index=calls.index)
     ops["call_group"] = pd.array([None] * len(ops), dtype="Int64")
     ops.loc[calls.index, "call_group"] = codes.astype("int64")
