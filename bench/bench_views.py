@@ -153,7 +153,7 @@ def bench_big_report(trace_path: str, repeats: int, report_path: str | None = No
     size_mb = os.path.getsize(report_path) / 2**20
     frame = "() => new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)))"
     out: dict[str, list[float]] = {k: [] for k in ("explorer", "paint", "filter", "every_call", "detail", "scroll", "zoom",
-                                                   "zoom_any", "zoom_any_spans")}
+                                                   "zoom_any", "zoom_any_spans", "zoom_any_draw")}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         for _ in range(repeats):
@@ -190,20 +190,21 @@ def bench_big_report(trace_path: str, repeats: int, report_path: str | None = No
             # a window that is not one of those drawn in Python: the page draws its spans from the ones the figure
             # carries (views/_static/timeline_zoom.js); the time until they are on the canvas, and how many
             any_window = page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
-                if (!d.layout.meta || !d.layout.meta.sd_zoom) return [NaN, 0];
+                if (!d.layout.meta || !d.layout.meta.sd_zoom) return [NaN, 0, NaN];
                 await d._sdZoomPending;
-                const [a, b] = d._fullLayout.xaxis.range, times = [], drawn = [];
+                const [a, b] = d._fullLayout.xaxis.range, times = [], drawn = [], draw = [];
                 for (const f of [0.37, 0.61, 0.83]) {
                   const c = a + f * (b - a), t0 = performance.now();
                   await Plotly.relayout(d, {'xaxis.range': [c, c + (b - a) / 2000]});
                   await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)));
-                  times.push(performance.now() - t0); drawn.push(d._sdZoomDrawn);
+                  times.push(performance.now() - t0); drawn.push(d._sdZoomDrawn); draw.push(d._sdZoomDrawMs);
                 }
                 await Plotly.relayout(d, {'xaxis.range': [a, b]});
                 times.sort((x, y) => x - y);
-                return [times[1] / 1000, Math.min(...drawn)]; }""")
+                return [times[1] / 1000, Math.min(...drawn), Math.max(...draw) / 1000]; }""")
             out["zoom_any"].append(any_window[0])
             out["zoom_any_spans"].append(any_window[1])
+            out["zoom_any_draw"].append(any_window[2])
             out["dom"] = [page.evaluate("() => document.getElementsByTagName('*').length")]
             if screenshots and not out.get("shot"):
                 _zoom_screenshots(browser, report_path, screenshots)
@@ -455,7 +456,7 @@ def main() -> int:
                   f"| `cl.inspect(\"x\")` in Python (gather 4 snapshots, check, build the widget) | {insp['python_s'] * 1000:.0f} ms | {insp['python_min_s'] * 1000:.0f} ms |",
                   f"| JupyterLab: run the cell `sharddbg.inspect(\"x\")` until its 4 blocks are on screen | {insp['browser_s'] * 1000:.0f} ms | {insp['browser_min_s'] * 1000:.0f} ms |"]
     if args.only == "big":
-        lines += ["", "| big trace's report | load: CPU (wall) | build `to_html`: CPU (wall) | size | explorer on screen | everything drawn | op filter | every call | open a call's detail | scroll | timeline zoom (a shaded window) | zoom anywhere (spans drawn) | DOM elements |",
+        lines += ["", "| big trace's report | load: CPU (wall) | build `to_html`: CPU (wall) | size | explorer on screen | everything drawn | op filter | every call | open a call's detail | scroll | timeline zoom (a shaded window) | zoom anywhere (spans drawn; their drawing) | DOM elements |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         if args.before_code:
             with tempfile.TemporaryDirectory() as tmp:
@@ -468,7 +469,7 @@ def main() -> int:
                  if "build_cpu" in r else "| (report given)")
         lines.append(f"| {os.path.basename(args.trace)} | {build} | {r['report_MB']:.1f} MB | {r['explorer']:.2f} s | {r['paint']:.2f} s | "
                      f"{r['filter'] * 1000:.0f} ms | {r['every_call'] * 1000:.0f} ms | {r['detail'] * 1000:.0f} ms | "
-                     f"{r['scroll'] * 1000:.0f} ms | {r['zoom'] * 1000:.0f} ms | {r['zoom_any'] * 1000:.0f} ms ({r['zoom_any_spans']:.0f}) | {r['dom']:.0f} |")
+                     f"{r['scroll'] * 1000:.0f} ms | {r['zoom'] * 1000:.0f} ms | {r['zoom_any'] * 1000:.0f} ms ({r['zoom_any_spans']:.0f}; {r['zoom_any_draw'] * 1000:.0f} ms) | {r['dom']:.0f} |")
     if args.only in (None, "static"):
         lines += ["", "| static rendering (Python) | median | min |", "|---|---|---|"]
         lines += [f"| {r['what']} | {r['median_s'] * 1000:.2f} ms | {r['min_s'] * 1000:.2f} ms |"
