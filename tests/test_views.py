@@ -1478,7 +1478,7 @@ def _zoom_columns(z: dict) -> pd.DataFrame:
     import base64
     import zlib
 
-    raw, n = zlib.decompress(base64.b64decode(z["columns"])), z["n"]
+    raw, n = zlib.decompress(base64.urlsafe_b64decode(z["columns"])), z["n"]
     parts, at = {}, 0
     for name, dtype in (("delta", "<u4"), ("duration", "<u4"), ("row", "<u2"), ("category", "u1"), ("name", "<u2")):
         size = np.dtype(dtype).itemsize * n

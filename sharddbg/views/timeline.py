@@ -547,7 +547,8 @@ def _detail_traces(fig, ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tup
 
 def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], colors: dict[str, str]) -> dict | None:
     """Every span of ``ops`` and ``coll`` as compact columns, for the page to draw any window one by one when
-    zoomed in (``views/_static/timeline_zoom.js``): sorted by start; ``columns`` is base64 of the zlib-deflated
+    zoomed in (``views/_static/timeline_zoom.js``): sorted by start; ``columns`` is URL-safe base64 (no ``/`` for the
+    page's JSON to escape) of the zlib-deflated
     bytes of, in this order, ``start`` (uint32 ticks from the previous span's start), ``duration`` (uint32 ticks),
     ``row`` (uint16, into ``rows``: each span's y), ``category`` (uint8, into ``categories``) and ``name`` (uint16,
     into ``names``: the op's name, HTML-escaped, for collectives their kind and the op that issued them), all
@@ -610,7 +611,7 @@ def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], co
             "collective": [c in coll_kinds for c in categories],
             # each category's legend group: a category hidden from the legend is not drawn either
             "groups": [("coll:" if c in coll_kinds else "op:") + c for c in categories],
-            "names": [esc(v) for v in names], "columns": base64.b64encode(zlib.compress(payload, 6)).decode("ascii"),
+            "names": [esc(v) for v in names], "columns": base64.urlsafe_b64encode(zlib.compress(payload, 6)).decode("ascii"),
             "draw_up_to": ZOOM_DRAW_SPANS, "bar_px": [9, 7]}
 
 

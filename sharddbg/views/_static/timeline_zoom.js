@@ -4,9 +4,9 @@
 // (a plotly restyle would recompute and redraw the whole figure: seconds on a big overview), with a hover of
 // its own. No kernel is asked. Used by the standalone report and by the JupyterLab extension's figures.
 
-// base64 of zlib-deflated bytes -> Uint8Array
+// URL-safe base64 of zlib-deflated bytes -> Uint8Array
 async function inflate(text) {
-  const raw = atob(text);
+  const raw = atob(text.replace(/-/g, "+").replace(/_/g, "/"));
   const bytes = new Uint8Array(raw.length);
   for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
   const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
