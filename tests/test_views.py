@@ -1590,6 +1590,16 @@ def test_big_trace_tables_on_columns_are_the_record_by_record_ones(trace, big16,
         got = comm.collective_mismatches(part, traced_ranks=t.ranks)
         assert len(got) == len(want) > 0 and got.to_dict("records") == want
         assert comm.collective_mismatches(colls, traced_ranks=t.ranks).empty
+        # one all_reduce's size and one all_to_all's splits changed on one rank: those two, nothing else
+        bad = colls.copy()
+        ar = bad.index[(bad["kind"] == "all_reduce").to_numpy()][0]
+        a2a = bad.index[((bad["kind"] == "all_to_all_single") & bad["splits_sent"].map(lambda x: isinstance(x, list)
+                                                                                       and len(x) > 1)).to_numpy()][0]
+        bad.loc[ar, "bytes_sent"] += 4
+        bad.at[a2a, "splits_sent"] = [v + 4 for v in bad.at[a2a, "splits_sent"]]
+        found = comm.collective_mismatches(bad, traced_ranks=t.ranks)
+        assert sorted(zip(found["problem"], found["group_seq"])) == sorted(
+            [("size", int(bad.at[ar, "group_seq"])), ("splits", int(bad.at[a2a, "group_seq"]))])
         # the timeline's lanes
         assert tl._lane_depths(ops).tolist() == _lane_depths_by_record(ops)
         assert (tl._lane_depths(ops) > 0).any()

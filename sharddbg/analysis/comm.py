@@ -1078,7 +1078,7 @@ def collective_mismatches(colls: pd.DataFrame, traced_ranks=None) -> pd.DataFram
     codes = pd.factorize(colls["_match"].to_numpy())[0]
     order = np.argsort(codes, kind="stable")
     bounds = np.flatnonzero(np.diff(codes[order])) + 1
-    cols = {k: colls[k].to_numpy(dtype=object, na_value=None).tolist()
+    cols = {k: colls[k].to_numpy(dtype=object, na_value=None).tolist() if k in colls else [None] * len(colls)
             for k in ("rank", "kind", "group_ranks", "dtype", "bytes_sent", "bytes_recv", "root", "splits_sent",
                       "splits_recv")}
     # most collectives line up: a quick look on plain lists, the full one (_mismatch_rows) only where they may not
@@ -1144,33 +1144,33 @@ def _mismatch_rows(d: pd.DataFrame, traced: set | None) -> list[dict]:
     if len(classes) > 1:
         rows.append({**base, "problem": "kind", "detail": ", ".join(f"rank {r}: {k}" for r, k in zip(ranks, kinds))})
         return rows
-        kind = kinds[0]
-        if kind in _P2P:
-            return rows
-        dts = {str(x) for x in d["dtype"] if isinstance(x, str)}
-        if len(dts) > 1:
-            rows.append({**base, "problem": "dtype", "detail": ", ".join(f"rank {r}: {x}" for r, x in zip(ranks, d["dtype"]))})
-        if kind in _SAME_SIZE:
-            sizes = [int(x) for x in d["bytes_sent"]]
-            if len(set(sizes)) > 1:
-                rows.append({**base, "problem": "size",
-                             "detail": ", ".join(f"rank {r}: {s} B sent" for r, s in zip(ranks, sizes))})
-        elif kind == "broadcast":
-            sizes = [max(int(a), int(b)) for a, b in zip(d["bytes_sent"], d["bytes_recv"])]
-            roots = {int(x) for x in d["root"] if not pd.isna(x)}
-            if len(set(sizes)) > 1 or len(roots) > 1:
-                rows.append({**base, "problem": "size", "detail": ", ".join(
-                    f"rank {r}: {s} B root {ro}" for r, s, ro in zip(ranks, sizes, d["root"]))})
-        elif kind in ("all_to_all_single", "all_to_all"):
-            pos = {g: i for i, g in enumerate(members)}
-            sent = {int(r): s for r, s in zip(d["rank"], d["splits_sent"]) if isinstance(s, (list, tuple))}
-            recv = {int(r): s for r, s in zip(d["rank"], d["splits_recv"]) if isinstance(s, (list, tuple))}
-            bad = []
-            for i in sent:
-                for j in recv:
-                    if i in pos and j in pos and pos[j] < len(sent[i]) and pos[i] < len(recv[j]):
-                        if int(sent[i][pos[j]]) != int(recv[j][pos[i]]):
-                            bad.append(f"{i}->{j}: sends {sent[i][pos[j]]} B, {j} expects {recv[j][pos[i]]} B")
-            if bad:
-                rows.append({**base, "problem": "splits", "detail": "; ".join(bad)})
+    kind = kinds[0]
+    if kind in _P2P:
+        return rows
+    dts = {str(x) for x in d["dtype"] if isinstance(x, str)}
+    if len(dts) > 1:
+        rows.append({**base, "problem": "dtype", "detail": ", ".join(f"rank {r}: {x}" for r, x in zip(ranks, d["dtype"]))})
+    if kind in _SAME_SIZE:
+        sizes = [int(x) for x in d["bytes_sent"]]
+        if len(set(sizes)) > 1:
+            rows.append({**base, "problem": "size",
+                         "detail": ", ".join(f"rank {r}: {s} B sent" for r, s in zip(ranks, sizes))})
+    elif kind == "broadcast":
+        sizes = [max(int(a), int(b)) for a, b in zip(d["bytes_sent"], d["bytes_recv"])]
+        roots = {int(x) for x in d["root"] if not pd.isna(x)}
+        if len(set(sizes)) > 1 or len(roots) > 1:
+            rows.append({**base, "problem": "size", "detail": ", ".join(
+                f"rank {r}: {s} B root {ro}" for r, s, ro in zip(ranks, sizes, d["root"]))})
+    elif kind in ("all_to_all_single", "all_to_all"):
+        pos = {g: i for i, g in enumerate(members)}
+        sent = {int(r): s for r, s in zip(d["rank"], d["splits_sent"]) if isinstance(s, (list, tuple))}
+        recv = {int(r): s for r, s in zip(d["rank"], d["splits_recv"]) if isinstance(s, (list, tuple))}
+        bad = []
+        for i in sent:
+            for j in recv:
+                if i in pos and j in pos and pos[j] < len(sent[i]) and pos[i] < len(recv[j]):
+                    if int(sent[i][pos[j]]) != int(recv[j][pos[i]]):
+                        bad.append(f"{i}->{j}: sends {sent[i][pos[j]]} B, {j} expects {recv[j][pos[i]]} B")
+        if bad:
+            rows.append({**base, "problem": "splits", "detail": "; ".join(bad)})
     return rows
