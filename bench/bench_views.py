@@ -136,7 +136,7 @@ def bench_timeline(n_events: int, repeats: int) -> list[dict]:
     return rows
 
 
-def bench_big_report(trace_path: str, repeats: int, report_path: str | None = None) -> dict:
+def bench_big_report(trace_path: str, repeats: int, report_path: str | None = None, screenshots: str | None = None) -> dict:
     """The standalone report of a big saved trace (``bench/bench_trace_big.py --folder``) in chromium: its size,
     when the explorer's list is first on screen, when everything is drawn (the timeline, the comm figure and
     the explorer's list), and the interactions: type in the explorer's op filter, show every call, open a call's detail,
@@ -145,17 +145,15 @@ def bench_big_report(trace_path: str, repeats: int, report_path: str | None = No
 
     import sharddbg
 
+    build = {}
     if report_path is None or not os.path.exists(report_path):
-        t = sharddbg.load_trace(trace_path)
         report_path = report_path or tempfile.mktemp(suffix=".html")
-        t0 = time.perf_counter()
-        t.to_html(report_path)
-        build_s = time.perf_counter() - t0
-    else:
-        build_s = float("nan")
+        build = build_report_in_a_fresh_process(trace_path, report_path)
+    build_s = build.get("build_wall", float("nan"))
     size_mb = os.path.getsize(report_path) / 2**20
     frame = "() => new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)))"
-    out: dict[str, list[float]] = {k: [] for k in ("explorer", "paint", "filter", "every_call", "detail", "scroll", "zoom")}
+    out: dict[str, list[float]] = {k: [] for k in ("explorer", "paint", "filter", "every_call", "detail", "scroll", "zoom",
+                                                   "zoom_any", "zoom_any_spans", "zoom_any_draw")}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         for _ in range(repeats):
@@ -189,10 +187,66 @@ def bench_big_report(trace_path: str, repeats: int, report_path: str | None = No
                 const w = s ? [s.x0, s.x1] : [a + 0.45 * (b - a), a + 0.55 * (b - a)], t0 = performance.now();
                 await Plotly.relayout(d, {'xaxis.range': w}); await Plotly.relayout(d, {'xaxis.range': [a, b]});
                 return (performance.now() - t0) / 2000; }"""))
+            # a window that is not one of those drawn in Python: the page draws its spans from the ones the figure
+            # carries (views/_static/timeline_zoom.js); the time until they are on the canvas, and how many
+            any_window = page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
+                if (!d.layout.meta || !d.layout.meta.sd_zoom) return [NaN, 0, NaN];
+                await d._sdZoomPending;
+                const [a, b] = d._fullLayout.xaxis.range, times = [], drawn = [], draw = [];
+                for (const f of [0.37, 0.61, 0.83]) {
+                  const c = a + f * (b - a), t0 = performance.now();
+                  await Plotly.relayout(d, {'xaxis.range': [c, c + (b - a) / 2000]});
+                  await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)));
+                  times.push(performance.now() - t0); drawn.push(d._sdZoomDrawn); draw.push(d._sdZoomDrawMs);
+                }
+                await Plotly.relayout(d, {'xaxis.range': [a, b]});
+                times.sort((x, y) => x - y);
+                return [times[1] / 1000, Math.min(...drawn), Math.max(...draw) / 1000]; }""")
+            out["zoom_any"].append(any_window[0])
+            out["zoom_any_spans"].append(any_window[1])
+            out["zoom_any_draw"].append(any_window[2])
             out["dom"] = [page.evaluate("() => document.getElementsByTagName('*').length")]
+            if screenshots and not out.get("shot"):
+                _zoom_screenshots(browser, report_path, screenshots)
+                out["shot"] = [1.0]
             page.close()
         browser.close()
-    return {"report_MB": size_mb, "build_s": build_s, **{k: statistics.median(v) for k, v in out.items()}}
+    return {"report_MB": size_mb, "build_s": build_s, **build, **{k: statistics.median(v) for k, v in out.items()}}
+
+
+def _zoom_screenshots(browser, report_path: str, folder: str) -> None:
+    """The timeline zoomed into a window that is not drawn in Python, light and dark (the reader's preference)."""
+    os.makedirs(folder, exist_ok=True)
+    for scheme in ("light", "dark"):
+        page = browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme=scheme)
+        page.goto(f"file://{report_path}", timeout=600_000)
+        page.wait_for_function("() => { const d = document.getElementById('sd-fig-timeline'); return d && d._fullLayout; }",
+                               timeout=600_000)
+        page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline'); await d._sdZoomPending;
+            const [a, b] = d._fullLayout.xaxis.range, c = a + 0.61 * (b - a);
+            await Plotly.relayout(d, {'xaxis.range': [c, c + (b - a) / 4000]}); d.scrollIntoView(); }""")
+        page.wait_for_timeout(500)
+        page.locator("#sd-fig-timeline").screenshot(path=os.path.join(folder, f"report_timeline_zoomed_{scheme}.png"))
+        page.close()
+
+
+def build_report_in_a_fresh_process(trace_path: str, report_path: str, code: str | None = None) -> dict:
+    """Load ``trace_path`` and write its report with the sharddbg of ``code`` (a folder holding a ``sharddbg``
+    package; this tree's by default) in a fresh process: wall and CPU seconds (user + system of that process) of the
+    load and of ``to_html`` apart (a shared machine changes CPU time least)."""
+    script = """import json, sys, time
+t0, c0 = time.perf_counter(), time.process_time()
+import sharddbg
+t = sharddbg.load_trace(sys.argv[1])
+t1, c1 = time.perf_counter(), time.process_time()
+t.to_html(sys.argv[2])
+t2, c2 = time.perf_counter(), time.process_time()
+print(json.dumps({"load_wall": t1 - t0, "load_cpu": c1 - c0, "build_wall": t2 - t1, "build_cpu": c2 - c1}))
+"""
+    env = dict(os.environ, PYTHONPATH=str(code or ROOT), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", script, trace_path, report_path], env=env, cwd=str(code or ROOT),
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _free_port() -> int:
@@ -382,6 +436,9 @@ def main() -> int:
     ap.add_argument("--only", choices=("timeline", "inspector", "static", "big"), help="run one part only")
     ap.add_argument("--trace", help="with --only big: a saved big trace (bench/bench_trace_big.py --folder)")
     ap.add_argument("--report", help="with --only big: the report's path (made from --trace unless it exists)")
+    ap.add_argument("--before-code", help="with --only big: also build the report with the sharddbg of this folder "
+                                          "(e.g. `git archive REV sharddbg | tar -x -C DIR`), CPU and wall, in the same run")
+    ap.add_argument("--screenshots", help="with --only big: the zoomed timeline's light and dark screenshots go here")
     ap.add_argument("--append", action="store_true", help="add the results to bench/RESULTS.md")
     args = ap.parse_args()
     lines = [f"machine: {os.cpu_count()} cores (shared), chromium headless without GPU (software WebGL), "
@@ -399,12 +456,20 @@ def main() -> int:
                   f"| `cl.inspect(\"x\")` in Python (gather 4 snapshots, check, build the widget) | {insp['python_s'] * 1000:.0f} ms | {insp['python_min_s'] * 1000:.0f} ms |",
                   f"| JupyterLab: run the cell `sharddbg.inspect(\"x\")` until its 4 blocks are on screen | {insp['browser_s'] * 1000:.0f} ms | {insp['browser_min_s'] * 1000:.0f} ms |"]
     if args.only == "big":
-        r = bench_big_report(args.trace, args.repeats, args.report)
-        lines += ["", "| big trace's report | size | build (Python) | explorer on screen | everything drawn | op filter | every call | open a call's detail | scroll | timeline zoom | DOM elements |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|",
-                  f"| {os.path.basename(args.trace)} | {r['report_MB']:.1f} MB | {r['build_s']:.0f} s | {r['explorer']:.2f} s | {r['paint']:.2f} s | "
-                  f"{r['filter'] * 1000:.0f} ms | {r['every_call'] * 1000:.0f} ms | {r['detail'] * 1000:.0f} ms | "
-                  f"{r['scroll'] * 1000:.0f} ms | {r['zoom'] * 1000:.0f} ms | {r['dom']:.0f} |"]
+        lines += ["", "| big trace's report | load: CPU (wall) | build `to_html`: CPU (wall) | size | explorer on screen | everything drawn | op filter | every call | open a call's detail | scroll | timeline zoom (a shaded window) | zoom anywhere (spans drawn; their drawing) | DOM elements |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        if args.before_code:
+            with tempfile.TemporaryDirectory() as tmp:
+                b = build_report_in_a_fresh_process(args.trace, os.path.join(tmp, "before.html"), args.before_code)
+                size = os.path.getsize(os.path.join(tmp, "before.html")) / 2**20
+            lines.append(f"| {os.path.basename(args.trace)}, code of {args.before_code} | {b['load_cpu']:.1f} s ({b['load_wall']:.1f} s) | "
+                         f"{b['build_cpu']:.1f} s ({b['build_wall']:.1f} s) | {size:.1f} MB | | | | | | | | | |")
+        r = bench_big_report(args.trace, args.repeats, args.report, args.screenshots)
+        build = (f"{r['load_cpu']:.1f} s ({r['load_wall']:.1f} s) | {r['build_cpu']:.1f} s ({r['build_wall']:.1f} s)"
+                 if "build_cpu" in r else "| (report given)")
+        lines.append(f"| {os.path.basename(args.trace)} | {build} | {r['report_MB']:.1f} MB | {r['explorer']:.2f} s | {r['paint']:.2f} s | "
+                     f"{r['filter'] * 1000:.0f} ms | {r['every_call'] * 1000:.0f} ms | {r['detail'] * 1000:.0f} ms | "
+                     f"{r['scroll'] * 1000:.0f} ms | {r['zoom'] * 1000:.0f} ms | {r['zoom_any'] * 1000:.0f} ms ({r['zoom_any_spans']:.0f}; {r['zoom_any_draw'] * 1000:.0f} ms) | {r['dom']:.0f} |")
     if args.only in (None, "static"):
         lines += ["", "| static rendering (Python) | median | min |", "|---|---|---|"]
         lines += [f"| {r['what']} | {r['median_s'] * 1000:.2f} ms | {r['min_s'] * 1000:.2f} ms |"

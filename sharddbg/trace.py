@@ -124,6 +124,7 @@ class Trace:
         self._columns: columnar.EventColumns | None = None
         self._ops: pd.DataFrame | None = None
         self._collectives: pd.DataFrame | None = None
+        self._fallbacks: dict[bool, pd.DataFrame] = {}  # get_fallbacks(include_metadata), built once each
         self._findings: list[Finding] | None = None  # worked out once: a trace does not change once built
         self._overview: TraceOverview | None = None
         if self.dropped:
@@ -349,7 +350,8 @@ class Trace:
         >>> ops[ops["exc_type"].notna()][["rank", "op", "exc_type", "location"]]
         >>> ops.groupby(["path", "phase"])["host_ms"].sum()
         """
-        return self._ops_table().copy()
+        # copy-on-write (pandas 3): changing the copy copies what it changes; the table itself is not copied per call
+        return self._ops_table().copy(deep=False)
 
     def get_op_summary(self, nested: bool = False) -> pd.DataFrame:
         """The table to read first: one row per (op, dispatch path, phase), all ranks together.
@@ -434,7 +436,11 @@ class Trace:
         >>> fb = t.get_fallbacks(include_metadata=True)
         >>> fb[fb["category"] == "metadata"]["op"].tolist()
         """
-        return _patch_families.classified_fallbacks(self.get_ops(), self.get_collectives(), include_metadata)
+        key = bool(include_metadata)
+        if key not in self._fallbacks:  # the report and its views ask several times: the trace does not change
+            self._fallbacks[key] = _patch_families.classified_fallbacks(self._ops_table(), self._collectives_table(),
+                                                                        key)
+        return self._fallbacks[key].copy()
 
     def get_errors(self, include_propagated: bool = False) -> pd.DataFrame:
         """Real exceptions per rank: one row per origin (``analysis.ops.errors``), those that ended the cell and
@@ -547,7 +553,7 @@ class Trace:
         >>> c.groupby("kind")[["bytes_sent", "duration_ms"]].sum()
         >>> c[c["state"] != "completed"][["rank", "kind", "state", "error", "location"]]
         """
-        return self._collectives_table().copy()
+        return self._collectives_table().copy(deep=False)  # copy-on-write, as get_ops
 
     def get_comm_by_op(self, by: str = "op", inclusive: bool = False) -> pd.DataFrame:
         """Communication per op name and rank, or per op call; forward and backward apart.

@@ -257,6 +257,13 @@ def test_comm_share_at_most_one_on_the_demo_net(cl, tmp_path):
     for nested in (False, True):
         pd.testing.assert_frame_equal(summary.op_summary_by_columns(ops, colls, nested), t.get_op_summary(nested))
     pd.testing.assert_frame_equal(comm_analysis.comm_by_op_by_columns(colls, ops), by)
+    # and what the report reads on whole columns: the collectives' owners and the imbalance
+    chains, owners = comm_analysis.call_chains(colls, ops), comm_analysis.collective_owners(colls, ops)
+    assert list(chains.owner) == owners["owner"].tolist() and list(chains.issued_in) == owners["issued_in"].tolist()
+    assert chains.counted_lists() == owners["counted_seqs"].tolist() and any(len(c) > 1 for c in owners["counted_seqs"])
+    pd.testing.assert_extension_array_equal(chains.owner_seq, owners["owner_seq"].array)
+    pd.testing.assert_frame_equal(comm_analysis._imbalance_table(comm_analysis._imbalance_by_columns(ops, colls)),
+                                  t.get_imbalance(), check_exact=False, rtol=1e-12)
     # built from the columns it keeps: no record was made as a dict for them
     assert not any(p["events"].made for p in columns.payloads.values()), "a table made the records as dicts"
     assert columns.events(0) == t.events(0)

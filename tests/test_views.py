@@ -1425,7 +1425,7 @@ def test_busy_ms_is_the_spans_time_in_each_bin():
     assert np.allclose(tl.busy_ms(starts, ends, edges), want) and np.isclose(sum(want), (ends - starts).sum())
 
 
-def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16, monkeypatch):
+def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16, monkeypatch, tmp_path):
     from sharddbg.views.figure import figure_drawn
 
     for name, value in (("OVERVIEW_ABOVE", 1000), ("OVERVIEW_CELLS", 4000), ("OVERVIEW_MIN_BINS", 50),
@@ -1463,3 +1463,150 @@ def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16,
     assert any(a <= slowest["start_ms"] and slowest["end_ms"] <= b for a, b in windows) or \
         (colls["end_ms"] - colls["start_ms"]).max() < (ops["end_ms"] - ops["start_ms"]).max()
     assert len(json.dumps(figure_drawn(fig))) < 2_000_000
+    _check_any_window_drawn_from_the_carried_spans(big16, fig, tmp_path)
+    # a notebook that cannot keep the figure with the spans it carries keeps it without them
+    from sharddbg.views import bundle
+
+    with_spans = len(json.dumps(figure_drawn(fig), separators=(",", ":")))
+    monkeypatch.setattr(bundle, "PAYLOAD_MAX_BYTES", with_spans - len(fig.layout.meta["sd_zoom"]["columns"]) // 2)
+    kept = fig.sharddbg_payload()["drawn"]["figure"]
+    assert "sd_zoom" not in (kept["layout"].get("meta") or {}) and len(kept["data"]) == len(fig.data)
+
+
+def _zoom_columns(z: dict) -> pd.DataFrame:
+    """The spans a timeline's ``sd_zoom`` carries, decoded as the page decodes them (views/_static/timeline_zoom.js)."""
+    import base64
+    import zlib
+
+    raw, n = zlib.decompress(base64.urlsafe_b64decode(z["columns"])), z["n"]
+    parts, at = {}, 0
+    for name, dtype in (("delta", "<u4"), ("duration", "<u4"), ("row", "<u2"), ("category", "u1"), ("name", "<u2")):
+        size = np.dtype(dtype).itemsize * n
+        parts[name] = np.frombuffer(raw[at:at + size], dtype=dtype)
+        at += size
+    assert at == len(raw)
+    start = z["origin_ms"] + np.cumsum(parts["delta"].astype(np.int64)) * z["tick_ms"]
+    return pd.DataFrame({"start_ms": start, "end_ms": start + parts["duration"] * z["tick_ms"],
+                         "y": np.array(z["rows"])[parts["row"]], "category": np.array(z["categories"])[parts["category"]],
+                         "name": np.array(z["names"], dtype=object)[parts["name"]]})
+
+
+def _check_any_window_drawn_from_the_carried_spans(big16, fig, tmp_path) -> None:
+    """Zoomed into any window (not only the slowest ones drawn in Python), the page draws its spans one by one from
+    the spans the figure carries: decoded here as the page does, and by the page's own script under node."""
+    import shutil
+
+    z = fig.layout.meta["sd_zoom"]
+    ops, coll = tl.timeline_frame(big16), tl.collective_spans(big16)
+    spans = _zoom_columns(z)
+    assert z["n"] == len(spans) == len(ops) + len(coll) and z["draw_up_to"] == tl.ZOOM_DRAW_SPANS
+    # a window away from every one drawn in Python: its spans, from the carried columns, are the trace's own
+    windows = tl.detail_windows(ops, coll)
+    x1 = float(max(ops["end_ms"].max(), coll["end_ms"].max()))
+    tick = z["tick_ms"]  # the carried times' resolution: a window whose edges no span starts or ends near
+    edges = np.concatenate([ops["start_ms"], ops["end_ms"], coll["start_ms"], coll["end_ms"]]).astype(float)
+    a = next(x for x in np.linspace(0, x1, 81)[1:-1]
+             if all(x + x1 / 200 < w0 or x > w1 for w0, w1 in windows)
+             and not (np.abs(edges - x) < 3 * tick).any() and not (np.abs(edges - x - x1 / 200) < 3 * tick).any())
+    b = a + x1 / 200
+    overlap = lambda f: f[(f["end_ms"] >= a) & (f["start_ms"] <= b)]
+    want = pd.concat([overlap(ops)[["start_ms", "end_ms", "y", "category"]], overlap(coll)[["start_ms", "end_ms", "y", "category"]]])
+    got = overlap(spans)
+    assert 0 < len(got) == len(want) <= tl.ZOOM_DRAW_SPANS
+    ticks = lambda ms: np.round((np.asarray(ms, dtype=float) - z["origin_ms"]) / tick).astype(np.int64)
+    got_keys = sorted(zip(ticks(got["start_ms"]), np.round(got["y"], 6)))
+    want_keys = sorted(zip(ticks(want["start_ms"]), np.round(want["y"].astype(float), 6)))
+    assert got_keys == want_keys
+    assert set(got["category"]) == {c.replace("_", " ") for c in want["category"]}
+    assert set(got["name"]) >= set(overlap(ops)["op"])
+    assert len(z["columns"]) < 40 * z["n"]  # compact: a few bytes a span
+    # the page's own script finds the same spans (node runs the module as the page does; skipped without node)
+    node = shutil.which("node")
+    if node is None:  # the page's script is then checked by bench/bench_views.py in chromium only
+        return
+    js = Path(sharddbg.__file__).parent / "views" / "_static" / "timeline_zoom.js"
+    (tmp_path / "zoom.json").write_text(json.dumps(z))
+    script = tmp_path / "check.mjs"
+    script.write_text(f"""
+        import {{ readFileSync }} from "fs";
+        globalThis.document = {{}};
+        const z = JSON.parse(readFileSync({json.dumps(str(tmp_path / "zoom.json"))}, "utf8"));
+        const m = await import({json.dumps(js.as_uri())});
+        const ev = await m.decodeSpans(z);
+        const per = m.visibleSpans(ev, {a}, {b}, z.draw_up_to, z.categories);
+        const idx = per.flat();
+        console.log(JSON.stringify({{n: idx.length, starts: idx.map(i => Math.round((ev.start[i] - z.origin_ms) / z.tick_ms)).sort((x, y) => x - y)}}));
+    """)
+    out = json.loads(subprocess.run([node, str(script)], capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert out["n"] == len(want)
+    assert out["starts"] == sorted(ticks(got["start_ms"]).tolist())
+    # too many spans in the window: none drawn one by one (the overview's bins stay)
+    assert subprocess.run([node, "--input-type=module", "-e", f"""
+        import {{ readFileSync }} from "fs";
+        const z = JSON.parse(readFileSync({json.dumps(str(tmp_path / "zoom.json"))}, "utf8"));
+        const m = await import({json.dumps(js.as_uri())});
+        const ev = await m.decodeSpans(z);
+        process.exit(m.visibleSpans(ev, -1, 1e12, 10, z.categories) === null ? 0 : 1);"""], timeout=60).returncode == 0
+
+
+def _lane_depths_by_record(ops: pd.DataFrame) -> list[int]:
+    """Each op's depth below its innermost autograd-wide ancestor, walked one op at a time (the rule the timeline's
+    lanes follow)."""
+    wide = {(r, s) for r, s, o in zip(ops["rank"], ops["seq"], ops["op"]) if tl.is_autograd_wide(o)}
+    parent = {(r, s): int(p) for r, s, p in zip(ops["rank"], ops["seq"], ops["parent_seq"]) if not pd.isna(p)}
+    out = []
+    for r, s in zip(ops["rank"], ops["seq"]):
+        depth, key = 0, (r, s)
+        while key in parent:
+            key = (r, parent[key])
+            if key in wide:
+                break
+            depth += 1
+        out.append(depth)
+    return out
+
+
+def test_big_trace_tables_on_columns_are_the_record_by_record_ones(trace, big16, monkeypatch):
+    """What a big trace's report reads on whole columns (the collectives' owners, the imbalance, the mismatches, the
+    timeline's lanes, the explorer's groups of identical calls) equals what the code reading one record at a time
+    gives, on the golden trace and on the 16-rank one."""
+    from sharddbg.analysis import comm
+
+    for t in (trace, big16):
+        ops, colls = t.get_ops(), t.get_collectives()
+        # owners: all collectives at once against collective_calls one at a time (the small-trace path)
+        monkeypatch.setattr(comm, "BY_COLUMNS_ABOVE", 10**9)
+        by_record = comm.collective_owners(colls, ops)
+        imbalance = comm.imbalance(ops, colls)
+        monkeypatch.setattr(comm, "BY_COLUMNS_ABOVE", 0)
+        pd.testing.assert_frame_equal(comm.collective_owners(colls, ops), by_record, check_exact=True)
+        pd.testing.assert_frame_equal(comm.imbalance(ops, colls), imbalance, check_exact=False, rtol=1e-12)
+        assert imbalance["shard_elems"].sum() > 0 and imbalance["n_collectives"].sum() == len(colls)
+        # mismatches (every third collective kept: ranks missing, most collectives now mismatched): the quick look
+        # on plain lists leaves out only collectives the full look finds nothing wrong with
+        part = colls.iloc[::3]
+        full = part.assign(_match=comm.matched_collectives(part)).sort_values(comm.MATCH_KEY, kind="stable")
+        want = [row for _, d in full.groupby("_match", sort=False) for row in comm._mismatch_rows(d, set(t.ranks))]
+        got = comm.collective_mismatches(part, traced_ranks=t.ranks)
+        assert len(got) == len(want) > 0 and got.to_dict("records") == want
+        assert comm.collective_mismatches(colls, traced_ranks=t.ranks).empty
+        # one all_reduce's size and one all_to_all's splits changed on one rank: those two, nothing else
+        bad = colls.copy()
+        ar = bad.index[(bad["kind"] == "all_reduce").to_numpy()][0]
+        a2a = bad.index[((bad["kind"] == "all_to_all_single") & bad["splits_sent"].map(lambda x: isinstance(x, list)
+                                                                                       and len(x) > 1)).to_numpy()][0]
+        bad.loc[ar, "bytes_sent"] += 4
+        bad.at[a2a, "splits_sent"] = [v + 4 for v in bad.at[a2a, "splits_sent"]]
+        found = comm.collective_mismatches(bad, traced_ranks=t.ranks)
+        assert sorted(zip(found["problem"], found["group_seq"])) == sorted(
+            [("size", int(bad.at[ar, "group_seq"])), ("splits", int(bad.at[a2a, "group_seq"]))])
+        # the timeline's lanes
+        assert tl._lane_depths(ops).tolist() == _lane_depths_by_record(ops)
+        assert (tl._lane_depths(ops) > 0).any()
+        # the explorer's groups of identical calls: their values' reprs compared, numbered in call order per summary row
+        order = ex._tables(t).calls
+        order = order[order["summary_row"].notna()].sort_values(["summary_row", "occurrence", "rank", "seq"], kind="stable")
+        identity = pd.Series([repr(r) for r in order[list(ex.CALL_IDENTITY)].itertuples(index=False, name=None)],
+                             index=order.index)
+        want_groups = identity.groupby(order["summary_row"], sort=False).transform(lambda s: pd.factorize(s)[0])
+        assert (order["call_group"].astype("int64") == want_groups).all() and want_groups.max() > 0

@@ -1,4 +1,6 @@
 import type { IViewModel } from './views';
+// @ts-ignore: a plain ES module shared with the standalone report
+import { attachTimelineZoom } from '../../sharddbg/views/_static/timeline_zoom.js';
 
 /** The part of plotly.js this extension calls. */
 interface IPlotly {
@@ -50,6 +52,8 @@ export function drawFigure(model: IViewModel, el: HTMLElement): void {
                        { responsive: true, displaylogo: false, showSendToCloud: false }))
       .then(() => {
         plot.dataset.sdDrawn = 'true';
+        // a big trace's timeline: any window zoomed into is drawn span by span from the spans it carries
+        void loading.then(Plotly => attachTimelineZoom(plot, Plotly)).catch(() => undefined);
       })
       .catch(err => {
         plot.textContent = `sharddbg: the figure could not be drawn (${String(err)})`;

@@ -61,6 +61,9 @@ COMM_BY_RANK_COLUMNS = ["rank", "n_collectives", "n_in_flight", "bytes_sent", "b
 COMM_BY_PEER_COLUMNS = ["rank", "peer", "kind", "n_collectives", "bytes_sent", "bytes_recv", "local"]
 IMBALANCE_COLUMNS = ["op", "rank", "calls", "shard_elems", "host_ms", "comm_ms", "wait_ms", "n_collectives",
                      "shard_imbalance", "host_imbalance", "wait_ms_max"]
+# From this many rows (ops + collectives) a table is summed on whole columns (groupby) rather than a group at a time:
+# the same table, its float sums added in another order.
+BY_COLUMNS_ABOVE = 20_000
 MISMATCH_COLUMNS = ["group_name", "group_seq", "mesh_dim", "problem", "ranks", "kinds", "detail"]
 
 
@@ -325,6 +328,10 @@ def collective_owners(colls: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
     --------
     >>> collective_owners(t.get_collectives(), t.get_ops())[["owner", "issued_in"]].value_counts()
     """
+    if len(colls) + len(ops) >= BY_COLUMNS_ABOVE:  # a big trace: a nesting level at a time for all of them
+        chains = call_chains(colls, ops)
+        return pd.DataFrame({"owner": chains.owner, "owner_seq": chains.owner_seq, "issued_in": chains.issued_in,
+                             "counted_seqs": chains.counted_lists()}, index=colls.index)
     parent, name = op_parents_and_names(ops)
     owner, owner_seq, issued, counted = [], [], [], []
     for r, s, c_op in zip(colls["rank"].tolist(), colls["op_seq"].tolist(), colls["op"].tolist()):
@@ -342,6 +349,184 @@ def collective_owners(colls: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
         counted.append(list(calls.counted))
     return pd.DataFrame({"owner": owner, "owner_seq": pd.array(owner_seq, dtype="Int64"), "issued_in": issued,
                          "counted_seqs": counted}, index=colls.index)
+
+
+# (rank, seq) of a call as one int64: ranks stay far below 2**23, seqs below 2**40
+_SEQ_BITS = 40
+
+
+@dataclass(frozen=True)
+class CallChains:
+    """The calls each collective belongs to (``collective_calls``' rule), worked out for all collectives at once.
+
+    Parameters
+    ----------
+    seqs : numpy.ndarray
+        (collectives, levels) int64: the chain of calls around each collective, innermost (its ``op_seq``) first;
+        -1 past a chain's end (a collective without a call has none).
+    counted : numpy.ndarray
+        (collectives, levels) bool: the calls inclusive totals count it for (``CollectiveCalls.counted``).
+    owner, issued_in : numpy.ndarray
+        Object arrays: the op name of the user's own call and of the call that issued it (``collective_owners``).
+    owner_seq : pandas.arrays.IntegerArray
+        The user's own call's seq, NA outside ops.
+
+    Examples
+    --------
+    >>> chains = call_chains(t.get_collectives(), t.get_ops())
+    >>> chains.seqs.shape[0] == len(t.get_collectives())
+    True
+    """
+
+    seqs: np.ndarray
+    counted: np.ndarray
+    owner: np.ndarray
+    issued_in: np.ndarray
+    owner_seq: Any
+
+    def counted_lists(self, rows: np.ndarray | None = None) -> list[list[int]]:
+        """``counted`` as one list of seqs per collective (innermost first; empty outside ops).
+
+        Parameters
+        ----------
+        rows : numpy.ndarray, optional
+            Only these collectives (positions or a mask); all by default.
+
+        Returns
+        -------
+        list of list of int
+            ``CollectiveCalls.counted`` of each collective.
+
+        Examples
+        --------
+        >>> call_chains(t.get_collectives(), t.get_ops()).counted_lists()[0]
+        """
+        seqs, counted = (self.seqs, self.counted) if rows is None else (self.seqs[rows], self.counted[rows])
+        kept = np.where(counted, seqs, -1).tolist()
+        return [[x for x in row if x >= 0] for row in kept]
+
+    def counted_pairs(self, rank: np.ndarray) -> pd.DataFrame:
+        """Every (collective, call) that ``counted`` holds, one row each: ``at`` (the collective's position),
+        ``key`` (its rank and the call's seq as one int64, ``call_keys``).
+
+        Parameters
+        ----------
+        rank : numpy.ndarray
+            Each collective's rank.
+
+        Returns
+        -------
+        pandas.DataFrame
+            Columns ``at`` and ``key``.
+
+        Examples
+        --------
+        >>> c = t.get_collectives()
+        >>> pairs = call_chains(c, t.get_ops()).counted_pairs(c["rank"].to_numpy())
+        """
+        at, level = np.nonzero(self.counted)
+        return pd.DataFrame({"at": at, "key": (np.asarray(rank, dtype=np.int64)[at] << _SEQ_BITS) + self.seqs[at, level]})
+
+
+def call_keys(rank, seq) -> np.ndarray:
+    """(rank, seq) pairs as one int64 each (-1 where seq is missing): how ``CallChains`` names a call.
+
+    Parameters
+    ----------
+    rank, seq : array-like
+        Ranks and seqs (seq may hold missing values).
+
+    Returns
+    -------
+    numpy.ndarray
+        int64 keys.
+
+    Examples
+    --------
+    >>> call_keys([0, 1], [5, None]).tolist()
+    [5, -1]
+    """
+    s = pd.to_numeric(pd.Series(seq, dtype=object) if not isinstance(seq, pd.Series) else seq)
+    s = s.to_numpy(dtype=np.float64, na_value=np.nan)
+    key = (np.asarray(rank, dtype=np.int64) << _SEQ_BITS) + np.nan_to_num(s, nan=0).astype(np.int64)
+    return np.where(np.isnan(s), -1, key)
+
+
+def call_chains(colls: pd.DataFrame, ops: pd.DataFrame) -> CallChains:
+    """``collective_calls`` for every collective of ``colls`` at once, a nesting level at a time on whole columns.
+
+    Parameters
+    ----------
+    colls : pandas.DataFrame
+        ``Trace.get_collectives()`` (or some of its rows).
+    ops : pandas.DataFrame
+        ``Trace.get_ops()``.
+
+    Returns
+    -------
+    CallChains
+        The chains, what they count for and the owners' names.
+
+    Examples
+    --------
+    >>> call_chains(t.get_collectives(), t.get_ops()).owner[:3]
+    """
+    n = len(colls)
+    c_op = colls["op"].to_numpy(dtype=object, na_value=None)
+    c_op = np.where(pd.isna(c_op), NO_OP, c_op) if n else np.array([], dtype=object)
+    rank = colls["rank"].to_numpy(dtype=np.int64)
+    cur = call_keys(rank, colls["op_seq"])
+    if len(ops):
+        # the op records keyed by (rank, seq); a key held twice: its last record, as a dict would keep
+        o_key = call_keys(ops["rank"], ops["seq"])
+        last = ~pd.Series(o_key).duplicated(keep="last").to_numpy()
+        o_key = o_key[last]
+        o_parent = call_keys(ops["rank"], ops["parent_seq"])[last]
+        o_code, o_names = pd.factorize(ops["op"].to_numpy(dtype=object, na_value=None)[last], use_na_sentinel=False)
+        index = pd.Index(o_key)
+    else:
+        o_parent, o_code, o_names, index = np.array([], dtype=np.int64), np.array([], dtype=np.int64), [], pd.Index([])
+    o_names = np.asarray(o_names, dtype=object)
+    seqs, codes, found = [], [], []
+    live = cur >= 0
+    first_pos = None
+    for _ in range(256):  # nesting is shallow; the bound is for a corrupt file
+        if not live.any():
+            break
+        pos = index.get_indexer(np.where(live, cur, -1)) if len(index) else np.full(n, -1)
+        pos = np.where(live, pos, -1)
+        rec = pos >= 0
+        seqs.append(np.where(live, cur & ((1 << _SEQ_BITS) - 1), -1))
+        # a call without a record is named by nothing (its own seq): it matches no other name on its chain
+        codes.append(np.where(rec, o_code[np.maximum(pos, 0)] if len(index) else -1, -1 - len(codes)))
+        found.append(pos)
+        if first_pos is None:
+            first_pos = pos
+        nxt = np.where(rec, o_parent[np.maximum(pos, 0)] if len(index) else -1, -1)
+        live = live & rec & (nxt >= 0)
+        cur = nxt
+    levels = len(seqs)
+    S = np.stack(seqs, axis=1) if levels else np.full((n, 0), -1, dtype=np.int64)
+    N = np.stack(codes, axis=1) if levels else np.full((n, 0), -1, dtype=np.int64)
+    P = np.stack(found, axis=1) if levels else np.full((n, 0), -1, dtype=np.int64)
+    valid = S >= 0
+    # counted: each name once, in its outermost call: no later (outer) call on the chain has the same name
+    counted = valid.copy()
+    for j in range(levels):
+        for k in range(j + 1, levels):
+            counted[:, j] &= ~(valid[:, k] & (N[:, k] == N[:, j]))
+    depth = valid.sum(axis=1)
+    has = depth > 0
+    last = np.maximum(depth - 1, 0)
+    rows = np.arange(n)
+    owner_seq = pd.array(np.where(has, S[rows, last] if levels else 0, 0), dtype="Int64")
+    owner_seq[~has] = pd.NA
+    owner_pos = P[rows, last] if levels else np.full(n, -1)
+    row_names = o_names[o_code] if len(o_names) else o_names  # each op record's name
+    owner = np.where(has & (owner_pos >= 0), row_names[np.maximum(owner_pos, 0)] if len(row_names) else None, c_op)
+    first = P[:, 0] if levels else np.full(n, -1)
+    issued = np.where(has & (first >= 0), row_names[np.maximum(first, 0)] if len(row_names) else None, c_op)
+    return CallChains(S, counted, owner.astype(object), issued.astype(object), owner_seq)
 
 
 def attributed(colls: pd.DataFrame, ops: pd.DataFrame, inclusive: bool) -> pd.DataFrame:
@@ -659,8 +844,9 @@ def comm_by_op_kind(colls: pd.DataFrame, ops: pd.DataFrame | None = None) -> pd.
         return pd.DataFrame(columns=COMM_BY_OP_KIND_COLUMNS)
     own = colls["op"].where(colls["op"].notna(), NO_OP)
     if ops is not None:
-        owners = collective_owners(colls, ops)
-        op, issued = owners["owner"], owners["issued_in"]
+        chains = call_chains(colls, ops)
+        op = pd.Series(chains.owner, index=colls.index, dtype=object)
+        issued = pd.Series(chains.issued_in, index=colls.index, dtype=object)
     else:
         op, issued = own, own
     c = colls.assign(op=op, issued=issued, bytes=colls["bytes_sent"].fillna(0) + colls["bytes_recv"].fillna(0),
@@ -681,18 +867,19 @@ def comm_by_op_kind(colls: pd.DataFrame, ops: pd.DataFrame | None = None) -> pd.
 
 def _union_ms(starts, ends) -> float:
     """Length (ms) of the union of [start, end) intervals in ns: wall time with at least one collective open."""
-    spans = sorted((int(a), int(b)) for a, b in zip(starts, ends) if not pd.isna(a) and not pd.isna(b) and b >= a)
-    total, cur_a, cur_b = 0, None, None
-    for a, b in spans:
-        if cur_b is None or a > cur_b:
-            if cur_b is not None:
-                total += cur_b - cur_a
-            cur_a, cur_b = a, b
-        else:
-            cur_b = max(cur_b, b)
-    if cur_b is not None:
-        total += cur_b - cur_a
-    return total / 1e6
+    a, b = pd.Series(starts, dtype="Int64"), pd.Series(ends, dtype="Int64")
+    ok = (a.notna() & b.notna()).to_numpy(dtype=bool)
+    a, b = a.to_numpy(dtype=np.int64, na_value=0)[ok], b.to_numpy(dtype=np.int64, na_value=0)[ok]
+    keep = b >= a
+    a, b = a[keep], b[keep]
+    if not len(a):
+        return 0.0
+    order = np.lexsort((b, a))
+    a, b = a[order], b[order]
+    reach = np.maximum.accumulate(b)  # the furthest end so far: a span starting after it opens a new stretch
+    first = np.flatnonzero(np.concatenate([[True], a[1:] > reach[:-1]]))
+    last = np.concatenate([first[1:] - 1, [len(a) - 1]])
+    return int((reach[last] - a[first]).sum()) / 1e6
 
 
 def comm_by_rank(colls: pd.DataFrame, ops: pd.DataFrame, ranks=None) -> pd.DataFrame:
@@ -703,17 +890,19 @@ def comm_by_rank(colls: pd.DataFrame, ops: pd.DataFrame, ranks=None) -> pd.DataF
     has zeros)."""
     keys = set(int(r) for r in colls["rank"]) | set(int(r) for r in ops["rank"]) | set(int(r) for r in (ranks or ()))
     rows = []
+    c_rank, o_rank = colls["rank"].to_numpy(), ops["rank"].to_numpy()
     for rank in sorted(keys):
-        g = colls[colls["rank"] == rank]
-        o = ops[ops["rank"] == rank]
-        done = g[~g["in_flight"]]
-        t0 = [x for x in list(g["t_issue_ns"]) + list(o["t_start_ns"]) if not pd.isna(x)]
-        t1 = [x for x in list(g["t_done_ns"]) + list(g["t_issue_ns"]) + list(o["t_end_ns"]) if not pd.isna(x)]
+        g = colls[c_rank == rank]
+        o = ops[o_rank == rank]
+        done = g[~g["in_flight"].to_numpy(dtype=bool)]
+        # the first and last recorded times (exact integers: ns since the epoch do not fit a float)
+        t0 = [x for x in (g["t_issue_ns"].min(), o["t_start_ns"].min()) if not pd.isna(x)]
+        t1 = [x for x in (g["t_done_ns"].max(), g["t_issue_ns"].max(), o["t_end_ns"].max()) if not pd.isna(x)]
         rows.append({
             "rank": rank, "n_collectives": int(len(g)), "n_in_flight": int(g["in_flight"].sum()),
             "bytes_sent": int(g["bytes_sent"].sum()), "bytes_recv": int(g["bytes_recv"].sum()),
             "comm_ms": _sum_ms(g["duration_ms"]), "comm_wall_ms": _union_ms(done["t_issue_ns"], done["t_done_ns"]),
-            "span_ms": (max(t1) - min(t0)) / 1e6 if t0 and t1 else math.nan,
+            "span_ms": (int(max(t1)) - int(min(t0))) / 1e6 if t0 and t1 else math.nan,
         })
     return pd.DataFrame(rows, columns=COMM_BY_RANK_COLUMNS)
 
@@ -782,6 +971,8 @@ def imbalance(ops: pd.DataFrame, colls: pd.DataFrame) -> pd.DataFrame:
     comm time of its collectives and the time spent waiting for other ranks to arrive (``wait_ms``).
     ``shard_imbalance`` / ``host_imbalance``: max over ranks / mean over ranks of that op (1.0 =
     balanced); ``wait_ms_max``: the largest per-rank wait of that op."""
+    if len(ops) + len(colls) >= BY_COLUMNS_ABOVE:
+        return _imbalance_table(_imbalance_by_columns(ops, colls))
     c = colls.copy()
     c["wait_ms"] = arrival_wait_ms(c) if len(c) else pd.Series(dtype=float)
     c["op"] = c["op"].where(c["op"].notna(), NO_OP)
@@ -798,7 +989,52 @@ def imbalance(ops: pd.DataFrame, colls: pd.DataFrame) -> pd.DataFrame:
             "host_ms": _sum_ms(o["host_ms"]) if len(o) else 0.0,
             "comm_ms": _sum_ms(g["duration_ms"]), "wait_ms": _sum_ms(g["wait_ms"]), "n_collectives": int(len(g)),
         })
-    df = pd.DataFrame(rows, columns=IMBALANCE_COLUMNS)
+    return _imbalance_table(pd.DataFrame(rows, columns=IMBALANCE_COLUMNS))
+
+
+def _imbalance_by_columns(ops: pd.DataFrame, colls: pd.DataFrame) -> pd.DataFrame:
+    """``imbalance``'s rows before its ratios, summed by groupby on whole columns (a big trace): the same
+    table, float sums added in another order."""
+    o_op = ops["op"].to_numpy(dtype=object, na_value=None) if len(ops) else np.array([], dtype=object)
+    forward = (ops["phase"] == "forward").fillna(False).to_numpy(dtype=bool) if len(ops) else np.array([], dtype=bool)
+    elems = np.zeros(len(ops), dtype=np.int64)
+    if forward.any():
+        # shapes and placements decoded once per distinct value are one object each: counted once per pair of them
+        seen: dict[tuple[int, int], int] = {}
+        at = np.flatnonzero(forward)
+        for k, shapes, pls in zip(at.tolist(), ops["in_local_shapes"].to_numpy(dtype=object)[at].tolist(),
+                                  ops["in_placements"].to_numpy(dtype=object)[at].tolist()):
+            key = (id(shapes), id(pls))
+            n = seen.get(key)
+            if n is None:
+                n = seen[key] = _shard_elems_of(shapes, pls)
+            elems[k] = n
+    per_op = pd.DataFrame({"op": o_op, "rank": ops["rank"].to_numpy(dtype=np.int64) if len(ops) else [],
+                           "calls": forward.astype(np.int64), "shard_elems": elems,
+                           "host_ms": ops["host_ms"].to_numpy(dtype=np.float64, na_value=np.nan) if len(ops) else []})
+    per_op = per_op.groupby(["op", "rank"], sort=False, dropna=False).sum()
+    c_op = colls["op"].to_numpy(dtype=object, na_value=None)
+    c_op = np.where(pd.isna(c_op), NO_OP, c_op) if len(colls) else c_op
+    per_coll = pd.DataFrame({"op": c_op, "rank": colls["rank"].to_numpy(dtype=np.int64),
+                             "comm_ms": colls["duration_ms"].to_numpy(dtype=np.float64, na_value=np.nan),
+                             "wait_ms": arrival_wait_ms(colls).to_numpy(dtype=np.float64) if len(colls) else [],
+                             "n_collectives": np.ones(len(colls), dtype=np.int64)})
+    per_coll = per_coll.groupby(["op", "rank"], sort=False, dropna=False).sum()
+    keys = per_op.index.union(per_coll.index, sort=False)
+    df = pd.DataFrame(index=keys)
+    for name, part, dtype in (("calls", per_op, np.int64), ("shard_elems", per_op, np.int64),
+                              ("host_ms", per_op, np.float64), ("comm_ms", per_coll, np.float64),
+                              ("wait_ms", per_coll, np.float64), ("n_collectives", per_coll, np.int64)):
+        df[name] = part[name].reindex(keys).fillna(0).to_numpy(dtype=dtype) if len(part) else np.zeros(len(keys), dtype)
+    df = df.reset_index()
+    df.columns = ["op", "rank", *df.columns[2:]]
+    df["op"] = df["op"].astype(str).astype("str")  # the dtype a table of records gets
+    df["rank"] = df["rank"].astype(np.int64)
+    return df.reindex(columns=IMBALANCE_COLUMNS).reset_index(drop=True)
+
+
+def _imbalance_table(df: pd.DataFrame) -> pd.DataFrame:
+    """``imbalance``'s ratios over its per (op, rank) rows, sorted."""
     if len(df):
         grp = df.groupby("op")
         for src, dst in (("shard_elems", "shard_imbalance"), ("host_ms", "host_imbalance")):
@@ -809,11 +1045,15 @@ def imbalance(ops: pd.DataFrame, colls: pd.DataFrame) -> pd.DataFrame:
 
 
 def _shard_elems(f: pd.DataFrame) -> int:
+    return int(sum(_shard_elems_of(shapes, pls) for shapes, pls in zip(f["in_local_shapes"], f["in_placements"])))
+
+
+def _shard_elems_of(shapes, pls) -> int:
+    """Elements of the local data of one call's distributed arguments."""
     total = 0
-    for shapes, pls in zip(f["in_local_shapes"], f["in_placements"]):
-        for shp, pl in zip(shapes or (), pls or ()):
-            if pl is not None and shp is not None:
-                total += math.prod(int(d) for d in shp)
+    for shp, pl in zip(shapes or (), pls or ()):
+        if pl is not None and shp is not None:
+            total += math.prod(int(d) for d in shp)
     return int(total)
 
 
@@ -829,56 +1069,108 @@ def collective_mismatches(colls: pd.DataFrame, traced_ranks=None) -> pd.DataFram
     the group outside them is not counted missing); None: every rank of the group. Point-to-point calls
     are not counted: a send and its recv are one pair of ranks, not the whole group.
     """
-    rows = []
+    rows: list[dict] = []
     if colls.empty:
         return pd.DataFrame(columns=MISMATCH_COLUMNS)
     traced = None if traced_ranks is None else {int(r) for r in traced_ranks}
     colls = colls.assign(_match=matched_collectives(colls)).sort_values(MATCH_KEY, kind="stable")
-    for _, d in colls.groupby("_match", sort=False):
-        gname, gseq = d["group_name"].iloc[0], d["group_seq"].iloc[0]
-        d = d.sort_values("rank")
-        ranks = [int(r) for r in d["rank"]]
-        kinds = [str(k) for k in d["kind"]]
-        mesh_dim = d["mesh_dim"].iloc[0]
-        base = {"group_name": gname, "group_seq": int(gseq), "mesh_dim": mesh_dim, "ranks": ranks, "kinds": kinds}
-        gr = d["group_ranks"].iloc[0]
-        members = [int(x) for x in gr] if isinstance(gr, (list, tuple)) else ranks
-        missing = sorted(set(members) - set(ranks) - (set() if traced is None else set(members) - traced))
-        if missing and not all(k in _P2P for k in kinds):
-            where = mesh_dim if isinstance(mesh_dim, str) else f"process group {gname}"
-            rows.append({**base, "problem": "missing", "detail": "; ".join(
-                f"rank {r} never issued group_seq {int(gseq)}: {kinds[0]} on {where}" for r in missing)})
-        classes = {("p2p" if k in _P2P else k) for k in kinds}
-        if len(classes) > 1:
-            rows.append({**base, "problem": "kind", "detail": ", ".join(f"rank {r}: {k}" for r, k in zip(ranks, kinds))})
-            continue
-        kind = kinds[0]
-        if kind in _P2P:
-            continue
-        dts = {str(x) for x in d["dtype"] if isinstance(x, str)}
-        if len(dts) > 1:
-            rows.append({**base, "problem": "dtype", "detail": ", ".join(f"rank {r}: {x}" for r, x in zip(ranks, d["dtype"]))})
-        if kind in _SAME_SIZE:
-            sizes = [int(x) for x in d["bytes_sent"]]
-            if len(set(sizes)) > 1:
-                rows.append({**base, "problem": "size",
-                             "detail": ", ".join(f"rank {r}: {s} B sent" for r, s in zip(ranks, sizes))})
-        elif kind == "broadcast":
-            sizes = [max(int(a), int(b)) for a, b in zip(d["bytes_sent"], d["bytes_recv"])]
-            roots = {int(x) for x in d["root"] if not pd.isna(x)}
-            if len(set(sizes)) > 1 or len(roots) > 1:
-                rows.append({**base, "problem": "size", "detail": ", ".join(
-                    f"rank {r}: {s} B root {ro}" for r, s, ro in zip(ranks, sizes, d["root"]))})
-        elif kind in ("all_to_all_single", "all_to_all"):
-            pos = {g: i for i, g in enumerate(members)}
-            sent = {int(r): s for r, s in zip(d["rank"], d["splits_sent"]) if isinstance(s, (list, tuple))}
-            recv = {int(r): s for r, s in zip(d["rank"], d["splits_recv"]) if isinstance(s, (list, tuple))}
-            bad = []
-            for i in sent:
-                for j in recv:
-                    if i in pos and j in pos and pos[j] < len(sent[i]) and pos[i] < len(recv[j]):
-                        if int(sent[i][pos[j]]) != int(recv[j][pos[i]]):
-                            bad.append(f"{i}->{j}: sends {sent[i][pos[j]]} B, {j} expects {recv[j][pos[i]]} B")
-            if bad:
-                rows.append({**base, "problem": "splits", "detail": "; ".join(bad)})
+    # groups in order of first appearance (as groupby(sort=False)), each group's rows in the sorted order
+    codes = pd.factorize(colls["_match"].to_numpy())[0]
+    order = np.argsort(codes, kind="stable")
+    bounds = np.flatnonzero(np.diff(codes[order])) + 1
+    cols = {k: colls[k].to_numpy(dtype=object, na_value=None).tolist() if k in colls else [None] * len(colls)
+            for k in ("rank", "kind", "group_ranks", "dtype", "bytes_sent", "bytes_recv", "root", "splits_sent",
+                      "splits_recv")}
+    # most collectives line up: a quick look on plain lists, the full one (_mismatch_rows) only where they may not
+    flagged = [at for at in np.split(order, bounds) if _may_mismatch(cols, at.tolist(), traced)]
+    if flagged:
+        for _, d in colls.iloc[np.concatenate(flagged)].groupby("_match", sort=False):
+            rows += _mismatch_rows(d, traced)
     return pd.DataFrame(rows, columns=MISMATCH_COLUMNS)
+
+
+def _may_mismatch(cols: dict[str, list], at: list[int], traced: set | None) -> bool:
+    """False where the collective of rows ``at`` (plain column lists) surely lines up: ``_mismatch_rows`` would
+    find nothing."""
+    kinds = {cols["kind"][i] for i in at}
+    if len(kinds) > 1:
+        return not kinds <= _P2P
+    kind = next(iter(kinds))
+    if kind in _P2P:
+        return False
+    ranks = {int(cols["rank"][i]) for i in at}
+    if len(ranks) < len(at):
+        return True  # a rank issued it twice: the full look
+    gr = cols["group_ranks"][at[0]]
+    members = {int(x) for x in gr} if isinstance(gr, (list, tuple)) else ranks
+    if members - ranks - (set() if traced is None else members - traced):
+        return True
+    if len({x for x in (cols["dtype"][i] for i in at) if isinstance(x, str)}) > 1:
+        return True
+    if kind in _SAME_SIZE:
+        return len({cols["bytes_sent"][i] for i in at}) > 1
+    if kind == "broadcast":
+        return True  # rare: the full look
+    if kind in ("all_to_all_single", "all_to_all"):
+        pos = {g: k for k, g in enumerate(int(x) for x in gr)} if isinstance(gr, (list, tuple)) else \
+            {g: k for k, g in enumerate(sorted(ranks))}
+        sent = {int(cols["rank"][i]): cols["splits_sent"][i] for i in at if isinstance(cols["splits_sent"][i], (list, tuple))}
+        recv = {int(cols["rank"][i]): cols["splits_recv"][i] for i in at if isinstance(cols["splits_recv"][i], (list, tuple))}
+        for i in sent:
+            for j in recv:
+                if i in pos and j in pos and pos[j] < len(sent[i]) and pos[i] < len(recv[j]):
+                    if int(sent[i][pos[j]]) != int(recv[j][pos[i]]):
+                        return True
+    return False
+
+
+def _mismatch_rows(d: pd.DataFrame, traced: set | None) -> list[dict]:
+    """``collective_mismatches``' rows of one collective (``d``: its rows on every rank)."""
+    rows: list[dict] = []
+    gname, gseq = d["group_name"].iloc[0], d["group_seq"].iloc[0]
+    d = d.sort_values("rank")
+    ranks = [int(r) for r in d["rank"]]
+    kinds = [str(k) for k in d["kind"]]
+    mesh_dim = d["mesh_dim"].iloc[0]
+    base = {"group_name": gname, "group_seq": int(gseq), "mesh_dim": mesh_dim, "ranks": ranks, "kinds": kinds}
+    gr = d["group_ranks"].iloc[0]
+    members = [int(x) for x in gr] if isinstance(gr, (list, tuple)) else ranks
+    missing = sorted(set(members) - set(ranks) - (set() if traced is None else set(members) - traced))
+    if missing and not all(k in _P2P for k in kinds):
+        where = mesh_dim if isinstance(mesh_dim, str) else f"process group {gname}"
+        rows.append({**base, "problem": "missing", "detail": "; ".join(
+            f"rank {r} never issued group_seq {int(gseq)}: {kinds[0]} on {where}" for r in missing)})
+    classes = {("p2p" if k in _P2P else k) for k in kinds}
+    if len(classes) > 1:
+        rows.append({**base, "problem": "kind", "detail": ", ".join(f"rank {r}: {k}" for r, k in zip(ranks, kinds))})
+        return rows
+    kind = kinds[0]
+    if kind in _P2P:
+        return rows
+    dts = {str(x) for x in d["dtype"] if isinstance(x, str)}
+    if len(dts) > 1:
+        rows.append({**base, "problem": "dtype", "detail": ", ".join(f"rank {r}: {x}" for r, x in zip(ranks, d["dtype"]))})
+    if kind in _SAME_SIZE:
+        sizes = [int(x) for x in d["bytes_sent"]]
+        if len(set(sizes)) > 1:
+            rows.append({**base, "problem": "size",
+                         "detail": ", ".join(f"rank {r}: {s} B sent" for r, s in zip(ranks, sizes))})
+    elif kind == "broadcast":
+        sizes = [max(int(a), int(b)) for a, b in zip(d["bytes_sent"], d["bytes_recv"])]
+        roots = {int(x) for x in d["root"] if not pd.isna(x)}
+        if len(set(sizes)) > 1 or len(roots) > 1:
+            rows.append({**base, "problem": "size", "detail": ", ".join(
+                f"rank {r}: {s} B root {ro}" for r, s, ro in zip(ranks, sizes, d["root"]))})
+    elif kind in ("all_to_all_single", "all_to_all"):
+        pos = {g: i for i, g in enumerate(members)}
+        sent = {int(r): s for r, s in zip(d["rank"], d["splits_sent"]) if isinstance(s, (list, tuple))}
+        recv = {int(r): s for r, s in zip(d["rank"], d["splits_recv"]) if isinstance(s, (list, tuple))}
+        bad = []
+        for i in sent:
+            for j in recv:
+                if i in pos and j in pos and pos[j] < len(sent[i]) and pos[i] < len(recv[j]):
+                    if int(sent[i][pos[j]]) != int(recv[j][pos[i]]):
+                        bad.append(f"{i}->{j}: sends {sent[i][pos[j]]} B, {j} expects {recv[j][pos[i]]} B")
+        if bad:
+            rows.append({**base, "problem": "splits", "detail": "; ".join(bad)})
+    return rows

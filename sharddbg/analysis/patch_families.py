@@ -26,8 +26,10 @@ import math
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
+from .comm import call_keys
 from .formatting import format_bytes
 from .ops import FALLBACK_COLUMNS, fallbacks, is_fallback
 
@@ -175,11 +177,13 @@ def _moved(calls: pd.DataFrame, collectives: pd.DataFrame) -> pd.DataFrame:
     """The forward collectives issued inside ``calls`` (rows of get_ops()), on the same rank."""
     if collectives is None or collectives.empty or calls.empty:
         return collectives.iloc[0:0] if collectives is not None else pd.DataFrame(columns=["kind", "bytes_recv"])
-    keys = set(zip(calls["rank"].astype(int), calls["seq"].astype(int)))
-    c = collectives[collectives["phase"] == "forward"]
-    inside = [(int(r), int(s)) in keys or (not pd.isna(o) and (int(r), int(o)) in keys)
-              for r, s, o in zip(c["rank"], c["op_seq"].fillna(-1), c["outer_op_seq"])]
+    c = collectives[(collectives["phase"] == "forward").fillna(False).to_numpy(dtype=bool)]
+    # (rank, seq) as one integer: the calls' keys looked up for all collectives at once
+    keys = call_keys(calls["rank"], calls["seq"])
+    rank = c["rank"]
+    inside = np.isin(call_keys(rank, c["op_seq"]), keys) | np.isin(call_keys(rank, c["outer_op_seq"]), keys)
     return c[inside]
+
 
 
 def _moved_text(moved: pd.DataFrame, calls: int) -> tuple[str, int]:

@@ -83,17 +83,18 @@ def timeline_overview(spans: pd.DataFrame, lane: str, bins: int, x0: float, x1: 
         return pd.DataFrame(columns=OVERVIEW_COLUMNS)
     width = max(x1 - x0, 1e-9) / bins
     rows = []
-    cats = sorted(set(spans["category"]))
-    for rank, g in spans.groupby("rank", sort=True):
+    cats = sorted(set(spans["category"].unique()))
+    # every span's category and first and last bin, for all ranks at once
+    code = pd.Categorical(spans["category"], categories=cats).codes.astype(np.int64)
+    first = np.clip(((spans["start_ms"].to_numpy(float) - x0) // width).astype(int), 0, bins - 1)
+    last = np.clip(((spans["end_ms"].to_numpy(float) - x0) // width).astype(int), 0, bins - 1)
+    span_rank = spans["rank"].to_numpy()
+    for rank in sorted(pd.unique(span_rank)):
+        mine = span_rank == rank
         counts = np.zeros((len(cats), bins + 1), dtype=np.int64)
-        for k, cat in enumerate(cats):
-            c = g[g["category"] == cat]
-            if c.empty:
-                continue
-            b0 = np.clip(((c["start_ms"].to_numpy(float) - x0) // width).astype(int), 0, bins - 1)
-            b1 = np.clip(((c["end_ms"].to_numpy(float) - x0) // width).astype(int), 0, bins - 1)
-            np.add.at(counts[k], b0, 1)
-            np.add.at(counts[k], b1 + 1, -1)
+        # +1 at a span's first bin, -1 after its last: the running sum counts the spans over each bin
+        np.add.at(counts, (code[mine], first[mine]), 1)
+        np.add.at(counts, (code[mine], last[mine] + 1), -1)
         counts = np.cumsum(counts, axis=1)[:, :bins]
         for b in np.nonzero(counts.sum(axis=0))[0]:
             present = {cats[k]: int(counts[k, b]) for k in range(len(cats)) if counts[k, b]}

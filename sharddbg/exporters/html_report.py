@@ -55,5 +55,6 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
                  code=trace.meta.get("code"), errors=error_entries(trace), fallback_columns=fallback_columns,
                  fallback_rows=fallback_rows, figures=fig_html,
                  explorer_json=json_for_script(explorer_data(trace, max_rows=max_rows)),
-                 explorer_js=module_as_script(static("explorer.js"), "_sdExplorer"), plotly_js=get_plotlyjs())
+                 explorer_js=module_as_script(static("explorer.js"), "_sdExplorer"), plotly_js=get_plotlyjs(),
+                 timeline_zoom_js=module_as_script(static("timeline_zoom.js"), "_sdTimelineZoom"))
     return write_file_atomically(path, lambda f: f.write(doc), example_name="report.html")

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anywidget
+import numpy as np
 import pandas as pd
 import traitlets
 
-from ..analysis.comm import collective_owners
+from ..analysis.comm import call_chains, call_keys, collective_owners
 from ..analysis.formatting import format_shape, is_missing, json_value, ranks_text
 from ..analysis.ops import is_fallback
 from ..analysis.timeline import time_origin_ns
@@ -182,7 +183,12 @@ def _build_tables(trace: Trace) -> _Tables:
         return _Tables(pd.DataFrame(columns=ROW_FIELDS),
                        summary.assign(kind=pd.Series(dtype=object), spec_mismatches=pd.Series(dtype="int64")),
                        pd.DataFrame(columns=GROUP_FIELDS))
-    ops = ops.sort_values(["rank", "seq"], kind="stable").copy()
+    # only the columns the explorer reads: every sort and filter below moves each column kept (a big trace's cost)
+    used = set(ROW_FIELDS) | set(CALL_IDENTITY) | {"t_start_ns", "error_handled", "fallback"}
+    ops = ops[[c for c in ops.columns if c in used]]
+    rank, seq = ops["rank"].to_numpy(), ops["seq"].to_numpy()
+    if len(ops) > 1 and not ((rank[1:] > rank[:-1]) | ((rank[1:] == rank[:-1]) & (seq[1:] >= seq[:-1]))).all():
+        ops = ops.sort_values(["rank", "seq"], kind="stable")  # get_ops() is in this order already: no sort
     ops["occurrence"] = ops.groupby(["rank", "phase", "op"], sort=False).cumcount()
     ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + ops["occurrence"].astype(str)
     ops["kind"] = "op"
@@ -205,18 +211,22 @@ def _build_tables(trace: Trace) -> _Tables:
                              spec_mismatches=[int(bad_spec.get(k, 0)) for k in
                                               zip(summary["op"], summary["path"], summary["phase"])])
     summary = summary.sort_values("kind_order", kind="stable").drop(columns="kind_order").reset_index(drop=True)
-    row_of = {k: i for i, k in enumerate(zip(summary["op"], summary["path"], summary["phase"]))}
-    ops["summary_row"] = pd.array([row_of.get(k) if m else None for k, m in
-                                   zip(zip(ops["op"].tolist(), ops["path"].tolist(), ops["phase"].tolist()), member.tolist())],
-                                  dtype="Int64")
+    # each member call's summary row: (op, path, phase) looked up for all calls at once
+    rows_index = pd.MultiIndex.from_arrays([summary["op"].astype(object), summary["path"].astype(object),
+                                            summary["phase"].astype(object)])
+    at = rows_index.get_indexer(pd.MultiIndex.from_arrays([ops["op"].astype(object), ops["path"].astype(object),
+                                                           ops["phase"].astype(object)])) if len(rows_index) else \
+        np.full(len(ops), -1)
+    summary_row = pd.array(at, dtype="Int64")
+    summary_row[(at < 0) | ~member.to_numpy(dtype=bool)] = pd.NA
+    ops["summary_row"] = summary_row
 
     # Each summary row's calls, identical ones together; groups numbered in call order (the first call of a
     # group is its earliest occurrence, on its lowest rank).
-    calls = ops[ops["summary_row"].notna()].sort_values(["summary_row", "occurrence", "rank", "seq"], kind="stable")
-    # (the repr of plain values: lists of ints, strings, bools, None / NaN for missing ones, the same on every rank)
-    identity = pd.Series([repr(r) for r in calls[list(CALL_IDENTITY)].itertuples(index=False, name=None)],
-                         index=calls.index)
-    codes = identity.groupby(calls["summary_row"], sort=False).transform(lambda s: pd.factorize(s)[0])
+    calls = ops.loc[ops["summary_row"].notna().to_numpy(), ["summary_row", "occurrence", "rank", "seq", "host_ms", "device_ms",
+                                                            *CALL_IDENTITY]] \
+        .sort_values(["summary_row", "occurrence", "rank", "seq"], kind="stable")
+    codes = pd.Series(_identity_groups(calls), index=calls.index)
     ops["call_group"] = pd.array([None] * len(ops), dtype="Int64")
     ops.loc[calls.index, "call_group"] = codes.astype("int64")
     calls = calls.assign(call_group=codes.astype("int64"))
@@ -233,6 +243,36 @@ def _build_tables(trace: Trace) -> _Tables:
     ops["call_start"] = ops.groupby("key")["t_start_ns"].transform("min")  # one call's rows together, rank order
     ops = ops.sort_values(["kind_order", "call_start", "key", "rank", "seq"], kind="stable").reset_index(drop=True)
     return _Tables(ops, summary, pd.DataFrame(groups, columns=GROUP_FIELDS))
+
+
+def _value_codes(values: pd.Series) -> np.ndarray:
+    """One int per row, equal where the values' reprs are equal (lists of ints, strings, bools, None / NaN for
+    missing ones): each distinct object's repr made once (a big trace's lists are shared by the rows that hold them)."""
+    if values.dtype != object:  # plain values (strings, bools, numbers): equal values, equal reprs
+        return pd.factorize(values, use_na_sentinel=False)[0]
+    objects = values.to_numpy(dtype=object)
+    ids = np.fromiter(map(id, objects), dtype=np.int64, count=len(objects))
+    id_codes, unique_ids = pd.factorize(ids)
+    first = np.zeros(len(unique_ids), dtype=np.int64)
+    first[id_codes[::-1]] = np.arange(len(ids))[::-1]  # a row holding each distinct object
+    text_codes = pd.factorize(np.array([repr(objects[k]) for k in first.tolist()], dtype=object))[0]
+    return text_codes[id_codes]
+
+
+def _identity_groups(calls: pd.DataFrame) -> np.ndarray:
+    """Each call's group among its summary row's calls (``CALL_IDENTITY`` equal), numbered in the calls' order from
+    0 in each summary row."""
+    combined = np.zeros(len(calls), dtype=np.int64)
+    for field in CALL_IDENTITY:  # (codes so far, this field's code) as one int, numbered again from 0
+        codes = _value_codes(calls[field]).astype(np.int64)
+        combined = pd.factorize(combined * (int(codes.max(initial=0)) + 1) + codes)[0].astype(np.int64)
+    srow = calls["summary_row"].to_numpy(dtype=np.int64)
+    pair = pd.factorize(srow * (int(combined.max(initial=0)) + 1) + combined)[0]  # numbered in order of first appearance
+    first = np.zeros(pair.max() + 1 if len(pair) else 0, dtype=np.int64)
+    first[pair[::-1]] = np.arange(len(pair))[::-1]
+    # each distinct (summary row, identity), numbered within its summary row in order of first appearance
+    number = pd.Series(srow[first]).groupby(srow[first], sort=False).cumcount().to_numpy()
+    return number[pair]
 
 
 def explorer_frame(trace: Trace) -> pd.DataFrame:
@@ -279,14 +319,20 @@ def _counted_for(coll: pd.DataFrame, per_rank: pd.DataFrame) -> pd.Series:
                      index=coll.index, dtype=bool)
 
 
-def _counted_by(coll: pd.DataFrame, calls: pd.DataFrame) -> pd.Series:
-    """Which collectives count for any of ``calls`` (rows of ``explorer_frame``): issued or enclosed by one of
-    them, or by the forward call of a backward one (what their details list)."""
-    pairs = set(zip(calls["rank"].astype(int), calls["seq"].astype(int)))
+def _collectives_counted_by(trace: Trace, calls: pd.DataFrame) -> pd.DataFrame:
+    """``_collectives(trace)`` of those that count for any of ``calls`` (rows of ``explorer_frame``: issued or enclosed by one
+    of them, or by the forward call of a backward one: what their details list), on whole columns: the chains of calls of all
+    collectives looked up at once, the lists of counted calls made only for the collectives kept."""
+    colls = trace.get_collectives()
+    if colls.empty:
+        return colls.assign(counted_seqs=pd.Series(dtype=object))[COLL_FIELDS]
+    chains = call_chains(colls, trace.get_ops())
     fwd = calls[calls["fwd_seq"].notna()]
-    pairs |= set(zip(fwd["rank"].astype(int), fwd["fwd_seq"].astype(int)))
-    return pd.Series([any((int(r), int(s)) in pairs for s in seqs) for r, seqs in zip(coll["rank"], coll["counted_seqs"])],
-                     index=coll.index, dtype=bool)
+    wanted = np.concatenate([call_keys(calls["rank"], calls["seq"]), call_keys(fwd["rank"], fwd["fwd_seq"])])
+    pairs = chains.counted_pairs(colls["rank"].to_numpy())
+    keep = np.zeros(len(colls), dtype=bool)
+    keep[pairs["at"].to_numpy()[np.isin(pairs["key"].to_numpy(), wanted)]] = True
+    return colls[keep].assign(counted_seqs=chains.counted_lists(keep))[COLL_FIELDS]
 
 
 def op_detail(trace: Trace, rank: int, seq: int) -> dict:
@@ -479,9 +525,10 @@ def _data(trace: Trace, tables: _Tables, max_rows: int | None, rank: int | None 
         if len(asked) > SAMPLE_ROWS:
             shown, sample = sample_calls(asked, total, where)
     bounded = max_rows is None and (sample is not None or rank is not None or window is not None or total > BIG_TRACE_ABOVE)
-    coll = _collectives(trace)
-    if bounded and len(coll):  # only the collectives the shipped calls count (what their details list)
-        coll = coll[_counted_by(coll, shown)]
+    if bounded:  # only the collectives the shipped calls count (what their details list)
+        coll = _collectives_counted_by(trace, shown)
+    else:
+        coll = _collectives(trace)
     shown = shown[ROW_FIELDS]
     strings: list[str] = []
     index: dict[str, int] = {}
@@ -518,7 +565,7 @@ def _data(trace: Trace, tables: _Tables, max_rows: int | None, rank: int | None 
         "collectives": [[json_value(v) for v in r] for r in coll.itertuples(index=False, name=None)],
         "has_collectives": trace.collectives_recorded,
         "ranks": [int(r) for r in trace.ranks],
-        "paths": sorted(set(rows["path"])), "phases": sorted(set(rows["phase"])),
+        "paths": sorted(set(rows["path"].unique())), "phases": sorted(set(rows["phase"].unique())),
         "path_colors": PATH_COLORS,
         "counts": {k: int((rows["kind"] == k).sum()) for k in ("error", "fallback", "op")},
         "incomplete_ranks": [int(r) for r in trace.incomplete_ranks],

@@ -60,8 +60,16 @@ class ViewFigure(go.Figure):
         'timeline'
         """
         title = self.layout.title.text if self.layout.title and self.layout.title.text else ""
-        return view_payload(self._sd_view, {}, {"title": title, "traces": len(self.data)}, KEEP_FIGURE,
-                            drawn=figure_drawn(self))
+        drawn = figure_drawn(self)
+        payload = view_payload(self._sd_view, {}, {"title": title, "traces": len(self.data)}, KEEP_FIGURE, drawn=drawn)
+        meta = drawn["figure"]["layout"].get("meta")
+        if payload["drawn"] is None and isinstance(meta, dict) and "sd_zoom" in meta:
+            # a big timeline too large with the spans it carries for its zoom: kept without them (zoomed in, it shows
+            # the overview's bins; the report keeps every span, plot_timeline(time_range=...) draws any window)
+            drawn["figure"]["layout"]["meta"] = {k: v for k, v in meta.items() if k != "sd_zoom"}
+            payload = view_payload(self._sd_view, {}, {"title": title, "traces": len(self.data)}, KEEP_FIGURE,
+                                   drawn=drawn)
+        return payload
 
     def _repr_mimebundle_(self, include=None, exclude=None, validate=True, **kwargs):
         bundle = dict(super()._repr_mimebundle_(include, exclude, validate, **kwargs) or {})

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from ..analysis.comm import NO_OP, collective_owners, matched_collectives
+from ..analysis.comm import NO_OP, call_keys, collective_owners, matched_collectives
 from ..analysis.ops import AUTOGRAD_ENTRY_OPS
 from ..analysis.formatting import format_bytes, format_shape
 from ..analysis.timeline import (ERROR_CATEGORY, collective_span_frame, in_window, op_span_frame,
@@ -56,6 +56,12 @@ OVERVIEW_MIN_BINS = 200
 # see each op), at most DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each.
 DETAIL_WINDOWS = 4
 DETAIL_WINDOW_SPANS = 1_000
+# A big trace's overview also carries every span it bins as compact columns (``zoom_events``): zoomed in to a window of
+# at most ZOOM_DRAW_SPANS spans, the page draws them one by one (views/_static/timeline_zoom.js: on a canvas over the
+# plot, a hover of its own), without a kernel and without a second plotly redraw.
+# Traces of more spans than ZOOM_EVENTS_MAX carry none (the report's size stays bounded: 13 bytes a span, deflated).
+ZOOM_DRAW_SPANS = 20_000
+ZOOM_EVENTS_MAX = 1_500_000
 X_PAD = 0.02  # room left and right of the first and last span, as a share of the time drawn
 # The modebar buttons that would send the figure to a cloud service.
 CLOUD_BUTTONS = ["sendDataToCloud", "editInChartStudio"]
@@ -80,18 +86,31 @@ def is_autograd_wide(op: str) -> bool:
 
 
 def _lane_depths(ops: pd.DataFrame) -> np.ndarray:
-    """Each op's nesting depth counted from its innermost autograd-wide ancestor (or from the top)."""
-    wide = {(r, s) for r, s, o in zip(ops["rank"], ops["seq"], ops["op"]) if is_autograd_wide(o)}
-    parent = {(r, s): p for r, s, p in zip(ops["rank"], ops["seq"], ops["parent_seq"]) if not pd.isna(p)}
-    out = np.zeros(len(ops), dtype=int)
-    for i, (r, s) in enumerate(zip(ops["rank"], ops["seq"])):
-        depth, key = 0, (r, s)
-        while key in parent:
-            key = (r, int(parent[key]))
-            if key in wide:
-                break
-            depth += 1
-        out[i] = depth
+    """Each op's nesting depth counted from its innermost autograd-wide ancestor (or from the top): its ancestors
+    walked a level at a time for all ops together."""
+    n = len(ops)
+    out = np.zeros(n, dtype=int)
+    if not n:
+        return out
+    key = call_keys(ops["rank"], ops["seq"])
+    parent = call_keys(ops["rank"], ops["parent_seq"])
+    wide_keys = key[ops["op"].isin(AUTOGRAD_ENTRY_OPS).to_numpy(dtype=bool)]
+    index = pd.Index(key)
+    if not index.is_unique:  # a seq recorded twice on a rank: the last record's parent, as a dict would keep
+        last = ~pd.Series(key).duplicated(keep="last").to_numpy()
+        index, parent_of = pd.Index(key[last]), parent[last]
+    else:
+        parent_of = parent
+    cur = parent  # each op's next ancestor (-1: none)
+    live = cur >= 0
+    for _ in range(n):  # at most the deepest nesting; each pass climbs a level
+        if not live.any():
+            break
+        live &= ~np.isin(cur, wide_keys)  # the innermost autograd-wide ancestor ends the count
+        out += live
+        pos = index.get_indexer(np.where(live, cur, -1))
+        cur = np.where(live & (pos >= 0), parent_of[np.maximum(pos, 0)], -1)
+        live &= cur >= 0
     return out
 
 
@@ -116,7 +135,7 @@ def _op_spans(trace: Trace, aggregate: bool | None) -> tuple[pd.DataFrame, pd.Da
     ops = trace.get_ops()
     if ops.empty:
         return pd.DataFrame(columns=[c for c in TIMELINE_COLUMNS if c != "hover"]), ops
-    wide = np.array([is_autograd_wide(o) for o in ops["op"]], dtype=bool)
+    wide = ops["op"].isin(AUTOGRAD_ENTRY_OPS).to_numpy(dtype=bool)  # is_autograd_wide, on the column
     lane_depth = _lane_depths(ops)
     if aggregate is None:
         aggregate = len(ops) > AGGREGATE_ABOVE
@@ -126,7 +145,8 @@ def _op_spans(trace: Trace, aggregate: bool | None) -> tuple[pd.DataFrame, pd.Da
     df = op_span_frame(ops, _time_origin(trace)).reset_index(drop=True)
     df["lane"] = np.where(wide, "autograd", "ops")
     df["y"] = df["rank"] + np.where(wide, AUTOGRAD_LANE, OP_LANE0 + LANE_STEP * np.minimum(lane_depth, MAX_LANES - 1))
-    df["label"] = [esc(_label(o)) for o in df["op"]]
+    labels = {o: esc(_label(o)) for o in df["op"].unique()}  # once per distinct name
+    df["label"] = df["op"].map(labels).tolist()
     return df, ops
 
 
@@ -203,7 +223,16 @@ def _coll_spans(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame]:
     if df.empty:
         return pd.DataFrame(columns=[c for c in COLLECTIVE_SPAN_COLUMNS if c != "hover"]), colls
     df = df.reset_index(drop=True)
-    df["group"] = [_group_text(g if isinstance(g, list) else None, m) for g, m in zip(colls["group_ranks"], colls["mesh_dim"])]
+    # once per distinct group (its ranks' list object and mesh dim): a big trace has a handful
+    texts: dict = {}
+    group = []
+    for g, m in zip(colls["group_ranks"].tolist(), colls["mesh_dim"].tolist()):
+        key = (id(g), m if isinstance(m, str) else None)
+        text = texts.get(key)
+        if text is None:
+            text = texts[key] = _group_text(g if isinstance(g, list) else None, m)
+        group.append(text)
+    df["group"] = group
     df["group_seq"] = colls["group_seq"].astype(int).values
     df["collective"] = matched_collectives(colls).astype(int).values
     df["y"] = df["rank"] + COLL_LANE
@@ -283,7 +312,7 @@ def _op_categories(ops: pd.DataFrame) -> list[str]:
     """The op categories present, in legend order: dispatch paths as PATH_COLORS lists them, errors,
     then any other path."""
     order = list(PATH_COLORS) + [ERROR_CATEGORY]
-    present = set(ops["category"])
+    present = set(ops["category"].unique())
     return [c for c in order if c in present] + sorted(present - set(order))
 
 
@@ -516,6 +545,76 @@ def _detail_traces(fig, ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tup
                                         for a, b in windows], hoverinfo="text"))
 
 
+def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], colors: dict[str, str]) -> dict | None:
+    """Every span of ``ops`` and ``coll`` as compact columns, for the page to draw any window one by one when
+    zoomed in (``views/_static/timeline_zoom.js``): sorted by start; ``columns`` is URL-safe base64 (no ``/`` for the
+    page's JSON to escape) of the zlib-deflated
+    bytes of, in this order, ``start`` (uint32 ticks from the previous span's start), ``duration`` (uint32 ticks),
+    ``row`` (uint16, into ``rows``: each span's y), ``category`` (uint8, into ``categories``) and ``name`` (uint16,
+    into ``names``: the op's name, HTML-escaped, for collectives their kind and the op that issued them), all
+    little-endian; a tick is ``tick_ms`` ms from ``origin_ms``.
+
+    Parameters
+    ----------
+    ops, coll : pandas.DataFrame
+        ``timeline_frame`` and ``collective_spans`` rows (hover text not needed).
+    categories : list of str
+        The categories drawn, in legend order (every span's category among them).
+    colors : dict
+        Category -> colour.
+
+    Returns
+    -------
+    dict or None
+        ``n``, ``origin_ms``, ``tick_ms``, ``rows``, ``categories``, ``colors``, ``collective`` (per category: a
+        collective kind), ``groups`` (per category: its legend group), ``names``, ``columns``, ``draw_up_to``
+        (``ZOOM_DRAW_SPANS``), ``bar_px`` (a span's thickness for ops and for collectives); None when there are no
+        spans or more than ``ZOOM_EVENTS_MAX``.
+
+    Examples
+    --------
+    >>> z = zoom_events(timeline_frame(t), collective_spans(t), ["aten_direct", "all_reduce"], {})
+    >>> z is None or z["n"] == len(timeline_frame(t)) + len(collective_spans(t))
+    True
+    """
+    import base64
+    import zlib
+
+    n = len(ops) + len(coll)
+    if n == 0 or n > ZOOM_EVENTS_MAX:
+        return None
+    start = np.concatenate([ops["start_ms"].to_numpy(float), coll["start_ms"].to_numpy(float)])
+    end = np.concatenate([ops["end_ms"].to_numpy(float), coll["end_ms"].to_numpy(float)])
+    y = np.concatenate([ops["y"].to_numpy(float), coll["y"].to_numpy(float)])
+    cat = np.concatenate([ops["category"].to_numpy(dtype=object), coll["category"].to_numpy(dtype=object)])
+    coll_names = (coll["kind"].astype(str) + " · from " + coll["op"].fillna(NO_OP).astype(str)).to_numpy(dtype=object) \
+        if len(coll) else np.array([], dtype=object)
+    name = np.concatenate([ops["op"].to_numpy(dtype=object), coll_names])
+    coll_kinds = set(coll["category"].unique()) if len(coll) else set()
+    order = np.argsort(start, kind="stable")
+    start, end, y, cat, name = start[order], np.maximum(end[order], start[order]), y[order], cat[order], name[order]
+    origin = float(start[0])
+    # 1 µs (what the hover shows: ms to 3 decimals) unless the trace is longer than 2**32 µs: fewer bits to deflate
+    tick = max(float(end.max() - origin) / (2**32 - 2), 1e-3)
+    ticks = np.round((start - origin) / tick).astype(np.int64)
+    delta = np.diff(ticks, prepend=0).astype(np.uint32)
+    duration = np.minimum(np.round((end - start) / tick), 2**32 - 1).astype(np.uint32)
+    row_codes, rows = pd.factorize(np.round(y, 6))
+    cat_index = {c: k for k, c in enumerate(categories)}
+    name_codes, names = pd.factorize(name)
+    payload = b"".join(a.astype(a.dtype.newbyteorder("<")).tobytes() for a in (
+        delta, duration, row_codes.astype(np.uint16), pd.Series(cat).map(cat_index).to_numpy(dtype=np.uint8),
+        name_codes.astype(np.uint16)))
+    return {"n": int(n), "origin_ms": origin, "tick_ms": tick, "rows": [float(v) for v in rows],
+            "categories": [esc(c.replace("_", " ")) for c in categories],
+            "colors": [colors.get(c, "#888888") for c in categories],
+            "collective": [c in coll_kinds for c in categories],
+            # each category's legend group: a category hidden from the legend is not drawn either
+            "groups": [("coll:" if c in coll_kinds else "op:") + c for c in categories],
+            "names": [esc(v) for v in names], "columns": base64.urlsafe_b64encode(zlib.compress(payload, 6)).decode("ascii"),
+            "draw_up_to": ZOOM_DRAW_SPANS, "bar_px": [9, 7]}
+
+
 def _link_trace(links: pd.DataFrame, coll: pd.DataFrame, gl: bool):
     """Dotted lines joining the same collective's spans on every rank (at each rank's issue time)."""
     import plotly.graph_objects as go
@@ -607,10 +706,18 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
         windows = detail_windows(ops, coll) if len(ops) + len(coll) > OVERVIEW_ABOVE else []
         if windows:
             _detail_traces(fig, *hovered(_in_windows(ops, windows), _in_windows(coll, windows)), windows)
+        op_cats, coll_cats = _op_categories(ops) if len(ops) else [], sorted(set(coll["category"]))
+        colors = {c: _op_color(c) for c in op_cats}
+        colors.update(collective_colors(coll_cats))
+        zoom = zoom_events(ops, coll, op_cats + coll_cats, colors)
+        if zoom is not None:  # any window of at most ZOOM_DRAW_SPANS spans is drawn one by one once zoomed into
+            fig.update_layout(meta={"sd_zoom": zoom})
         title += (f" · overview: {len(ops) + len(coll)} spans in {bins} time bins, the most frequent "
                   f"path per bin" + (f"; shaded: the {len(windows)} windows around the slowest spans, drawn op by op "
                                      "(zoom in)" if windows else "")
-                  + "<br><sub>plot_timeline(time_range=(a, b)) draws any window op by op</sub>")
+                  + ("<br><sub>zoom in to a window of at most "
+                     f"{ZOOM_DRAW_SPANS:,} spans to see it op by op; " if zoom is not None else "<br><sub>")
+                  + "plot_timeline(time_range=(a, b)) draws any window op by op</sub>")
     else:
         bars = len(ops) + len(coll) <= BARS_UP_TO
         ops, coll = hovered(ops, coll)
