@@ -16,10 +16,13 @@
    realistic size.
 
 4. A big trace's standalone report (``--only big --trace PATH``, a trace saved by bench/bench_trace_big.py):
-   its size, first paint and the interactions (op filter, every call, a call's detail, scroll, timeline zoom).
+   its size, when the first screen is drawn, every figure drawn, and the interactions (op filter, every call, a
+   call's detail, scroll, the explorer's list scrolled to its end, timeline zoom); several reports (``--report``
+   more than once: say one from the parent commit) are loaded in turn, so each sees the same load on the machine;
+   ``--profile`` adds where a page load spends its time (a chromium performance trace, main-thread tasks).
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py [--events 100000] [--repeats 5] [--only static]
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py --only big --trace big.sdtrace.arrow [--report r.html]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py --only big --trace big.sdtrace.arrow [--report r.html ...] [--profile]
 
 Prints a table; with --append, adds a section to bench/RESULTS.md.
 """
@@ -136,63 +139,127 @@ def bench_timeline(n_events: int, repeats: int) -> list[dict]:
     return rows
 
 
-def bench_big_report(trace_path: str, repeats: int, report_path: str | None = None) -> dict:
-    """The standalone report of a big saved trace (``bench/bench_trace_big.py --folder``) in chromium: its size,
-    when the explorer's list is first on screen, when everything is drawn (the timeline, the comm figure and
-    the explorer's list), and the interactions: type in the explorer's op filter, show every call, open a call's detail,
-    scroll the page to the explorer, zoom the timeline into its first window drawn op by op and back."""
+# Checked every frame from the start of a navigation (ms since it started): when the explorer's list is first on
+# the page, and when what the first screen shows is all drawn: the page parsed, the explorer's list there, and each
+# figure whose box starts within the screen drawn by plotly (both kinds of report: figures drawn as they come into
+# view, or all of them at once after plotly.js)
+FIRST_SCREEN = """window.__sd = { explorer: null, firstScreen: null }; (function poll() {
+    const now = performance.now();
+    if (__sd.explorer == null && document.querySelector('#sd-explorer .sd-list tr')) __sd.explorer = now;
+    const figs = [...document.querySelectorAll('[id^="sd-fig-"]')].filter((d) => !d.id.endsWith('-data'));
+    const inView = figs.filter((d) => d.getBoundingClientRect().top < innerHeight);
+    if (__sd.explorer != null && document.readyState !== 'loading' && inView.every((d) => d._fullLayout && d.querySelector('.main-svg')))
+        __sd.firstScreen = now;
+    else requestAnimationFrame(poll); })();"""
+DRAWN = """(ids) => ids.every((i) => { const d = document.getElementById(i); return d && d._fullLayout && d.querySelector('.main-svg'); })"""
+FIGURES = ["sd-fig-timeline", "sd-fig-comm", "sd-fig-imbalance"]
+
+
+def page_profile(browser, report_path: str, trace_path: str) -> list[str]:
+    """Where a page load's time goes: a chromium performance trace of one load of ``report_path`` (saved at
+    ``trace_path``), as lines: each main-thread task over 30 ms (its start, its length) and what took the most of
+    it (parsing HTML, evaluating a script, compiling, a function call, layout)."""
+    import collections
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    browser.start_tracing(page=page, path=trace_path, categories=["devtools.timeline", "v8", "v8.execute", "loading"])
+    page.add_init_script(FIRST_SCREEN)
+    page.goto(f"file://{report_path}", timeout=600_000)
+    page.wait_for_function("() => window.__sd.firstScreen != null", timeout=600_000)
+    browser.stop_tracing()
+    page.close()
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    main = collections.Counter((e["pid"], e["tid"]) for e in events if e.get("name") == "ParseHTML").most_common(1)[0][0]
+    timed = sorted((e for e in events if (e["pid"], e["tid"]) == main and e.get("ph") == "X" and "dur" in e),
+                   key=lambda e: (e["ts"], -e["dur"]))
+    t0, end, lines = timed[0]["ts"], -1, []
+    for e in timed:
+        if e["ts"] < end:
+            continue  # inside the task before
+        end = e["ts"] + e["dur"]
+        if e["dur"] < 30_000:
+            continue
+        inside = collections.Counter()
+        for c in timed:
+            if c is not e and e["ts"] <= c["ts"] and c["ts"] + c["dur"] <= end and c["dur"] > 20_000 and \
+                    c["name"] in ("ParseHTML", "EvaluateScript", "v8.compile", "v8.run", "FunctionCall", "Layout",
+                                  "UpdateLayoutTree", "Paint", "v8.parseOnBackground", "TimerFire", "FireAnimationFrame"):
+                inside[c["name"]] += c["dur"]
+        lines.append(f"{(e['ts'] - t0) / 1000:7.0f} ms  +{e['dur'] / 1000:6.0f} ms  " +
+                     ", ".join(f"{k} {v / 1000:.0f} ms" for k, v in inside.most_common(4)))
+    return lines
+
+
+def bench_big_report(trace_path: str | None, repeats: int, report_paths: list[str]) -> list[dict]:
+    """The standalone reports ``report_paths`` (made from the saved trace ``trace_path`` where one does not exist
+    yet) in chromium, their page loads taken in turn (the same load on the machine for each): size, when the
+    explorer's list is first on screen, when the first screen is drawn (what the reader sees on opening: the page,
+    the explorer, the figures within the screen), when every figure is drawn (the bench scrolls to each in turn
+    right after the first screen), and the interactions: type in the explorer's op filter, show every call, open a
+    call's detail, scroll the page to the explorer, scroll the explorer's list to its end, zoom the timeline into
+    its first window drawn op by op and back. Interactions wait for the next frame after the change."""
     from playwright.sync_api import sync_playwright
 
     import sharddbg
 
-    if report_path is None or not os.path.exists(report_path):
-        t = sharddbg.load_trace(trace_path)
-        report_path = report_path or tempfile.mktemp(suffix=".html")
-        t0 = time.perf_counter()
-        t.to_html(report_path)
-        build_s = time.perf_counter() - t0
-    else:
-        build_s = float("nan")
-    size_mb = os.path.getsize(report_path) / 2**20
+    build = {}
+    for path in report_paths:
+        if not os.path.exists(path):
+            t = sharddbg.load_trace(trace_path)
+            t0 = time.perf_counter()
+            t.to_html(path)
+            build[path] = time.perf_counter() - t0
     frame = "() => new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)))"
-    out: dict[str, list[float]] = {k: [] for k in ("explorer", "paint", "filter", "every_call", "detail", "scroll", "zoom")}
+    keys = ("explorer", "first_screen", "all_drawn", "filter", "every_call", "detail", "scroll", "list_end", "zoom",
+            "rows_in_dom", "dom")
+    out = {path: {k: [] for k in keys} for path in report_paths}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         for _ in range(repeats):
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            # when the explorer's list is first on screen (ms since the navigation started), checked every frame
-            page.add_init_script("""window.__sdExplorerAt = null; (function poll() {
-                if (document.querySelector('#sd-explorer .sd-list tr')) window.__sdExplorerAt = performance.now();
-                else requestAnimationFrame(poll); })();""")
-            t0 = time.perf_counter()
-            page.goto(f"file://{report_path}", timeout=600_000)
-            page.wait_for_function("""() => ['sd-fig-timeline', 'sd-fig-comm'].every(i => { const d = document.getElementById(i);
-                return d && d._fullLayout; }) && document.querySelector('#sd-explorer .sd-list tr')""", timeout=600_000)
-            page.evaluate(frame)
-            out["paint"].append(time.perf_counter() - t0)
-            out["explorer"].append(page.evaluate("() => window.__sdExplorerAt") / 1000)
+            for path in report_paths:
+                o = out[path]
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.add_init_script(FIRST_SCREEN)
+                page.goto(f"file://{path}", timeout=600_000)
+                page.wait_for_function("() => window.__sd.firstScreen != null", timeout=600_000)
+                o["explorer"].append(page.evaluate("() => window.__sd.explorer") / 1000)
+                o["first_screen"].append(page.evaluate("() => window.__sd.firstScreen") / 1000)
+                for fig in FIGURES:  # the reader scrolls down the page: each figure drawn as it comes into view
+                    page.evaluate(f"() => document.getElementById('{fig}').scrollIntoView()")
+                    page.wait_for_function(DRAWN, arg=[fig], timeout=600_000)
+                o["all_drawn"].append(page.evaluate("() => performance.now()") / 1000)
+                page.evaluate("() => window.scrollTo(0, 0)")
+                page.evaluate(frame)
 
-            def timed(js: str) -> float:
-                return page.evaluate(f"""async () => {{ const t0 = performance.now(); {js};
-                    await ({frame})(); return (performance.now() - t0) / 1000; }}""")
+                def timed(js: str) -> float:
+                    return page.evaluate(f"""async () => {{ const t0 = performance.now(); {js};
+                        await ({frame})(); return (performance.now() - t0) / 1000; }}""")
 
-            out["filter"].append(timed("""const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = 'conv';
-                f.dispatchEvent(new Event('input'))"""))
-            timed("const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = ''; f.dispatchEvent(new Event('input'))")
-            out["every_call"].append(timed("""const v = document.querySelector('#sd-explorer .sd-f-view'); v.value = 'calls';
-                v.dispatchEvent(new Event('change'))"""))
-            out["detail"].append(timed("document.querySelector('#sd-explorer tr.sd-op').click()"))
-            assert page.evaluate("() => document.querySelector('#sd-explorer .sd-detail').style.display !== 'none'")
-            out["scroll"].append(timed("document.getElementById('sd-explorer').scrollIntoView()"))
-            out["zoom"].append(page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
-                const s = (d.layout.shapes || []).find(s => s.type === 'rect'), [a, b] = d._fullLayout.xaxis.range;
-                const w = s ? [s.x0, s.x1] : [a + 0.45 * (b - a), a + 0.55 * (b - a)], t0 = performance.now();
-                await Plotly.relayout(d, {'xaxis.range': w}); await Plotly.relayout(d, {'xaxis.range': [a, b]});
-                return (performance.now() - t0) / 2000; }"""))
-            out["dom"] = [page.evaluate("() => document.getElementsByTagName('*').length")]
-            page.close()
+                o["filter"].append(timed("""const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = 'conv';
+                    f.dispatchEvent(new Event('input'))"""))
+                timed("const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = ''; f.dispatchEvent(new Event('input'))")
+                o["every_call"].append(timed("""const v = document.querySelector('#sd-explorer .sd-f-view'); v.value = 'calls';
+                    v.dispatchEvent(new Event('change'))"""))
+                o["rows_in_dom"].append(page.evaluate("() => document.querySelectorAll('#sd-explorer .sd-list tr.sd-op').length"))
+                o["detail"].append(timed("document.querySelector('#sd-explorer tr.sd-op').click()"))
+                assert page.evaluate("() => document.querySelector('#sd-explorer .sd-detail').style.display !== 'none'")
+                o["scroll"].append(timed("document.getElementById('sd-explorer').scrollIntoView()"))
+                o["list_end"].append(timed("const l = document.querySelector('#sd-explorer .sd-list'); l.scrollTop = l.scrollHeight"))
+                o["zoom"].append(page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
+                    const s = (d.layout.shapes || []).find(s => s.type === 'rect'), [a, b] = d._fullLayout.xaxis.range;
+                    const w = s ? [s.x0, s.x1] : [a + 0.45 * (b - a), a + 0.55 * (b - a)], t0 = performance.now();
+                    await Plotly.relayout(d, {'xaxis.range': w}); await Plotly.relayout(d, {'xaxis.range': [a, b]});
+                    return (performance.now() - t0) / 2000; }"""))
+                o["dom"].append(page.evaluate("() => document.getElementsByTagName('*').length"))
+                page.close()
         browser.close()
-    return {"report_MB": size_mb, "build_s": build_s, **{k: statistics.median(v) for k, v in out.items()}}
+    return [{"report": path, "report_MB": os.path.getsize(path) / 2**20, "build_s": build.get(path, float("nan")),
+             **{k: statistics.median(v) for k, v in out[path].items()}} for path in report_paths]
+
+
+def load_average() -> str:
+    """The machine's load average (1, 5, 15 minutes), as /proc/loadavg has it."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def _free_port() -> int:
@@ -381,7 +448,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", choices=("timeline", "inspector", "static", "big"), help="run one part only")
     ap.add_argument("--trace", help="with --only big: a saved big trace (bench/bench_trace_big.py --folder)")
-    ap.add_argument("--report", help="with --only big: the report's path (made from --trace unless it exists)")
+    ap.add_argument("--report", action="append", default=[],
+                    help="with --only big: a report's path (made from --trace unless it exists); several: measured in turn")
+    ap.add_argument("--profile", action="store_true", help="with --only big: where each report's page load spends its time "
+                                                            "(a chromium performance trace of one load)")
     ap.add_argument("--append", action="store_true", help="add the results to bench/RESULTS.md")
     args = ap.parse_args()
     lines = [f"machine: {os.cpu_count()} cores (shared), chromium headless without GPU (software WebGL), "
@@ -399,12 +469,26 @@ def main() -> int:
                   f"| `cl.inspect(\"x\")` in Python (gather 4 snapshots, check, build the widget) | {insp['python_s'] * 1000:.0f} ms | {insp['python_min_s'] * 1000:.0f} ms |",
                   f"| JupyterLab: run the cell `sharddbg.inspect(\"x\")` until its 4 blocks are on screen | {insp['browser_s'] * 1000:.0f} ms | {insp['browser_min_s'] * 1000:.0f} ms |"]
     if args.only == "big":
-        r = bench_big_report(args.trace, args.repeats, args.report)
-        lines += ["", "| big trace's report | size | build (Python) | explorer on screen | everything drawn | op filter | every call | open a call's detail | scroll | timeline zoom | DOM elements |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|",
-                  f"| {os.path.basename(args.trace)} | {r['report_MB']:.1f} MB | {r['build_s']:.0f} s | {r['explorer']:.2f} s | {r['paint']:.2f} s | "
-                  f"{r['filter'] * 1000:.0f} ms | {r['every_call'] * 1000:.0f} ms | {r['detail'] * 1000:.0f} ms | "
-                  f"{r['scroll'] * 1000:.0f} ms | {r['zoom'] * 1000:.0f} ms | {r['dom']:.0f} |"]
+        load_before = load_average()
+        reports = bench_big_report(args.trace, args.repeats, args.report or [tempfile.mktemp(suffix=".html")])
+        lines += ["", f"load average (1, 5, 15 min): {load_before} before, {load_average()} after",
+                  "", "| report | size | build (Python) | explorer on screen | first screen drawn | every figure drawn (scrolled to) | "
+                      "op filter | every call | rows in the DOM | a call's detail | scroll to the explorer | list to its end | timeline zoom | DOM elements |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in reports:
+            lines.append(f"| {os.path.basename(r['report'])} | {r['report_MB']:.1f} MB | {r['build_s']:.0f} s | {r['explorer']:.2f} s | "
+                         f"{r['first_screen']:.2f} s | {r['all_drawn']:.2f} s | {r['filter'] * 1000:.0f} ms | "
+                         f"{r['every_call'] * 1000:.0f} ms | {r['rows_in_dom']:.0f} | {r['detail'] * 1000:.0f} ms | "
+                         f"{r['scroll'] * 1000:.0f} ms | {r['list_end'] * 1000:.0f} ms | {r['zoom'] * 1000:.0f} ms | {r['dom']:.0f} |")
+        if args.profile:
+            from playwright.sync_api import sync_playwright
+
+            with sync_playwright() as p, tempfile.TemporaryDirectory() as tmp:
+                browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+                for r in reports:
+                    lines += ["", f"main-thread tasks over 30 ms loading {os.path.basename(r['report'])}, until the first screen is drawn:", ""]
+                    lines += ["    " + x for x in page_profile(browser, r["report"], os.path.join(tmp, "trace.json"))]
+                browser.close()
     if args.only in (None, "static"):
         lines += ["", "| static rendering (Python) | median | min |", "|---|---|---|"]
         lines += [f"| {r['what']} | {r['median_s'] * 1000:.2f} ms | {r['min_s'] * 1000:.2f} ms |"
