@@ -273,7 +273,8 @@ export function renderExplorer(model, el) {
   // The list is virtual: only the rows in and near the list's box are in the page (a window of items, each a row
   // or a summary row with its expansion), between two spacers as tall as the rows above and below, so any number
   // of calls scrolls and redraws in the same time. Heights start from an estimate and are measured once drawn.
-  const OVERSCAN = 30;  // items drawn beyond each edge of the box: small lists are drawn whole
+  const OVERSCAN = 20;  // items drawn beyond each edge of the box
+  const WHOLE = 200;  // a list of at most this many items is drawn whole (the page's find sees every row)
   let rowEstimate = 25;  // px; the mean height of the rows drawn so far
   let view = null;  // { table, body, items, render, heights, prefix, first, last, drawn: Map(index -> rows) }
 
@@ -325,6 +326,7 @@ export function renderExplorer(model, el) {
     const top = Math.max(0, (scrollTop ?? list.scrollTop) - headHeight(v));
     let vf = n ? itemAt(v, top) : 0, vl = n ? itemAt(v, top + boxH) : -1;
     if (around != null && n) { vf = around; vl = Math.min(n - 1, around + 15); }
+    if (n <= WHOLE) { vf = 0; vl = n - 1; }
     if (!force && vf >= v.first && vl <= v.last && (vf - v.first >= OVERSCAN / 3 || v.first === 0) &&
         (v.last - vl >= OVERSCAN / 3 || v.last === n - 1)) return;
     const first = Math.max(0, vf - OVERSCAN), last = Math.min(n - 1, vl + OVERSCAN);
