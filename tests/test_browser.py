@@ -587,6 +587,16 @@ def test_explorer(session):
     expect(detail.locator(".sd-chip-error")).to_have_count(0)
     expect(detail.locator(".sd-chip-handled")).to_have_count(1)
     exp.screenshot(path=str(ARTIFACTS / "browser_explorer_error.png"))
+    # the list's keys in the notebook: ↓ opens the next call's detail, ↑ the one before, and JupyterLab does not
+    # take them (the active cell stays where it was)
+    call = "d => d.dataset.rank + ':' + d.dataset.seq"
+    active = "() => [...document.querySelectorAll('.jp-Notebook .jp-Cell')].findIndex((c) => c.classList.contains('jp-mod-active'))"
+    opened_call, active_cell = detail.evaluate(call), page.evaluate(active)
+    page.keyboard.press("ArrowDown")
+    page.wait_for_function(f"([d, was]) => ({call})(d) !== was", arg=[detail.element_handle(), opened_call], timeout=10_000)
+    page.keyboard.press("ArrowUp")
+    page.wait_for_function(f"([d, was]) => ({call})(d) === was", arg=[detail.element_handle(), opened_call], timeout=10_000)
+    assert page.evaluate(active) == active_cell
     # back to the summary: the row of the open detail opens with it, its group marked
     exp.locator("select.sd-f-view").select_option("summary")
     expect(detail).to_be_visible()

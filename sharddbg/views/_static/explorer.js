@@ -531,7 +531,8 @@ export function renderExplorer(model, el) {
 
   // the keyboard, in the list (it takes the focus on a click, or by Tab): ↑ ↓ move to the previous or next
   // call (its detail opened) or summary row, Enter or Space opens or closes a summary row, Escape closes the
-  // detail; Page Up / Down, Home and End scroll the list as usual
+  // detail; Page Up / Down, Home and End scroll the list as usual. A key the list takes goes no further (in
+  // JupyterLab, ↑ ↓ and Enter would otherwise also move between cells or edit one)
   list.tabIndex = 0;
   list.setAttribute("aria-label", "op calls; arrow keys move between rows");
   list.addEventListener("keydown", (e) => {
@@ -545,7 +546,7 @@ export function renderExplorer(model, el) {
       else at = selected ? items.findIndex((r) => r.rank === selected[0] && r.seq === selected[1]) : -1;
       const next = at < 0 ? (step > 0 ? 0 : items.length - 1) : Math.min(items.length - 1, Math.max(0, at + step));
       if (!items.length) return;
-      e.preventDefault();
+      e.preventDefault(); e.stopPropagation();
       if (summary) {
         cursor = items[next][1];
         for (const old of list.querySelectorAll("tr.sd-cursor")) old.classList.remove("sd-cursor");
@@ -556,10 +557,10 @@ export function renderExplorer(model, el) {
         showDetail(items[next], rs ? rs[0] : null);
       }
     } else if ((e.key === "Enter" || e.key === " ") && summary && cursor != null) {
-      e.preventDefault();
+      e.preventDefault(); e.stopPropagation();
       toggle(cursor);
     } else if (e.key === "Escape" && selected) {
-      e.preventDefault();
+      e.preventDefault(); e.stopPropagation();
       for (const old of list.querySelectorAll("tr.sd-selected")) old.classList.remove("sd-selected");
       closeDetail();
     }
