@@ -16,10 +16,16 @@
    realistic size.
 
 4. A big trace's standalone report (``--only big --trace PATH``, a trace saved by bench/bench_trace_big.py):
-   its size, first paint and the interactions (op filter, every call, a call's detail, scroll, timeline zoom).
+   its size, when the first screen is drawn, every figure drawn, and the interactions (op filter, every call, a
+   call's detail, scroll, the explorer's list scrolled to its end, timeline zoom); several reports (``--report``
+   more than once: say one from the parent commit) are loaded in turn, so each sees the same load on the machine;
+   ``--profile`` adds where a page load spends its time (a chromium performance trace, main-thread tasks);
+   ``--before-code DIR`` builds the report with an older sharddbg too (CPU and wall, the same run); a zoom into a
+   window not drawn in Python is timed with the spans the page drew; ``--screenshots DIR`` keeps the zoomed
+   timeline in light and dark.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py [--events 100000] [--repeats 5] [--only static]
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py --only big --trace big.sdtrace.arrow [--report r.html]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_views.py --only big --trace big.sdtrace.arrow [--report r.html ...] [--profile]
 
 Prints a table; with --append, adds a section to bench/RESULTS.md.
 """
@@ -136,82 +142,140 @@ def bench_timeline(n_events: int, repeats: int) -> list[dict]:
     return rows
 
 
-def bench_big_report(trace_path: str, repeats: int, report_path: str | None = None, screenshots: str | None = None) -> dict:
-    """The standalone report of a big saved trace (``bench/bench_trace_big.py --folder``) in chromium: its size,
-    when the explorer's list is first on screen, when everything is drawn (the timeline, the comm figure and
-    the explorer's list), and the interactions: type in the explorer's op filter, show every call, open a call's detail,
-    scroll the page to the explorer, zoom the timeline into its first window drawn op by op and back."""
+# Checked every frame from the start of a navigation (ms since it started): when the explorer's list is first on
+# the page, and when what the first screen shows is all drawn: the page parsed, the explorer's list there, and each
+# figure whose box starts within the screen drawn by plotly (both kinds of report: figures drawn as they come into
+# view, or all of them at once after plotly.js)
+FIRST_SCREEN = """window.__sd = { explorer: null, firstScreen: null }; (function poll() {
+    const now = performance.now();
+    if (__sd.explorer == null && document.querySelector('#sd-explorer .sd-list tr')) __sd.explorer = now;
+    const figs = [...document.querySelectorAll('[id^="sd-fig-"]')].filter((d) => !d.id.endsWith('-data'));
+    const inView = figs.filter((d) => d.getBoundingClientRect().top < innerHeight);
+    if (__sd.explorer != null && document.readyState !== 'loading' && inView.every((d) => d._fullLayout && d.querySelector('.main-svg')))
+        __sd.firstScreen = now;
+    else requestAnimationFrame(poll); })();"""
+DRAWN = """(ids) => ids.every((i) => { const d = document.getElementById(i); return d && d._fullLayout && d.querySelector('.main-svg'); })"""
+FIGURES = ["sd-fig-timeline", "sd-fig-comm", "sd-fig-imbalance"]
+
+
+def page_profile(browser, report_path: str, trace_path: str) -> list[str]:
+    """Where a page load's time goes: a chromium performance trace of one load of ``report_path`` (saved at
+    ``trace_path``), as lines: each main-thread task over 30 ms (its start, its length) and what took the most of
+    it (parsing HTML, evaluating a script, compiling, a function call, layout)."""
+    import collections
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    browser.start_tracing(page=page, path=trace_path, categories=["devtools.timeline", "v8", "v8.execute", "loading"])
+    page.add_init_script(FIRST_SCREEN)
+    page.goto(f"file://{report_path}", timeout=600_000)
+    page.wait_for_function("() => window.__sd.firstScreen != null", timeout=600_000)
+    browser.stop_tracing()
+    page.close()
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    main = collections.Counter((e["pid"], e["tid"]) for e in events if e.get("name") == "ParseHTML").most_common(1)[0][0]
+    timed = sorted((e for e in events if (e["pid"], e["tid"]) == main and e.get("ph") == "X" and "dur" in e),
+                   key=lambda e: (e["ts"], -e["dur"]))
+    t0, end, lines = timed[0]["ts"], -1, []
+    for e in timed:
+        if e["ts"] < end:
+            continue  # inside the task before
+        end = e["ts"] + e["dur"]
+        if e["dur"] < 30_000:
+            continue
+        inside = collections.Counter()
+        for c in timed:
+            if c is not e and e["ts"] <= c["ts"] and c["ts"] + c["dur"] <= end and c["dur"] > 20_000 and \
+                    c["name"] in ("ParseHTML", "EvaluateScript", "v8.compile", "v8.run", "FunctionCall", "Layout",
+                                  "UpdateLayoutTree", "Paint", "v8.parseOnBackground", "TimerFire", "FireAnimationFrame"):
+                inside[c["name"]] += c["dur"]
+        lines.append(f"{(e['ts'] - t0) / 1000:7.0f} ms  +{e['dur'] / 1000:6.0f} ms  " +
+                     ", ".join(f"{k} {v / 1000:.0f} ms" for k, v in inside.most_common(4)))
+    return lines
+
+
+def bench_big_report(trace_path: str | None, repeats: int, report_paths: list[str],
+                     screenshots: str | None = None) -> list[dict]:
+    """The standalone reports ``report_paths`` (made from the saved trace ``trace_path`` where one does not exist
+    yet) in chromium, their page loads taken in turn (the same load on the machine for each): size, when the
+    explorer's list is first on screen, when the first screen is drawn (what the reader sees on opening: the page,
+    the explorer, the figures within the screen), when every figure is drawn (the bench scrolls to each in turn
+    right after the first screen), and the interactions: type in the explorer's op filter, show every call, open a
+    call's detail, scroll the page to the explorer, scroll the explorer's list to its end, zoom the timeline into
+    its first window drawn op by op and back, and zoom anywhere (a window not drawn in Python: the page draws its
+    spans from those the figure carries; the time, the spans drawn and their drawing). Interactions wait for the
+    next frame after the change. A report made here is built in a fresh process (load and ``to_html``, CPU and
+    wall apart); ``screenshots``: the zoomed timeline's light and dark screenshots go to that folder."""
     from playwright.sync_api import sync_playwright
 
-    import sharddbg
-
-    build = {}
-    if report_path is None or not os.path.exists(report_path):
-        report_path = report_path or tempfile.mktemp(suffix=".html")
-        build = build_report_in_a_fresh_process(trace_path, report_path)
-    build_s = build.get("build_wall", float("nan"))
-    size_mb = os.path.getsize(report_path) / 2**20
+    build: dict[str, dict] = {}
+    for path in report_paths:
+        if not os.path.exists(path):
+            build[path] = build_report_in_a_fresh_process(trace_path, path)
     frame = "() => new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)))"
-    out: dict[str, list[float]] = {k: [] for k in ("explorer", "paint", "filter", "every_call", "detail", "scroll", "zoom",
-                                                   "zoom_any", "zoom_any_spans", "zoom_any_draw")}
+    keys = ("explorer", "first_screen", "all_drawn", "filter", "every_call", "detail", "scroll", "list_end", "zoom",
+            "zoom_any", "zoom_any_spans", "zoom_any_draw", "rows_in_dom", "dom")
+    out = {path: {k: [] for k in keys} for path in report_paths}
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         for _ in range(repeats):
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            # when the explorer's list is first on screen (ms since the navigation started), checked every frame
-            page.add_init_script("""window.__sdExplorerAt = null; (function poll() {
-                if (document.querySelector('#sd-explorer .sd-list tr')) window.__sdExplorerAt = performance.now();
-                else requestAnimationFrame(poll); })();""")
-            t0 = time.perf_counter()
-            page.goto(f"file://{report_path}", timeout=600_000)
-            page.wait_for_function("""() => ['sd-fig-timeline', 'sd-fig-comm'].every(i => { const d = document.getElementById(i);
-                return d && d._fullLayout; }) && document.querySelector('#sd-explorer .sd-list tr')""", timeout=600_000)
-            page.evaluate(frame)
-            out["paint"].append(time.perf_counter() - t0)
-            out["explorer"].append(page.evaluate("() => window.__sdExplorerAt") / 1000)
+            for path in report_paths:
+                o = out[path]
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.add_init_script(FIRST_SCREEN)
+                page.goto(f"file://{path}", timeout=600_000)
+                page.wait_for_function("() => window.__sd.firstScreen != null", timeout=600_000)
+                o["explorer"].append(page.evaluate("() => window.__sd.explorer") / 1000)
+                o["first_screen"].append(page.evaluate("() => window.__sd.firstScreen") / 1000)
+                for fig in FIGURES:  # the reader scrolls down the page: each figure drawn as it comes into view
+                    page.evaluate(f"() => document.getElementById('{fig}').scrollIntoView()")
+                    page.wait_for_function(DRAWN, arg=[fig], timeout=600_000)
+                o["all_drawn"].append(page.evaluate("() => performance.now()") / 1000)
+                page.evaluate("() => window.scrollTo(0, 0)")
+                page.evaluate(frame)
 
-            def timed(js: str) -> float:
-                return page.evaluate(f"""async () => {{ const t0 = performance.now(); {js};
-                    await ({frame})(); return (performance.now() - t0) / 1000; }}""")
+                def timed(js: str) -> float:
+                    return page.evaluate(f"""async () => {{ const t0 = performance.now(); {js};
+                        await ({frame})(); return (performance.now() - t0) / 1000; }}""")
 
-            out["filter"].append(timed("""const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = 'conv';
-                f.dispatchEvent(new Event('input'))"""))
-            timed("const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = ''; f.dispatchEvent(new Event('input'))")
-            out["every_call"].append(timed("""const v = document.querySelector('#sd-explorer .sd-f-view'); v.value = 'calls';
-                v.dispatchEvent(new Event('change'))"""))
-            out["detail"].append(timed("document.querySelector('#sd-explorer tr.sd-op').click()"))
-            assert page.evaluate("() => document.querySelector('#sd-explorer .sd-detail').style.display !== 'none'")
-            out["scroll"].append(timed("document.getElementById('sd-explorer').scrollIntoView()"))
-            out["zoom"].append(page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
-                const s = (d.layout.shapes || []).find(s => s.type === 'rect'), [a, b] = d._fullLayout.xaxis.range;
-                const w = s ? [s.x0, s.x1] : [a + 0.45 * (b - a), a + 0.55 * (b - a)], t0 = performance.now();
-                await Plotly.relayout(d, {'xaxis.range': w}); await Plotly.relayout(d, {'xaxis.range': [a, b]});
-                return (performance.now() - t0) / 2000; }"""))
-            # a window that is not one of those drawn in Python: the page draws its spans from the ones the figure
-            # carries (views/_static/timeline_zoom.js); the time until they are on the canvas, and how many
-            any_window = page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
-                if (!d.layout.meta || !d.layout.meta.sd_zoom) return [NaN, 0, NaN];
-                await d._sdZoomPending;
-                const [a, b] = d._fullLayout.xaxis.range, times = [], drawn = [], draw = [];
-                for (const f of [0.37, 0.61, 0.83]) {
-                  const c = a + f * (b - a), t0 = performance.now();
-                  await Plotly.relayout(d, {'xaxis.range': [c, c + (b - a) / 2000]});
-                  await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)));
-                  times.push(performance.now() - t0); drawn.push(d._sdZoomDrawn); draw.push(d._sdZoomDrawMs);
-                }
-                await Plotly.relayout(d, {'xaxis.range': [a, b]});
-                times.sort((x, y) => x - y);
-                return [times[1] / 1000, Math.min(...drawn), Math.max(...draw) / 1000]; }""")
-            out["zoom_any"].append(any_window[0])
-            out["zoom_any_spans"].append(any_window[1])
-            out["zoom_any_draw"].append(any_window[2])
-            out["dom"] = [page.evaluate("() => document.getElementsByTagName('*').length")]
-            if screenshots and not out.get("shot"):
-                _zoom_screenshots(browser, report_path, screenshots)
-                out["shot"] = [1.0]
-            page.close()
+                o["filter"].append(timed("""const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = 'conv';
+                    f.dispatchEvent(new Event('input'))"""))
+                timed("const f = document.querySelector('#sd-explorer .sd-f-op'); f.value = ''; f.dispatchEvent(new Event('input'))")
+                o["every_call"].append(timed("""const v = document.querySelector('#sd-explorer .sd-f-view'); v.value = 'calls';
+                    v.dispatchEvent(new Event('change'))"""))
+                o["rows_in_dom"].append(page.evaluate("() => document.querySelectorAll('#sd-explorer .sd-list tr.sd-op').length"))
+                o["detail"].append(timed("document.querySelector('#sd-explorer tr.sd-op').click()"))
+                assert page.evaluate("() => document.querySelector('#sd-explorer .sd-detail').style.display !== 'none'")
+                o["scroll"].append(timed("document.getElementById('sd-explorer').scrollIntoView()"))
+                o["list_end"].append(timed("const l = document.querySelector('#sd-explorer .sd-list'); l.scrollTop = l.scrollHeight"))
+                o["zoom"].append(page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
+                    const s = (d.layout.shapes || []).find(s => s.type === 'rect'), [a, b] = d._fullLayout.xaxis.range;
+                    const w = s ? [s.x0, s.x1] : [a + 0.45 * (b - a), a + 0.55 * (b - a)], t0 = performance.now();
+                    await Plotly.relayout(d, {'xaxis.range': w}); await Plotly.relayout(d, {'xaxis.range': [a, b]});
+                    return (performance.now() - t0) / 2000; }"""))
+                # a window that is not one of those drawn in Python: the page draws its spans from the ones the
+                # figure carries (views/_static/timeline_zoom.js); the time until they are on the canvas, and how many
+                any_window = page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
+                    if (!d.layout.meta || !d.layout.meta.sd_zoom) return [NaN, 0, NaN];
+                    await d._sdZoomPending;
+                    const [a, b] = d._fullLayout.xaxis.range, times = [], drawn = [], draw = [];
+                    for (const f of [0.37, 0.61, 0.83]) {
+                      const c = a + f * (b - a), t0 = performance.now();
+                      await Plotly.relayout(d, {'xaxis.range': [c, c + (b - a) / 2000]});
+                      await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)));
+                      times.push(performance.now() - t0); drawn.push(d._sdZoomDrawn); draw.push(d._sdZoomDrawMs);
+                    }
+                    await Plotly.relayout(d, {'xaxis.range': [a, b]});
+                    times.sort((x, y) => x - y);
+                    return [times[1] / 1000, Math.min(...drawn), Math.max(...draw) / 1000]; }""")
+                for key, value in zip(("zoom_any", "zoom_any_spans", "zoom_any_draw"), any_window):
+                    o[key].append(value)
+                o["dom"].append(page.evaluate("() => document.getElementsByTagName('*').length"))
+                page.close()
+        if screenshots:
+            _zoom_screenshots(browser, report_paths[0], screenshots)
         browser.close()
-    return {"report_MB": size_mb, "build_s": build_s, **build, **{k: statistics.median(v) for k, v in out.items()}}
+    return [{"report": path, "report_MB": os.path.getsize(path) / 2**20, **build.get(path, {}),
+             **{k: statistics.median(v) for k, v in out[path].items()}} for path in report_paths]
 
 
 def _zoom_screenshots(browser, report_path: str, folder: str) -> None:
@@ -220,8 +284,8 @@ def _zoom_screenshots(browser, report_path: str, folder: str) -> None:
     for scheme in ("light", "dark"):
         page = browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme=scheme)
         page.goto(f"file://{report_path}", timeout=600_000)
-        page.wait_for_function("() => { const d = document.getElementById('sd-fig-timeline'); return d && d._fullLayout; }",
-                               timeout=600_000)
+        page.evaluate("() => document.getElementById('sd-fig-timeline').scrollIntoView()")  # drawn once in view
+        page.wait_for_function(DRAWN, arg=["sd-fig-timeline"], timeout=600_000)
         page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline'); await d._sdZoomPending;
             const [a, b] = d._fullLayout.xaxis.range, c = a + 0.61 * (b - a);
             await Plotly.relayout(d, {'xaxis.range': [c, c + (b - a) / 4000]}); d.scrollIntoView(); }""")
@@ -247,6 +311,11 @@ print(json.dumps({"load_wall": t1 - t0, "load_cpu": c1 - c0, "build_wall": t2 - 
     out = subprocess.run([sys.executable, "-c", script, trace_path, report_path], env=env, cwd=str(code or ROOT),
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def load_average() -> str:
+    """The machine's load average (1, 5, 15 minutes), as /proc/loadavg has it."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def _free_port() -> int:
@@ -435,7 +504,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--only", choices=("timeline", "inspector", "static", "big"), help="run one part only")
     ap.add_argument("--trace", help="with --only big: a saved big trace (bench/bench_trace_big.py --folder)")
-    ap.add_argument("--report", help="with --only big: the report's path (made from --trace unless it exists)")
+    ap.add_argument("--report", action="append", default=[],
+                    help="with --only big: a report's path (made from --trace unless it exists); several: measured in turn")
+    ap.add_argument("--profile", action="store_true", help="with --only big: where each report's page load spends its time "
+                                                            "(a chromium performance trace of one load)")
     ap.add_argument("--before-code", help="with --only big: also build the report with the sharddbg of this folder "
                                           "(e.g. `git archive REV sharddbg | tar -x -C DIR`), CPU and wall, in the same run")
     ap.add_argument("--screenshots", help="with --only big: the zoomed timeline's light and dark screenshots go here")
@@ -456,20 +528,40 @@ def main() -> int:
                   f"| `cl.inspect(\"x\")` in Python (gather 4 snapshots, check, build the widget) | {insp['python_s'] * 1000:.0f} ms | {insp['python_min_s'] * 1000:.0f} ms |",
                   f"| JupyterLab: run the cell `sharddbg.inspect(\"x\")` until its 4 blocks are on screen | {insp['browser_s'] * 1000:.0f} ms | {insp['browser_min_s'] * 1000:.0f} ms |"]
     if args.only == "big":
-        lines += ["", "| big trace's report | load: CPU (wall) | build `to_html`: CPU (wall) | size | explorer on screen | everything drawn | op filter | every call | open a call's detail | scroll | timeline zoom (a shaded window) | zoom anywhere (spans drawn; their drawing) | DOM elements |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        load_before = load_average()
         if args.before_code:
             with tempfile.TemporaryDirectory() as tmp:
                 b = build_report_in_a_fresh_process(args.trace, os.path.join(tmp, "before.html"), args.before_code)
                 size = os.path.getsize(os.path.join(tmp, "before.html")) / 2**20
-            lines.append(f"| {os.path.basename(args.trace)}, code of {args.before_code} | {b['load_cpu']:.1f} s ({b['load_wall']:.1f} s) | "
-                         f"{b['build_cpu']:.1f} s ({b['build_wall']:.1f} s) | {size:.1f} MB | | | | | | | | | |")
-        r = bench_big_report(args.trace, args.repeats, args.report, args.screenshots)
-        build = (f"{r['load_cpu']:.1f} s ({r['load_wall']:.1f} s) | {r['build_cpu']:.1f} s ({r['build_wall']:.1f} s)"
-                 if "build_cpu" in r else "| (report given)")
-        lines.append(f"| {os.path.basename(args.trace)} | {build} | {r['report_MB']:.1f} MB | {r['explorer']:.2f} s | {r['paint']:.2f} s | "
-                     f"{r['filter'] * 1000:.0f} ms | {r['every_call'] * 1000:.0f} ms | {r['detail'] * 1000:.0f} ms | "
-                     f"{r['scroll'] * 1000:.0f} ms | {r['zoom'] * 1000:.0f} ms | {r['zoom_any'] * 1000:.0f} ms ({r['zoom_any_spans']:.0f}; {r['zoom_any_draw'] * 1000:.0f} ms) | {r['dom']:.0f} |")
+            lines += ["", f"report of {os.path.basename(args.trace)} built by the code of {args.before_code}: load "
+                          f"{b['load_cpu']:.1f} s CPU ({b['load_wall']:.1f} s), `to_html` {b['build_cpu']:.1f} s CPU "
+                          f"({b['build_wall']:.1f} s), {size:.1f} MB"]
+        reports = bench_big_report(args.trace, args.repeats, args.report or [tempfile.mktemp(suffix=".html")],
+                                   args.screenshots)
+        lines += ["", f"load average (1, 5, 15 min): {load_before} before, {load_average()} after",
+                  "", "| report | size | load: CPU (wall) | build `to_html`: CPU (wall) | explorer on screen | first screen drawn | "
+                      "every figure drawn (scrolled to) | op filter | every call | rows in the DOM | a call's detail | "
+                      "scroll to the explorer | list to its end | timeline zoom (a shaded window) | zoom anywhere (spans drawn; "
+                      "their drawing) | DOM elements |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in reports:
+            built = (f"{r['load_cpu']:.1f} s ({r['load_wall']:.1f} s) | {r['build_cpu']:.1f} s ({r['build_wall']:.1f} s)"
+                     if "build_cpu" in r else "(report given) | (report given)")
+            lines.append(f"| {os.path.basename(r['report'])} | {r['report_MB']:.1f} MB | {built} | {r['explorer']:.2f} s | "
+                         f"{r['first_screen']:.2f} s | {r['all_drawn']:.2f} s | {r['filter'] * 1000:.0f} ms | "
+                         f"{r['every_call'] * 1000:.0f} ms | {r['rows_in_dom']:.0f} | {r['detail'] * 1000:.0f} ms | "
+                         f"{r['scroll'] * 1000:.0f} ms | {r['list_end'] * 1000:.0f} ms | {r['zoom'] * 1000:.0f} ms | "
+                         f"{r['zoom_any'] * 1000:.0f} ms ({r['zoom_any_spans']:.0f}; {r['zoom_any_draw'] * 1000:.0f} ms) | "
+                         f"{r['dom']:.0f} |")
+        if args.profile:
+            from playwright.sync_api import sync_playwright
+
+            with sync_playwright() as p, tempfile.TemporaryDirectory() as tmp:
+                browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+                for r in reports:
+                    lines += ["", f"main-thread tasks over 30 ms loading {os.path.basename(r['report'])}, until the first screen is drawn:", ""]
+                    lines += ["    " + x for x in page_profile(browser, r["report"], os.path.join(tmp, "trace.json"))]
+                browser.close()
     if args.only in (None, "static"):
         lines += ["", "| static rendering (Python) | median | min |", "|---|---|---|"]
         lines += [f"| {r['what']} | {r['median_s'] * 1000:.2f} ms | {r['min_s'] * 1000:.2f} ms |"

@@ -587,6 +587,16 @@ def test_explorer(session):
     expect(detail.locator(".sd-chip-error")).to_have_count(0)
     expect(detail.locator(".sd-chip-handled")).to_have_count(1)
     exp.screenshot(path=str(ARTIFACTS / "browser_explorer_error.png"))
+    # the list's keys in the notebook: ↓ opens the next call's detail, ↑ the one before, and JupyterLab does not
+    # take them (the active cell stays where it was)
+    call = "d => d.dataset.rank + ':' + d.dataset.seq"
+    active = "() => [...document.querySelectorAll('.jp-Notebook .jp-Cell')].findIndex((c) => c.classList.contains('jp-mod-active'))"
+    opened_call, active_cell = detail.evaluate(call), page.evaluate(active)
+    page.keyboard.press("ArrowDown")
+    page.wait_for_function(f"([d, was]) => ({call})(d) !== was", arg=[detail.element_handle(), opened_call], timeout=10_000)
+    page.keyboard.press("ArrowUp")
+    page.wait_for_function(f"([d, was]) => ({call})(d) === was", arg=[detail.element_handle(), opened_call], timeout=10_000)
+    assert page.evaluate(active) == active_cell
     # back to the summary: the row of the open detail opens with it, its group marked
     exp.locator("select.sd-f-view").select_option("summary")
     expect(detail).to_be_visible()
@@ -1234,12 +1244,28 @@ def test_report_light_and_dark(session, tmp_path):
     a dark one, its figures on the page's background either way. Last: it opens pages of its own."""
     import sharddbg
 
+    from playwright.sync_api import expect
+
     report = sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json").to_html(tmp_path / "report.html")
     browser = session[0].context.browser  # the session's chromium (one Playwright per process)
     page = browser.new_page(viewport={"width": 1200, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
     try:
         page.goto(Path(report).as_uri())
-        page.wait_for_selector("#sd-fig-imbalance .main-svg")
+        # the figure in view (the timeline) is drawn; the one far below (imbalance) waits until it is scrolled to,
+        # and says so meanwhile, in a box of its height
+        page.wait_for_selector("#sd-fig-timeline .main-svg", timeout=60_000)
+        expect(page.locator("#sd-fig-timeline")).to_have_attribute("data-state", "drawn")
+        below = page.locator("#sd-fig-imbalance")
+        expect(below).to_have_attribute("data-state", "pending")
+        expect(below.locator(".sd-figure-pending")).to_have_text("drawn when it comes into view")
+        assert below.locator(".main-svg").count() == 0 and below.bounding_box()["height"] >= 300
+        for name in ("comm", "imbalance"):
+            page.locator(f"#sd-fig-{name}").scroll_into_view_if_needed()
+            page.wait_for_selector(f"#sd-fig-{name} .main-svg", timeout=60_000)
+        expect(page.locator(".sd-figure-pending")).to_have_count(0)
+        _virtual_explorer_list(page)
         for scheme in ("light", "dark"):
             page.emulate_media(color_scheme=scheme)
             page.screenshot(path=str(ARTIFACTS / f"report_{scheme}.png"), full_page=True)
@@ -1256,6 +1282,7 @@ def test_report_light_and_dark(session, tmp_path):
                     assert body == "rgb(255, 255, 255)" and shares.bright > 0.5, (name, shares)
                 else:
                     assert body == "rgb(17, 17, 17)" and shares.bright < 0.05 and shares.dark > 0.6, (name, shares)
+        assert not errors, errors
     finally:
         page.close()
 
@@ -1274,3 +1301,78 @@ def _as_arrow_streams(jsonl_job: Path, out: Path) -> None:
         assert writer.write_lines([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
         writer.close()
 
+
+# the report's explorer drawn again below it with every call of the golden trace repeated 100 times (7,200
+# calls), each time as new calls: the seqs moved on, the key that pairs a call with its twins on the other ranks new
+MANY_CALLS = """(k) => { const data = JSON.parse(document.getElementById('sd-explorer-data').textContent);
+    const at = (f) => data.fields.indexOf(f), base = data.rows, step = 1 + Math.max(...base.map((r) => r[at('seq')]));
+    const keys = new Map(), key = (i, c) => { const name = data.strings[i] + '#' + c;
+        if (!keys.has(name)) { keys.set(name, data.strings.length); data.strings.push(name); } return keys.get(name); };
+    data.rows = [];
+    for (let c = 0; c < k; c++) for (const r of base) {
+        const x = r.slice();
+        for (const f of ['seq', 'parent_seq', 'fwd_seq']) if (x[at(f)] != null) x[at(f)] += c * step;
+        x[at('key')] = key(r[at('key')], c);
+        data.rows.push(x); }
+    data.total = data.rows.length;
+    const el = document.createElement('div'); el.id = 'sd-many'; document.body.append(el);
+    const state = { data, selected: [] };
+    _sdExplorer.render({ model: { get: (n) => state[n], set: (n, v) => { state[n] = v; }, on: () => {},
+                                  save_changes: () => {} }, el });
+    return data.rows.length; }"""
+IN_ITS_BOX = """(r) => { const a = r.getBoundingClientRect(), b = r.closest('.sd-list').getBoundingClientRect();
+    return a.top >= b.top - 1 && a.bottom <= b.bottom + 1; }"""
+
+
+def _virtual_explorer_list(page) -> None:
+    """The explorer's list holds only the rows in and near its box, whatever the number of calls: every call is
+    reached by scrolling, clicked for its detail, and the arrow keys move between calls."""
+    from playwright.sync_api import expect
+
+    n = page.evaluate(MANY_CALLS, 100)
+    many = page.locator("#sd-many")
+    many.scroll_into_view_if_needed()
+    many.locator("select.sd-f-view").select_option("calls")
+    expect(many.locator(".sd-status")).to_contain_text(f"{n} matching calls")
+    listing = many.locator(".sd-list")
+    assert 0 < many.locator("tr.sd-op").count() < 120, many.locator("tr.sd-op").count()
+    # scrolled to its end: the last call is drawn, inside the box, and its detail opens on a click
+    last = page.evaluate("""() => { const d = JSON.parse(document.getElementById('sd-explorer-data').textContent);
+        return d.rows[d.rows.length - 1][d.fields.indexOf('rank')]; }""")
+    listing.evaluate("l => { l.scrollTop = l.scrollHeight; }")
+    end = many.locator("tr.sd-op").last
+    expect(end).to_have_attribute("data-rank", str(last))
+    assert end.evaluate(IN_ITS_BOX)
+    assert many.locator("tr.sd-op").count() < 120
+    end.click()
+    detail = many.locator(".sd-detail")
+    expect(detail).to_be_visible()
+    expect(detail).to_have_attribute("data-seq", end.get_attribute("data-seq"))
+    # the keys: ↑ the call above (its detail, its row marked and in the box), Escape closes the detail
+    above = many.locator("tr.sd-op").nth(many.locator("tr.sd-op").count() - 2)
+    want = (above.get_attribute("data-rank"), above.get_attribute("data-seq"))
+    page.keyboard.press("ArrowUp")
+    expect(detail).to_have_attribute("data-seq", want[1])
+    expect(detail).to_have_attribute("data-rank", want[0])
+    assert many.locator("tr.sd-selected").evaluate(IN_ITS_BOX)
+    # from the top, 30 calls down: the list scrolled with the selection, the rows drawn there
+    listing.evaluate("l => { l.scrollTop = 0; }")
+    many.locator("tr.sd-op").first.click()
+    for _ in range(30):
+        page.keyboard.press("ArrowDown")
+    selected = many.locator("tr.sd-selected")
+    expect(selected).to_have_count(1)
+    assert selected.evaluate(IN_ITS_BOX) and listing.evaluate("l => l.scrollTop") > 0
+    page.keyboard.press("Escape")
+    expect(detail).to_be_hidden()
+    # a filter redraws the list from its start: only conv calls, still a window of them
+    convs = page.evaluate("""() => { const d = JSON.parse(document.getElementById('sd-explorer-data').textContent);
+        const op = d.fields.indexOf('op'), coded = (d.coded || []).includes('op');
+        return d.rows.filter((r) => (coded ? d.strings[r[op]] : r[op]).toLowerCase().includes('conv')).length; }""")
+    many.locator("input.sd-f-op").fill("conv")
+    expect(many.locator(".sd-status")).to_contain_text(f"{convs * 100} matching calls")
+    assert set(many.locator("tr.sd-op").evaluate_all("rs => rs.map(r => r.dataset.op)")) <= {"torch.conv2d"}
+    for scheme in ("light", "dark"):
+        page.emulate_media(color_scheme=scheme)
+        many.screenshot(path=str(ARTIFACTS / f"report_explorer_many_{scheme}.png"))
+    page.evaluate("() => document.getElementById('sd-many').remove()")

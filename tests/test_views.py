@@ -852,12 +852,37 @@ def test_report_standalone_and_escaped(trace, tmp_path):
         assert f"<h2>{section}</h2>" in html
     assert f"{t.overview.headline()} · generated " in html
     assert len(re.findall(r'<(?:div|details) class="sd-finding ', html)) == len(t.findings) > 0
+    # each figure is a box that waits, saying so, with its figure's JSON beside it, and its height kept meanwhile;
+    # the page's script draws it once it comes near the screen (an IntersectionObserver), and plotly.js is text
+    # that script evaluates then: nothing of plotly runs while the page is parsed
     for fig in ("timeline", "comm", "imbalance"):
-        assert f'id="sd-fig-{fig}"' in html
+        box = re.search(f'<div class="sd-figure" id="sd-fig-{fig}" data-sd-figure="{fig}" data-state="pending" '
+                        r'style="min-height: (\d+)px"><p class="sd-figure-pending sd-meta">drawn when it comes into view</p></div>', html)
+        assert box, fig
+        drawn = json.loads(re.search(f'<script type="application/json" id="sd-fig-{fig}-data">(.*?)</script>', html).group(1))
+        assert drawn["data"] and int(box.group(1)) == drawn["layout"]["height"]
+    assert "Plotly.newPlot" not in html.split('id="sd-plotly-js"')[0]
+    assert re.search(r'<script type="text/plain" id="sd-plotly-js">/\*\*\s*\* plotly.js v', html)
+    assert "new IntersectionObserver(" in html and html.index('id="sd-explorer-data"') < html.index('id="sd-plotly-js"')
     # the explorer's front end and its data, the op summary it opens on included
     embedded = json.loads(re.search(r'<script type="application/json" id="sd-explorer-data">(.*?)</script>', html).group(1))
     assert embedded["summary"] == ex.op_summary(t) and len(embedded["summary"]) == len(t.get_op_summary())
     assert "function renderExplorer(" in html
+
+
+def test_report_errors_name_each_rank_once(tmp_path):
+    """An error raised many times on each rank (a loop): its block names each rank once, not once per call (a
+    big trace's list of ranks was a page of text above the figures)."""
+    from sharddbg.views.common import error_entries
+
+    d = _raw()
+    for p in d["payloads"]:
+        errs = [e for e in p["events"] if e["kind"] == "op" and e.get("error")]
+        top = max(e["seq"] for e in p["events"])
+        p["events"] += [dict(e, seq=top + 1 + k, error=dict(e["error"], origin_seq=top + 1 + k)) for k in range(3) for e in errs]
+    t = _load(d, tmp_path, "repeated")
+    assert len(t.get_errors()) == 4 * N
+    assert [e["ranks"] for e in error_entries(t)] == [str(list(range(N)))]
 
 
 def test_plotly_text_escaped(tmp_path):

@@ -1,7 +1,9 @@
 """``to_html(trace, path)``: one standalone HTML file with every view of a trace, viewable offline.
 
-plotly.js is inlined (no CDN: the file opens without internet), the explorer's front end and its data
-are inlined too (it opens on the op summary, as in a notebook). The page is the template
+plotly.js is inlined (no CDN: the file opens without internet) as text that the page's script evaluates
+once a figure comes near the screen; each figure is inlined as JSON and drawn then (figures below the fold wait
+until they are scrolled to, each box saying so meanwhile). The explorer's front end and its data are inlined
+too (it opens on the op summary, as in a notebook) and are drawn first. The page is the template
 ``sharddbg/views/templates/report.html``: every string from the trace is escaped there (autoescape) or set
 as text by the explorer's script; the embedded JSON has every ``<``, ``>`` and ``&`` as \\u escapes.
 """
@@ -16,7 +18,8 @@ import pandas as pd
 
 from ..files import refuse_folder, write_file_atomically
 from ..views.comm import plot_comm_by_op
-from ..views.common import (FINDING_CATEGORY_TITLES, SEVERITY_MARKS, error_entries, fallback_table, json_for_script, module_as_script,
+from ..views.common import (FINDING_CATEGORY_TITLES, SEVERITY_MARKS, error_entries, fallback_table, json_for_script, json_text_for_script,
+                            module_as_script,
                             path_color, render, static)
 from ..views.explorer import explorer_data
 from ..views.imbalance import plot_imbalance
@@ -37,14 +40,11 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
     ops = trace.get_ops()
     title = title or "sharddbg trace report"
     figs = [("timeline", plot_timeline(trace)), ("comm", plot_comm_by_op(trace)), ("imbalance", plot_imbalance(trace))]
-    fig_html = {}
-    for name, fig in figs:
-        # each figure drawn once the page is parsed: the explorer's script and plotly.js (at the page's end) run
-        # first, so the page and its explorer are on screen before the figures are drawn
-        fig_html[name] = pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=f"sd-fig-{name}",
-                                     config={"displaylogo": False, "responsive": True}).replace(
-            "<script>", '<script>window.addEventListener("DOMContentLoaded", function () {', 1).replace(
-            "</script>", "});</script>", 1)
+    # each figure as JSON data, drawn by the page's script (report.js) once it comes near the screen: the page's
+    # text and its explorer are on screen before plotly.js is evaluated, and a figure below the fold costs
+    # nothing until it is scrolled to
+    fig_html = {name: {"json": json_text_for_script(pio.to_json(fig, validate=False)),
+                       "height": int(fig.layout.height or 450)} for name, fig in figs}
     paths = ops["path"].value_counts() if len(ops) else pd.Series(dtype=int)
     fallback_columns, fallback_rows = fallback_table(trace)
     doc = render("report.html", title=title, headline=trace.overview.headline(),
@@ -55,6 +55,7 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
                  code=trace.meta.get("code"), errors=error_entries(trace), fallback_columns=fallback_columns,
                  fallback_rows=fallback_rows, figures=fig_html,
                  explorer_json=json_for_script(explorer_data(trace, max_rows=max_rows)),
-                 explorer_js=module_as_script(static("explorer.js"), "_sdExplorer"), plotly_js=get_plotlyjs(),
+                 explorer_js=module_as_script(static("explorer.js"), "_sdExplorer"), report_js=static("report.js"),
+                 plotly_js=get_plotlyjs(),
                  timeline_zoom_js=module_as_script(static("timeline_zoom.js"), "_sdTimelineZoom"))
     return write_file_atomically(path, lambda f: f.write(doc), example_name="report.html")

@@ -124,7 +124,11 @@ def esc(value) -> str:
 
 def json_for_script(obj) -> str:
     """JSON safe inside <script>: no '</script>', no '<!--' (every '<', '>', '&' as \\u escapes)."""
-    text = json.dumps(obj, separators=(",", ":"), allow_nan=False, default=str)
+    return json_text_for_script(json.dumps(obj, separators=(",", ":"), allow_nan=False, default=str))
+
+
+def json_text_for_script(text: str) -> str:
+    """JSON text (``json.dumps``'s or ``plotly.io.to_json``'s) made safe inside <script>, as ``json_for_script``."""
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026") \
         .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
@@ -210,7 +214,7 @@ def error_entries(trace) -> list[dict]:
     entries = []
     for (exc, msg, op), g in (errs.groupby(["exc_type", "message", "op"], sort=False) if len(errs) else ()):
         r0 = g.iloc[0]
-        entries.append({"exc_type": exc, "message": msg, "op": op, "ranks": str(sorted(int(r) for r in g["rank"])),
+        entries.append({"exc_type": exc, "message": msg, "op": op, "ranks": str(sorted({int(r) for r in g["rank"]})),
                         "user_frame": r0["user_frame"], "unmasked": bool(g["unmasked"].any()),
                         "handled": bool(g["handled"].fillna(False).astype(bool).all()),
                         "traceback": r0["traceback"]})

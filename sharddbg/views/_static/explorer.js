@@ -28,7 +28,6 @@ const bytes = (n) => {
   while (Math.abs(n) >= 1024 && i < 3) { n /= 1024; i++; }
   return i ? n.toFixed(1) + " " + u[i] : n + " B";
 };
-const LIMIT = 400;
 
 export function renderExplorer(model, el) {
   const data = model.get("data");
@@ -271,34 +270,156 @@ export function renderExplorer(model, el) {
   };
   const flagText = (r) => (r.kind === "error" ? "✖ error" : r.kind === "fallback" ? "⚠ fallback" : r.in_flight ? "⏳ running" : "");
 
+  // The list is virtual: only the rows in and near the list's box are in the page (a window of items, each a row
+  // or a summary row with its expansion), between two spacers as tall as the rows above and below, so any number
+  // of calls scrolls and redraws in the same time. Heights start from an estimate and are measured once drawn.
+  const OVERSCAN = 20;  // items drawn beyond each edge of the box
+  const WHOLE = 200;  // a list of at most this many items is drawn whole (the page's find sees every row)
+  let rowEstimate = 25;  // px; the mean height of the rows drawn so far
+  let view = null;  // { table, body, items, render, heights, prefix, first, last, drawn: Map(index -> rows) }
+
+  function spacer(cols) {
+    const td = h("td", { colspan: cols, class: "sd-spacer" });
+    return [h("tr", { class: "sd-spacer-row", "aria-hidden": "true" }, td), td];
+  }
+
+  // items drawn in ``t`` by ``render(item, index)`` (which returns the item's rows); the list keeps its scroll
+  // position (clamped to the new content)
+  function mount(t, items, render, estimate) {
+    const body = h("tbody");
+    const ncols = t.querySelectorAll(":scope > colgroup > col").length || 1;
+    const [topRow, topTd] = spacer(ncols), [bottomRow, bottomTd] = spacer(ncols);
+    const heights = new Float64Array(items.length);
+    items.forEach((item, i) => { heights[i] = estimate ? estimate(item) : rowEstimate; });
+    t.append(body);
+    const keep = list.scrollTop;
+    list.replaceChildren(t);
+    view = { table: t, body, items, render, heights, prefix: null, first: -1, last: -1, drawn: new Map(),
+             topRow, topTd, bottomRow, bottomTd };
+    layoutWindow(true, keep);
+  }
+
+  function prefixSums(v) {
+    if (!v.prefix) {
+      v.prefix = new Float64Array(v.items.length + 1);
+      for (let i = 0; i < v.items.length; i++) v.prefix[i + 1] = v.prefix[i] + v.heights[i];
+    }
+    return v.prefix;
+  }
+  // the item at ``y`` px below the top of the body
+  function itemAt(v, y) {
+    const pre = prefixSums(v);
+    let lo = 0, hi = v.items.length - 1;
+    while (lo < hi) { const mid = (lo + hi + 1) >> 1; if (pre[mid] <= y) lo = mid; else hi = mid - 1; }
+    return Math.max(0, lo);
+  }
+  const headHeight = (v) => (v.table.tHead ? v.table.tHead.offsetHeight : 0);
+
+  // draw the items in and near the box (again only when the box moved near the edge of those drawn, or ``force``);
+  // ``scrollTop``: where the list is to be scrolled (its content just replaced); ``around``: an item to draw
+  // whatever the scroll position (a list not on the page yet)
+  function layoutWindow(force, scrollTop, around) {
+    const v = view;
+    if (!v) return;
+    const n = v.items.length;
+    const boxH = list.clientHeight || 400;  // a list not yet on the page: as tall as its CSS allows at most
+    const top = Math.max(0, (scrollTop ?? list.scrollTop) - headHeight(v));
+    let vf = n ? itemAt(v, top) : 0, vl = n ? itemAt(v, top + boxH) : -1;
+    if (around != null && n) { vf = around; vl = Math.min(n - 1, around + 15); }
+    if (n <= WHOLE) { vf = 0; vl = n - 1; }
+    if (!force && vf >= v.first && vl <= v.last && (vf - v.first >= OVERSCAN / 3 || v.first === 0) &&
+        (v.last - vl >= OVERSCAN / 3 || v.last === n - 1)) return;
+    const first = Math.max(0, vf - OVERSCAN), last = Math.min(n - 1, vl + OVERSCAN);
+    // a list scrolled to its end stays there whatever the measured heights (its last call in the box)
+    const atEnd = scrollTop == null && list.scrollTop > 0 && list.scrollTop + list.clientHeight >= list.scrollHeight - 2;
+    const drawn = new Map(), out = [];
+    for (let i = first; i <= last; i++) {
+      const rowsOf = (!force && v.drawn.get(i)) || v.render(v.items[i], i);
+      drawn.set(i, rowsOf);
+      out.push(...rowsOf);
+    }
+    v.first = first; v.last = last; v.drawn = drawn;
+    v.body.replaceChildren(v.topRow, ...out, v.bottomRow);
+    setSpacers(v);
+    if (scrollTop != null) list.scrollTop = scrollTop;
+    // measured heights replace the estimates; the item at the top of the box stays where it was
+    if (!list.clientHeight || !n) return;
+    const anchor = vf, anchorY = prefixSums(v)[anchor] - top;
+    let changed = false, sum = 0, count = 0;
+    for (const [i, rs] of drawn) {
+      let hh = 0;
+      for (const r of rs) hh += r.getBoundingClientRect().height;
+      if (!hh) continue;
+      if (rs.length === 1) { sum += hh; count++; }
+      if (Math.abs(hh - v.heights[i]) > 0.5) { v.heights[i] = hh; changed = true; }
+    }
+    if (count) rowEstimate = sum / count;
+    if (changed) {
+      v.prefix = null;
+      setSpacers(v);
+      const want = prefixSums(v)[anchor] - anchorY + headHeight(v);
+      if (Math.abs(list.scrollTop - want) > 1 && list.scrollTop > 0) list.scrollTop = want;
+    }
+    if (atEnd) list.scrollTop = list.scrollHeight;
+  }
+  function setSpacers(v) {
+    const pre = prefixSums(v), n = v.items.length;
+    const above = v.first > 0 ? pre[v.first] : 0, below = v.last >= 0 ? pre[n] - pre[v.last + 1] : 0;
+    v.topTd.style.height = above + "px"; v.topRow.style.display = above ? "" : "none";
+    v.bottomTd.style.height = below + "px"; v.bottomRow.style.display = below ? "" : "none";
+  }
+  // item ``i`` drawn and within the list's box; returns its rows
+  function reveal(i) {
+    const v = view;
+    if (!v || i < 0 || i >= v.items.length) return null;
+    const boxH = list.clientHeight;
+    if (boxH) {
+      const pre = prefixSums(v), head = headHeight(v), y = pre[i] + head, bottom = pre[i + 1] + head;
+      if (y < list.scrollTop) list.scrollTop = y;
+      else if (bottom > list.scrollTop + boxH) list.scrollTop = bottom - boxH;
+      layoutWindow(false);
+    }
+    if (!v.drawn.has(i)) layoutWindow(true, null, i);
+    return v.drawn.get(i) || null;
+  }
+  list.addEventListener("scroll", () => {
+    if (view && !view.pending) {
+      view.pending = true;
+      const v = view;
+      requestAnimationFrame(() => { v.pending = false; if (v === view) layoutWindow(false); });
+    }
+  }, { passive: true });
+  // a list drawn before it was on the page (a notebook's output) is drawn again once it has its size
+  if (typeof ResizeObserver !== "undefined") {
+    let lastH = 0;
+    new ResizeObserver(() => { if (list.clientHeight !== lastH) { lastH = list.clientHeight; layoutWindow(true); fitPaths(); } }).observe(list);
+  }
+
+  function callRow(r, cols) {
+    const isSel = selected && r.rank === selected[0] && r.seq === selected[1];
+    const tr = h("tr", { class: `sd-op sd-kind-${r.kind} sd-phase-${r.phase}` + (isSel ? " sd-selected" : ""), "data-rank": r.rank,
+                         "data-seq": r.seq, "data-kind": r.kind, "data-op": r.op });
+    for (const [k] of cols) {
+      if (k === "path") { tr.append(h("td", { class: "sd-col-path", title: r.path }, chips(r))); continue; }
+      if (k === "op") { tr.append(opCell(r, null)); continue; }
+      let v = r[k], full = null;
+      if (k === "kind") { tr.append(cell("flag", flagText(r))); continue; }
+      else if (k === "out_local_shape") v = shp(v);
+      else if (k === "host_ms") v = ms(v);
+      else if (k === "user_frame" && v) { full = v; v = v.split("/").pop(); }
+      else if (v == null) v = "";
+      tr.append(cell(k, v, full));
+    }
+    tr.addEventListener("click", () => showDetail(r, tr));
+    return tr;
+  }
+
   function drawCalls(f) {
     const hit = rows.filter(f.call);
-    status.textContent = `${hit.length} matching calls` + (hit.length > LIMIT ? ` (first ${LIMIT} shown; refine the filters)` : "") + " · click a row for its detail";
+    status.textContent = `${hit.length} matching calls · click a row for its detail (↑ ↓ in the list: the next call)`;
     const cols = data.list_columns;
-    const t = table("sd-op-list", cols);
-    const tb = h("tbody");
-    const shown = hit.slice(0, LIMIT);
-    for (const r of shown) {
-      const isSel = selected && r.rank === selected[0] && r.seq === selected[1];
-      const tr = h("tr", { class: `sd-op sd-kind-${r.kind} sd-phase-${r.phase}` + (isSel ? " sd-selected" : ""), "data-rank": r.rank,
-                           "data-seq": r.seq, "data-kind": r.kind, "data-op": r.op });
-      for (const [k] of cols) {
-        if (k === "path") { tr.append(h("td", { class: "sd-col-path", title: r.path }, chips(r))); continue; }
-        if (k === "op") { tr.append(opCell(r, null)); continue; }
-        let v = r[k], full = null;
-        if (k === "kind") { tr.append(cell("flag", flagText(r))); continue; }
-        else if (k === "out_local_shape") v = shp(v);
-        else if (k === "host_ms") v = ms(v);
-        else if (k === "user_frame" && v) { full = v; v = v.split("/").pop(); }
-        else if (v == null) v = "";
-        tr.append(cell(k, v, full));
-      }
-      tr.addEventListener("click", () => showDetail(r, tr));
-      tb.append(tr);
-    }
-    t.append(tb);
-    list.replaceChildren(t);
-    return shown.some((r) => selected && r.rank === selected[0] && r.seq === selected[1]);
+    mount(table("sd-op-list", cols), hit, (r) => [callRow(r, cols)]);
+    return !!selected && hit.some((r) => r.rank === selected[0] && r.seq === selected[1]);
   }
 
   // the rows a summary row expands to: its calls on each rank, identical ones as one row ("ranks 0-3")
@@ -306,12 +427,11 @@ export function renderExplorer(model, el) {
     const cols = data.group_columns;
     const t = table("sd-call-groups", cols);
     const tb = h("tbody");
-    let hasSel = false;
     for (const g of s.groups) {
       if (!f.group(g)) continue;
       const r = byCall.get(g.first_rank + ":" + g.first_seq);
-      const isSel = sel != null && sel.call_group === g.call_group;
-      hasSel = hasSel || isSel;
+      const isSel = sel != null ? sel.call_group === g.call_group
+        : !!selected && !byCall.has(selected[0] + ":" + selected[1]) && g.first_rank === selected[0] && g.first_seq === selected[1];
       const tr = h("tr", { class: `sd-op sd-call-group sd-kind-${g.kind}` + (isSel ? " sd-selected" : ""), "data-rank": g.first_rank,
                            "data-seq": g.first_seq, "data-kind": g.kind, "data-op": s.op, "data-ranks": g.ranks.join(",") });
       for (const [k] of cols) {
@@ -327,52 +447,52 @@ export function renderExplorer(model, el) {
     if (s.more_groups) tb.append(h("tr", { class: "sd-more-groups" }, h("td", { colspan: cols.length, class: "sd-meta",
       text: `… ${s.more_groups} more groups of different calls, left out of this view: t.show(rank=..., window=...) lists them` })));
     t.append(tb);
-    return [t, hasSel];
+    return t;
   }
+
+  function summaryRow(s, i, cols, f) {
+    const open = expanded.has(i);
+    const tr = h("tr", { class: `sd-summary-row sd-kind-${s.kind} sd-phase-${s.phase}` + (open ? " sd-expanded" : "") +
+                         (cursor === i ? " sd-cursor" : ""), "data-index": i,
+                         "data-op": s.op, "data-path": s.path, "data-phase": s.phase, "data-kind": s.kind });
+    for (const [k] of cols) {
+      if (k === "kind") {
+        const td = cell("flag", flagText(s));
+        td.title = s.kind === "error" ? `${s.errors} of ${s.calls} calls raised` : s.kind === "fallback" ? "ran through a DTensor fallback" : "";
+        tr.append(td);
+      } else if (k === "op") {
+        tr.append(opCell(s, h("span", { class: "sd-caret", text: open ? "▾" : "▸" })));
+      } else if (k === "path") tr.append(h("td", { class: "sd-col-path", title: s.path }, chips(s)));
+      else if (k === "ranks") tr.append(cell(k, s.ranks_text.replace(/^ranks? /, ""), s.ranks_text));
+      else if (k === "dispatch_bound") {
+        const td = cell(k, s.dispatch_bound ? "bound" : "", "");
+        if (s.dispatch_bound) td.title = `host dispatch adds ${ms(s.dispatch_ms_median)} ms per call (median), more than the local computation (${ms(s.local_ms_median)} ms)`;
+        tr.append(td);
+      } else if (k === "locations") tr.append(cell(k, (s.locations || [])[0] || "", (s.locations || []).join("\n")));
+      else if (k.includes("_ms")) tr.append(cell(k, ms(s[k])));
+      else tr.append(cell(k, s[k] ?? ""));
+    }
+    tr.addEventListener("click", () => { cursor = i; toggle(i); });
+    if (!open) return [tr];
+    const selRow = selected ? byCall.get(selected[0] + ":" + selected[1]) : null;
+    const gt = groupTable(s, f, selRow && selRow.summary_row === i ? selRow : null);
+    return [tr, h("tr", { class: "sd-expansion", "data-index": i }, h("td", { colspan: cols.length }, gt))];
+  }
+  function toggle(i) { if (expanded.has(i)) expanded.delete(i); else expanded.add(i); draw(); }
 
   function drawSummary(f) {
     const hit = summaryRows.map((s, i) => [s, i]).filter(([s]) => f.summary(s));
     status.textContent = `${hit.length} of ${summaryRows.length} rows (op · path · phase)` +
-      (hit.length > LIMIT ? ` (first ${LIMIT} shown; refine the filters)` : "") + " · click a row for its calls on each rank";
+      " · click a row for its calls on each rank (↑ ↓ and Enter in the list)";
     const cols = data.summary_columns;
-    const t = table("sd-op-list sd-op-summary", cols);
-    const tb = h("tbody");
-    const selRow = selected ? byCall.get(selected[0] + ":" + selected[1]) : null;
-    let shownSel = false;
-    for (const [s, i] of hit.slice(0, LIMIT)) {
-      const open = expanded.has(i);
-      const tr = h("tr", { class: `sd-summary-row sd-kind-${s.kind} sd-phase-${s.phase}` + (open ? " sd-expanded" : ""), "data-index": i,
-                           "data-op": s.op, "data-path": s.path, "data-phase": s.phase, "data-kind": s.kind });
-      for (const [k] of cols) {
-        if (k === "kind") {
-          const td = cell("flag", flagText(s));
-          td.title = s.kind === "error" ? `${s.errors} of ${s.calls} calls raised` : s.kind === "fallback" ? "ran through a DTensor fallback" : "";
-          tr.append(td);
-        } else if (k === "op") {
-          tr.append(opCell(s, h("span", { class: "sd-caret", text: open ? "▾" : "▸" })));
-        } else if (k === "path") tr.append(h("td", { class: "sd-col-path", title: s.path }, chips(s)));
-        else if (k === "ranks") tr.append(cell(k, s.ranks_text.replace(/^ranks? /, ""), s.ranks_text));
-        else if (k === "dispatch_bound") {
-          const td = cell(k, s.dispatch_bound ? "bound" : "", "");
-          if (s.dispatch_bound) td.title = `host dispatch adds ${ms(s.dispatch_ms_median)} ms per call (median), more than the local computation (${ms(s.local_ms_median)} ms)`;
-          tr.append(td);
-        } else if (k === "locations") tr.append(cell(k, (s.locations || [])[0] || "", (s.locations || []).join("\n")));
-        else if (k.includes("_ms")) tr.append(cell(k, ms(s[k])));
-        else tr.append(cell(k, s[k] ?? ""));
-      }
-      tr.addEventListener("click", () => { if (expanded.has(i)) expanded.delete(i); else expanded.add(i); draw(); });
-      tb.append(tr);
-      if (open) {
-        const [gt, hasSel] = groupTable(s, f, selRow && selRow.summary_row === i ? selRow : null);
-        shownSel = shownSel || hasSel;
-        tb.append(h("tr", { class: "sd-expansion", "data-index": i }, h("td", { colspan: cols.length }, gt)));
-      }
-    }
-    t.append(tb);
-    list.replaceChildren(t);
-    // a call left out of the rows (max_rows) is shown when the group it leads is
-    if (selected && !selRow) shownSel = !!list.querySelector(`tr.sd-call-group[data-rank="${selected[0]}"][data-seq="${selected[1]}"]`);
-    return shownSel;
+    // an expanded row: its row, its groups' header and its groups (those the filters keep)
+    const estimate = ([s, i]) => (expanded.has(i) ? rowEstimate * (2 + s.groups.filter(f.group).length + (s.more_groups ? 1 : 0)) : rowEstimate);
+    mount(table("sd-op-list sd-op-summary", cols), hit, ([s, i]) => summaryRow(s, i, cols, f), estimate);
+    // the open detail's call is shown when its group is: in an expanded row the filters keep
+    if (!selected) return false;
+    const selRow = byCall.get(selected[0] + ":" + selected[1]);
+    return hit.some(([s, i]) => expanded.has(i) && s.groups.some((g) => f.group(g) &&
+      (selRow ? selRow.summary_row === i && g.call_group === selRow.call_group : g.first_rank === selected[0] && g.first_seq === selected[1])));
   }
 
   // the path column as wide as its widest chip drawn (the page's font can differ from the measure above);
@@ -391,6 +511,7 @@ export function renderExplorer(model, el) {
     if (t.style.minWidth) t.style.minWidth = (parseFloat(t.style.minWidth) + extra) + "px";
   }
 
+  let cursor = null;  // the summary row the keys move over (its index in the summary)
   function draw() {
     const f = filters();
     const shownSel = fView && fView.value === "summary" ? drawSummary(f) : drawCalls(f);
@@ -407,6 +528,44 @@ export function renderExplorer(model, el) {
   });
   for (const f of [fRank, fPath, fPhase, fFlag]) f.addEventListener("change", draw);
   fOp.addEventListener("input", draw);
+
+  // the keyboard, in the list (it takes the focus on a click, or by Tab): ↑ ↓ move to the previous or next
+  // call (its detail opened) or summary row, Enter or Space opens or closes a summary row, Escape closes the
+  // detail; Page Up / Down, Home and End scroll the list as usual. A key the list takes goes no further (in
+  // JupyterLab, ↑ ↓ and Enter would otherwise also move between cells or edit one)
+  list.tabIndex = 0;
+  list.setAttribute("aria-label", "op calls; arrow keys move between rows");
+  list.addEventListener("keydown", (e) => {
+    if (!view || e.altKey || e.ctrlKey || e.metaKey) return;
+    const summary = fView && fView.value === "summary";
+    const items = view.items;
+    if (e.key === "ArrowDown" || e.key === "ArrowUp") {
+      const step = e.key === "ArrowDown" ? 1 : -1;
+      let at;
+      if (summary) at = items.findIndex(([, i]) => i === cursor);
+      else at = selected ? items.findIndex((r) => r.rank === selected[0] && r.seq === selected[1]) : -1;
+      const next = at < 0 ? (step > 0 ? 0 : items.length - 1) : Math.min(items.length - 1, Math.max(0, at + step));
+      if (!items.length) return;
+      e.preventDefault(); e.stopPropagation();
+      if (summary) {
+        cursor = items[next][1];
+        for (const old of list.querySelectorAll("tr.sd-cursor")) old.classList.remove("sd-cursor");
+        const rs = reveal(next);
+        if (rs) rs[0].classList.add("sd-cursor");
+      } else {
+        const rs = reveal(next);
+        showDetail(items[next], rs ? rs[0] : null);
+      }
+    } else if ((e.key === "Enter" || e.key === " ") && summary && cursor != null) {
+      e.preventDefault(); e.stopPropagation();
+      toggle(cursor);
+    } else if (e.key === "Escape" && selected) {
+      e.preventDefault(); e.stopPropagation();
+      for (const old of list.querySelectorAll("tr.sd-selected")) old.classList.remove("sd-selected");
+      closeDetail();
+    }
+  });
+
   draw();
   // opened on a call (``TraceExplorer(trace, selected=[rank, seq])``: the op a diff found departing): its summary
   // row expanded, its row selected and in view, its detail shown
@@ -414,14 +573,18 @@ export function renderExplorer(model, el) {
   const opened = initial.length === 2 ? byCall.get(initial[0] + ":" + initial[1]) : null;
   if (opened) {
     if (fView && fView.value === "summary" && opened.summary_row != null) { expanded.add(opened.summary_row); draw(); }
-    const tr = list.querySelector(`tr[data-rank="${opened.rank}"][data-seq="${opened.seq}"]`);
-    showDetail(opened, tr, null);
-    // a widget is drawn before its output is on the page: scroll once the row is laid out (a few frames at most)
+    const index = () => view.items.findIndex((x) => (Array.isArray(x) ? x[1] === opened.summary_row : x === opened));
+    const find = () => list.querySelector(`tr.sd-op[data-rank="${opened.rank}"][data-seq="${opened.seq}"]`);
+    reveal(index());
+    showDetail(opened, find(), null);
+    // a widget is drawn before its output is on the page: scroll once the list is laid out (a few frames at most)
     let frames = 0;
     const scrollWhenShown = () => {
-      if (!tr || !tr.scrollIntoView) return;
-      if (tr.isConnected && tr.getClientRects().length) tr.scrollIntoView({ block: "nearest" });
-      else if (++frames < 300) requestAnimationFrame(scrollWhenShown);
+      if (list.isConnected && list.clientHeight) {
+        reveal(index());
+        const tr = find();
+        if (tr) { tr.classList.add("sd-selected"); if (tr.scrollIntoView) tr.scrollIntoView({ block: "nearest" }); }
+      } else if (++frames < 300) requestAnimationFrame(scrollWhenShown);
     };
     requestAnimationFrame(scrollWhenShown);
   }
