@@ -11,6 +11,8 @@ export const JOB_FILE_TYPE = 'sharddbg-job';
 export const JOB_STREAM_FILE_TYPE = 'sharddbg-job-stream';
 export const JOB_RECORD_FILE_TYPE = 'sharddbg-job-record';
 export const TRACE_FACTORY = 'sharddbg trace';
+/** The same views for the binary files (Arrow): their document context must read them as base64, not text. */
+export const BINARY_TRACE_FACTORY = 'sharddbg trace (Arrow)';
 /** A recorded job's rank files (``sharddbg record``: rank-NNNNN.arrows, Arrow IPC streams; rank-NNNNN.jsonl in
  *  older folders): a double-click opens the whole job. */
 export const JOB_FILE_PATTERN = '^rank-\\d{5,}\\.jsonl$';

@@ -6,7 +6,7 @@ import { INotebookTracker } from '@jupyterlab/notebook';
 import { IRenderMimeRegistry } from '@jupyterlab/rendermime';
 
 import { ClusterPanel } from './panel';
-import { COLUMNAR_TRACE_FILE_TYPE, JOB_FILE_PATTERN, JOB_FILE_TYPE, JOB_RECORD_FILE_PATTERN, JOB_RECORD_FILE_TYPE, JOB_STREAM_FILE_PATTERN, JOB_STREAM_FILE_TYPE, TRACE_FACTORY, TRACE_FILE_TYPE, TraceView, TraceViewFactory } from './document';
+import { BINARY_TRACE_FACTORY, COLUMNAR_TRACE_FILE_TYPE, JOB_FILE_PATTERN, JOB_FILE_TYPE, JOB_RECORD_FILE_PATTERN, JOB_RECORD_FILE_TYPE, JOB_STREAM_FILE_PATTERN, JOB_STREAM_FILE_TYPE, TRACE_FACTORY, TRACE_FILE_TYPE, TraceView, TraceViewFactory } from './document';
 import { viewRendererFactory } from './renderer';
 
 /** sharddbg's views drawn from the payload saved in their output bundles: a notebook without its kernel,
@@ -25,8 +25,8 @@ const views: JupyterFrontEndPlugin<void> = {
 
 /** ``*.sdtrace.json``, ``*.sdtrace.arrow`` and recorded jobs (``rank-NNNNN.arrows`` or ``.jsonl`` by a double-click,
  *  ``job.json`` through Open With) opened as documents with the explorer, the timeline and communication per op.
- *  The server reads the file (``load_trace``); the binary ones are fetched as base64 by the document's context,
- *  which needs a format it can read. */
+ *  The server reads the file (``load_trace``); the binary ones have a factory of their own whose document context
+ *  reads them as base64 (as text they would fail to load as "not UTF-8 encoded"). */
 const traceFiles: JupyterFrontEndPlugin<void> = {
   id: 'sharddbg-jupyterlab:trace-files',
   description: 'sharddbg trace files and recorded jobs opened with the views',
@@ -79,8 +79,18 @@ const traceFiles: JupyterFrontEndPlugin<void> = {
       new TraceViewFactory({
         name: TRACE_FACTORY,
         label: 'sharddbg trace views',
-        fileTypes: [TRACE_FILE_TYPE, COLUMNAR_TRACE_FILE_TYPE, JOB_FILE_TYPE, JOB_STREAM_FILE_TYPE, JOB_RECORD_FILE_TYPE],
-        defaultFor: [TRACE_FILE_TYPE, COLUMNAR_TRACE_FILE_TYPE, JOB_FILE_TYPE, JOB_STREAM_FILE_TYPE],
+        fileTypes: [TRACE_FILE_TYPE, JOB_FILE_TYPE, JOB_RECORD_FILE_TYPE],
+        defaultFor: [TRACE_FILE_TYPE, JOB_FILE_TYPE],
+        readOnly: true
+      })
+    );
+    app.docRegistry.addWidgetFactory(
+      new TraceViewFactory({
+        name: BINARY_TRACE_FACTORY,
+        label: 'sharddbg trace views',
+        modelName: 'base64',
+        fileTypes: [COLUMNAR_TRACE_FILE_TYPE, JOB_STREAM_FILE_TYPE],
+        defaultFor: [COLUMNAR_TRACE_FILE_TYPE, JOB_STREAM_FILE_TYPE],
         readOnly: true
       })
     );
