@@ -1187,11 +1187,7 @@ def _trace_of_payloads_as_columns(cls, payloads: dict, clock_offsets_ns, meta, i
                 plain = False
             if plain:
                 if table is not None:
-                    columns = columnar.EventColumns(table)
-                    for p in trace.payloads.values():
-                        if p is not None:
-                            p["events"] = columnar.LazyRecords(columns, p["rank"])
-                    trace._columns = columns
+                    _hold_columns(trace, table)
                 return trace
     # a closer look: the records as dicts, checked one by one
     as_dicts = {pos: (p if not (isinstance(p, dict) and columnar.EVENTS_AS_COLUMNS in p)
@@ -1305,7 +1301,12 @@ def _trace_of_columnar_file(path: str, raw: bytes) -> Trace:
     d = {k: v for k, v in header.items() if k not in ("layout", "columns")}
     # the header checked as a document whose payloads have no records yet: the columns were checked above
     d["payloads"] = [dict(p, events=[]) if isinstance(p, dict) else p for p in payloads]
-    trace = _trace_of_document(path, d)
+    return _hold_columns(_trace_of_document(path, d), table)
+
+
+def _hold_columns(trace: Trace, table) -> Trace:
+    """``trace`` made to hold ``table`` (every rank's records, checked): each payload's events are the rank's rows,
+    made as dicts only when asked (``columnar.LazyRecords``)."""
     columns = columnar.EventColumns(table)
     for p in trace.payloads.values():
         if p is not None:
