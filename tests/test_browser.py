@@ -1239,9 +1239,10 @@ def test_saved_notebook(session):
         page.remove_listener("console", on_console)
 
 
-def test_report_light_and_dark(session, tmp_path):
+def test_report_light_and_dark(session, tmp_path, monkeypatch):
     """The standalone report (of the golden trace) by the reader's preference: light for a light one, dark for
-    a dark one, its figures on the page's background either way. Last: it opens pages of its own."""
+    a dark one, its figures on the page's background either way. A big trace's report: its timeline, an
+    overview, draws a window zoomed into span by span. Last: it opens pages of its own."""
     import sharddbg
 
     from playwright.sync_api import expect
@@ -1282,6 +1283,46 @@ def test_report_light_and_dark(session, tmp_path):
                     assert body == "rgb(255, 255, 255)" and shares.bright > 0.5, (name, shares)
                 else:
                     assert body == "rgb(17, 17, 17)" and shares.bright < 0.05 and shares.dark > 0.6, (name, shares)
+        assert not errors, errors
+    finally:
+        page.close()
+    _big_report_zooms_span_by_span(browser, tmp_path, monkeypatch)
+
+
+def _big_report_zooms_span_by_span(browser, tmp_path: Path, monkeypatch) -> None:
+    """A big trace's report (the golden trace's records over 16 ranks, the overview's thresholds lowered to its
+    6,400 events): once its timeline is drawn, a window zoomed into is drawn span by span on the page's canvas from
+    the spans the figure carries."""
+    import importlib.util
+
+    from sharddbg.trace import Trace
+    from sharddbg.views import timeline
+
+    spec = importlib.util.spec_from_file_location("bench_trace_big", ROOT / "bench" / "bench_trace_big.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    doc = bench.big_trace_document(6_400, 16)
+    big = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}, [], doc["meta"])
+    for name, value in (("OVERVIEW_ABOVE", 1000), ("OVERVIEW_CELLS", 4000), ("OVERVIEW_MIN_BINS", 50),
+                        ("DETAIL_WINDOW_SPANS", 300)):
+        monkeypatch.setattr(timeline, name, value)
+    report = big.to_html(tmp_path / "big.html")
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(Path(report).as_uri())
+        page.locator("#sd-fig-timeline").scroll_into_view_if_needed()
+        page.wait_for_selector("#sd-fig-timeline .main-svg", timeout=60_000)
+        drawn = page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
+            if (!d._sdZoomPending) return -1;  // the zoom was never attached to the drawn figure
+            await d._sdZoomPending;
+            const [a, b] = d._fullLayout.xaxis.range, c = a + 0.37 * (b - a);
+            await Plotly.relayout(d, {'xaxis.range': [c, c + (b - a) / 50]});
+            await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)));
+            return d._sdZoomDrawn; }""")
+        assert drawn > 0, drawn
+        assert page.locator("#sd-fig-timeline canvas.sd-timeline-zoom").count() == 1
         assert not errors, errors
     finally:
         page.close()

@@ -42,7 +42,7 @@
         const fig = JSON.parse(document.getElementById(box.id + "-data").textContent);
         return Plotly.newPlot(box, fig.data, fig.layout, CONFIG).then(() => {
           // a big trace's timeline carries its spans: any zoomed window is drawn span by span over it
-          if (window._sdTimelineZoom) window._sdTimelineZoom.attach(box, Plotly);
+          if (typeof _sdTimelineZoom !== "undefined") _sdTimelineZoom.attach(box, Plotly);  // the zoom script's global (a const)
         });
       }))
       .then(() => {
