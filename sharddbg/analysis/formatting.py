@@ -5,13 +5,12 @@ Pure functions, no torch, no plotting; one definition of each so that every view
 
 from __future__ import annotations
 
-import gc
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pandas as pd
+
+from ..columnar import cyclic_gc_paused  # noqa: F401 - the analyses' callers name it here
 
 
 def is_missing(v) -> bool:
@@ -96,29 +95,4 @@ def ranks_text(ranks) -> str:
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
 
 
-@contextmanager
-def cyclic_gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off for the block (and put back as it was).
-
-    Building a table or reading a file makes millions of small objects; each batch of them starts a collection
-    that walks every live object, the trace's million records included: about half the time of building
-    ``get_ops()`` for a million records. What these blocks make holds no reference cycles; plain reference
-    counting frees it.
-
-    Yields
-    ------
-    None
-
-    Examples
-    --------
-    >>> with cyclic_gc_paused():
-    ...     rows = [{"seq": i} for i in range(1_000_000)]
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
