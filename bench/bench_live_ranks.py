@@ -9,7 +9,8 @@ the same work on every rank, so the per-rank counts must agree; the checks below
 do not. Measured, wall and CPU seconds of this process (the client; the ranks' own time is in the wall time of
 ``trace``): the start, the traced cell (recording, stopping the recorders, gathering every rank's payload,
 building the Trace), ``get_ops()``, ``get_collectives()``, ``get_op_summary()``, ``get_comm_by_op()``, the save as
-``.sdtrace.arrow``, ``load_trace`` of it, and the stop.
+``.sdtrace.arrow``, ``load_trace`` of it, and the stop. With ``--untraced`` the same cell runs untraced first, and
+the traced cell's wall time is printed as a ratio of it (what recording, gathering and building the trace add).
 
 Checks (correctness, not speed): every rank is in the trace, complete, nothing dropped; every rank recorded the
 same number of op calls and of collectives; every step's collectives completed; the loaded file gives the same
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--steps", type=int, default=40, help="forward + backward steps of the net in the traced cell")
     ap.add_argument("--folder", default=None, help="where the trace file goes (default: a temporary folder)")
+    ap.add_argument("--untraced", action="store_true",
+                    help="run the same cell untraced first: the cell's own time, beside which the traced one is read")
     a = ap.parse_args(argv)
     import pandas as pd
     import torch
@@ -86,9 +89,18 @@ def main(argv=None) -> int:
     try:
         note("start", c)
         cl.run(SETUP.format(rows=8 * a.ranks), timeout=1800, display=False)
+        cell = f"for _ in range({a.steps}):\n    _step()"
+        untraced = None
+        if a.untraced:
+            c = Clock()
+            cl.run(cell, timeout=3600, display=False)
+            untraced = c.read()[0]
+            note("the same cell, untraced", c)
         c = Clock()
-        t = cl.trace(f"for _ in range({a.steps}):\n    _step()", display=False, timeout=3600)
-        note("trace the cell (record, stop, gather, build)", c)
+        t = cl.trace(cell, display=False, timeout=3600)
+        traced = c.read()[0]
+        note("trace the cell (record, stop, gather, build)", c,
+             f"{traced / untraced:.2f}x the untraced cell" if untraced else "")
         c = Clock()
         ops = t.get_ops()
         note("get_ops()", c, f"{len(ops)} op calls")
