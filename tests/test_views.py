@@ -922,6 +922,19 @@ def test_report_plotly_bundle_choice(trace, tmp_path, monkeypatch):
     assert f'data-plotly-bundle="full" data-plotly-version="{version}">' in html and get_plotlyjs() in html
 
 
+def test_plotly_bundles_pinned_to_the_plotly_package():
+    """The npm packages of plotly.js (the extension's full bundle, the report's partial one) are pinned exactly to
+    the plotly.js the plotly package ships, in package.json and in the lockfile npm ci installs from: the report
+    uses a partial bundle of another version not at all, and the figures' JSON is made for that version."""
+    from plotly.offline import get_plotlyjs_version
+
+    root = Path(__file__).resolve().parents[1] / "extension"
+    pins = json.loads((root / "package.json").read_text())["dependencies"]
+    lock = json.loads((root / "package-lock.json").read_text())["packages"]
+    for name in ("plotly.js-dist-min", "plotly.js-cartesian-dist-min"):
+        assert pins[name] == lock[f"node_modules/{name}"]["version"] == get_plotlyjs_version(), name
+
+
 def test_report_errors_name_each_rank_once(tmp_path):
     """An error raised many times on each rank (a loop): its block names each rank once, not once per call (a
     big trace's list of ranks was a page of text above the figures)."""
