@@ -245,10 +245,24 @@ LABEL_BOXES = """(svg) => [...svg.querySelectorAll('text')].map((t) => { const r
 
 
 @pytest.fixture(scope="module")
-def session(request, tmp_path_factory):
-    """JupyterLab and chromium with the notebook run top to bottom; yields (page, url, token, root, work)."""
+def chromium():
+    """Debian's chromium driven by Playwright, one for the module (Playwright's sync API runs once in a process):
+    the notebook session's pages and the standalone reports' open in it."""
     assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: install Debian's chromium (bash .ci/setup does)"
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture(scope="module")
+def session(request, tmp_path_factory, chromium):
+    """JupyterLab and chromium with the notebook run top to bottom; yields (page, url, token, root, work)."""
+    from playwright.sync_api import expect
 
     ARTIFACTS.mkdir(exist_ok=True)
     work = tmp_path_factory.mktemp("lab")
@@ -259,14 +273,12 @@ def session(request, tmp_path_factory):
     other = _started_early(request, tmp_path_factory)
     if other is not None:
         _OTHER_LAB["lab"] = other
-    # chromium starts while the JupyterLab servers do
-    with contextlib.ExitStack() as stack, sync_playwright() as p:
+    with contextlib.ExitStack() as stack:
         for lab in (owner, other):
             if lab is not None:
                 stack.callback(lab.stop)
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         url, token = owner.ready()
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page = chromium.new_page(viewport={"width": 1500, "height": 1100})
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         try:
@@ -303,7 +315,7 @@ def session(request, tmp_path_factory):
             page.screenshot(path=str(ARTIFACTS / "browser_failure.png"))
             raise
         finally:
-            browser.close()
+            page.close()
 
 
 def _cell(page, line: str):
@@ -1417,3 +1429,68 @@ def _virtual_explorer_list(page) -> None:
         page.emulate_media(color_scheme=scheme)
         many.screenshot(path=str(ARTIFACTS / f"report_explorer_many_{scheme}.png"))
     page.evaluate("() => document.getElementById('sd-many').remove()")
+
+
+def _draw_every_figure(browser, report: Path) -> dict:
+    """A standalone report opened, each figure scrolled to in turn until it is drawn or failed: the plotly.js the
+    page says it carries, the version the evaluated plotly.js says of itself, each figure's state, its traces'
+    types in its JSON and as plotly drew them (with whether plotly had a module for each), and the page's errors."""
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(report.as_uri())
+        for box in page.locator("[data-sd-figure]").all():
+            box.scroll_into_view_if_needed()
+            page.wait_for_function("b => ['drawn', 'failed'].includes(b.getAttribute('data-state'))",
+                                   arg=box.element_handle(), timeout=60_000)
+        return page.evaluate("""() => {
+            const js = document.getElementById('sd-plotly-js');
+            return { bundle: js.dataset.plotlyBundle, version: js.dataset.plotlyVersion, evaluated: Plotly.version,
+              figures: [...document.querySelectorAll('[data-sd-figure]')].map(b => ({
+                name: b.dataset.sdFigure, state: b.getAttribute('data-state'),
+                types: JSON.parse(document.getElementById(b.id + '-data').textContent).data.map(t => t.type),
+                drawn: (b._fullData || []).map(t => t.type), modules: (b._fullData || []).every(t => !!t._module) })) };
+        }""") | {"errors": errors}
+    finally:
+        page.close()
+
+
+def test_report_plotly_bundle(chromium, tmp_path, monkeypatch):
+    """The report carries plotly's partial bundle when it registers every trace type of the figures, and the full
+    one otherwise, and draws every figure either way: the golden trace's report (bars and scatters) with the
+    partial bundle; the same report with a WebGL scatter among its figures (the imbalance view replaced by one)
+    with the full bundle. The trace types the report's code reads from the partial bundle's text are exactly those
+    plotly.js registers once evaluated (``Plotly.PlotSchema``), and its version is the plotly package's."""
+    import plotly.graph_objects as go
+    from plotly.offline import get_plotlyjs_version
+
+    from sharddbg.exporters import html_report
+    from sharddbg.exporters.plotly_bundle import CARTESIAN_BUNDLE, read_partial_bundle
+
+    assert CARTESIAN_BUNDLE.exists(), (f"{CARTESIAN_BUNDLE} is missing: plotly's partial bundle is copied there when "
+                                       "the package is built (bash .ci/setup, extension/build_labextension.py)")
+    partial = read_partial_bundle(CARTESIAN_BUNDLE)
+    version = get_plotlyjs_version()
+    page = chromium.new_page()
+    try:
+        page.set_content("<!DOCTYPE html><html><head></head><body></body></html>")
+        page.add_script_tag(content=partial.source)
+        registered = page.evaluate("() => ({ types: Object.keys(Plotly.PlotSchema.get().traces), version: Plotly.version })")
+    finally:
+        page.close()
+    assert sorted(registered["types"]) == sorted(partial.trace_types) and {"bar", "heatmap", "scatter"} <= partial.trace_types
+    assert registered["version"] == partial.version == version
+
+    trace = sharddbg.load_trace(ROOT / "tests" / "data" / "conv4.sdtrace.json")
+    golden = _draw_every_figure(chromium, Path(trace.to_html(tmp_path / "golden.html")))
+    assert (golden["bundle"], golden["version"], golden["evaluated"]) == ("cartesian", version, version), golden
+    gl = go.Figure([go.Bar(x=[0, 1], y=[2, 3]), go.Scattergl(x=[0, 1, 2], y=[1, 3, 2], mode="lines+markers")])
+    monkeypatch.setattr(html_report, "plot_imbalance", lambda _trace: gl)
+    webgl = _draw_every_figure(chromium, Path(trace.to_html(tmp_path / "webgl.html")))
+    assert (webgl["bundle"], webgl["version"], webgl["evaluated"]) == ("full", version, version), webgl
+    assert webgl["figures"][-1]["types"] == ["bar", "scattergl"]
+    for report in (golden, webgl):
+        assert [f["name"] for f in report["figures"]] == ["timeline", "comm", "imbalance"] and not report["errors"]
+        for f in report["figures"]:
+            assert f["state"] == "drawn" and f["types"] and f["drawn"] == f["types"] and f["modules"], f

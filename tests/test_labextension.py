@@ -107,6 +107,8 @@ def _wheel_checks(clone: Path, wheel: Path, prefix: Path) -> None:
     # the views' own front end, bundled once into the extension, still ships with the package for the widgets
     assert {"sharddbg/views/_static/explorer.js", "sharddbg/views/_static/style.css",
             "sharddbg/views/templates/explorer.html"} <= set(names)
+    # plotly's partial bundle for the standalone report, fetched by the same npm ci and copied into the package
+    assert "sharddbg/plotlyjs/plotly-cartesian.min.js" in names
     # the lockfile made the build: npm ci left node_modules in the clone
     assert (clone / "extension" / "node_modules" / ".package-lock.json").exists()
     env = _env(JUPYTER_PATH=str(prefix / "share" / "jupyter"), JUPYTER_CONFIG_PATH=str(prefix / "etc" / "jupyter"),

@@ -841,7 +841,18 @@ def test_report_standalone_and_escaped(trace, tmp_path):
     html = Path(out).read_text()
     # offline: plotly.js inlined, nothing fetched from a CDN
     assert not re.search(r"<script[^>]+src=", html) and not re.search(r"<link[^>]+href=", html)
-    assert "plotly.js v" in html and len(html) > 3_000_000  # (its code mentions a topojson CDN, for maps only)
+    # plotly's partial bundle when it is installed (its figures are bars and scatters only), named on the page
+    from plotly.offline import get_plotlyjs_version
+
+    from sharddbg.exporters.plotly_bundle import CARTESIAN_BUNDLE, read_partial_bundle
+    carried = re.search(r'<!-- plotly.js (\S+), (\w+) bundle: [^<]*? -->\n<script type="text/plain" id="sd-plotly-js" '
+                        r'data-plotly-bundle="(\w+)" data-plotly-version="([^"]+)">', html)
+    assert carried and carried.group(1) == carried.group(4) == get_plotlyjs_version() and carried.group(2) == carried.group(3)
+    assert carried.group(2) == ("cartesian" if CARTESIAN_BUNDLE.exists() else "full")
+    if carried.group(2) == "cartesian":
+        assert read_partial_bundle(CARTESIAN_BUNDLE).source in html and len(html) < 3_000_000
+    else:
+        assert "plotly.js v" in html and len(html) > 3_000_000  # (its code mentions a topojson CDN, for maps only)
     # every string from the trace escaped: the raw markup never appears, its escaped form does
     for raw in ("<b>bold</b>", "<script>alert('sharddbg')", "<img src=x", "<i>mod</i>"):
         assert raw not in html, raw
@@ -862,12 +873,66 @@ def test_report_standalone_and_escaped(trace, tmp_path):
         drawn = json.loads(re.search(f'<script type="application/json" id="sd-fig-{fig}-data">(.*?)</script>', html).group(1))
         assert drawn["data"] and int(box.group(1)) == drawn["layout"]["height"]
     assert "Plotly.newPlot" not in html.split('id="sd-plotly-js"')[0]
-    assert re.search(r'<script type="text/plain" id="sd-plotly-js">/\*\*\s*\* plotly.js v', html)
+    assert re.search(r'<script type="text/plain" id="sd-plotly-js"[^>]*>/\*\*\s*\* plotly.js (\(cartesian - minified\) )?v', html)
     assert "new IntersectionObserver(" in html and html.index('id="sd-explorer-data"') < html.index('id="sd-plotly-js"')
     # the explorer's front end and its data, the op summary it opens on included
     embedded = json.loads(re.search(r'<script type="application/json" id="sd-explorer-data">(.*?)</script>', html).group(1))
     assert embedded["summary"] == ex.op_summary(t) and len(embedded["summary"]) == len(t.get_op_summary())
     assert "function renderExplorer(" in html
+
+
+def test_report_plotly_bundle_choice(trace, tmp_path, monkeypatch):
+    """The partial bundle is read from its own text (version from its header, trace types from its trace modules)
+    and chosen only when it registers every trace type asked for and is the plotly package's plotly.js; a missing,
+    unreadable or other-version bundle gives the full one, saying why; the report names what it carries in a
+    comment that nothing in the reason can end early. (The real bundle's types are checked in chromium,
+    tests/test_browser.py.)"""
+    from plotly.offline import get_plotlyjs, get_plotlyjs_version
+
+    from sharddbg.exporters import plotly_bundle as pb
+
+    version = get_plotlyjs_version()
+    header = "/**\n* plotly.js (cartesian - minified) v{}\n*/\n"
+    body = 'var a={moduleType:"trace",name:"bar"},b={moduleType:"trace",name:"scatter"},c={moduleType:"component",name:"legend"};'
+    small = tmp_path / "small.min.js"
+    small.write_text(header.format(version) + body)
+    read = pb.read_partial_bundle(small)
+    assert (read.version, read.trace_types) == (version, frozenset({"bar", "scatter"}))
+    chosen = pb.plotly_bundle_for(["scatter", "bar", "bar"], partial=small)
+    assert (chosen.name, chosen.version, chosen.source) == ("cartesian", version, small.read_text())
+    assert "(bar, scatter)" in chosen.why
+    for types, partial, why in ((["bar", "heatmap", "scattergl"], small, "the figures use heatmap, scattergl, which"),
+                                (["bar"], tmp_path / "none.min.js", "plotly's partial bundle is not installed"),
+                                (["bar"], tmp_path / "other.min.js", f"is plotly.js 0.0.1, the plotly package's is {version}"),
+                                (["bar"], tmp_path / "headless.min.js", "could not be read: ")):
+        (tmp_path / "other.min.js").write_text(header.format("0.0.1") + body)
+        (tmp_path / "headless.min.js").write_text(body)
+        full = pb.plotly_bundle_for(types, partial=partial)
+        assert (full.name, full.version) == ("full", version) and full.source == get_plotlyjs(), types
+        assert why in full.why, (full.why, why)
+    (tmp_path / "no-types.min.js").write_text(header.format(version) + "var a=1;")
+    with pytest.raises(pb.UnreadableBundle, match="defines no trace module"):
+        pb.read_partial_bundle(tmp_path / "no-types.min.js")
+    # a report without the partial bundle carries the full one; its reason names a path with "--" in it
+    missing = tmp_path / "a--b" / "plotly-cartesian.min.js"
+    monkeypatch.setattr(pb, "CARTESIAN_BUNDLE", missing)
+    html = Path(trace.to_html(tmp_path / "report.html")).read_text()
+    comment = re.search(r"<!-- (plotly.js [^\n]*?) -->\n<script", html).group(1)
+    assert "--" not in comment and "not installed" in comment and str(missing).replace("--", "- -") in comment
+    assert f'data-plotly-bundle="full" data-plotly-version="{version}">' in html and get_plotlyjs() in html
+
+
+def test_plotly_bundles_pinned_to_the_plotly_package():
+    """The npm packages of plotly.js (the extension's full bundle, the report's partial one) are pinned exactly to
+    the plotly.js the plotly package ships, in package.json and in the lockfile npm ci installs from: the report
+    uses a partial bundle of another version not at all, and the figures' JSON is made for that version."""
+    from plotly.offline import get_plotlyjs_version
+
+    root = Path(__file__).resolve().parents[1] / "extension"
+    pins = json.loads((root / "package.json").read_text())["dependencies"]
+    lock = json.loads((root / "package-lock.json").read_text())["packages"]
+    for name in ("plotly.js-dist-min", "plotly.js-cartesian-dist-min"):
+        assert pins[name] == lock[f"node_modules/{name}"]["version"] == get_plotlyjs_version(), name
 
 
 def test_report_errors_name_each_rank_once(tmp_path):

@@ -1,8 +1,11 @@
 """``to_html(trace, path)``: one standalone HTML file with every view of a trace, viewable offline.
 
 plotly.js is inlined (no CDN: the file opens without internet) as text that the page's script evaluates
-once a figure comes near the screen; each figure is inlined as JSON and drawn then (figures below the fold wait
-until they are scrolled to, each box saying so meanwhile). The explorer's front end and its data are inlined
+once a figure comes near the screen: plotly's partial bundle (cartesian: bar, heatmap, scatter and more, 1.5 MB)
+when it registers every trace type of the report's figures, else the full bundle (``exporters.plotly_bundle``;
+the page names the one it carries in a comment and in ``data-plotly-bundle`` / ``data-plotly-version``); each
+figure is inlined as JSON and drawn then (figures below the fold wait until they are scrolled to, each box saying
+so meanwhile). The explorer's front end and its data are inlined
 too (it opens on the op summary, as in a notebook) and are drawn first. The page is the template
 ``sharddbg/views/templates/report.html``: every string from the trace is escaped there (autoescape) or set
 as text by the explorer's script; the embedded JSON has every ``<``, ``>`` and ``&`` as \\u escapes.
@@ -24,6 +27,7 @@ from ..views.common import (FINDING_CATEGORY_TITLES, SEVERITY_MARKS, error_entri
 from ..views.explorer import explorer_data
 from ..views.imbalance import plot_imbalance
 from ..views.timeline import plot_timeline
+from .plotly_bundle import plotly_bundle_for
 
 if TYPE_CHECKING:
     from ..trace import Trace
@@ -34,7 +38,6 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
     appears whole or not at all (``sharddbg.files.write_file_atomically``). ``max_rows``: the explorer's calls
     (``views.explorer.explorer_data``: by default all of a small trace's, a bounded sample of a big one's)."""
     import plotly.io as pio
-    from plotly.offline import get_plotlyjs
 
     path = refuse_folder(path, "report.html")  # before the seconds spent making the report
     ops = trace.get_ops()
@@ -45,6 +48,10 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
     # nothing until it is scrolled to
     fig_html = {name: {"json": json_text_for_script(pio.to_json(fig, validate=False)),
                        "height": int(fig.layout.height or 450)} for name, fig in figs}
+    plotly_js = plotly_bundle_for(t.type for _, fig in figs for t in fig.data)
+    plotly_comment = plotly_js.why  # said in an HTML comment: no "--" (it would end the comment)
+    while "--" in plotly_comment:
+        plotly_comment = plotly_comment.replace("--", "- -")
     paths = ops["path"].value_counts() if len(ops) else pd.Series(dtype=int)
     fallback_columns, fallback_rows = fallback_table(trace)
     doc = render("report.html", title=title, headline=trace.overview.headline(),
@@ -56,6 +63,6 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
                  fallback_rows=fallback_rows, figures=fig_html,
                  explorer_json=json_for_script(explorer_data(trace, max_rows=max_rows)),
                  explorer_js=module_as_script(static("explorer.js"), "_sdExplorer"), report_js=static("report.js"),
-                 plotly_js=get_plotlyjs(),
+                 plotly_js=plotly_js, plotly_comment=plotly_comment,
                  timeline_zoom_js=module_as_script(static("timeline_zoom.js"), "_sdTimelineZoom"))
     return write_file_atomically(path, lambda f: f.write(doc), example_name="report.html")
