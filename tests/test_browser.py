@@ -1306,8 +1306,9 @@ def _big_report_zooms_span_by_span(browser, tmp_path: Path, monkeypatch) -> None
     spec.loader.exec_module(bench)
     doc = bench.big_trace_document(6_400, 16)
     big = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}, [], doc["meta"])
+    # the page draws a window of at most 1,000 spans span by span (not the whole trace: its overview shows)
     for name, value in (("OVERVIEW_ABOVE", 1000), ("OVERVIEW_CELLS", 4000), ("OVERVIEW_MIN_BINS", 50),
-                        ("DETAIL_WINDOW_SPANS", 300)):
+                        ("DETAIL_WINDOW_SPANS", 300), ("ZOOM_DRAW_SPANS", 1000)):
         monkeypatch.setattr(timeline, name, value)
     report = big.to_html(tmp_path / "big.html")
     page = browser.new_page(viewport={"width": 1200, "height": 900})

@@ -746,8 +746,7 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
             # slowest spans are only marked (drawing them here would cost the first screen a second of WebGL)
             fig.update_layout(meta={"sd_zoom": zoom})
             without_zoom = DrawnWithoutZoom(detail, predrawn)
-            title = head + (f"; shaded: the {len(windows)} windows around the slowest spans (zoom into one to see it "
-                            "op by op)" if windows else "") + (
+            title = head + (f"; shaded: the {len(windows)} windows around the slowest spans" if windows else "") + (
                 "<br><sub>zoom in to a window of at most "
                 f"{ZOOM_DRAW_SPANS:,} spans to see it op by op; " + how)
         if windows:
