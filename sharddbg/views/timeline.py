@@ -57,8 +57,9 @@ OVERVIEW_MIN_BINS = 200
 ERROR_STRIP = 0.04
 ERROR_STRIP_GAP = 0.01
 ERROR_LANE = "error strip"
-# A big trace's overview also draws, span by span, the windows around its slowest spans (shaded; zoom into one to
-# see each op), at most DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each.
+# A big trace's overview also shades the windows around its slowest spans (zoom into one to see each op), at most
+# DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each; where the page cannot draw a zoomed window from the
+# spans the figure carries (zoom_events), the figure draws them span by span itself.
 DETAIL_WINDOWS = 4
 DETAIL_WINDOW_SPANS = 1_000
 WINDOW_MARKS = "windows around the slowest spans"  # the name of the markers above the shaded windows
