@@ -1303,9 +1303,12 @@ def test_report_light_and_dark(session, tmp_path, monkeypatch):
 
 def _big_report_zooms_span_by_span(browser, tmp_path: Path, monkeypatch) -> None:
     """A big trace's report (the golden trace's records over 16 ranks, the overview's thresholds lowered to its
-    6,400 events): once its timeline is drawn, a window zoomed into is drawn span by span on the page's canvas from
-    the spans the figure carries."""
+    6,400 events): its timeline, drawn without WebGL, answers a hover; zoomed into one of its shaded windows, each span
+    in it is drawn on the page's canvas from the spans the figure carries, and a category hidden from the legend is
+    not."""
     import importlib.util
+
+    import pandas as pd
 
     from sharddbg.trace import Trace
     from sharddbg.views import timeline
@@ -1315,8 +1318,9 @@ def _big_report_zooms_span_by_span(browser, tmp_path: Path, monkeypatch) -> None
     spec.loader.exec_module(bench)
     doc = bench.big_trace_document(6_400, 16)
     big = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}, [], doc["meta"])
+    # the page draws a window of at most 1,000 spans span by span (not the whole trace: its overview shows)
     for name, value in (("OVERVIEW_ABOVE", 1000), ("OVERVIEW_CELLS", 4000), ("OVERVIEW_MIN_BINS", 50),
-                        ("DETAIL_WINDOW_SPANS", 300)):
+                        ("DETAIL_WINDOW_SPANS", 300), ("ZOOM_DRAW_SPANS", 1000)):
         monkeypatch.setattr(timeline, name, value)
     report = big.to_html(tmp_path / "big.html")
     page = browser.new_page(viewport={"width": 1200, "height": 900})
@@ -1326,15 +1330,39 @@ def _big_report_zooms_span_by_span(browser, tmp_path: Path, monkeypatch) -> None
         page.goto(Path(report).as_uri())
         page.locator("#sd-fig-timeline").scroll_into_view_if_needed()
         page.wait_for_selector("#sd-fig-timeline .main-svg", timeout=60_000)
-        drawn = page.evaluate("""async () => { const d = document.getElementById('sd-fig-timeline');
-            if (!d._sdZoomPending) return -1;  // the zoom was never attached to the drawn figure
+        # the windows around the slowest spans are shaded, not drawn by plotly (no WebGL on the first screen)
+        assert page.evaluate("""() => document.getElementById('sd-fig-timeline')._fullData
+            .filter((t) => t.type === 'scattergl').length""") == 0
+        assert page.locator("#sd-fig-timeline .gl-canvas").count() == 0
+        # the overview answers a hover (rank 0's op lane, at the middle of the time axis)
+        page.mouse.move(*page.evaluate("""(y) => { const d = document.getElementById('sd-fig-timeline');
+            const L = d._fullLayout, r = d.getBoundingClientRect(), [a, b] = L.xaxis.range;
+            return [r.left + L.xaxis._offset + L.xaxis.l2p((a + b) / 2), r.top + L.yaxis._offset + L.yaxis.l2p(y)]; }""",
+                                       timeline.OP_LANE0))
+        page.wait_for_selector("#sd-fig-timeline .hoverlayer .hovertext", timeout=20_000)
+        ops, colls = timeline.timeline_frame(big), timeline.collective_spans(big)
+        spans = pd.concat([ops[["start_ms", "end_ms", "category"]], colls[["start_ms", "end_ms", "category"]]])
+        # zoomed into the first shaded window: each span in it drawn on the page's canvas; the legend's first category
+        # hidden: drawn without it
+        zoom_into_window = """async () => { const d = document.getElementById('sd-fig-timeline');
+            if (!d._sdZoomPending) return [-1];  // the zoom was never attached to the drawn figure
             await d._sdZoomPending;
-            const [a, b] = d._fullLayout.xaxis.range, c = a + 0.37 * (b - a);
-            await Plotly.relayout(d, {'xaxis.range': [c, c + (b - a) / 50]});
+            const s = d.layout.shapes.find((s) => s.type === 'rect');
+            await Plotly.relayout(d, {'xaxis.range': [s.x0, s.x1]});
             await new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)));
-            return d._sdZoomDrawn; }""")
-        assert drawn > 0, drawn
+            return [d._sdZoomDrawn, s.x0, s.x1]; }"""
+        drawn, a, b = page.evaluate(zoom_into_window)
+        inside = spans[(spans["end_ms"] >= a) & (spans["start_ms"] <= b)]
+        assert drawn == len(inside) > 0, (drawn, len(inside))
         assert page.locator("#sd-fig-timeline canvas.sd-timeline-zoom").count() == 1
+        first = timeline._op_categories(ops)[0]
+        page.locator("#sd-fig-timeline .legend .traces", has_text=first.replace("_", " ")).first.click()
+        page.wait_for_function("""() => document.getElementById('sd-fig-timeline')._fullData.some(
+            (t) => t.visible === 'legendonly')""", timeout=20_000)
+        page.evaluate("() => new Promise(r => requestAnimationFrame(() => setTimeout(r, 0)))")
+        hidden = int((inside["category"] == first).sum())
+        assert 0 < hidden < len(inside)
+        assert page.evaluate("() => document.getElementById('sd-fig-timeline')._sdZoomDrawn") == len(inside) - hidden
         assert not errors, errors
     finally:
         page.close()

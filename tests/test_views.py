@@ -5,6 +5,7 @@ sample's shape (66 rows over 4 ranks) or from the raw per-rank payloads, not fro
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import math
@@ -1152,8 +1153,23 @@ def test_timeline_overview_bins(trace):
     lo, hi = min(x0, coll["start_ms"].min()), max(x1, coll["end_ms"].max())
     cells = sum(len(timeline_overview(ops[ops["lane"] == lane], lane, tl.OVERVIEW_BINS, lo, hi)) for lane in ("autograd", "ops")) + \
         len(timeline_overview(coll, "collectives", tl.OVERVIEW_BINS, lo, hi))
-    assert int(np.isfinite(np.array(hm.z, dtype=float)).sum()) == cells > 0
-    assert sum(1 for row in hm.text for t in row if t) == cells
+    # the bins an error span touches on each rank, span by span: marked in the strip above the rank's op lane
+    w_all = (hi - lo) / tl.OVERVIEW_BINS
+    raised = {(int(e.rank), b) for e in ops[ops["category"] == "error"].itertuples()
+              for b in range(min(int((e.start_ms - lo) // w_all), tl.OVERVIEW_BINS - 1),
+                             min(int((e.end_ms - lo) // w_all), tl.OVERVIEW_BINS - 1) + 1)}
+    assert int(np.isfinite(np.array(hm.z, dtype=float)).sum()) == cells + len(raised) and cells > 0 and raised
+    assert sum(1 for row in hm.text for t in row if t) == cells + len(raised)
+    strip = {(int(t.split()[1].rstrip(":")), b) for row in hm.text for b, t in enumerate(row) if "an op raised" in t}
+    assert strip == raised
+    rows_y = np.array(hm.y, dtype=float)
+    for k, (row, text) in enumerate(zip(np.array(hm.z, dtype=float), hm.text)):
+        marked = [t for t in text if "an op raised" in t]
+        if marked:  # the strip's row lies just above the rank's op lane, in the error colour
+            r = int(marked[0].split()[1].rstrip(":"))
+            assert rows_y[k] < rows_y[k + 1] <= r + tl.OP_LANE0 - tl.LANE_HALF
+            assert set(row[np.isfinite(row)]) == {tl._op_categories(ops).index("error")}
+    assert not any(d.name == "error raised" for d in fig.data)  # no marker per bin (restyled at every zoom)
     # a window drawn span by span: only the spans that overlap it
     a, b = x0 + (x1 - x0) * 0.25, x0 + (x1 - x0) * 0.5
     win = tl.plot_timeline(trace, time_range=(a, b))
@@ -1536,17 +1552,18 @@ def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16,
     want = (colls["end_ms"] - colls["start_ms"]).groupby(colls["rank"]).sum()
     for r in range(16):
         assert comm[r] == pytest.approx(want[r], abs=5e-4 * len(hm.x))
-    # the windows around the slowest spans: every span in them drawn one by one, each window within its bound
-    windows = tl.detail_windows(tl.timeline_frame(big16), tl.collective_spans(big16))
+    # the windows around the slowest spans, each within its bound: shaded and marked; the page draws any zoomed window
+    # from the spans the figure carries, so they are not drawn here (WebGL: a second of the first screen at 1M)
+    windows = tl.detail_windows(tl.timeline_frame(big16), tl.collective_spans(big16), tl.DETAIL_WINDOWS, 300)
     assert 0 < len(windows) <= tl.DETAIL_WINDOWS and "windows around the slowest spans" in fig.layout.title.text
     assert len(fig.layout.shapes) == len(windows) + 15  # shaded windows, the 15 lines between rank bands
-    drawn = sum(len(d.x) for d in fig.data if d.type == "scattergl" and d.mode == "markers")
-    (marks,) = [d for d in fig.data if d.type == "scatter" and d.name == "drawn op by op"]
-    assert len(marks.x) == len(windows)
+    assert [(s.x0, s.x1) for s in fig.layout.shapes if s.type == "rect"] == windows
+    (marks,) = [d for d in fig.data if d.type == "scatter" and d.name == tl.WINDOW_MARKS]
+    assert len(marks.x) == len(windows) and "to see it op by op" in marks.hovertext[0]
+    assert "sd_zoom" in fig.layout.meta and not any(d.type == "scattergl" for d in fig.data)
     overlap = lambda f, a, b: (f["end_ms"] >= a) & (f["start_ms"] <= b)
     inside_ops = np.any([overlap(ops, a, b) for a, b in windows], axis=0)
     inside_colls = np.any([overlap(colls, a, b) for a, b in windows], axis=0)
-    assert drawn == int(inside_ops.sum() + inside_colls.sum())
     for a, b in windows:
         assert int(overlap(ops, a, b).sum() + overlap(colls, a, b).sum()) <= 300
     slowest = colls.loc[(colls["end_ms"] - colls["start_ms"]).idxmax()]
@@ -1554,13 +1571,51 @@ def test_big_trace_timeline_is_an_overview_with_its_slowest_windows_drawn(big16,
         (colls["end_ms"] - colls["start_ms"]).max() < (ops["end_ms"] - ops["start_ms"]).max()
     assert len(json.dumps(figure_drawn(fig))) < 2_000_000
     _check_any_window_drawn_from_the_carried_spans(big16, fig, tmp_path)
-    # a notebook that cannot keep the figure with the spans it carries keeps it without them
+
+    def drawn_op_by_op(data) -> int:  # the spans the windows' WebGL traces draw (one hover marker each)
+        return sum(len(d["x"]) if isinstance(d["x"], list) else len(base64.b64decode(d["x"]["bdata"])) // 8
+                   for d in data if d["type"] == "scattergl" and d["mode"] == "markers")
+
+    # a notebook that cannot keep the figure with the spans it carries keeps it without them, the windows drawn op by
+    # op instead: every span in them (windows of at most 40 spans here, fewer bytes than the spans the figure carries)
     from sharddbg.views import bundle
 
+    monkeypatch.setattr(tl, "DETAIL_WINDOW_SPANS", 40)
+    fig = tl.plot_timeline(big16)
+    windows = tl.detail_windows(tl.timeline_frame(big16), tl.collective_spans(big16), tl.DETAIL_WINDOWS, 40)
+    assert windows and [(s.x0, s.x1) for s in fig.layout.shapes if s.type == "rect"] == windows
+    inside_ops = np.any([overlap(ops, a, b) for a, b in windows], axis=0)
+    inside_colls = np.any([overlap(colls, a, b) for a, b in windows], axis=0)
     with_spans = len(json.dumps(figure_drawn(fig), separators=(",", ":")))
-    monkeypatch.setattr(bundle, "PAYLOAD_MAX_BYTES", with_spans - len(fig.layout.meta["sd_zoom"]["columns"]) // 2)
+    monkeypatch.setattr(bundle, "PAYLOAD_MAX_BYTES", with_spans - 1)
     kept = fig.sharddbg_payload()["drawn"]["figure"]
-    assert "sd_zoom" not in (kept["layout"].get("meta") or {}) and len(kept["data"]) == len(fig.data)
+    assert "sd_zoom" not in (kept["layout"].get("meta") or {}) and len(kept["data"]) > len(fig.data)
+    assert drawn_op_by_op(kept["data"]) == int(inside_ops.sum() + inside_colls.sum())
+    kept_title = kept["layout"]["title"]["text"]
+    assert "drawn op by op" in kept_title and "zoom in to a window" not in kept_title
+    # too large with them too: the overview alone
+    without = len(json.dumps(kept, separators=(",", ":")))
+    monkeypatch.setattr(bundle, "PAYLOAD_MAX_BYTES", without - 1)
+    alone = fig.sharddbg_payload()["drawn"]["figure"]
+    assert "sd_zoom" not in (alone["layout"].get("meta") or {}) and len(alone["data"]) == len(fig.data)
+    # plotly's own renderer (it cannot draw a window from the spans) gets the windows drawn op by op, not the spans
+    import plotly.io as pio
+
+    monkeypatch.setattr(bundle, "PAYLOAD_MAX_BYTES", 5 * 2**20)
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")
+    shown = fig._repr_mimebundle_()
+    plotly_own = shown["application/vnd.plotly.v1+json"]
+    assert "sd_zoom" not in (plotly_own["layout"].get("meta") or {})
+    assert "drawn op by op" in plotly_own["layout"]["title"]["text"]
+    assert drawn_op_by_op(plotly_own["data"]) == int(inside_ops.sum() + inside_colls.sum())
+    assert "sd_zoom" in shown[bundle.VIEW_MIMETYPE]["drawn"]["figure"]["layout"]["meta"]
+    # a trace with more spans than the figure may carry draws its windows op by op itself
+    monkeypatch.setattr(tl, "ZOOM_EVENTS_MAX", len(ops) - 1)
+    alone = tl.plot_timeline(big16)
+    assert "sd_zoom" not in (alone.layout.meta or {}) and "drawn op by op" in alone.layout.title.text
+    assert drawn_op_by_op(figure_drawn(alone)["figure"]["data"]) == int(inside_ops.sum() + inside_colls.sum())
+    (marks,) = [d for d in alone.data if d.type == "scatter" and d.name == tl.WINDOW_MARKS]
+    assert "drawn op by op" in marks.hovertext[0]
 
 
 def _zoom_columns(z: dict) -> pd.DataFrame:

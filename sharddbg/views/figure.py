@@ -9,6 +9,7 @@ without copying it: it stays a ``plotly.graph_objects.Figure`` in every other re
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
@@ -41,6 +42,15 @@ def figure_drawn(fig: go.Figure) -> dict:
     return {"figure": json.loads(pio.to_json(fig, validate=False))}
 
 
+@dataclass
+class DrawnWithoutZoom:
+    """What a big timeline draws where its payload is kept without the spans it carries for the page's zoom
+    (``layout.meta.sd_zoom``): ``traces`` added to it (its slowest windows drawn op by op) and its ``title``."""
+
+    traces: list
+    title: str
+
+
 class ViewFigure(go.Figure):
     """A plotly Figure shown with its view's payload (``view_figure`` makes one)."""
 
@@ -64,15 +74,35 @@ class ViewFigure(go.Figure):
         payload = view_payload(self._sd_view, {}, {"title": title, "traces": len(self.data)}, KEEP_FIGURE, drawn=drawn)
         meta = drawn["figure"]["layout"].get("meta")
         if payload["drawn"] is None and isinstance(meta, dict) and "sd_zoom" in meta:
-            # a big timeline too large with the spans it carries for its zoom: kept without them (zoomed in, it shows
-            # the overview's bins; the report keeps every span, plot_timeline(time_range=...) draws any window)
+            # a big timeline too large with the spans it carries for its zoom: kept without them, its slowest windows
+            # drawn op by op instead (zoomed in elsewhere, it shows the overview's bins; the report keeps every span,
+            # plot_timeline(time_range=...) draws any window)
             drawn["figure"]["layout"]["meta"] = {k: v for k, v in meta.items() if k != "sd_zoom"}
-            payload = view_payload(self._sd_view, {}, {"title": title, "traces": len(self.data)}, KEEP_FIGURE,
-                                   drawn=drawn)
+            instead = getattr(self, "_sd_without_zoom", None)
+            if instead is not None:
+                layout = drawn["figure"]["layout"]
+                with_windows = {"figure": {
+                    "data": drawn["figure"]["data"] + figure_drawn(go.Figure(data=instead.traces))["figure"]["data"],
+                    "layout": {**layout, "title": {**layout.get("title", {}), "text": instead.title}}}}
+                payload = view_payload(self._sd_view, {}, {"title": title, "traces": len(self.data)}, KEEP_FIGURE,
+                                       drawn=with_windows)
+            if payload["drawn"] is None:  # too large with them too: the overview alone
+                payload = view_payload(self._sd_view, {}, {"title": title, "traces": len(self.data)}, KEEP_FIGURE,
+                                       drawn=drawn)
         return payload
 
     def _repr_mimebundle_(self, include=None, exclude=None, validate=True, **kwargs):
-        bundle = dict(super()._repr_mimebundle_(include, exclude, validate, **kwargs) or {})
+        instead = getattr(self, "_sd_without_zoom", None)
+        if instead is None:
+            bundle = dict(super()._repr_mimebundle_(include, exclude, validate, **kwargs) or {})
+        else:
+            # plotly's own renderers cannot draw a zoomed window from the spans: they get the windows drawn op by op
+            # (and not the spans, which only the sharddbg payload needs)
+            alt = go.Figure(self)
+            alt.layout.meta = {k: v for k, v in (alt.layout.meta or {}).items() if k != "sd_zoom"} or None
+            alt.add_traces(instead.traces)
+            alt.layout.title.text = instead.title
+            bundle = dict(go.Figure._repr_mimebundle_(alt, include, exclude, validate, **kwargs) or {})
         bundle[VIEW_MIMETYPE] = self.sharddbg_payload()
         return bundle
 

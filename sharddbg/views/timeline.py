@@ -52,10 +52,17 @@ OVERVIEW_BINS = 1500
 OVERVIEW_CELLS = 16_000
 OVERVIEW_LANES_FULL = 16  # up to this many lanes (5 ranks) the overview keeps its OVERVIEW_BINS bins
 OVERVIEW_MIN_BINS = 200
-# A big trace's overview also draws, span by span, the windows around its slowest spans (shaded; zoom into one to
-# see each op), at most DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each.
+# The overview's strip marking the bins where an op raised, a row of its image (a marker per bin would be restyled
+# point by point at every zoom: hundreds of ms with thousands of them): its height and its distance above the op lane
+ERROR_STRIP = 0.04
+ERROR_STRIP_GAP = 0.01
+ERROR_LANE = "error strip"
+# A big trace's overview also shades the windows around its slowest spans (zoom into one to see each op), at most
+# DETAIL_WINDOWS windows of at most DETAIL_WINDOW_SPANS spans each; where the page cannot draw a zoomed window from the
+# spans the figure carries (zoom_events), the figure draws them span by span itself.
 DETAIL_WINDOWS = 4
 DETAIL_WINDOW_SPANS = 1_000
+WINDOW_MARKS = "windows around the slowest spans"  # the name of the markers above the shaded windows
 # A big trace's overview also carries every span it bins as compact columns (``zoom_events``): zoomed in to a window of
 # at most ZOOM_DRAW_SPANS spans, the page draws them one by one (views/_static/timeline_zoom.js: on a canvas over the
 # plot, a hover of its own), without a kernel and without a second plotly redraw.
@@ -403,8 +410,9 @@ def _busy_by_bin(spans: pd.DataFrame, lane: str, bins: int, x0: float, x1: float
 
 
 def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int], bins: int, x0: float, x1: float):
-    """Draw the binned overview: one heatmap image, lanes as rows (autograd, ops, collectives); a cell's hover
-    says its spans by category and how much of the bin they cover (busy; for collectives: comm time)."""
+    """Draw the binned overview: one heatmap image, lanes as rows (autograd, ops, collectives; a strip marking the bins
+    where an op raised); a cell's hover says its spans by category and how much of the bin they cover (busy; for
+    collectives: comm time)."""
     import plotly.graph_objects as go
 
     ov = pd.concat([timeline_overview(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
@@ -418,15 +426,25 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
     cats = op_cats + coll_cats
     colors = {c: _op_color(c) for c in op_cats}
     colors.update(collective_colors(coll_cats))
+    errs = ov[ov["has_error"].astype(bool)] if len(ov) else ov
+    # the rows, top to bottom: each lane's; where an op raised, a thin strip just above each rank's op lane (the
+    # autograd lane's row ends above it)
+    rows = [(y - LANE_HALF, y + LANE_HALF, r, lane) for y, r, lane in _lanes(ranks, ops, coll)]
+    if len(errs):
+        rows += [(r + OP_LANE0 - LANE_HALF - ERROR_STRIP_GAP - ERROR_STRIP, r + OP_LANE0 - LANE_HALF - ERROR_STRIP_GAP,
+                  r, ERROR_LANE) for r in ranks]
+        rows.sort()
+        rows = [(top, min(bottom, nxt[0]) if nxt else bottom, r, lane)
+                for (top, bottom, r, lane), nxt in zip(rows, rows[1:] + [None])]
     edges, zrows, lane_row = [], [], {}
-    for y, r, lane in _lanes(ranks, ops, coll):
-        if edges and edges[-1] < y - LANE_HALF:  # an empty row in the gap between two lanes
+    for top, bottom, r, lane in rows:
+        if edges and edges[-1] < top:  # an empty row in the gap between two lanes
             zrows.append(None)
-        if not edges or edges[-1] < y - LANE_HALF:
-            edges.append(y - LANE_HALF)
+        if not edges or edges[-1] < top:
+            edges.append(top)
         lane_row[(r, lane)] = len(zrows)
         zrows.append(None)
-        edges.append(y + LANE_HALF)
+        edges.append(bottom)
     z = np.full((len(zrows), bins), np.nan)
     text = np.full((len(zrows), bins), "", dtype=object)
     width = (x1 - x0) / bins
@@ -438,6 +456,10 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
         share = f"{'comm' if o.lane == 'collectives' else 'busy'} {b_ms:.3f} ms ({100 * b_ms / width:.0f} %)"
         text[i, o.bin] = (f"rank {o.rank} · {o.lane}<br>{o.bin_start_ms:.3f}–{o.bin_end_ms:.3f} ms<br>"
                           f"{o.n_spans} span{'s' if o.n_spans != 1 else ''}: {what}<br>{share}")
+    for r, b, a, e in zip(errs["rank"], errs["bin"], errs["bin_start_ms"], errs["bin_end_ms"]):
+        i = lane_row[(int(r), ERROR_LANE)]
+        z[i, int(b)] = cats.index(ERROR_CATEGORY)
+        text[i, int(b)] = f"rank {int(r)}: an op raised in {a:.3f}–{e:.3f} ms"
     n = max(len(cats), 1)
     scale = []
     for k, c in enumerate(cats or ["none"]):
@@ -446,14 +468,6 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
     fig.add_trace(go.Heatmap(x=[x0 + (b + 0.5) * width for b in range(bins)], y=edges, z=z, text=text,
                              hovertemplate="%{text}<extra></extra>", hoverongaps=False, showscale=False,
                              colorscale=scale, zmin=-0.5, zmax=n - 0.5, name="overview"))
-    errs = ov[ov["has_error"].astype(bool)] if len(ov) else ov
-    if len(errs):
-        fig.add_trace(go.Scatter(x=(errs["bin_start_ms"] + errs["bin_end_ms"]) / 2,
-                                 y=[r + OP_LANE0 - LANE_HALF - 0.04 for r in errs["rank"]], mode="markers",
-                                 name="error raised", marker={"symbol": "triangle-down", "size": 7, "color": ERROR_COLOR},
-                                 hovertext=[f"rank {r}: an op raised in {a:.3f}–{b:.3f} ms" for r, a, b in
-                                            zip(errs["rank"], errs["bin_start_ms"], errs["bin_end_ms"])],
-                                 hoverinfo="text", legendgroup="op:error"))
     for c in cats:  # legend entries
         group = "ops by dispatch path" if c in op_cats else "collectives"
         first = c == (op_cats[0] if c in op_cats else coll_cats[0])
@@ -517,32 +531,40 @@ def _in_windows(df: pd.DataFrame, windows: list[tuple[float, float]]) -> pd.Data
     return df[keep]
 
 
-def _detail_traces(fig, ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tuple[float, float]]) -> None:
-    """The spans of ``windows`` drawn one by one over the overview (WebGL lines, hover at each span's middle),
-    each window shaded; their legend entries are the overview's (one click hides a category everywhere)."""
+def _detail_traces(ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tuple[float, float]]) -> list:
+    """The spans of ``windows`` drawn one by one over the overview (WebGL lines, hover at each span's middle);
+    their legend entries are the overview's (one click hides a category everywhere)."""
     import plotly.graph_objects as go
 
     ops_in, coll_in = _in_windows(ops, windows), _in_windows(coll, windows)
     parts = [(ops_in[ops_in["category"] == c], _op_color(c), 9, "op:" + c) for c in _op_categories(ops_in)] if len(ops_in) else []
     parts += [(coll_in[coll_in["kind"] == k], col, 7, "coll:" + k) for k, col in collective_colors(coll_in["kind"]).items()] \
         if len(coll_in) else []
+    traces = []
     for part, color, width, group in parts:
         x, y, mid = _segments(part)
-        fig.add_trace(go.Scattergl(x=x, y=y, mode="lines", line={"color": color, "width": width}, name="drawn op by op",
+        traces.append(go.Scattergl(x=x, y=y, mode="lines", line={"color": color, "width": width}, name="drawn op by op",
                                    legendgroup=group, showlegend=False, hoverinfo="skip", connectgaps=False))
-        fig.add_trace(go.Scattergl(x=mid, y=part["y"].to_numpy(float), mode="markers", name="drawn op by op",
+        traces.append(go.Scattergl(x=mid, y=part["y"].to_numpy(float), mode="markers", name="drawn op by op",
                                    legendgroup=group, showlegend=False, marker={"color": color, "size": 9, "opacity": 0},
                                    hovertext=part["hover"].tolist(), hoverinfo="text", hoverlabel={"bgcolor": color}))
-    # shaded, and edged by a dotted line that shows where a window is narrower than a pixel; a marker above the
-    # first rank says what it is
+    return traces
+
+
+def _window_marks(fig, ops: pd.DataFrame, coll: pd.DataFrame, windows: list[tuple[float, float]], hint: str) -> None:
+    """Each window shaded, and edged by a dotted line that shows where a window is narrower than a pixel; a marker
+    above the first rank says what it is (``hint``: how to see it op by op)."""
+    import plotly.graph_objects as go
+
     for a, b in windows:
         fig.add_vrect(x0=a, x1=b, fillcolor=FIGURE_LINE, opacity=0.25, line={"color": FIGURE_LINE, "width": 1, "dash": "dot"},
                       layer="below")
     top = float(ops["rank"].min() if len(ops) else coll["rank"].min()) - 0.5
     fig.add_trace(go.Scatter(x=[(a + b) / 2 for a, b in windows], y=[top] * len(windows), mode="markers", cliponaxis=False,
-                             marker={"symbol": "triangle-down", "size": 10, "color": FIGURE_LINE}, name="drawn op by op",
-                             hovertext=[f"{a:.3f}–{b:.3f} ms: drawn op by op around one of the slowest spans; zoom in here"
-                                        for a, b in windows], hoverinfo="text"))
+                             marker={"symbol": "triangle-down", "size": 10, "color": FIGURE_LINE}, name=WINDOW_MARKS,
+                             hovertext=[f"{a:.3f}–{b:.3f} ms: around one of the slowest spans; {hint}"
+                                        for a, b in windows],
+                             hoverinfo="text"))
 
 
 def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], colors: dict[str, str]) -> dict | None:
@@ -675,7 +697,7 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
     ``BARS_UP_TO`` spans each is a bar; above, a WebGL line whose hover label sits at its middle."""
     import plotly.graph_objects as go
 
-    from .figure import view_figure
+    from .figure import DrawnWithoutZoom, view_figure
 
     all_ops = trace.get_ops()
     merged = aggregate if aggregate is not None else len(all_ops) > AGGREGATE_ABOVE
@@ -691,6 +713,7 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
 
     ranks = list(trace.ranks)
     fig = go.Figure()
+    without_zoom = None  # what a copy of the figure without its sd_zoom draws instead: the windows op by op
     if overview is None:
         overview = len(ops) + len(coll) > OVERVIEW_ABOVE
     title = f"Timeline · {len(ranks)} ranks · {len(all_ops)} op calls" + (
@@ -703,21 +726,33 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
             lo, hi = time_range
         bins = overview_bins(len(_lanes(ranks, ops, coll)))
         _overview_figure(fig, ops, coll, ranks, bins, float(lo), float(hi))
-        windows = detail_windows(ops, coll) if len(ops) + len(coll) > OVERVIEW_ABOVE else []
-        if windows:
-            _detail_traces(fig, *hovered(_in_windows(ops, windows), _in_windows(coll, windows)), windows)
+        windows = detail_windows(ops, coll, DETAIL_WINDOWS, DETAIL_WINDOW_SPANS) \
+            if len(ops) + len(coll) > OVERVIEW_ABOVE else []
         op_cats, coll_cats = _op_categories(ops) if len(ops) else [], sorted(set(coll["category"]))
         colors = {c: _op_color(c) for c in op_cats}
         colors.update(collective_colors(coll_cats))
         zoom = zoom_events(ops, coll, op_cats + coll_cats, colors)
-        if zoom is not None:  # any window of at most ZOOM_DRAW_SPANS spans is drawn one by one once zoomed into
+        head = title + f" · overview: {len(ops) + len(coll)} spans in {bins} time bins, the most frequent path per bin"
+        how = "plot_timeline(time_range=(a, b)) draws any window op by op</sub>"
+        # drawn here: the windows op by op (WebGL), where the page cannot draw a zoomed window from the spans
+        detail = _detail_traces(*hovered(_in_windows(ops, windows), _in_windows(coll, windows)), windows) \
+            if windows else []
+        predrawn = head + (f"; shaded: the {len(windows)} windows around the slowest spans, drawn op by op (zoom in)"
+                           if windows else "") + "<br><sub>" + how
+        if zoom is None:
+            fig.add_traces(detail)
+            title = predrawn
+        else:
+            # any window of at most ZOOM_DRAW_SPANS spans is drawn one by one once zoomed into: the windows around the
+            # slowest spans are only marked (drawing them here would cost the first screen a second of WebGL)
             fig.update_layout(meta={"sd_zoom": zoom})
-        title += (f" · overview: {len(ops) + len(coll)} spans in {bins} time bins, the most frequent "
-                  f"path per bin" + (f"; shaded: the {len(windows)} windows around the slowest spans, drawn op by op "
-                                     "(zoom in)" if windows else "")
-                  + ("<br><sub>zoom in to a window of at most "
-                     f"{ZOOM_DRAW_SPANS:,} spans to see it op by op; " if zoom is not None else "<br><sub>")
-                  + "plot_timeline(time_range=(a, b)) draws any window op by op</sub>")
+            without_zoom = DrawnWithoutZoom(detail, predrawn)
+            title = head + (f"; shaded: the {len(windows)} windows around the slowest spans" if windows else "") + (
+                "<br><sub>zoom in to a window of at most "
+                f"{ZOOM_DRAW_SPANS:,} spans to see it op by op; " + how)
+        if windows:
+            _window_marks(fig, ops, coll, windows, "zoom in here" + (" to see it op by op" if zoom is not None else
+                                                                        ": drawn op by op"))
     else:
         bars = len(ops) + len(coll) <= BARS_UP_TO
         ops, coll = hovered(ops, coll)
@@ -726,6 +761,8 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
             title += f" · nested ops merged ({len(ops)} spans drawn)"
     if time_range is not None:
         title += f" · window {time_range[0]:g}–{time_range[1]:g} ms"
+        if without_zoom is not None:
+            without_zoom.title += f" · window {time_range[0]:g}–{time_range[1]:g} ms"
         x_range = list(time_range)
     else:
         pad = max((hi - lo) * X_PAD, 1e-3)
@@ -749,4 +786,7 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
     if r_inc := [r for r in ranks if r in trace.incomplete_ranks]:
         fig.add_annotation(text=f"incomplete ranks (timed out or sent nothing): {r_inc}", xref="paper", yref="paper",
                            x=1, y=1.08, showarrow=False, font={"color": FIGURE_ALERT})
-    return view_figure(fig, "timeline")
+    fig = view_figure(fig, "timeline")
+    if without_zoom is not None:
+        fig._sd_without_zoom = without_zoom
+    return fig
