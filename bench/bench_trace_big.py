@@ -127,6 +127,10 @@ def main(argv=None) -> None:
     ap.add_argument("--source", type=Path, default=GOLDEN, help="the recorded trace whose records are repeated")
     ap.add_argument("--folder", default=None, help="where the files go (default: a temp folder)")
     ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
+    ap.add_argument("--gather-recorded", action="store_true",
+                    help="only the real path of a recording: cl.trace of a cell of --gather-events records per rank on "
+                         "a 2-rank cluster; what it takes beyond the cell (the recorders stop and format their records, "
+                         "make them columns, the client pulls and checks them)")
     ap.add_argument("--cell-latency", action="store_true",
                     help="only the latency of tracing a small cell, its payloads as dicts and as columns")
     ap.add_argument("--save-only", action="store_true",
@@ -151,6 +155,8 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(ROOT))
     if args.gather:
         return gather(args.gather_ranks, args.gather_events)
+    if args.gather_recorded:
+        return gather_recorded(args.gather_events)
     if args.cell_latency:
         return cell_latency()
     if args.job_folder:
@@ -424,6 +430,39 @@ def _shipped(as_columns):
                       f"{total[0] - pulled[0]:.2f} s wall ({total[1] - pulled[1]:.2f} s CPU); total {total[0]:.2f} s "
                       f"wall, client {total[1]:.2f} s CPU; held as columns: {t._columns is not None}", flush=True)
                 del t, payloads, per_engine
+    finally:
+        cl.stop()
+
+
+def gather_recorded(n_events: int, runs: int = 4) -> None:
+    """``cl.trace`` of a cell that records ``n_events`` records on each rank of a 2-rank cluster (sharded adds and
+    multiplies), ``runs`` times: its wall time, the cell's own (``meta["wall_s"]``, the ranks running it under the
+    recorder) and the rest, what the user waits for after the cell: the recorders stop and format their records
+    (``api.recording_stop(columns_from=recording.COLUMNS_FROM)``: a payload of that many records or more goes as
+    Arrow columns), the pull, the clock offsets, the client's checks and ``Trace.from_payloads``."""
+    import statistics
+
+    import sharddbg
+
+    cl = sharddbg.Cluster(n=2, timeout=300)
+    cl.start()
+    try:
+        cl.run("x = sharddbg.engine.scatter(torch.arange(64.).reshape(1, 1, 16, 4), dim=2)", display=False)
+        where = cl.eval("sharddbg.__file__")
+        cell = f"for _ in range({n_events // 2}):\n    y = x + 1\n    y = y * 2\n"
+        after: list[float] = []
+        for _ in range(runs):
+            c = Clock()
+            t = cl.trace(cell, display=False)
+            wall, cpu = c.read()
+            cell_s = t.meta["wall_s"]
+            after.append(wall - cell_s)
+            print(f"cl.trace of {len(t.events(0))} records per rank: {wall:.2f} s wall (client {cpu:.2f} s CPU), the "
+                  f"cell {cell_s:.2f} s, after the cell {wall - cell_s:.2f} s; held as columns: "
+                  f"{t._columns is not None}", flush=True)
+            del t
+        print(f"after the cell: median {statistics.median(after):.2f} s (min {min(after):.2f}, max {max(after):.2f}); "
+              f"engines' sharddbg {where}; load average {os.getloadavg()}", flush=True)
     finally:
         cl.stop()
 
