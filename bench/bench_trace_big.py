@@ -15,7 +15,10 @@ Measured in one run (wall and CPU seconds of each step; the CPU time is what a s
   ``get_op_summary()`` and ``get_comm_by_op()``;
 - with ``--gather``: a 2-rank cluster whose engines hold ``--gather-ranks`` payloads of ``--gather-events``
   records between them, pulled with ``cl.eval`` (what the recorders' payloads go through) and built into a
-  Trace (``Trace.from_payloads``: every payload checked), three times.
+  Trace (``Trace.from_payloads``: every payload checked), three times;
+- with ``--gather-recorded``: the real path, ``cl.trace`` of a cell that records ``--gather-events`` records on
+  each rank of a 2-rank cluster, and what it takes beyond the cell (the recorders format their records, make
+  them columns, the client pulls, checks and builds the Trace); ``--gather`` leaves the formatting out.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_trace_big.py [--events 1000000] [--ranks 16] [--gather]
 """
@@ -449,18 +452,39 @@ def gather_recorded(n_events: int, runs: int = 4) -> None:
     try:
         cl.run("x = sharddbg.engine.scatter(torch.arange(64.).reshape(1, 1, 16, 4), dim=2)", display=False)
         where = cl.eval("sharddbg.__file__")
+        # the engines' CPU seconds in recording_stop (the client calls it by name: the engines find this wrapper),
+        # and the collections of each generation the collector ran meanwhile
+        cl.run("""
+import gc, time
+from sharddbg.engine import api as _api
+_stop_cpu = []
+def _timed_stop(*args, _stop=_api.recording_stop, **kwargs):
+    cpu, before = time.process_time(), [s["collections"] for s in gc.get_stats()]
+    try:
+        return _stop(*args, **kwargs)
+    finally:
+        _stop_cpu.append((time.process_time() - cpu, [s["collections"] - b for s, b in zip(gc.get_stats(), before)]))
+_api.recording_stop = _timed_stop
+""", display=False)
         cell = f"for _ in range({n_events // 2}):\n    y = x + 1\n    y = y * 2\n"
         after: list[float] = []
+        stop_cpu: list[float] = []
         for _ in range(runs):
             c = Clock()
             t = cl.trace(cell, display=False)
             wall, cpu = c.read()
             cell_s = t.meta["wall_s"]
             after.append(wall - cell_s)
+            engines = [timed[-1] for timed in cl.eval("_stop_cpu")]
+            stop_cpu += [engine_cpu for engine_cpu, _collections in engines]
             print(f"cl.trace of {len(t.events(0))} records per rank: {wall:.2f} s wall (client {cpu:.2f} s CPU), the "
-                  f"cell {cell_s:.2f} s, after the cell {wall - cell_s:.2f} s; held as columns: "
-                  f"{t._columns is not None}", flush=True)
+                  f"cell {cell_s:.2f} s, after the cell {wall - cell_s:.2f} s; recording_stop on each engine: "
+                  + ", ".join(f"{engine_cpu:.2f} s CPU (collections per generation {collections})"
+                              for engine_cpu, collections in engines)
+                  + f"; held as columns: {t._columns is not None}", flush=True)
             del t
+        print(f"recording_stop on an engine: median {statistics.median(stop_cpu):.2f} s CPU (min {min(stop_cpu):.2f}, "
+              f"max {max(stop_cpu):.2f})", flush=True)
         print(f"after the cell: median {statistics.median(after):.2f} s (min {min(after):.2f}, max {max(after):.2f}); "
               f"engines' sharddbg {where}; load average {os.getloadavg()}", flush=True)
     finally:
