@@ -452,19 +452,25 @@ def gather_recorded(n_events: int, runs: int = 4) -> None:
     try:
         cl.run("x = sharddbg.engine.scatter(torch.arange(64.).reshape(1, 1, 16, 4), dim=2)", display=False)
         where = cl.eval("sharddbg.__file__")
-        # the engines' CPU seconds in recording_stop (the client calls it by name: the engines find this wrapper),
-        # and the collections of each generation the collector ran meanwhile
+        # the engines' CPU seconds in recording_stop: the recorder's stop (its records formatted) and the columns
+        # made of them, and the collections of each generation the collector ran meanwhile. ipyparallel sends
+        # recording_stop's code, which finds these two by name in their modules: the wrappers below
         cl.run("""
 import gc, time
-from sharddbg.engine import api as _api
+from sharddbg import columnar as _columnar
+from sharddbg.engine import recorder as _recorder
 _stop_cpu = []
-def _timed_stop(*args, _stop=_api.recording_stop, **kwargs):
-    cpu, before = time.process_time(), [s["collections"] for s in gc.get_stats()]
-    try:
-        return _stop(*args, **kwargs)
-    finally:
-        _stop_cpu.append((time.process_time() - cpu, [s["collections"] - b for s, b in zip(gc.get_stats(), before)]))
-_api.recording_stop = _timed_stop
+def _timing(what, call):
+    def timed(*args, **kwargs):
+        cpu, before = time.process_time(), [s["collections"] for s in gc.get_stats()]
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _stop_cpu.append((what, time.process_time() - cpu,
+                              [s["collections"] - b for s, b in zip(gc.get_stats(), before)]))
+    return timed
+_recorder.stop = _timing("stop", _recorder.stop)
+_columnar.payload_as_columns = _timing("columns", _columnar.payload_as_columns)
 """, display=False)
         cell = f"for _ in range({n_events // 2}):\n    y = x + 1\n    y = y * 2\n"
         after: list[float] = []
@@ -475,13 +481,14 @@ _api.recording_stop = _timed_stop
             wall, cpu = c.read()
             cell_s = t.meta["wall_s"]
             after.append(wall - cell_s)
-            engines = [timed[-1] for timed in cl.eval("_stop_cpu")]
-            stop_cpu += [engine_cpu for engine_cpu, _collections in engines]
+            engines = cl.eval("_stop_cpu")
+            cl.run("_stop_cpu.clear()", display=False)
+            stop_cpu += [sum(cpu for _what, cpu, _collections in timed) for timed in engines]
             print(f"cl.trace of {len(t.events(0))} records per rank: {wall:.2f} s wall (client {cpu:.2f} s CPU), the "
-                  f"cell {cell_s:.2f} s, after the cell {wall - cell_s:.2f} s; recording_stop on each engine: "
-                  + ", ".join(f"{engine_cpu:.2f} s CPU (collections per generation {collections})"
-                              for engine_cpu, collections in engines)
-                  + f"; held as columns: {t._columns is not None}", flush=True)
+                  f"cell {cell_s:.2f} s, after the cell {wall - cell_s:.2f} s; recording_stop on each engine (CPU s; "
+                  f"collections per generation): " + "; ".join(
+                      ", ".join(f"{what} {engine_cpu:.2f} {collections}" for what, engine_cpu, collections in timed)
+                      for timed in engines) + f"; held as columns: {t._columns is not None}", flush=True)
             del t
         print(f"recording_stop on an engine: median {statistics.median(stop_cpu):.2f} s CPU (min {min(stop_cpu):.2f}, "
               f"max {max(stop_cpu):.2f})", flush=True)
