@@ -15,7 +15,10 @@ Measured in one run (wall and CPU seconds of each step; the CPU time is what a s
   ``get_op_summary()`` and ``get_comm_by_op()``;
 - with ``--gather``: a 2-rank cluster whose engines hold ``--gather-ranks`` payloads of ``--gather-events``
   records between them, pulled with ``cl.eval`` (what the recorders' payloads go through) and built into a
-  Trace (``Trace.from_payloads``: every payload checked), three times.
+  Trace (``Trace.from_payloads``: every payload checked), three times;
+- with ``--gather-recorded``: the real path, ``cl.trace`` of a cell that records ``--gather-events`` records on
+  each rank of a 2-rank cluster, and what it takes beyond the cell (the recorders format their records, make
+  them columns, the client pulls, checks and builds the Trace); ``--gather`` leaves the formatting out.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_trace_big.py [--events 1000000] [--ranks 16] [--gather]
 """
@@ -127,6 +130,10 @@ def main(argv=None) -> None:
     ap.add_argument("--source", type=Path, default=GOLDEN, help="the recorded trace whose records are repeated")
     ap.add_argument("--folder", default=None, help="where the files go (default: a temp folder)")
     ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
+    ap.add_argument("--gather-recorded", action="store_true",
+                    help="only the real path of a recording: cl.trace of a cell of --gather-events records per rank on "
+                         "a 2-rank cluster; what it takes beyond the cell (the recorders stop and format their records, "
+                         "make them columns, the client pulls and checks them)")
     ap.add_argument("--cell-latency", action="store_true",
                     help="only the latency of tracing a small cell, its payloads as dicts and as columns")
     ap.add_argument("--save-only", action="store_true",
@@ -151,6 +158,8 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(ROOT))
     if args.gather:
         return gather(args.gather_ranks, args.gather_events)
+    if args.gather_recorded:
+        return gather_recorded(args.gather_events)
     if args.cell_latency:
         return cell_latency()
     if args.job_folder:
@@ -424,6 +433,67 @@ def _shipped(as_columns):
                       f"{total[0] - pulled[0]:.2f} s wall ({total[1] - pulled[1]:.2f} s CPU); total {total[0]:.2f} s "
                       f"wall, client {total[1]:.2f} s CPU; held as columns: {t._columns is not None}", flush=True)
                 del t, payloads, per_engine
+    finally:
+        cl.stop()
+
+
+def gather_recorded(n_events: int, runs: int = 4) -> None:
+    """``cl.trace`` of a cell that records ``n_events`` records on each rank of a 2-rank cluster (sharded adds and
+    multiplies), ``runs`` times: its wall time, the cell's own (``meta["wall_s"]``, the ranks running it under the
+    recorder) and the rest, what the user waits for after the cell: the recorders stop and format their records
+    (``api.recording_stop(columns_from=recording.COLUMNS_FROM)``: a payload of that many records or more goes as
+    Arrow columns), the pull, the clock offsets, the client's checks and ``Trace.from_payloads``."""
+    import statistics
+
+    import sharddbg
+
+    cl = sharddbg.Cluster(n=2, timeout=300)
+    cl.start()
+    try:
+        cl.run("x = sharddbg.engine.scatter(torch.arange(64.).reshape(1, 1, 16, 4), dim=2)", display=False)
+        where = cl.eval("sharddbg.__file__")
+        # the engines' CPU seconds in recording_stop: the recorder's stop (its records formatted) and the columns
+        # made of them, and the collections of each generation the collector ran meanwhile. ipyparallel sends
+        # recording_stop's code, which finds these two by name in their modules: the wrappers below
+        cl.run("""
+import gc, time
+from sharddbg import columnar as _columnar
+from sharddbg.engine import recorder as _recorder
+_stop_cpu = []
+def _timing(what, call):
+    def timed(*args, **kwargs):
+        cpu, before = time.process_time(), [s["collections"] for s in gc.get_stats()]
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _stop_cpu.append((what, time.process_time() - cpu,
+                              [s["collections"] - b for s, b in zip(gc.get_stats(), before)]))
+    return timed
+_recorder.stop = _timing("stop", _recorder.stop)
+_columnar.payload_as_columns = _timing("columns", _columnar.payload_as_columns)
+""", display=False)
+        cell = f"for _ in range({n_events // 2}):\n    y = x + 1\n    y = y * 2\n"
+        after: list[float] = []
+        stop_cpu: list[float] = []
+        for _ in range(runs):
+            c = Clock()
+            t = cl.trace(cell, display=False)
+            wall, cpu = c.read()
+            cell_s = t.meta["wall_s"]
+            after.append(wall - cell_s)
+            engines = cl.eval("_stop_cpu")
+            cl.run("_stop_cpu.clear()", display=False)
+            stop_cpu += [sum(cpu for _what, cpu, _collections in timed) for timed in engines]
+            print(f"cl.trace of {len(t.events(0))} records per rank: {wall:.2f} s wall (client {cpu:.2f} s CPU), the "
+                  f"cell {cell_s:.2f} s, after the cell {wall - cell_s:.2f} s; recording_stop on each engine (CPU s; "
+                  f"collections per generation): " + "; ".join(
+                      ", ".join(f"{what} {engine_cpu:.2f} {collections}" for what, engine_cpu, collections in timed)
+                      for timed in engines) + f"; held as columns: {t._columns is not None}", flush=True)
+            del t
+        print(f"recording_stop on an engine: median {statistics.median(stop_cpu):.2f} s CPU (min {min(stop_cpu):.2f}, "
+              f"max {max(stop_cpu):.2f})", flush=True)
+        print(f"after the cell: median {statistics.median(after):.2f} s (min {min(after):.2f}, max {max(after):.2f}); "
+              f"engines' sharddbg {where}; load average {os.getloadavg()}", flush=True)
     finally:
         cl.stop()
 

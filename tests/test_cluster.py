@@ -73,6 +73,14 @@ def test_status_reports_every_rank(cluster4):
     assert (status["dist_initialized"]).all()
 
 
+def test_engines_keep_the_preloaded_stack_out_of_cyclic_collections(cluster4):
+    """The objects the fork server's preload made (torch, physicsnemo, ipyparallel) are in the permanent
+    generation the engines inherit: a full collection there walks only what the engine made since."""
+    frozen, live = zip(*cluster4.eval("(__import__('gc').get_freeze_count(), len(__import__('gc').get_objects()))"))
+    assert all(n > 100_000 for n in frozen), frozen  # torch alone is hundreds of thousands
+    assert all(n < f for n, f in zip(live, frozen)), (live, frozen)
+
+
 def test_patches_really_registered_on_cpu(cluster4):
     # conv2d must take physicsnemo's halo handler, not the (silently wrong on CPU) fallback
     found = cluster4.eval("torch.nn.functional.conv2d in ShardTensor._function_registry")

@@ -493,6 +493,35 @@ def test_op_record_export():
     assert b["user_frame"] is None and b["in_global_shapes"] == [[1, 3, 5, 8]] and b["out_bytes"] == 0
 
 
+def test_records_are_formatted_without_a_cyclic_collection(monkeypatch):
+    """Formatting a recording's records allocates enough containers to start collections, the oldest generation's
+    walking every object of the rank's process: the collector is off while each record is made, and on again after
+    (off again where it was off)."""
+    import gc
+
+    rec = RecordingState(RecordingOptions(max_events=50), rank=0, world_size=1)
+    for i in range(50):
+        rec.keep(_op(rec, i))
+    collector_on = []
+    format_one = export._record
+
+    def noting(*args):
+        collector_on.append(gc.isenabled())
+        return format_one(*args)
+
+    monkeypatch.setattr(export, "_record", noting)
+    assert gc.isenabled()
+    records = export.records(rec, include_in_flight=False)
+    assert collector_on == [False] * 50 and gc.isenabled()
+    assert [r["seq"] for r in records] == list(range(50))
+    gc.disable()
+    try:
+        export.records(rec, include_in_flight=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_forward_op_of_a_backward_node():
     rec = _rec()
     # thread 0's forward ops in end order: a nested op (depth 1) ends before its enclosing one
