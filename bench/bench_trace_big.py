@@ -17,7 +17,7 @@ Measured in one run (wall and CPU seconds of each step; the CPU time is what a s
   records between them, pulled with ``cl.eval`` (what the recorders' payloads go through) and built into a
   Trace (``Trace.from_payloads``: every payload checked), three times;
 - with ``--gather-recorded``: the real path, ``cl.trace`` of a cell that records ``--gather-events`` records on
-  each rank of a 2-rank cluster, and what it takes beyond the cell (the recorders format their records, make
+  each rank of a 2-rank cluster (``--recorded-ranks``), and what it takes beyond the cell (the recorders format their records, make
   them columns, the client pulls, checks and builds the Trace); ``--gather`` leaves the formatting out.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_trace_big.py [--events 1000000] [--ranks 16] [--gather]
@@ -130,6 +130,7 @@ def main(argv=None) -> None:
     ap.add_argument("--source", type=Path, default=GOLDEN, help="the recorded trace whose records are repeated")
     ap.add_argument("--folder", default=None, help="where the files go (default: a temp folder)")
     ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
+    ap.add_argument("--recorded-ranks", type=int, default=2, help="with --gather-recorded: the cluster's ranks")
     ap.add_argument("--gather-recorded", action="store_true",
                     help="only the real path of a recording: cl.trace of a cell of --gather-events records per rank on "
                          "a 2-rank cluster; what it takes beyond the cell (the recorders stop and format their records, "
@@ -159,7 +160,7 @@ def main(argv=None) -> None:
     if args.gather:
         return gather(args.gather_ranks, args.gather_events)
     if args.gather_recorded:
-        return gather_recorded(args.gather_events)
+        return gather_recorded(args.gather_events, n_ranks=args.recorded_ranks)
     if args.cell_latency:
         return cell_latency()
     if args.job_folder:
@@ -437,8 +438,8 @@ def _shipped(as_columns):
         cl.stop()
 
 
-def gather_recorded(n_events: int, runs: int = 4) -> None:
-    """``cl.trace`` of a cell that records ``n_events`` records on each rank of a 2-rank cluster (sharded adds and
+def gather_recorded(n_events: int, runs: int = 4, n_ranks: int = 2) -> None:
+    """``cl.trace`` of a cell that records ``n_events`` records on each rank of an ``n_ranks`` cluster (sharded adds and
     multiplies), ``runs`` times: its wall time, the cell's own (``meta["wall_s"]``, the ranks running it under the
     recorder) and the rest, what the user waits for after the cell: the recorders stop and format their records
     (``api.recording_stop(columns_from=recording.COLUMNS_FROM)``: a payload of that many records or more goes as
@@ -447,10 +448,11 @@ def gather_recorded(n_events: int, runs: int = 4) -> None:
 
     import sharddbg
 
-    cl = sharddbg.Cluster(n=2, timeout=300)
+    cl = sharddbg.Cluster(n=n_ranks, timeout=300)
     cl.start()
     try:
-        cl.run("x = sharddbg.engine.scatter(torch.arange(64.).reshape(1, 1, 16, 4), dim=2)", display=False)
+        rows = 8 * n_ranks
+        cl.run(f"x = sharddbg.engine.scatter(torch.arange({4.0 * rows}).reshape(1, 1, {rows}, 4), dim=2)", display=False)
         where = cl.eval("sharddbg.__file__")
         # the engines' CPU seconds in recording_stop: the recorder's stop (its records formatted) and the columns
         # made of them, and the collections of each generation the collector ran meanwhile. ipyparallel sends
@@ -493,7 +495,7 @@ _columnar.payload_as_columns = _timing("columns", _columnar.payload_as_columns)
         print(f"recording_stop on an engine: median {statistics.median(stop_cpu):.2f} s CPU (min {min(stop_cpu):.2f}, "
               f"max {max(stop_cpu):.2f})", flush=True)
         print(f"after the cell: median {statistics.median(after):.2f} s (min {min(after):.2f}, max {max(after):.2f}); "
-              f"engines' sharddbg {where}; load average {os.getloadavg()}", flush=True)
+              f"{n_ranks} ranks, {os.cpu_count()} cores; engines' sharddbg {where}; load average {os.getloadavg()}", flush=True)
     finally:
         cl.stop()
 
