@@ -1251,6 +1251,29 @@ def test_saved_notebook(session):
         page.remove_listener("console", on_console)
 
 
+def _drawn_in_its_own_margins(page, box: str) -> None:
+    """The figure in ``#box`` was drawn in the margins it carries: plotly did not have to widen them for its legend
+    or its axes (it would then have drawn the whole figure a second time), and its legend lies right of the plot,
+    within the figure."""
+    geometry = page.evaluate("""(id) => { const d = document.getElementById(id), L = d._fullLayout;
+        const fig = d.getBoundingClientRect(), legend = d.querySelector('.legend').getBoundingClientRect();
+        const asked = {};
+        // what each of the legend and the axes asks of the margin at the plot's edge (plotly's auto margin)
+        for (const [who, push] of Object.entries(L._pushmargin || {})) {
+            if (who === 'base') continue;
+            for (const side of ['l', 'b']) if (push[side].val <= 0) asked[who + ' ' + side] = push[side].size;
+            for (const side of ['r', 't']) if (push[side].val >= 1) asked[who + ' ' + side] = push[side].size;
+        }
+        return {margin: d.layout.margin, size: L._size, asked, plotRight: fig.left + L._size.l + L._size.w,
+                figRight: fig.right, legendLeft: legend.left, legendRight: legend.right}; }""", box)
+    margin, size = geometry["margin"], geometry["size"]
+    for side in ("l", "r", "t", "b"):
+        assert size[side] == margin[side], (side, geometry)
+        wanted = [v for k, v in geometry["asked"].items() if k.endswith(" " + side)]
+        assert max(wanted, default=0) <= margin[side], (side, geometry)
+    assert geometry["plotRight"] <= geometry["legendLeft"] < geometry["legendRight"] <= geometry["figRight"], geometry
+
+
 def test_report_light_and_dark(session, tmp_path, monkeypatch):
     """The standalone report (of the golden trace) by the reader's preference: light for a light one, dark for
     a dark one, its figures on the page's background either way. A big trace's report: its timeline, an
@@ -1270,6 +1293,7 @@ def test_report_light_and_dark(session, tmp_path, monkeypatch):
         # and says so meanwhile, in a box of its height
         page.wait_for_selector("#sd-fig-timeline .main-svg", timeout=60_000)
         expect(page.locator("#sd-fig-timeline")).to_have_attribute("data-state", "drawn")
+        _drawn_in_its_own_margins(page, "sd-fig-timeline")
         below = page.locator("#sd-fig-imbalance")
         expect(below).to_have_attribute("data-state", "pending")
         expect(below.locator(".sd-figure-pending")).to_have_text("drawn when it comes into view")
@@ -1326,10 +1350,18 @@ def _big_report_zooms_span_by_span(browser, tmp_path: Path, monkeypatch) -> None
     page = browser.new_page(viewport={"width": 1200, "height": 900})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    # the overview's image is made once per draw of the figure (a canvas turned into a data URL)
+    page.add_init_script("""window.__sdImagesMade = 0; const made = HTMLCanvasElement.prototype.toDataURL;
+        HTMLCanvasElement.prototype.toDataURL = function (...a) { window.__sdImagesMade++; return made.apply(this, a); };""")
     try:
         page.goto(Path(report).as_uri())
         page.locator("#sd-fig-timeline").scroll_into_view_if_needed()
         page.wait_for_selector("#sd-fig-timeline .main-svg", timeout=60_000)
+        page.wait_for_function("() => document.getElementById('sd-fig-timeline').getAttribute('data-state') === 'drawn'",
+                               timeout=60_000)
+        # drawn once: its legend and axes fit in the margins it carries
+        _drawn_in_its_own_margins(page, "sd-fig-timeline")
+        assert page.evaluate("() => window.__sdImagesMade") == 1
         # the windows around the slowest spans are shaded, not drawn by plotly (no WebGL on the first screen)
         assert page.evaluate("""() => document.getElementById('sd-fig-timeline')._fullData
             .filter((t) => t.type === 'scattergl').length""") == 0

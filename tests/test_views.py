@@ -197,6 +197,29 @@ def test_plot_timeline_one_band_per_rank(trace, tmp_path):
     assert "collectives" not in nocoll.layout.yaxis.ticktext
 
 
+def test_timeline_right_margin_holds_its_legend(trace):
+    """The timeline's right margin is sized from the longest text its legend shows (entries and group titles; the
+    heatmap and the traces left out of the legend show none), as plotly shows it (HTML tags and entities as text), so
+    that plotly need not widen it and draw the figure twice (tests/test_browser.py checks it in chromium)."""
+    import plotly.graph_objects as go
+
+    fig = tl.plot_timeline(trace)
+    shown = [d.name for d in fig.data if d.showlegend is not False and d.type != "heatmap"]
+    shown += [d.legendgrouptitle.text for d in fig.data if d.legendgrouptitle is not None and d.legendgrouptitle.text]
+    longest = max(len(x) for x in shown)
+    per_char, fixed = tl.LEGEND_CHAR_PX, tl.LEGEND_ENTRY_PX + tl.LEGEND_GAP_PX
+    assert fig.layout.margin.r == math.ceil(fixed + per_char * longest)
+    assert fig.layout.margin.b == tl.MARGIN_BOTTOM
+    entry = go.Scatter(x=[1], y=[1], name="a &amp; <b>b</b>")  # shown as "a & b": 5 characters
+    assert tl.legend_margin(go.Figure([entry])) == math.ceil(fixed + 5 * per_char)
+    wide = go.Heatmap(z=[[1]], name="x" * 90)
+    hidden = go.Scatter(x=[1], y=[1], name="y" * 90, showlegend=False)
+    titled = go.Scatter(x=[1], y=[1], name="c", legendgroup="g", legendgrouptitle_text="a group title")
+    assert tl.legend_margin(go.Figure([entry, wide, hidden])) == math.ceil(fixed + 5 * per_char)
+    assert tl.legend_margin(go.Figure([entry, titled])) == math.ceil(fixed + 13 * per_char)
+    assert tl.legend_margin(go.Figure([wide])) == tl.MARGIN_RIGHT_MIN
+
+
 def test_timeline_many_spans_drawn_as_webgl_lines(trace, monkeypatch):
     monkeypatch.setattr(tl, "BARS_UP_TO", 10)
     fig = tl.plot_timeline(trace)

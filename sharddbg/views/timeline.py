@@ -70,6 +70,16 @@ WINDOW_MARKS = "windows around the slowest spans"  # the name of the markers abo
 ZOOM_DRAW_SPANS = 20_000
 ZOOM_EVENTS_MAX = 1_500_000
 X_PAD = 0.02  # room left and right of the first and last span, as a share of the time drawn
+# The figure's margins hold its legend (right) and its x axis (bottom) from the first draw: where they are too small,
+# plotly widens them once it has drawn and then draws the whole figure a second time (the overview's image included).
+# A legend entry in plotly's 12 px font takes its text (6.2 px a character in chromium's, lowercase words) plus 46 px
+# (its symbol and gaps); plotly sets the legend 2 % of the plot's width right of it (LEGEND_GAP_PX: up to a 1,600 px
+# plot). Wider text or a wider plot still fit, plotly widening the margin as before.
+LEGEND_CHAR_PX = 6.5
+LEGEND_ENTRY_PX = 50
+LEGEND_GAP_PX = 32
+MARGIN_RIGHT_MIN = 20
+MARGIN_BOTTOM = 60  # the x axis's tick labels and title (plotly asks 53 px for them)
 # The modebar buttons that would send the figure to a cloud service.
 CLOUD_BUTTONS = ["sendDataToCloud", "editInChartStudio"]
 
@@ -338,6 +348,45 @@ def _lanes(ranks: list[int], ops: pd.DataFrame, coll: pd.DataFrame) -> list[tupl
         if len(coll):
             out.append((r + COLL_LANE, r, "collectives"))
     return sorted(out)
+
+
+def legend_margin(fig) -> int:
+    """The right margin (px) that holds ``fig``'s legend: its longest entry or group title (plotly's legend
+    entries: the traces shown in the legend, a heatmap never), at ``LEGEND_CHAR_PX`` a character, plus
+    ``LEGEND_ENTRY_PX`` and the legend's distance from the plot, ``LEGEND_GAP_PX``; ``MARGIN_RIGHT_MIN`` without a
+    legend.
+
+    Parameters
+    ----------
+    fig : plotly.graph_objects.Figure
+        The figure, its traces added.
+
+    Returns
+    -------
+    int
+        The margin in pixels.
+
+    Examples
+    --------
+    >>> import plotly.graph_objects as go
+    >>> legend_margin(go.Figure([go.Scatter(x=[1], y=[1], name="all reduce"), go.Heatmap(z=[[1]], name="x" * 80)]))
+    147
+    """
+    import html
+    import re
+
+    texts = []
+    for t in fig.data:
+        if t.type == "heatmap" or t.showlegend is False:
+            continue
+        texts.append(t.name or "")
+        if t.legendgrouptitle is not None and t.legendgrouptitle.text:
+            texts.append(t.legendgrouptitle.text)
+    # what plotly shows: the text without its HTML tags and entities
+    longest = max((len(html.unescape(re.sub(r"<[^>]*>", "", x))) for x in texts), default=None)
+    if longest is None:
+        return MARGIN_RIGHT_MIN
+    return max(MARGIN_RIGHT_MIN, int(np.ceil(LEGEND_ENTRY_PX + LEGEND_GAP_PX + LEGEND_CHAR_PX * longest)))
 
 
 def overview_bins(n_lanes: int) -> int:
@@ -772,7 +821,8 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
         title={"text": title, "x": 0.01, "font": {"size": 14}},
         height=height or max(300, 110 + BAND_PX * len(ranks)), template=figure_template(), hovermode="closest",
         barmode="overlay", bargap=0, uniformtext={"minsize": 8, "mode": "hide"},
-        margin={"l": 90, "r": 20, "t": 60, "b": 45}, legend={"orientation": "v", "groupclick": "toggleitem"},
+        margin={"l": 90, "r": legend_margin(fig), "t": 60, "b": MARGIN_BOTTOM},
+        legend={"orientation": "v", "groupclick": "toggleitem"},
         modebar={"remove": CLOUD_BUTTONS},
         xaxis={"title": "time since the first event (ms)", "showgrid": True, "zeroline": False,
                "range": x_range, "autorange": False},
