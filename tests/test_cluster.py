@@ -1,5 +1,7 @@
 """A real 4-rank CPU cluster: gloo, physicsnemo ShardTensor with its own patches, ipyparallel engines."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -79,6 +81,62 @@ def test_engines_keep_the_preloaded_stack_out_of_cyclic_collections(cluster4):
     frozen, live = zip(*cluster4.eval("(__import__('gc').get_freeze_count(), len(__import__('gc').get_objects()))"))
     assert all(n > 100_000 for n in frozen), frozen  # torch alone is hundreds of thousands
     assert all(n < f for n, f in zip(live, frozen)), (live, frozen)
+
+
+LOOKED_AT_THEN_WAITING = """
+import time
+t = torch.ones(2)
+time.sleep(3)  # busy, in no collective
+if rank == 0:
+    dist.all_reduce(t)  # waits for the others
+else:
+    time.sleep(6)
+    dist.all_reduce(t)
+"""
+
+
+def test_the_panel_looks_at_a_busy_rank_less_often_until_it_waits_in_a_collective(cluster4, monkeypatch):
+    """A look reads the rank's Flight Recorder (2,000 entries as JSON): a busy rank in no collective is looked at
+    after doubling gaps, one waiting in a collective every STUCK_AFTER_S, and the one that waits is named stuck,
+    with the ranks that never joined it."""
+    import threading
+
+    from sharddbg.cluster import state_file
+
+    monkeypatch.setattr(state_file, "STUCK_AFTER_S", 0.5)
+    looks: list[tuple[float, tuple[int, ...]]] = []
+    control = cluster4._control
+    real_diagnose = control.diagnose
+
+    def diagnose(ranks, *args, **kwargs):  # the real call, its time and ranks noted when the test's writer asks
+        ranks = list(ranks)
+        if threading.current_thread() is threading.main_thread():
+            looks.append((time.monotonic() - t0, tuple(ranks)))
+        return real_diagnose(ranks, *args, **kwargs)
+
+    monkeypatch.setattr(control, "diagnose", diagnose)
+    writer = state_file.StateFileWriter(cluster4)
+    t0 = time.monotonic()
+    pending = cluster4.submit(LOOKED_AT_THEN_WAITING, timeout=60)
+    stuck_at = None
+    try:
+        while time.monotonic() - t0 < 8.0:
+            stuck = writer._find_stuck()
+            if stuck and stuck_at is None:
+                stuck_at = time.monotonic() - t0
+                assert sorted(stuck) == [0] and stuck[0].collective == "all_reduce", stuck
+                assert stuck[0].missing_ranks == [1, 2, 3], stuck[0]
+            time.sleep(0.05)
+    finally:
+        pending.get()  # every rank joins the all_reduce after 9 s: the cell ends by itself
+    asked = {r: [t for t, ranks in looks if r in ranks] for r in range(4)}
+    assert stuck_at is not None and 3.0 < stuck_at < 6.5, (stuck_at, asked)
+    # every 0.5 s would be 15 looks at each rank: doubling gaps (0.5, then 1, 2, 4 s) make 4 at most
+    assert all(1 <= len(asked[r]) <= 4 for r in (1, 2, 3)), asked
+    # the waiting rank: looked at again about every STUCK_AFTER_S once it was found waiting
+    after = [t for t in asked[0] if t >= stuck_at - 0.01]
+    assert len(after) >= 3 and max(b - a for a, b in zip(after, after[1:])) < 1.5, asked[0]
+    assert cluster4.eval("t.tolist()") == [[4.0, 4.0]] * 4
 
 
 def test_patches_really_registered_on_cpu(cluster4):

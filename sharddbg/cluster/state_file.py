@@ -42,8 +42,29 @@ STATE_FORMAT = "sharddbg.cluster-state"
 STATE_VERSION = 1
 LAST_TRACE_FOLDER = "last-trace"  # under STATE_FOLDER: read_states() reads the *.json directly in STATE_FOLDER only
 # a rank busy this long is asked where it waits (a collective that does not complete is "stuck"); that long
-# again before it is asked again
+# again before it is asked again while it waits in one
 STUCK_AFTER_S = 2.0
+# A busy rank found waiting in no collective is asked again after twice the last gap, up to this: each look reads
+# its Flight Recorder (torch writes its 2,000 entries as JSON: 30-280 ms of the rank's time on a 2-core host, and
+# the reply is decoded here), which every 2 s of a long cell cost each rank that much and the client 0.1 s of
+# CPU a second with 16 ranks. A hang that starts late in a long cell shows on the panel within this long.
+LOOK_GAP_MAX_S = 30.0
+
+
+def next_look_gap(last_gap_s: float | None, waits: bool) -> float:
+    """Seconds until a busy rank is asked again where it waits: ``STUCK_AFTER_S`` while it waits in a collective
+    (``waits``), else twice ``last_gap_s`` (None: not asked before in this busy spell), at most ``LOOK_GAP_MAX_S``.
+
+    Examples
+    --------
+    >>> [next_look_gap(g, False) for g in (None, 2.0, 16.0, 30.0)]
+    [4.0, 4.0, 30.0, 30.0]
+    >>> next_look_gap(30.0, True)
+    2.0
+    """
+    if waits:
+        return STUCK_AFTER_S
+    return min(LOOK_GAP_MAX_S, 2 * (last_gap_s or STUCK_AFTER_S))
 
 
 @dataclass
@@ -281,23 +302,29 @@ class StateFileWriter:
         self._kernel = _owner_kernel()
         self._started = time.time()
         self._busy_since: dict[int, float] = {}  # rank -> when it was first seen busy (monotonic)
-        self._asked: dict[int, float] = {}  # rank -> when it was last asked where it waits (monotonic)
+        self._next_look: dict[int, float] = {}  # rank -> when to ask it again where it waits (monotonic)
+        self._look_gap: dict[int, float] = {}  # rank -> the gap before that look, seconds (next_look_gap)
         self._stuck: dict[int, StuckCollective] = {}
         self._saved_trace: object = None  # the Trace last saved for the panel (compared by identity)
         self._last_trace: LastTrace | None = None
 
     def _find_stuck(self) -> dict[int, StuckCollective]:
         """Busy ranks that wait in a collective: each asked once it has been busy ``STUCK_AFTER_S`` seconds,
-        then again every ``STUCK_AFTER_S`` seconds while it stays busy."""
+        then again every ``STUCK_AFTER_S`` seconds while it waits in one, and at gaps doubling up to
+        ``LOOK_GAP_MAX_S`` while it does not (``next_look_gap``)."""
         now = time.monotonic()
         busy = _busy_ranks(self.cluster, [r for r in range(self.cluster.n) if r not in self.cluster.dead_ranks()])
         self._busy_since = {r: self._busy_since.get(r, now) for r in busy}
+        self._next_look = {r: t for r, t in self._next_look.items() if r in busy}  # a new busy spell starts afresh
+        self._look_gap = {r: g for r, g in self._look_gap.items() if r in busy}
         self._stuck = {r: s for r, s in self._stuck.items() if r in busy}
-        due = [r for r in busy if now - self._busy_since[r] >= STUCK_AFTER_S and now - self._asked.get(r, 0.0) >= STUCK_AFTER_S]
+        due = [r for r in busy if now - self._busy_since[r] >= STUCK_AFTER_S and now >= self._next_look.get(r, 0.0)]
         control = self.cluster._control
         if due and control is not None:
-            self._asked.update({r: now for r in due})
             found = stuck_collectives(control.diagnose(due, timeout=1.0, brief=True), self.cluster.pids)
+            for r in due:
+                self._look_gap[r] = next_look_gap(self._look_gap.get(r), waits=r in found)
+                self._next_look[r] = now + self._look_gap[r]
             self._stuck = {r: s for r, s in self._stuck.items() if r not in due} | found
         return self._stuck
 
