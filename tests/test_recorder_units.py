@@ -656,7 +656,8 @@ def test_records_sharing_a_formatting_pass_keep_their_own_shapes_placements_and_
     rec.keep(several)
     other_input = _op(rec, len(outputs) + 1)  # the first op's, but for its input's placements
     other_input.inputs = [info((4, 3), replicated, agreeing)]
-    other_input.output = info((4, 3), sharded, agreeing)
+    # and for sharding shapes of two mesh dims (the second beyond this mesh: not checked)
+    other_input.output = info((4, 3), sharded, {0: (torch.Size([4, 3]),), 1: (torch.Size([4, 3]), (2, 3))})
     rec.keep(other_input)
     other_global = _op(rec, len(outputs) + 2)  # the first op's, but for its result's global shape: a wrong one
     other_global.inputs = [info((4, 3), sharded, agreeing)]
@@ -675,6 +676,7 @@ def test_records_sharing_a_formatting_pass_keep_their_own_shapes_placements_and_
     assert [r["in_local_shapes"] for r in records] == [[[4, 3]]] * 6 + [[[1, 3, 5, 8]], [[4, 3]], [[4, 3]]]
     assert [r["dtype"] for r in records] == ["float32"] * 4 + ["float64"] + ["float32"] * 4
     assert [r["sharding_shapes"] for r in records][:3] == [{"0": [[4, 3]]}, {"0": [[4, 17, 3]]}, {"0": [[5, 3]]}]
+    assert records[7]["sharding_shapes"] == {"0": [[4, 3]], "1": [[4, 3], [2, 3]]}
     assert [[(f["output"], f["check"], f["spec_shape"]) for f in r.get("spec_mismatches", [])] for r in records] == [
         [], [(0, "sharding_shapes", [4, 17, 3])], [], [], [], [], [(1, "sharding_shapes", [4, 17, 3])], [],
         [(0, "global_shape", [8, 3])]]

@@ -84,11 +84,16 @@ class TensorFacts:
         """The OpTensorFacts of an op's input and result TensorInfos."""
         # flat: the result's 8 entries (what its spec check reads too) or one None, then 4 per input; the length
         # tells the two apart
-        key = [out.local_shape, out.global_shape, id(out.placements), out.dtype, id(out.sharding_shapes),
-               id(out.mesh), out.shard_tensor, out.fake] if out is not None else [None]
-        for i in ins:
-            key += (i.local_shape, i.global_shape, id(i.placements), i.dtype)
-        key = tuple(key)
+        if out is not None and len(ins) == 1:  # most ops: the key made in one go
+            i = ins[0]
+            key = (out.local_shape, out.global_shape, id(out.placements), out.dtype, id(out.sharding_shapes),
+                   id(out.mesh), out.shard_tensor, out.fake, i.local_shape, i.global_shape, id(i.placements), i.dtype)
+        else:
+            key = [out.local_shape, out.global_shape, id(out.placements), out.dtype, id(out.sharding_shapes),
+                   id(out.mesh), out.shard_tensor, out.fake] if out is not None else [None]
+            for i in ins:
+                key += (i.local_shape, i.global_shape, id(i.placements), i.dtype)
+            key = tuple(key)
         try:
             return self.ops[key]
         except KeyError:
@@ -252,7 +257,10 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshe
     fwd = ev.forward  # a backward event: what it runs the backward of
     src = fwd if fwd is not None else ev
     err = ev.error
-    label, cell, code = _frame_facts(ev.frame, frames)
+    try:  # _frame_facts, inlined: it runs for every record
+        label, cell, code = frames[ev.frame]
+    except TypeError:  # no pass's FrameFacts, or a frame that is no plain tuple
+        label, cell, code = _frame_facts(ev.frame, frames)
     record = {
         "kind": "op",
         "seq": ev.seq,
@@ -275,9 +283,11 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshe
         "out_global_shape": list(out_shape) if (out_shape := shapes.out_global_shape) is not None else None,
         "placements": shapes.placements,
         "dtype": shapes.dtype,
-        "sharding_shapes": {k: list(map(list, v)) for k, v in shapes.sharding_shapes}
-        if shapes.sharding_shapes is not None else sharding_shapes_plain(out.sharding_shapes) if out is not None
-        else None,
+        # one mesh dim, most ShardTensors: no comprehension (a function call of its own)
+        "sharding_shapes": ({sharding[0][0]: list(map(list, sharding[0][1]))} if len(sharding) == 1
+                            else {k: list(map(list, v)) for k, v in sharding})
+        if (sharding := shapes.sharding_shapes) is not None
+        else sharding_shapes_plain(out.sharding_shapes) if out is not None else None,
         "in_bytes": int(in_bytes),
         "out_bytes": int(ev.out_bytes),
         "t_start_ns": int(t0),
