@@ -4,7 +4,8 @@
   ``cl.trace`` of a cell of sharded adds and multiplies recording ``--events`` records per rank: this checkout's
   ``export.py`` and another one's (``--before-export``, e.g. ``git show REV:sharddbg/engine/recorder/export.py``),
   alternated ``--repeats`` times on the same recording in each engine, their CPU seconds, and whether the two made
-  the same records (compared with ``==``);
+  the same records (compared with ``==``); then again with the cyclic collector off (the formatting without the
+  collection that walks its new records when the collector is back on);
 - ``--clock-offsets``: ``ControlChannel.clock_offsets`` (each rank asked in turn) against every rank asked at once in
   each round (the reply's arrival time taken where the client receives it), alternated: wall time and the
   uncertainty each gives (half its best round trip), and whether their offsets agree within their uncertainties.
@@ -49,7 +50,7 @@ def formatting(n_ranks: int, n_events: int, repeats: int, before: Path) -> int:
         # the before module is loaded inside the recorder package, so that its relative imports resolve; the
         # recording's own stop calls the wrapper, which formats the recording both ways before it returns
         cl.run(f"""
-import importlib.util, time
+import gc, importlib.util, time
 from sharddbg.engine.recorder import export as _export
 _spec = importlib.util.spec_from_file_location("sharddbg.engine.recorder._export_before", {str(before)!r})
 _before = importlib.util.module_from_spec(_spec)
@@ -59,15 +60,19 @@ _compared = []
 def _both(rec, include_in_flight):
     if include_in_flight:
         return _after_records(rec, include_in_flight)
-    cpu = {{"before": [], "after": []}}
+    cpu = {{"before": [], "after": [], "before, collector off": [], "after, collector off": []}}
     same = True
-    for _ in range({repeats}):
-        made = {{}}
-        for side, records in (("before", _before.records), ("after", _after_records)):
-            t = time.process_time()
-            made[side] = records(rec, include_in_flight)
-            cpu[side].append(time.process_time() - t)
-        same = same and made["before"] == made["after"]
+    for collector in ("", ", collector off"):
+        for _ in range({repeats}):
+            made = {{}}
+            for side, records in (("before", _before.records), ("after", _after_records)):
+                if collector:  # the formatting alone, without the collection of its records when it ends
+                    gc.disable()
+                t = time.process_time()
+                made[side] = records(rec, include_in_flight)
+                cpu[side + collector].append(time.process_time() - t)
+                gc.enable()
+            same = same and made["before"] == made["after"]
     _compared.append({{"records": len(made["after"]), "same": same, **cpu}})
     return made["after"]
 _export.records = _both
@@ -75,10 +80,12 @@ _export.records = _both
         cell = f"for _ in range({n_events // 2}):\n    y = x + 1\n    y = y * 2\n"
         cl.trace(cell, display=False)
         for rank, (compared,) in enumerate(cl.eval("_compared")):
-            b, a = compared["before"], compared["after"]
-            print(f"rank {rank}: {compared['records']} records formatted, before {statistics.median(b):.3f} s CPU "
-                  f"(min {min(b):.3f}), after {statistics.median(a):.3f} s (min {min(a):.3f}); ratio of the medians "
-                  f"{statistics.median(a) / statistics.median(b):.2f}; the same records: {compared['same']}", flush=True)
+            for collector in ("", ", collector off"):
+                b, a = compared["before" + collector], compared["after" + collector]
+                print(f"rank {rank}{collector}: {compared['records']} records formatted, before "
+                      f"{statistics.median(b):.3f} s CPU (min {min(b):.3f}), after {statistics.median(a):.3f} s (min "
+                      f"{min(a):.3f}); ratio of the medians {statistics.median(a) / statistics.median(b):.2f}; the same "
+                      f"records: {compared['same']}", flush=True)
         print(f"{n_ranks} ranks, {os.cpu_count()} cores, load average {os.getloadavg()}")
         return 0
     finally:
