@@ -605,3 +605,84 @@ def test_device_timed_op_exports_with_and_without_memory(mem_delta):
     r = export.op_record(ev, in_flight=False)
     schema.validate_event(r)
     assert r["device_ms"] == 0.25 and r["mem_delta_bytes"] == mem_delta
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A real DeviceMesh of one CPU rank (a gloo group of one, in this process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def test_records_sharing_a_formatting_pass_keep_their_own_shapes_placements_and_spec_findings(one_rank_mesh):
+    """One formatting pass works out each distinct shape, placements, dtype and spec once and reuses it: ops that
+    differ in any one of them (the same placements object with another shape, the same shape with other placements,
+    the same shape and placements with sharding shapes that disagree with the local tensor, another dtype) must keep
+    their own values, and each record its own lists."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    rec = RecordingState(RecordingOptions(max_events=20), rank=0, world_size=1)  # rank 0 of one: the mesh's
+    assert rec.spec_check
+    sharded, replicated = (Shard(0),), (Replicate(),)
+    agreeing = {0: (torch.Size([4, 3]),)}
+    agreeing_5 = {0: (torch.Size([5, 3]),)}
+    lying = {0: (torch.Size([4, 17, 3]),)}  # another tensor's sharding shapes: the spec says (4, 17, 3)
+
+    def info(shape, placements, sharding_shapes, dtype=torch.float32):
+        i = tensor_info(torch.zeros(shape, dtype=dtype), NoShardTensor)
+        i.placements, i.sharding_shapes, i.mesh, i.shard_tensor = placements, sharding_shapes, one_rank_mesh, True
+        return i
+
+    outputs = [info((4, 3), sharded, agreeing), info((4, 3), sharded, lying), info((5, 3), sharded, agreeing_5),
+               info((4, 3), replicated, agreeing), info((4, 3), sharded, agreeing, torch.float64),
+               info((4, 3), sharded, agreeing)]
+    for seq, out in enumerate(outputs):
+        ev = _op(rec, seq)
+        ev.inputs = [info((4, 3), sharded, agreeing)]  # the same input: the ops differ in their results only
+        ev.output = out
+        rec.keep(ev)
+    several = _op(rec, len(outputs))  # two results, the second lying; _op's plain tensor as its input
+    several.outputs = [info((4, 3), sharded, agreeing), info((4, 3), sharded, lying)]
+    several.output = several.outputs[0]
+    rec.keep(several)
+    other_input = _op(rec, len(outputs) + 1)  # the first op's, but for its input's placements
+    other_input.inputs = [info((4, 3), replicated, agreeing)]
+    # and for sharding shapes of two mesh dims (the second beyond this mesh: not checked)
+    other_input.output = info((4, 3), sharded, {0: (torch.Size([4, 3]),), 1: (torch.Size([4, 3]), (2, 3))})
+    rec.keep(other_input)
+    other_global = _op(rec, len(outputs) + 2)  # the first op's, but for its result's global shape: a wrong one
+    other_global.inputs = [info((4, 3), sharded, agreeing)]
+    other_global.output = info((4, 3), sharded, agreeing)
+    other_global.output.global_shape = torch.Size([8, 3])
+    rec.keep(other_global)
+
+    records = export.records(rec, include_in_flight=False)
+    # each against the record made on its own (a pass of its own: nothing shared)
+    alone = [export.op_record(ev, False, None, {}, None) for ev in rec.buffer]
+    assert records == alone
+    assert [r["out_local_shape"] for r in records] == [[4, 3], [4, 3], [5, 3]] + [[4, 3]] * 6
+    assert [r["out_global_shape"] for r in records] == [[4, 3], [4, 3], [5, 3]] + [[4, 3]] * 5 + [[8, 3]]
+    assert [r["placements"] for r in records] == ["(S(0),)"] * 3 + ["(R,)"] + ["(S(0),)"] * 5
+    assert [r["in_placements"] for r in records] == [["(S(0),)"]] * 6 + [[None], ["(R,)"], ["(S(0),)"]]
+    assert [r["in_local_shapes"] for r in records] == [[[4, 3]]] * 6 + [[[1, 3, 5, 8]], [[4, 3]], [[4, 3]]]
+    assert [r["dtype"] for r in records] == ["float32"] * 4 + ["float64"] + ["float32"] * 4
+    assert [r["sharding_shapes"] for r in records][:3] == [{"0": [[4, 3]]}, {"0": [[4, 17, 3]]}, {"0": [[5, 3]]}]
+    assert records[7]["sharding_shapes"] == {"0": [[4, 3]], "1": [[4, 3], [2, 3]]}
+    assert [[(f["output"], f["check"], f["spec_shape"]) for f in r.get("spec_mismatches", [])] for r in records] == [
+        [], [(0, "sharding_shapes", [4, 17, 3])], [], [], [], [], [(1, "sharding_shapes", [4, 17, 3])], [],
+        [(0, "global_shape", [8, 3])]]
+    # lists of their own: changing one record's changes no other's
+    records[0]["out_local_shape"][0] = 99
+    records[0]["in_local_shapes"][0][0] = 99
+    records[0]["sharding_shapes"]["0"][0][0] = 99
+    assert records[5]["out_local_shape"] == [4, 3] and records[5]["in_local_shapes"] == [[4, 3]]
+    assert records[5]["sharding_shapes"] == {"0": [[4, 3]]}

@@ -11,8 +11,9 @@ import bisect
 import copy
 import platform
 import sys
-from typing import Any
+from typing import Any, Sequence
 from math import prod
+from operator import itemgetter
 
 import torch
 
@@ -24,7 +25,7 @@ from .cells import cell_and_code, frame_label, line_text
 from .comm_bytes import TensorMeta
 from .events import CellErrorEvent, CollectiveEvent, OpEvent
 from .params import ddp_bucket_of
-from .spec_check import spec_mismatches
+from .spec_check import SpecMismatch, spec_mismatches
 from .state import RecordingState
 from .tensors import placements_str, shape_list, sharding_shapes_plain
 
@@ -48,30 +49,168 @@ def _frame_facts(frame: Any, frames: FrameFacts | None) -> tuple[str | None, int
     return (frame_label(frame), *cell_and_code(frame))
 
 
-def spec_findings(ev: OpEvent, meshes: dict) -> list[dict]:
+class TensorFacts:
+    """The plain forms of the tensors' metadata met in one formatting pass, worked out once per distinct value (a
+    loop's thousands of calls see a few shapes, placements, dtypes and specs).
+
+    Keys hold shapes and dtypes by value, and placements, sharding shapes and meshes by identity (hashing a
+    placement runs Python code); each entry keeps the objects its key names by identity alive, so their ids are
+    not reused while the pass runs. The cached forms are tuples; each record gets lists of its own."""
+
+    __slots__ = ("infos", "ops", "spec")
+
+    def __init__(self) -> None:
+        # the key of an op's result, then of each input (``op``) -> OpTensorFacts
+        self.ops: dict[tuple, OpTensorFacts] = {}
+        # (local shape, global shape, id(placements), dtype) -> InfoFacts (which holds the placements)
+        self.infos: dict[tuple, InfoFacts] = {}
+        # (local shape, global shape, id(placements), id(sharding shapes), id(mesh)) -> (mismatches, placements,
+        # sharding shapes, mesh)
+        self.spec: dict[tuple, tuple] = {}
+
+    def info(self, i: Any) -> InfoFacts:
+        """The InfoFacts of a TensorInfo."""
+        try:
+            key = (i.local_shape, i.global_shape, id(i.placements), i.dtype)
+            return self.infos[key]
+        except KeyError:
+            pass
+        except TypeError:  # a symbolic size (unhashable): worked out on its own
+            return InfoFacts(i)
+        facts = self.infos[key] = InfoFacts(i)
+        return facts
+
+    def op(self, ins: list, out: Any) -> OpTensorFacts:
+        """The OpTensorFacts of an op's input and result TensorInfos."""
+        # flat: the result's 8 entries (what its spec check reads too) or one None, then 4 per input; the length
+        # tells the two apart
+        if out is not None and len(ins) == 1:  # most ops: the key made in one go
+            i = ins[0]
+            key = (out.local_shape, out.global_shape, id(out.placements), out.dtype, id(out.sharding_shapes),
+                   id(out.mesh), out.shard_tensor, out.fake, i.local_shape, i.global_shape, id(i.placements), i.dtype)
+        else:
+            key = [out.local_shape, out.global_shape, id(out.placements), out.dtype, id(out.sharding_shapes),
+                   id(out.mesh), out.shard_tensor, out.fake] if out is not None else [None]
+            for i in ins:
+                key += (i.local_shape, i.global_shape, id(i.placements), i.dtype)
+            key = tuple(key)
+        try:
+            return self.ops[key]
+        except KeyError:
+            pass
+        except TypeError:  # a symbolic size (unhashable): worked out on its own
+            return OpTensorFacts([InfoFacts(i) for i in ins], out, InfoFacts(out) if out is not None else None)
+        facts = self.ops[key] = OpTensorFacts([self.info(i) for i in ins], out,
+                                              self.info(out) if out is not None else None)
+        return facts
+
+    def mismatches(self, info: Any, coordinate: Any, mesh_shape: tuple) -> Any:
+        """``spec_mismatches`` of a ShardTensor result's TensorInfo on a mesh met at ``coordinate``."""
+        pl, ss, mesh = info.placements, info.sharding_shapes, info.mesh
+        try:
+            key = (info.local_shape, info.global_shape, id(pl), id(ss), id(mesh))
+            return self.spec[key][0]
+        except KeyError:
+            pass
+        except TypeError:  # a symbolic size (unhashable): checked on its own
+            return spec_mismatches(info.local_shape, info.global_shape, pl, ss, coordinate, mesh_shape)
+        found = tuple(spec_mismatches(info.local_shape, info.global_shape, pl, ss, coordinate, mesh_shape))
+        self.spec[key] = (found, pl, ss, mesh)
+        return found
+
+
+class InfoFacts:
+    """A TensorInfo's plain forms: its shapes as tuples of ints (None where the info has none), its placements'
+    text (``placements_str``) and its dtype's (``float32``); ``placements``: the placements themselves."""
+
+    __slots__ = ("local_shape", "global_shape", "placements_text", "dtype", "placements")
+
+    def __init__(self, i: Any) -> None:
+        local, glob = i.local_shape, i.global_shape
+        self.local_shape = tuple(int(d) for d in local) if local is not None else None
+        self.global_shape = tuple(int(d) for d in glob) if glob is not None else None
+        self.placements_text = placements_str(i.placements)
+        self.dtype = str(i.dtype).removeprefix("torch.")
+        self.placements = i.placements
+
+
+class OpTensorFacts:
+    """The plain forms of an op's inputs and result, as ``op_record`` writes them (tuples here; ``*_all``: no
+    entry is None, so ``map(list, ...)`` makes the record's lists); ``sharding_shapes``: the result's as
+    ``_sharding_tuples`` makes them (None: none, or not plain ints); ``out_mismatches``: its spec check's
+    (``_mismatches_of``), None until asked; ``keep``: what the cache's key names by identity."""
+
+    __slots__ = ("in_local_shapes", "in_local_all", "in_global_shapes", "in_global_all", "out_local_shape",
+                 "out_global_shape", "placements", "dtype", "in_placements", "sharding_shapes", "out_mismatches",
+                 "keep")
+
+    def __init__(self, ins: list[InfoFacts], out_info: Any, out: InfoFacts | None) -> None:
+        self.in_local_shapes = tuple(f.local_shape for f in ins)
+        self.in_local_all = None not in self.in_local_shapes
+        self.in_global_shapes = tuple(f.global_shape for f in ins)
+        self.in_global_all = None not in self.in_global_shapes
+        self.out_local_shape = out.local_shape if out is not None else None
+        self.out_global_shape = out.global_shape if out is not None else None
+        first = out if out is not None else (ins[0] if ins else None)
+        # the result's placements, else the first distributed input's
+        dist = out if out is not None and out.placements is not None else next(
+            (f for f in ins if f.placements is not None), None)
+        self.placements = dist.placements_text if dist is not None else None
+        self.dtype = first.dtype if first is not None else None
+        self.in_placements = tuple(f.placements_text for f in ins)
+        ss = out_info.sharding_shapes if out_info is not None else None
+        self.sharding_shapes = _sharding_tuples(ss) if ss else None
+        self.out_mismatches = None
+        self.keep = (ins, out, ss, out_info.mesh if out_info is not None else None)
+
+
+def _sharding_tuples(ss: Any) -> tuple | None:
+    """``sharding_shapes_plain``'s form as ((key, (shape tuple, ...)), ...); None where it makes its readable
+    (str) form instead."""
+    try:
+        return tuple((str(int(k)), tuple(tuple(int(d) for d in s) for s in v)) for k, v in ss.items())
+    except Exception:  # noqa: BLE001 - the same entries sharding_shapes_plain falls back on
+        return None
+
+
+def _list(t: tuple | None) -> list | None:
+    return list(t) if t is not None else None
+
+
+def spec_findings(ev: OpEvent, meshes: dict, tensors: TensorFacts | None = None) -> list[dict]:
     """schema.SPEC_MISMATCH_FIELDS for each ShardTensor result of ``ev`` whose spec disagrees with its local
     tensor (``spec_check.spec_mismatches``). ``meshes``: id(mesh) -> (this rank's coordinate, mesh shape),
-    filled as meshes are met (one export's cache: the events hold the meshes alive)."""
+    filled as meshes are met (one export's cache: the events hold the meshes alive); ``tensors``: one formatting
+    pass's ``TensorFacts`` (a result's check is made once per distinct spec)."""
     infos = ev.outputs if ev.outputs is not None else ([ev.output] if ev.output is not None else [])
-    found = []
-    for index, info in enumerate(infos):
-        if not info.shard_tensor or info.fake:
-            continue
-        mesh = info.mesh
-        where = meshes.get(id(mesh))
-        if where is None:
-            where = meshes[id(mesh)] = (mesh.get_coordinate(), tuple(mesh.mesh.shape))
-        coordinate, mesh_shape = where
-        if coordinate is None:
-            continue
-        for m in spec_mismatches(info.local_shape, info.global_shape, info.placements, info.sharding_shapes,
-                                 coordinate, mesh_shape):
-            found.append({"output": index, "check": m.check, "mesh_dim": m.mesh_dim,
-                          "spec_shape": list(m.spec_shape) if m.spec_shape is not None else None,
-                          "local_shape": list(m.local_shape),
-                          "global_shape": list(m.global_shape) if m.global_shape is not None else None,
-                          "placements": placements_str(info.placements), "detail": m.detail})
-    return found
+    return [_finding(index, m, info.placements) for index, info in enumerate(infos)
+            for m in _mismatches_of(info, meshes, tensors)]
+
+
+def _mismatches_of(info: Any, meshes: dict, tensors: TensorFacts | None) -> Sequence[SpecMismatch]:
+    """The spec check of one result's TensorInfo: empty for any but a real ShardTensor on a mesh holding this
+    rank."""
+    if not info.shard_tensor or info.fake:
+        return ()
+    mesh = info.mesh
+    where = meshes.get(id(mesh))
+    if where is None:
+        where = meshes[id(mesh)] = (mesh.get_coordinate(), tuple(mesh.mesh.shape))
+    coordinate, mesh_shape = where
+    if coordinate is None:
+        return ()
+    if tensors is not None:
+        return tensors.mismatches(info, coordinate, mesh_shape)
+    return spec_mismatches(info.local_shape, info.global_shape, info.placements, info.sharding_shapes,
+                           coordinate, mesh_shape)
+
+
+def _finding(index: int, m: SpecMismatch, placements: Any) -> dict:
+    return {"output": index, "check": m.check, "mesh_dim": m.mesh_dim,
+            "spec_shape": list(m.spec_shape) if m.spec_shape is not None else None,
+            "local_shape": list(m.local_shape),
+            "global_shape": list(m.global_shape) if m.global_shape is not None else None,
+            "placements": placements_str(placements), "detail": m.detail}
 
 
 def replica_records(ev: OpEvent, op: str) -> list[dict]:
@@ -94,16 +233,20 @@ def error_handled(rec: RecordingState, ev: OpEvent) -> bool | None:
 
 
 def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshes: dict | None = None,
-              handled: bool | None = None, frames: FrameFacts | None = None) -> dict:
+              handled: bool | None = None, frames: FrameFacts | None = None, tensors: TensorFacts | None = None
+              ) -> dict:
     """The schema record of an op event (``in_flight``: it had not returned when the record was made;
     ``local_ms``: what local_timing measured for it; ``meshes``: check its results' specs, with this cache
     of mesh coordinates (``spec_findings``); None: not checked; ``handled``: its error's, ``error_handled``;
-    ``frames``: one formatting pass's ``FrameFacts``)."""
+    ``frames``, ``tensors``: one formatting pass's ``FrameFacts`` and ``TensorFacts``)."""
     ins = ev.inputs or []
     out = ev.output
-    first = out if out is not None else (ins[0] if ins else None)
-    dist_out = out if out is not None and out.placements is not None else next(
-        (i for i in ins if i.placements is not None), None)
+    if tensors is None:
+        tensors = TensorFacts()
+    shapes = tensors.op(ins, out)
+    in_bytes = 0
+    for i in ins:
+        in_bytes += i.local_bytes
     t0, t1 = ev.t_start_ns, ev.t_end_ns
     span = ev.cuda
     if span is not None and span.closed:
@@ -114,7 +257,10 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshe
     fwd = ev.forward  # a backward event: what it runs the backward of
     src = fwd if fwd is not None else ev
     err = ev.error
-    label, cell, code = _frame_facts(ev.frame, frames)
+    try:  # _frame_facts, inlined: it runs for every record
+        label, cell, code = frames[ev.frame]
+    except TypeError:  # no pass's FrameFacts, or a frame that is no plain tuple
+        label, cell, code = _frame_facts(ev.frame, frames)
     record = {
         "kind": "op",
         "seq": ev.seq,
@@ -129,14 +275,20 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshe
         "user_frame": label,
         "user_cell": cell,
         "user_code": code,
-        "in_local_shapes": [shape_list(i.local_shape) for i in ins],
-        "in_global_shapes": [shape_list(i.global_shape) for i in ins],
-        "out_local_shape": shape_list(out.local_shape) if out is not None else None,
-        "out_global_shape": shape_list(out.global_shape) if out is not None else None,
-        "placements": placements_str(dist_out.placements) if dist_out is not None else None,
-        "dtype": str(first.dtype).removeprefix("torch.") if first is not None else None,
-        "sharding_shapes": sharding_shapes_plain(out.sharding_shapes) if out is not None else None,
-        "in_bytes": int(sum(i.local_bytes for i in ins)),
+        "in_local_shapes": list(map(list, shapes.in_local_shapes)) if shapes.in_local_all else list(
+            map(_list, shapes.in_local_shapes)),
+        "in_global_shapes": list(map(list, shapes.in_global_shapes)) if shapes.in_global_all else list(
+            map(_list, shapes.in_global_shapes)),
+        "out_local_shape": list(out_shape) if (out_shape := shapes.out_local_shape) is not None else None,
+        "out_global_shape": list(out_shape) if (out_shape := shapes.out_global_shape) is not None else None,
+        "placements": shapes.placements,
+        "dtype": shapes.dtype,
+        # one mesh dim, most ShardTensors: no comprehension (a function call of its own)
+        "sharding_shapes": ({sharding[0][0]: list(map(list, sharding[0][1]))} if len(sharding) == 1
+                            else {k: list(map(list, v)) for k, v in sharding})
+        if (sharding := shapes.sharding_shapes) is not None
+        else sharding_shapes_plain(out.sharding_shapes) if out is not None else None,
+        "in_bytes": int(in_bytes),
         "out_bytes": int(ev.out_bytes),
         "t_start_ns": int(t0),
         "t_end_ns": int(t1) if t1 is not None else None,
@@ -146,20 +298,28 @@ def op_record(ev: OpEvent, in_flight: bool, local_ms: float | None = None, meshe
         "local_ms": local_ms,
         "error": dict(err, handled=handled) if err is not None else None,
         "fwd_seq": fwd.seq if fwd is not None else None,
-        "in_placements": [placements_str(i.placements) for i in ins],
+        "in_placements": list(shapes.in_placements),
         "fallback": bool(src.fallback),
         "promotions": [
             {"param": p.param, "shape": shape_list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
-            for p in list(ev.promotions or ())
-        ],
+            for p in list(ev.promotions)
+        ] if ev.promotions else [],
         "not_implemented": bool(ev.not_implemented),
         "in_flight": in_flight,
         "thread": ev.thread,
     }
     if meshes is not None:
-        found = spec_findings(ev, meshes)
-        if found:
-            record["spec_mismatches"] = found
+        if ev.outputs is None:  # its one result: checked once per distinct spec (``OpTensorFacts``)
+            mismatches = shapes.out_mismatches
+            if mismatches is None:
+                mismatches = shapes.out_mismatches = tuple(_mismatches_of(out, meshes, tensors)) if out is not None \
+                    else ()
+            if mismatches:
+                record["spec_mismatches"] = [_finding(0, m, out.placements) for m in mismatches]
+        else:
+            found = spec_findings(ev, meshes, tensors)
+            if found:
+                record["spec_mismatches"] = found
     if ev.replicas:
         digests = replica_records(ev, src.op)
         if digests:
@@ -317,10 +477,12 @@ def error_record(ev: CellErrorEvent) -> dict:
     }
 
 
-def _record(ev, rec: RecordingState, meshes: dict | None, frames: FrameFacts | None = None) -> dict:
+def _record(ev, rec: RecordingState, meshes: dict | None, frames: FrameFacts | None = None,
+            tensors: TensorFacts | None = None) -> dict:
     kind = type(ev)
     if kind is OpEvent:
-        return op_record(ev, False, rec.local_ms.get(ev.seq), meshes, error_handled(rec, ev), frames)
+        return op_record(ev, False, rec.local_ms.get(ev.seq), meshes,
+                         error_handled(rec, ev) if ev.error is not None else None, frames, tensors)
     if kind is CollectiveEvent:
         return collective_record(ev, False, rec, frames)
     return error_record(ev)
@@ -358,12 +520,12 @@ def records(rec: RecordingState, include_in_flight: bool) -> list[dict]:
     # the records are new containers that outlive the loop: enough of them start a collection of the oldest
     # generation, which walks every object of the rank's process (torch's included: a million or more), 0.8 s
     # of the 0.9 s that formatting 10,000 records took on a 2-rank cluster; they hold no reference cycles
-    frames = FrameFacts()
+    frames, tensors = FrameFacts(), TensorFacts()
     with cyclic_gc_paused():
-        out = [_record(ev, rec, meshes, frames) for ev in kept]
+        out = [_record(ev, rec, meshes, frames, tensors) for ev in kept]
     if include_in_flight:
         out += in_flight_ops(rec, meshes)
-    out.sort(key=lambda e: e["seq"])
+    out.sort(key=itemgetter("seq"))
     return out
 
 
