@@ -51,10 +51,16 @@ class DrawnWithoutZoom:
     title: str
 
 
+def _meta_without_zoom(meta: dict | None) -> dict | None:
+    """A figure's ``layout.meta`` without the spans it carries for the page's zoom (``sd_zoom``); None if empty."""
+    return {k: v for k, v in (meta or {}).items() if k != "sd_zoom"} or None
+
+
 class ViewFigure(go.Figure):
     """A plotly Figure shown with its view's payload (``view_figure`` makes one)."""
 
     _sd_view = "figure"
+    _sd_without_zoom: DrawnWithoutZoom | None = None  # a big timeline's windows, where its sd_zoom cannot go
 
     def sharddbg_payload(self) -> dict:
         """The versioned payload of this figure's view (``views.bundle.view_payload``).
@@ -77,8 +83,8 @@ class ViewFigure(go.Figure):
             # a big timeline too large with the spans it carries for its zoom: kept without them, its slowest windows
             # drawn op by op instead (zoomed in elsewhere, it shows the overview's bins; the report keeps every span,
             # plot_timeline(time_range=...) draws any window)
-            drawn["figure"]["layout"]["meta"] = {k: v for k, v in meta.items() if k != "sd_zoom"}
-            instead = getattr(self, "_sd_without_zoom", None)
+            drawn["figure"]["layout"]["meta"] = _meta_without_zoom(meta)
+            instead = self._sd_without_zoom
             if instead is not None:
                 layout = drawn["figure"]["layout"]
                 with_windows = {"figure": {
@@ -92,14 +98,14 @@ class ViewFigure(go.Figure):
         return payload
 
     def _repr_mimebundle_(self, include=None, exclude=None, validate=True, **kwargs):
-        instead = getattr(self, "_sd_without_zoom", None)
+        instead = self._sd_without_zoom
         if instead is None:
             bundle = dict(super()._repr_mimebundle_(include, exclude, validate, **kwargs) or {})
         else:
             # plotly's own renderers cannot draw a zoomed window from the spans: they get the windows drawn op by op
             # (and not the spans, which only the sharddbg payload needs)
             alt = go.Figure(self)
-            alt.layout.meta = {k: v for k, v in (alt.layout.meta or {}).items() if k != "sd_zoom"} or None
+            alt.layout.meta = _meta_without_zoom(alt.layout.meta)
             alt.add_traces(instead.traces)
             alt.layout.title.text = instead.title
             bundle = dict(go.Figure._repr_mimebundle_(alt, include, exclude, validate, **kwargs) or {})
@@ -116,7 +122,7 @@ class ViewFigure(go.Figure):
             print(repr(self))
 
 
-def view_figure(fig: go.Figure, view: str) -> go.Figure:
+def view_figure(fig: go.Figure, view: str, without_zoom: DrawnWithoutZoom | None = None) -> go.Figure:
     """``fig`` (the same object) shown as the view ``view``: its output bundle carries the payload too.
 
     Parameters
@@ -125,6 +131,9 @@ def view_figure(fig: go.Figure, view: str) -> go.Figure:
         The figure a view made.
     view : str
         The view's name in the payload (``timeline``, ``comm``, ``check_rows``, ``smoke_losses``).
+    without_zoom : DrawnWithoutZoom or None
+        A big timeline's: what it draws instead where the spans of its ``sd_zoom`` cannot go (plotly's own
+        renderers, a notebook payload too large with them).
 
     Returns
     -------
@@ -140,4 +149,5 @@ def view_figure(fig: go.Figure, view: str) -> go.Figure:
         fig.__class__ = ViewFigure
     if isinstance(fig, ViewFigure):
         fig._sd_view = view
+        fig._sd_without_zoom = without_zoom
     return fig

@@ -836,7 +836,4 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
     if r_inc := [r for r in ranks if r in trace.incomplete_ranks]:
         fig.add_annotation(text=f"incomplete ranks (timed out or sent nothing): {r_inc}", xref="paper", yref="paper",
                            x=1, y=1.08, showarrow=False, font={"color": FIGURE_ALERT})
-    fig = view_figure(fig, "timeline")
-    if without_zoom is not None:
-        fig._sd_without_zoom = without_zoom
-    return fig
+    return view_figure(fig, "timeline", without_zoom)
