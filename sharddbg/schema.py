@@ -404,7 +404,7 @@ TRACE_META_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "mesh": ((dict, type(None)), "its mesh: {'ddp': int, 'domain': int}"),
     "backend": ((str, type(None)), "its torch.distributed backend: 'gloo' or 'nccl'"),
     "clock_uncertainty_ns": ((dict, type(None)), "rank (as a string) -> half the round trip of its clock offset's "
-                                                 "best sample, ns"),
+                                                 "best sample, ns; 0 where the rank reads the client's own clock"),
     "failed": ((str, type(None)), "the first line of the error that ended the cell ('RankError: ...'), None when "
                                   "it did not fail"),
     "incomplete_reasons": ((dict, type(None)), "rank (as a string) -> why its recording is incomplete"),

@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 
 from sharddbg import schema
+from sharddbg.errors import ClusterError
 from sharddbg.analysis.comm import COLLECTIVE_COLUMNS
 from sharddbg.exporters.perfetto import perfetto_dict
 from sharddbg.trace import Trace, load_trace
@@ -462,13 +463,45 @@ def test_clock_offset_recovered(cl):
     finally:
         cl.run("_clk.set_offset_ns(0)", timeout=30)
     off = t.clock_offsets_ns
-    assert abs((off[2] - off[0]) - shift) < 1_000_000  # recovered within 1 ms
+    # every rank reads this process's own clock (one host): each offset is known exactly, not measured
+    assert off == {0: 0, 1: 0, 2: shift, 3: 0}
+    assert t.meta["clock_uncertainty_ns"] == {str(r): 0 for r in range(N)}
     raw = {r: [e["t_done_ns"] for e in t.events(r) if e["kind"] == "collective"] for r in range(N)}
     assert abs(raw[2][0] - raw[0][0] - shift) < 1_000_000_000  # the raw stamps really are ~5 s apart
     c = _colls(t)
     for gs, d in c.groupby("group_seq"):
         # aligned: a synchronous all_reduce completes on every rank at about the same time
         assert d["t_done_ns"].max() - d["t_done_ns"].min() < 200_000_000
+
+
+def test_a_clock_known_to_be_shared_agrees_with_round_trips_and_one_that_only_says_so_is_measured(cl):
+    """The offsets taken as known for ranks that read the client's own clock agree with the same offsets measured by
+    round trips, within the measurement's uncertainty. A rank whose clock says it is the client's but is shifted
+    some other way (its clock function replaced, the injected offset still 0) is caught by its reading falling
+    outside the round trip, and measured."""
+    from sharddbg.engine import clock
+
+    engine_domains = cl.eval("sharddbg.engine.clock.domain()")
+    assert engine_domains == [clock.domain()] * N and clock.domain().count(" time:") == 1
+    known, measured = cl.clock_offsets(), cl.clock_offsets(measure_all=True)
+    for r in range(N):
+        assert known[r] == {"offset_ns": 0, "uncertainty_ns": 0}
+        assert 0 < measured[r]["uncertainty_ns"] < 50_000_000
+        assert abs(measured[r]["offset_ns"] - known[r]["offset_ns"]) <= measured[r]["uncertainty_ns"]
+    shift = 3_000_000_000
+    cl.run(f"import time as _time\nfrom sharddbg.engine import clock as _clk\n"
+           f"if crank == 1: _clk.now_ns = lambda: _time.monotonic_ns() + {shift}", timeout=30)
+    try:
+        assert cl.eval("_clk.reading()['injected_offset_ns']") == [0] * N
+        offsets = cl.clock_offsets()
+    finally:
+        cl.run("_clk.set_offset_ns(0)", timeout=30)
+    assert [offsets[r] for r in (0, 2, 3)] == [{"offset_ns": 0, "uncertainty_ns": 0}] * 3
+    assert 0 < offsets[1]["uncertainty_ns"] < 50_000_000
+    assert abs(offsets[1]["offset_ns"] - shift) <= offsets[1]["uncertainty_ns"]
+    assert cl.clock_offsets() == {r: {"offset_ns": 0, "uncertainty_ns": 0} for r in range(N)}
+    with pytest.raises(ClusterError, match="measure_all must be True or False, got str 'yes'"):
+        cl.clock_offsets(measure_all="yes")
 
 
 def test_group_seq_lines_up_on_a_real_trace(cl):

@@ -48,6 +48,13 @@ def positive_int(name: str, value) -> int:
     return int(value)
 
 
+def flag(name: str, value) -> bool:
+    """True or False, nothing else (a string "False" would read as true)."""
+    if not isinstance(value, bool):
+        raise ClusterError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
 def ranks(targets, n: int, name: str = "targets") -> list[int]:
     """``targets`` as a list of ranks of a cluster of ``n``: None (every rank), an int, a range/slice, or a
     list of ints; refused when empty, out of range, not ints, or naming a rank twice (``name``: the argument,

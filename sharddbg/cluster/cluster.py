@@ -1134,19 +1134,24 @@ class Cluster:
         return self._execution.hang_report(timeout, finished, unfinished, what, diagnose_timeout=diagnose_timeout,
                                            failures=failures)
 
-    def clock_offsets(self, samples: int = 15, timeout: float = 5.0) -> dict[int, dict]:
+    def clock_offsets(self, samples: int = 15, timeout: float = 5.0, measure_all: bool = False) -> dict[int, dict]:
         """How far each rank's recorder clock is ahead of this process's ``time.monotonic_ns()``.
 
-        NTP-style, on the control channel: for each rank, ``samples`` round trips; the one with the shortest round
-        trip wins, offset = engine time - midpoint, uncertainty = half its round trip. The ranks are asked one after
-        the other. ``trace()`` measures them after each cell to put every rank's events on one time axis.
+        On the control channel, every rank asked once, all at once. A rank on this host reads this process's own
+        monotonic clock (one boot of one kernel, one time namespace: ``sharddbg.engine.clock.domain()``), so its
+        offset is known: what its sharddbg clock adds (0 but in tests), uncertainty 0, once its reading falls
+        within that round trip. Any other rank is measured NTP-style, one after the other: ``samples`` round
+        trips; the one with the shortest round trip wins, offset = engine time - midpoint, uncertainty = half its
+        round trip. ``trace()`` takes them after each cell to put every rank's events on one time axis.
 
         Parameters
         ----------
         samples : int
-            Round trips per rank; at least 1.
+            Round trips per measured rank; at least 1.
         timeout : float
             Seconds each round trip may take.
+        measure_all : bool
+            Measure every rank by round trips, those that share this process's clock too.
 
         Returns
         -------
@@ -1167,8 +1172,9 @@ class Cluster:
         """
         samples = arguments.positive_int("samples", samples)
         timeout = arguments.seconds("timeout", timeout)
+        measure_all = arguments.flag("measure_all", measure_all)
         self._require_running()
-        return self._control.clock_offsets(samples, timeout)
+        return self._control.clock_offsets(samples, timeout, measure_all=measure_all)
 
     def status(self, full: bool = False) -> pd.DataFrame:
         """One row per rank: pid, device, backend, mesh coordinate, patch mode, state and the process group's health.

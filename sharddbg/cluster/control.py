@@ -5,7 +5,7 @@ runs (the collective releases the GIL). ``ControlChannel.request`` sends one mes
 the reply; the engine side (``sharddbg.engine.control``) defines the messages and their answers. Two
 uses: ``diagnose`` (each rank's stack, Flight Recorder and recording so far, for hang reports and for the
 events of a rank that hung during a trace) and ``clock_offsets`` (each rank's clock against this
-process's, by round trips).
+process's: known where they are one clock, else measured by round trips).
 
 ipyparallel has no public call for a custom control message, so ``_send`` uses its client's private
 control stream: this module is the only place that does.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from ..engine import api
+from ..engine import api, clock
 from ..errors import ClusterError
 
 
@@ -67,6 +67,29 @@ class ControlChannel:
             raise ControlTimeout(f"ranks {silent} did not answer {message_type!r} within {timeout:g} s", answers)
         return answers
 
+    def _offsets_known(self, ranks: list[int], timeout: float) -> dict[int, dict]:
+        """The offsets of the ``ranks`` that read this process's own monotonic clock (see ``clock_offsets``), from
+        one request to every rank at once."""
+        here = clock.domain()
+        if here is None:
+            return {}
+        t0 = time.monotonic_ns()
+        try:
+            readings = self.request_each(ranks, api.CLOCK_REQUEST, timeout=timeout)
+        except ControlTimeout as exc:
+            silent = [r for r in ranks if r not in exc.answers]
+            raise ClusterError(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer "
+                               f"a clock request within {timeout:g} s") from exc
+        t1 = time.monotonic_ns()
+        known = {}
+        for rank, reading in readings.items():
+            added = reading.get("injected_offset_ns")
+            # the reading must fall within the round trip: a clock that says it is this one but is not (a process
+            # that changed its clock some other way) is measured instead
+            if reading.get("domain") == here and type(added) is int and t0 <= int(reading["now_ns"]) - added <= t1:
+                known[rank] = {"offset_ns": added, "uncertainty_ns": 0}
+        return known
+
     # ------------------------------------------------------------------ uses
     def diagnose(self, ranks, timeout: float = 5.0, brief: bool = False) -> dict[int, dict | None]:
         """Each rank's diagnosis (``sharddbg.engine.control.diagnosis``); None for a rank that did not answer.
@@ -79,22 +102,30 @@ class ControlChannel:
         return {rank: answers[rank].get("report") if answers.get(rank, {}).get("status") == "ok" else None
                 for rank in ranks}
 
-    def clock_offsets(self, samples: int = 15, timeout: float = 5.0, ranks=None) -> dict[int, dict]:
+    def clock_offsets(self, samples: int = 15, timeout: float = 5.0, ranks=None,
+                      measure_all: bool = False) -> dict[int, dict]:
         """How far each rank's recorder clock is ahead of this process's ``time.monotonic_ns()``.
 
-        NTP-style: for each rank, ``samples`` round trips; the one with the shortest round trip wins,
-        offset = engine time - midpoint, uncertainty = half its round trip.
+        Every rank is asked once, all at once. A rank whose clock is this process's own monotonic clock (the same
+        ``clock.domain()``: one boot, one time namespace) is ahead by exactly what it adds to it
+        (``injected_offset_ns``, 0 but in tests), uncertainty 0, once its reading lies within that round trip
+        (else its clock is not what it says, and it is measured). Any other rank is measured NTP-style, one after
+        another: ``samples`` round trips, the one with the shortest round trip wins, offset = engine time -
+        midpoint, uncertainty = half its round trip. ``measure_all``: every rank measured so.
         Rank -> {"offset_ns", "uncertainty_ns"}.
         """
-        offsets = {}
-        for rank in range(len(self.engine_ids)) if ranks is None else ranks:
+        ranks = list(range(len(self.engine_ids)) if ranks is None else ranks)
+        offsets = {} if measure_all or not ranks else self._offsets_known(ranks, timeout)
+        for rank in ranks:
+            if rank in offsets:
+                continue
             best_round_trip_ns = best_offset_ns = None
             for _ in range(samples):
                 t0 = time.monotonic_ns()
                 try:
                     reply = self.request(rank, api.CLOCK_REQUEST, timeout=timeout)
                 except ControlTimeout as exc:
-                    raise ClusterError(f"rank {rank} did not answer a clock request within {timeout} s") from exc
+                    raise ClusterError(f"rank {rank} did not answer a clock request within {timeout:g} s") from exc
                 t1 = time.monotonic_ns()
                 if best_round_trip_ns is None or t1 - t0 < best_round_trip_ns:
                     best_round_trip_ns, best_offset_ns = t1 - t0, int(reply["now_ns"]) - (t0 + t1) // 2

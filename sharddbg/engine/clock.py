@@ -3,13 +3,19 @@
 ``now_ns()`` is ``time.monotonic_ns()`` plus an offset that is zero in normal use. Tests inject a known
 offset into one rank (``set_offset_ns``) to check that the client, which measures each rank's offset by
 round trips at gather time and subtracts it, lines the ranks up again.
+
+Processes of one boot of one kernel, in one time namespace, read one ``CLOCK_MONOTONIC``: ``domain()`` names
+that clock, so that the client can take a rank's offset as known (its injected offset) instead of measuring it,
+when the rank and the client share it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 _offset_ns = 0
+_domain: str | None | bool = False  # worked out on first use; False: not yet
 
 # Monotonic time in ns, plus the injected offset (0 unless a test set one). With no offset this IS the
 # C function (the recorder stamps several times per event; a Python wrapper cost ~0.1 us each time).
@@ -31,3 +37,32 @@ def set_offset_ns(ns: int) -> None:
 def describe() -> dict:
     """Plain-data description of this clock, stored in every payload."""
     return {"source": "time.monotonic_ns", "injected_offset_ns": _offset_ns}
+
+
+def domain() -> str | None:
+    """The clock ``time.monotonic_ns`` reads in this process, named: the kernel's boot id and this process's time
+    namespace (``"<boot id> time:[<inode>]"``); None where either cannot be read (not Linux), which leaves the offset
+    to be measured. Two processes with the same name read the same clock; a kernel without time namespaces (before
+    Linux 5.6) gives every process its one clock, named ``"<boot id> time:none"``."""
+    global _domain
+    if _domain is False:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            _domain = None
+        else:
+            try:
+                namespace = os.readlink("/proc/self/ns/time")
+            except FileNotFoundError:  # a kernel without time namespaces
+                namespace = "time:none"
+            except OSError:
+                namespace = None
+            _domain = f"{boot} {namespace}" if boot and namespace else None
+    return _domain
+
+
+def reading() -> dict:
+    """This process's clock now, for the client's offset: ``now_ns`` (sharddbg's clock), ``domain`` (``domain()``:
+    which monotonic clock it is made from) and ``injected_offset_ns`` (what it adds to that clock)."""
+    return {"now_ns": now_ns(), "domain": domain(), "injected_offset_ns": _offset_ns}

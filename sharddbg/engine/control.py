@@ -4,8 +4,9 @@ while the main thread is blocked inside a gloo/NCCL collective (they release the
 - ``DIAGNOSE_REQUEST`` -> ``DIAGNOSE_REPLY`` ``{"status": "ok", "report": diagnosis()}``: the main thread's
   Python stack, torch's Flight Recorder entries (the collectives this rank issued and whether they
   completed), the ranks of each process group, and the recorder's events so far when one is running.
-- ``CLOCK_REQUEST`` -> ``CLOCK_REPLY`` ``{"status": "ok", "now_ns": ...}``: this rank's sharddbg clock, for
-  the client's offset estimate (answered here, so no queue of user code lengthens the round trip).
+- ``CLOCK_REQUEST`` -> ``CLOCK_REPLY`` ``{"status": "ok", **clock.reading()}``: this rank's sharddbg clock, which
+  monotonic clock it is made from and what it adds to it, for the client's offset (answered here, so no queue of user
+  code lengthens the round trip).
 - ``RELEASE_REQUEST`` ``{"peer_pids": [...]}`` -> ``RELEASE_REPLY`` ``{"status": "ok", "severed": n,
   "aborted": [group names]}``: end every collective this rank waits in, now: its TCP connections to the
   peer processes are shut (a gloo collective fails at once with "Connection closed by peer") and its NCCL
@@ -233,7 +234,7 @@ def install_handlers() -> bool:
         kernel.session.send(stream, DIAGNOSE_REPLY, content, parent, ident=ident)
 
     def answer_clock(stream, ident, parent):
-        kernel.session.send(stream, CLOCK_REPLY, {"status": "ok", "now_ns": clock.now_ns()}, parent, ident=ident)
+        kernel.session.send(stream, CLOCK_REPLY, {"status": "ok", **clock.reading()}, parent, ident=ident)
 
     def answer_release(stream, ident, parent):
         try:
