@@ -131,6 +131,9 @@ def main(argv=None) -> None:
     ap.add_argument("--folder", default=None, help="where the files go (default: a temp folder)")
     ap.add_argument("--gather", action="store_true", help="only the gather from live engines")
     ap.add_argument("--recorded-ranks", type=int, default=2, help="with --gather-recorded: the cluster's ranks")
+    ap.add_argument("--backend", default=None, choices=("gloo", "nccl"),
+                    help="with --gather-recorded: the cluster's backend (default: the cluster's own choice; a GPU host "
+                         "picks NCCL, one GPU per rank)")
     ap.add_argument("--gather-recorded", action="store_true",
                     help="only the real path of a recording: cl.trace of a cell of --gather-events records per rank on "
                          "a 2-rank cluster; what it takes beyond the cell (the recorders stop and format their records, "
@@ -160,7 +163,7 @@ def main(argv=None) -> None:
     if args.gather:
         return gather(args.gather_ranks, args.gather_events)
     if args.gather_recorded:
-        return gather_recorded(args.gather_events, n_ranks=args.recorded_ranks)
+        return gather_recorded(args.gather_events, n_ranks=args.recorded_ranks, backend=args.backend)
     if args.cell_latency:
         return cell_latency()
     if args.job_folder:
@@ -438,17 +441,51 @@ def _shipped(as_columns):
         cl.stop()
 
 
-def gather_recorded(n_events: int, runs: int = 4, n_ranks: int = 2) -> None:
+def gather_recorded(n_events: int, runs: int = 4, n_ranks: int = 2, backend: str | None = None) -> None:
     """``cl.trace`` of a cell that records ``n_events`` records on each rank of an ``n_ranks`` cluster (sharded adds and
     multiplies), ``runs`` times: its wall time, the cell's own (``meta["wall_s"]``, the ranks running it under the
     recorder) and the rest, what the user waits for after the cell: the recorders stop and format their records
     (``api.recording_stop(columns_from=recording.COLUMNS_FROM)``: a payload of that many records or more goes as
-    Arrow columns), the pull, the clock offsets, the client's checks and ``Trace.from_payloads``."""
+    Arrow columns), the pull, the clock offsets, the client's checks and ``Trace.from_payloads``; and the gather
+    alone, that without the recorder's start (made before the cell, and counted in the cell's wall time by nothing
+    else)."""
     import statistics
 
     import sharddbg
+    from sharddbg import trace as trace_module
+    from sharddbg.cluster import control, execution
 
-    cl = sharddbg.Cluster(n=n_ranks, timeout=300)
+    # the client's phases of cl.trace, timed where CellTracer.trace calls them (wall seconds, this process)
+    phases: dict[str, float] = {}
+
+    def timed(what_of, call):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                what = what_of(kwargs)
+                phases[what] = phases.get(what, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    execution.RankExecution.call = timed(lambda kw: kw.get("what", "call"), execution.RankExecution.call)
+    # ipyparallel's own timestamps of each engine call (metadata: submitted, started, completed, received): how
+    # much of the recorder stop's wait is the engines' work and how much the transport
+    stamps: dict[str, list[dict]] = {}
+    collect = execution.RankExecution.collect
+
+    def collect_stamped(self, ar, ranks, *args, what: str, **kwargs):
+        try:
+            return collect(self, ar, ranks, *args, what=what, **kwargs)
+        finally:
+            stamps[what] = [dict(m) for m in ar._metadata]
+
+    execution.RankExecution.collect = collect_stamped
+    control.ControlChannel.clock_offsets = timed(lambda kw: "clock offsets", control.ControlChannel.clock_offsets)
+    from_payloads = trace_module.Trace.from_payloads.__func__
+    trace_module.Trace.from_payloads = classmethod(timed(lambda kw: "Trace.from_payloads", from_payloads))
+
+    cl = sharddbg.Cluster(n=n_ranks, timeout=300, **({"backend": backend} if backend else {}))
     cl.start()
     try:
         rows = 8 * n_ranks
@@ -476,8 +513,11 @@ _columnar.payload_as_columns = _timing("columns", _columnar.payload_as_columns)
 """, display=False)
         cell = f"for _ in range({n_events // 2}):\n    y = x + 1\n    y = y * 2\n"
         after: list[float] = []
+        gather_s: list[float] = []
         stop_cpu: list[float] = []
+        by_phase: dict[str, list[float]] = {}
         for _ in range(runs):
+            phases.clear()
             c = Clock()
             t = cl.trace(cell, display=False)
             wall, cpu = c.read()
@@ -490,10 +530,25 @@ _columnar.payload_as_columns = _timing("columns", _columnar.payload_as_columns)
                   f"cell {cell_s:.2f} s, after the cell {wall - cell_s:.2f} s; recording_stop on each engine (CPU s; "
                   f"collections per generation): " + "; ".join(
                       ", ".join(f"{what} {engine_cpu:.2f} {collections}" for what, engine_cpu, collections in timed)
-                      for timed in engines) + f"; held as columns: {t._columns is not None}", flush=True)
+                      for timed in engines) + f"; held as columns: {t._columns is not None}; client phases (s): "
+                  + ", ".join(f"{what} {s:.3f}" for what, s in phases.items()), flush=True)
+            for what, seconds in phases.items():
+                by_phase.setdefault(what, []).append(seconds)
+            gather_s.append(wall - cell_s - phases.get("recorder start", 0.0))
+            stop_stamps = stamps.get("recorder stop", [])
+            if stop_stamps:
+                sent = min(m["submitted"] for m in stop_stamps)
+                print("  recorder stop, ipyparallel's stamps per engine, s after it was sent (started, completed, "
+                      "received): " + "; ".join(
+                          f"{(m['started'] - sent).total_seconds():.3f}, {(m['completed'] - sent).total_seconds():.3f}, "
+                          f"{(m['received'] - sent).total_seconds():.3f}" for m in stop_stamps), flush=True)
             del t
         print(f"recording_stop on an engine: median {statistics.median(stop_cpu):.2f} s CPU (min {min(stop_cpu):.2f}, "
               f"max {max(stop_cpu):.2f})", flush=True)
+        print("client phases, median s: " + ", ".join(f"{what} {statistics.median(v):.3f}" for what, v in by_phase.items()),
+              flush=True)
+        print(f"the gather (after the cell, the recorder's start left out): median {statistics.median(gather_s):.2f} s "
+              f"(min {min(gather_s):.2f}, max {max(gather_s):.2f})", flush=True)
         print(f"after the cell: median {statistics.median(after):.2f} s (min {min(after):.2f}, max {max(after):.2f}); "
               f"{n_ranks} ranks, {os.cpu_count()} cores; engines' sharddbg {where}; load average {os.getloadavg()}", flush=True)
     finally:
