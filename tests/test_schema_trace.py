@@ -218,6 +218,16 @@ def test_payloads_as_columns_build_the_same_trace_and_refuse_what_dicts_refuse()
     assert str(as_columns.value) == str(as_dicts.value)
     with pytest.raises(schema.SchemaError, match="two payloads claim rank 0"):
         Trace.from_payloads([columnar.payload_as_columns(payload(0, ops)), payload(0, [])])
+    # the columns null in every row travel as Arrow's null type (no buffers) and are read back as the file's types
+    import pyarrow as pa
+
+    shipped = columnar.payload_as_columns(dicts[0])[columnar.EVENTS_AS_COLUMNS]
+    sent = pa.ipc.open_stream(pa.BufferReader(shipped)).read_all()
+    made = columnar.table_of_records(0, dicts[0]["events"])
+    untyped = [name for name, field in zip(sent.column_names, sent.schema) if pa.types.is_null(field.type)]
+    assert "wait_op_seq" in untyped and "op" not in untyped
+    assert untyped == [name for name in made.column_names if made.column(name).null_count == made.num_rows]
+    assert columnar.table_of_stream(shipped).equals(made)
     cut = dict(columnar.payload_as_columns(payload(0, ops)))
     cut[columnar.EVENTS_AS_COLUMNS] = cut[columnar.EVENTS_AS_COLUMNS][:100]
     with pytest.raises(schema.SchemaError, match="cannot be read: not a readable Arrow IPC stream"):

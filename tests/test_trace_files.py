@@ -302,6 +302,8 @@ COLUMNAR_CORRUPTIONS = {
                   r'not a sharddbg trace \(no "format": "sharddbg.trace" field\)'),
     "missing_column": (lambda t, path: _write_table(t.drop_columns(["host_ms"]), path),
                        r"column 'host_ms' is missing"),
+    "column_twice": (lambda t, path: _write_table(t.append_column(pa.field("seq", pa.int64()), t.column("seq")), path),
+                     r"column 'seq' appears more than once"),
     "wrong_column_type": (lambda t, path: _write_table(t.set_column(
                               t.column_names.index("seq"), pa.field("seq", pa.large_string()),
                               pa.array([str(v) for v in t.column("seq").to_pylist()], pa.large_string())), path),
