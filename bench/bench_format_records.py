@@ -6,9 +6,11 @@
   alternated ``--repeats`` times on the same recording in each engine, their CPU seconds, and whether the two made
   the same records (compared with ``==``); then again with the cyclic collector off (the formatting without the
   collection that walks its new records when the collector is back on);
-- ``--clock-offsets``: ``ControlChannel.clock_offsets`` (each rank asked in turn) against every rank asked at once in
+- ``--clock-offsets``: ``ControlChannel.clock_offsets`` as the trace takes them (known for the ranks that read the
+  client's own clock), measured with each rank asked in turn (``measure_all``), and with every rank asked at once in
   each round (the reply's arrival time taken where the client receives it), alternated: wall time and the
-  uncertainty each gives (half its best round trip), and whether their offsets agree within their uncertainties.
+  uncertainty each gives (half its best round trip; 0 where known), and whether their offsets agree within their
+  uncertainties.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_format_records.py --before-export /tmp/export_before.py
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_format_records.py --clock-offsets --ranks 8
@@ -121,7 +123,9 @@ def clock_offsets(n_ranks: int, repeats: int) -> int:
     cl.start()
     try:
         channel = cl._control
-        ways = {"each rank in turn (now)": channel.clock_offsets, "every rank at once": lambda: _all_at_once(channel)}
+        ways = {"known on one host (now)": channel.clock_offsets,
+                "each rank in turn": lambda: channel.clock_offsets(measure_all=True),
+                "every rank at once": lambda: _all_at_once(channel)}
         walls: dict[str, list[float]] = {w: [] for w in ways}
         measured: dict[str, list[dict]] = {w: [] for w in ways}
         for _ in range(repeats):
