@@ -207,7 +207,7 @@ def table_of_records(rank: int, events: list):
         return _table_of_records(rank, events)
 
 
-def table_holding_records(records_by_rank: list) -> Any:
+def table_holding_records(records_by_rank: list, values_from_json: bool = False) -> Any:
     """The columns of several ranks' records (``table_of_payloads``' table) when they hold them exactly, else None:
     ``records_of`` gives back dicts equal to them, each value of its own type (an int stays an int in a float field, a
     tuple is not made a list, an optional field holding None is not left out), and every record holds its kind's
@@ -218,6 +218,10 @@ def table_holding_records(records_by_rank: list) -> Any:
     ----------
     records_by_rank : list of (int, list)
         Each rank (ascending) and its records, as this schema reads them.
+    values_from_json : bool, default False
+        The records are what ``json.loads`` made: their values are of JSON's types only (no tuple, no numpy
+        scalar, no subclass), so that Arrow's reading of a column tells its types apart (an int among floats
+        excepted, looked for apart); else every value's type is looked at.
 
     Returns
     -------
@@ -237,7 +241,8 @@ def table_holding_records(records_by_rank: list) -> Any:
     with cyclic_gc_paused():
         try:
             # a table per rank, put together: each rank's records made into columns while they are in the cache
-            tables = [_table_of_records(rank, records, exact=True) for rank, records in records_by_rank if records]
+            exact = _EXACT_JSON if values_from_json else _EXACT_PYTHON
+            tables = [_table_of_records(rank, records, exact) for rank, records in records_by_rank if records]
             return concat_tables(tables) if tables else _table_of_records(0, [])
         except (_NotExact, ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError,
                 pa.ArrowException):
@@ -246,6 +251,13 @@ def table_holding_records(records_by_rank: list) -> Any:
 
 class _NotExact(Exception):
     """The columns would not give the records back as they are (``table_holding_records``)."""
+
+
+# how closely a table's build looks at the records it is given (the ``exact`` of ``_table_of_records``): None, not at
+# all (``table_of_records``: the records as this schema reads them, types as they are); where the columns give them
+# back as they are, with values json.loads made (JSON's types only), or with values of any Python type
+_EXACT_JSON = "values from JSON"
+_EXACT_PYTHON = "values of any type"
 
 
 # a column's kind -> the one Python type its values have (besides None) where the column gives them back as they are
@@ -412,9 +424,9 @@ _KNOWN: dict[Any, frozenset] = {kind: frozenset(KIND_COLUMNS[kind]) | frozenset(
 _KNOWN[None] = frozenset(("kind", "seq"))
 
 
-def _table_of_records(rank: int, events: list, exact: bool = False):
-    """``table_of_records``; with ``exact``, _NotExact where the columns would not give the records back as they are
-    (``table_holding_records``)."""
+def _table_of_records(rank: int, events: list, exact: str | None = None):
+    """``table_of_records``; with ``exact`` (``_EXACT_JSON`` or ``_EXACT_PYTHON``), _NotExact where the columns would
+    not give the records back as they are (``table_holding_records``)."""
     import numpy as np
     import pyarrow as pa
 
@@ -477,7 +489,7 @@ def cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _kind_table(kind: Any, records: list, exact: bool = False):
+def _kind_table(kind: Any, records: list, exact: str | None = None):
     """The columns of ``records``, all of record kind ``kind``; with ``exact``, _NotExact where they would not give
     the records back as they are."""
     import pyarrow as pa
@@ -516,9 +528,11 @@ def _kind_table(kind: Any, records: list, exact: bool = False):
                 values[name] = column
     if exact:
         for name, column in values.items():
-            wanted = _EXACT_TYPE.get(COLUMNS.get(name, "json"))
-            if wanted is not None and not set(map(type, column)) <= {wanted, type(None)}:
-                raise _NotExact
+            column_kind = COLUMNS.get(name, "json")
+            # JSON's values: Arrow's reading tells an int, a bool and a text apart (_arrow_column), not an int from a float
+            if column_kind != "json" and (exact == _EXACT_PYTHON or column_kind == "float"):
+                if not set(map(type, column)) <= {_EXACT_TYPE[column_kind], type(None)}:
+                    raise _NotExact
     made = _json_columns(pa, [name for name in own if COLUMNS[name] == "json"], values, n, exact)
     arrays = []
     fields = []
@@ -530,7 +544,7 @@ def _kind_table(kind: Any, records: list, exact: bool = False):
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-def _json_columns(pa, names: list[str], values: dict, n: int, exact: bool = False) -> dict:
+def _json_columns(pa, names: list[str], values: dict, n: int, exact: str | None = None) -> dict:
     """The JSON-text columns ``names`` of a kind's records, made together: a record's values of all of them are
     told apart at once (marshal's bytes of the tuple, in C), so that each field's text is made once per distinct
     combination, and the rows of a combination point at it; a trace repeats its shapes and placements, so the
@@ -570,7 +584,7 @@ def _json_columns(pa, names: list[str], values: dict, n: int, exact: bool = Fals
     return made
 
 
-def _arrow_column(pa, name: str, kind: str, column, n: int, exact: bool = False):
+def _arrow_column(pa, name: str, kind: str, column, n: int, exact: str | None = None):
     """The Arrow array of the file's type for one column's values (a sequence, or None: all null)."""
     import marshal
     from itertools import repeat
@@ -600,6 +614,18 @@ def _arrow_column(pa, name: str, kind: str, column, n: int, exact: bool = False)
             indices = pc.if_else(pc.equal(indices, distinct.index(_MARSHAL_NONE)), pa.scalar(None, pa.int32()),
                                  indices)
         return pa.DictionaryArray.from_arrays(indices, texts)
+    if exact == _EXACT_JSON and kind in ("int", "bool", "str"):
+        # the column's type as Arrow reads it: of JSON's values, only a column of ints reads as int64, of bools as bool,
+        # of texts as string (a float, an int among bools, a list: another type, or ArrowInvalid)
+        array = pa.array(column)
+        if array.null_count == n:
+            return pa.nulls(n, _arrow_type(pa, kind))
+        if kind == "str" and array.type == pa.string():
+            encoded = array.dictionary_encode()
+            return pa.DictionaryArray.from_arrays(encoded.indices, encoded.dictionary.cast(pa.large_string()))
+        if array.type != _arrow_type(pa, kind):
+            raise _NotExact
+        return array
     array = pa.array(column, type=_arrow_type(pa, kind, 1))
     if kind == "str":
         return array.dictionary_encode()

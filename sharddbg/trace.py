@@ -1155,7 +1155,7 @@ MAX_NESTING = 64
 RECORDS_AS_COLUMNS_FROM = 2000
 
 
-def _columns_of_big_payloads(ranks: list, payloads: list) -> Any:
+def _columns_of_big_payloads(ranks: list, payloads: list, values_from_json: bool = False) -> Any:
     """The columns (one table, ranks ascending) of the records of ``payloads`` (one per entry of ``ranks``, distinct
     integers; None for a rank that sent nothing) where some rank holds ``RECORDS_AS_COLUMNS_FROM`` records or more,
     each payload is of this schema version (its records are as this schema reads them), the columns give every
@@ -1172,7 +1172,7 @@ def _columns_of_big_payloads(ranks: list, payloads: list) -> Any:
                 or p.get("schema_version") != schema.SCHEMA_VERSION):
             return None
         records_by_rank.append((rank, p["events"]))
-    table = columnar.table_holding_records(records_by_rank)
+    table = columnar.table_holding_records(records_by_rank, values_from_json)
     if table is None:
         return None
     try:
@@ -1409,8 +1409,9 @@ def _trace_of_document(path: str, d: Any, records_as_columns: bool = True) -> Tr
 
 
 def _columns_of_document(d: dict) -> Any:
-    """The columns of a trace document's records (``_columns_of_big_payloads``) where its ``ranks`` and ``payloads``
-    are what a file holds (distinct ranks, one payload each); else None."""
+    """The columns of a trace document's records (``_columns_of_big_payloads``; its values are what json.loads or a
+    columnar file's reading made: JSON's types) where its ``ranks`` and ``payloads`` are what a file holds (distinct
+    ranks, one payload each); else None."""
     payloads = d.get("payloads")
     if not isinstance(payloads, list):
         return None
@@ -1418,7 +1419,7 @@ def _columns_of_document(d: dict) -> Any:
     if (not isinstance(ranks, list) or len(ranks) != len(payloads) or not all(_is_int(r) and r >= 0 for r in ranks)
             or len(set(ranks)) != len(ranks)):
         return None
-    return _columns_of_big_payloads(ranks, payloads)
+    return _columns_of_big_payloads(ranks, payloads, values_from_json=True)
 
 
 # An Arrow IPC file starts with these bytes; load_trace reads such a file as the columnar layout, any other as JSON.
