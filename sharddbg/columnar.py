@@ -192,7 +192,7 @@ def concat_tables(tables: list):
     of one chunk per column, their dictionaries unified."""
     import pyarrow as pa
 
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks()
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks(memory_pool=_building_pool(pa))
 
 
 def table_of_records(rank: int, events: list):
@@ -429,6 +429,7 @@ def _table_of_records(rank: int, events: list, exact: str | None = None):
     not give the records back as they are (``table_holding_records``)."""
     import numpy as np
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     n = len(events)
     try:
@@ -458,8 +459,10 @@ def _table_of_records(rank: int, events: list, exact: str | None = None):
     else:
         # the parts' rows back in the records' order: one take, in C
         order = np.argsort(np.concatenate(placed), kind="stable")
-        table = pa.concat_tables(parts).combine_chunks().take(order)
-    return table.add_column(0, pa.field("rank", pa.int64()), pa.array([rank] * n, pa.int64()))
+        pool = _building_pool(pa)
+        table = pc.take(pa.concat_tables(parts).combine_chunks(memory_pool=pool), order, memory_pool=pool)
+    return table.add_column(0, pa.field("rank", pa.int64()),
+                            pa.array([rank] * n, pa.int64(), memory_pool=_building_pool(pa)))
 
 
 @contextmanager
@@ -552,11 +555,15 @@ def _json_columns(pa, names: list[str], values: dict, n: int, exact: str | None 
     import marshal
     from itertools import repeat
 
+    import pyarrow.compute as pc
+
     if len(names) < 2:
         return {}
+    pool = _building_pool(pa)
     rows = list(zip(*(values[name] for name in names)))
     try:
-        keys = pa.array(list(map(marshal.dumps, rows, repeat(2, n))), pa.binary()).dictionary_encode()
+        keys = pc.dictionary_encode(pa.array(list(map(marshal.dumps, rows, repeat(2, n))), pa.binary(), memory_pool=pool),
+                                    memory_pool=pool)
     except ValueError:  # a value marshal cannot write: each column on its own, whose encoder names it
         return {}
     combinations = [marshal.loads(k) for k in keys.dictionary.to_pylist()]
@@ -576,12 +583,21 @@ def _json_columns(pa, names: list[str], values: dict, n: int, exact: str | None 
                 place = texts[key] = len(texts)
             places.append(place)
         if not texts:  # null in every row
-            made[name] = pa.nulls(n, _arrow_type(pa, "json"))
+            made[name] = pa.nulls(n, _arrow_type(pa, "json"), memory_pool=pool)
             continue
         text_of = (lambda v: _exact_text(v, "".join(encode(v, 0)))) if exact else (lambda v: "".join(encode(v, 0)))
-        dictionary = pa.array([text_of(marshal.loads(k)) for k in texts], pa.large_string())
-        made[name] = pa.DictionaryArray.from_arrays(pa.array(places, pa.int32()).take(keys.indices), dictionary)
+        dictionary = pa.array([text_of(marshal.loads(k)) for k in texts], pa.large_string(), memory_pool=pool)
+        indices = pc.take(pa.array(places, pa.int32(), memory_pool=pool), keys.indices, memory_pool=pool)
+        made[name] = pa.DictionaryArray.from_arrays(indices, dictionary)
     return made
+
+
+def _building_pool(pa) -> Any:
+    """The Arrow memory pool a table built from records is made in: the C library's (malloc). Arrow's default pool
+    (mimalloc) hands each freed block back to the system at once, and building a big table a rank at a time frees and
+    makes many blocks of a few hundred KiB: in a fresh process, the system's time to map them again was 1.2-1.9 s of
+    a million records' 5.6-6.0 s (bench/RESULTS.md, "A big trace of dicts")."""
+    return pa.system_memory_pool()
 
 
 def _arrow_column(pa, name: str, kind: str, column, n: int, exact: str | None = None):
@@ -591,13 +607,15 @@ def _arrow_column(pa, name: str, kind: str, column, n: int, exact: str | None = 
 
     import pyarrow.compute as pc
 
+    pool = _building_pool(pa)
     if column is None:
-        return pa.nulls(n, _arrow_type(pa, kind))
+        return pa.nulls(n, _arrow_type(pa, kind), memory_pool=pool)
     if kind == "json":
         # a field holding lists or dicts: its JSON text made once per distinct value, told apart by marshal's bytes
         # (made in C, exact: 1, 1.0 and True differ, as their JSON does)
         try:
-            keys = pa.array(list(map(marshal.dumps, column, repeat(2, n))), pa.binary()).dictionary_encode()
+            keys = pc.dictionary_encode(pa.array(list(map(marshal.dumps, column, repeat(2, n))), pa.binary(),
+                                                 memory_pool=pool), memory_pool=pool)
         except ValueError:  # a value marshal cannot write, so neither can JSON: the encoder names it
             encode = _json_encoder()
             for v in column:
@@ -608,27 +626,27 @@ def _arrow_column(pa, name: str, kind: str, column, n: int, exact: str | None = 
         # None's entry is never pointed at (its rows are made null) but must not be null: dictionaries with a null
         # cannot be unified when the ranks' tables are put together
         text_of = (lambda v: _exact_text(v, "".join(encode(v, 0)))) if exact else (lambda v: "".join(encode(v, 0)))
-        texts = pa.array([text_of(marshal.loads(k)) for k in distinct], pa.large_string())
+        texts = pa.array([text_of(marshal.loads(k)) for k in distinct], pa.large_string(), memory_pool=pool)
         indices = keys.indices
         if _MARSHAL_NONE in distinct:
             indices = pc.if_else(pc.equal(indices, distinct.index(_MARSHAL_NONE)), pa.scalar(None, pa.int32()),
-                                 indices)
+                                 indices, memory_pool=pool)
         return pa.DictionaryArray.from_arrays(indices, texts)
     if exact == _EXACT_JSON and kind in ("int", "bool", "str"):
         # the column's type as Arrow reads it: of JSON's values, only a column of ints reads as int64, of bools as bool,
         # of texts as string (a float, an int among bools, a list: another type, or ArrowInvalid)
-        array = pa.array(column)
+        array = pa.array(column, memory_pool=pool)
         if array.null_count == n:
-            return pa.nulls(n, _arrow_type(pa, kind))
+            return pa.nulls(n, _arrow_type(pa, kind), memory_pool=pool)
         if kind == "str" and array.type == pa.string():
-            encoded = array.dictionary_encode()
+            encoded = pc.dictionary_encode(array, memory_pool=pool)
             return pa.DictionaryArray.from_arrays(encoded.indices, encoded.dictionary.cast(pa.large_string()))
         if array.type != _arrow_type(pa, kind):
             raise _NotExact
         return array
-    array = pa.array(column, type=_arrow_type(pa, kind, 1))
+    array = pa.array(column, type=_arrow_type(pa, kind, 1), memory_pool=pool)
     if kind == "str":
-        return array.dictionary_encode()
+        return pc.dictionary_encode(array, memory_pool=pool)
     if kind == "float" and array.null_count < n and not pc.all(pc.is_finite(array.drop_null())).as_py():
         bad = next(v for v in column if v is not None and v - v != 0.0)
         raise ValueError(f"Out of range float values are not JSON compliant: {bad!r} in field {name!r}")
