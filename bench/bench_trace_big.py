@@ -294,6 +294,13 @@ t = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}
 wall, cpu = time.perf_counter(), time.process_time()
 t.save(sys.argv[3])
 print(time.perf_counter() - wall, time.process_time() - cpu)
+del t
+wall, cpu = time.perf_counter(), time.process_time()
+t = Trace.from_payloads(doc["payloads"])
+print(time.perf_counter() - wall, time.process_time() - cpu)
+wall, cpu = time.perf_counter(), time.process_time()
+t.save(sys.argv[3])
+print(time.perf_counter() - wall, time.process_time() - cpu)
 """
 
 
@@ -345,7 +352,8 @@ def json_load(path: str, folder: str, before_code: Path | None, runs: int) -> No
 
 def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None, source: Path) -> None:
     """The columnar save of ``n_events`` records over ``n_ranks`` ranks: a trace of dicts (``--before-code``'s, in a
-    process of its own, and this code's), and a trace built from the payloads as the engines send them as columns
+    process of its own, and this code's), ``Trace.from_payloads`` of the same dict payloads and the save after it,
+    and a trace built from the payloads as the engines send them as columns
     (``columnar.payload_as_columns`` on each, ``Trace.from_payloads``): wall and CPU seconds of each step."""
     import sharddbg
     from sharddbg import columnar
@@ -360,7 +368,10 @@ def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None
         out = subprocess.run([sys.executable, "-c", _SAVER, str(n_events), str(n_ranks),
                               os.path.join(folder, "before.sdtrace.arrow"), str(ROOT / "bench")],
                              capture_output=True, text=True, env=env, check=True, cwd=str(before_code))
-        note("save columnar, a trace of dicts: the code before", *(float(x) for x in out.stdout.split()[-2:]))
+        times = [float(x) for x in out.stdout.split()[-6:]]
+        note("save columnar, a trace of dicts: the code before", *times[:2])
+        note("Trace.from_payloads of dict payloads: the code before", *times[2:4])
+        note("save columnar, after it: the code before", *times[4:])
     c = Clock()
     doc = big_trace_document(n_events, n_ranks, source)
     note(f"build {n_events} records over {n_ranks} ranks (bench only)", *c.read())
@@ -368,6 +379,13 @@ def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None
     c = Clock()
     t.save(os.path.join(folder, "dicts.sdtrace.arrow"))
     note("save columnar, a trace of dicts: this code", *c.read())
+    del t
+    c = Clock()
+    t = Trace.from_payloads(doc["payloads"])
+    note("Trace.from_payloads of dict payloads: this code", *c.read(), f"held as columns: {t._columns is not None}")
+    c = Clock()
+    t.save(os.path.join(folder, "from_payloads.sdtrace.arrow"))
+    note("save columnar, after it: this code", *c.read())
     del t
     c = Clock()
     shipped = [columnar.payload_as_columns(p) for p in doc["payloads"]]

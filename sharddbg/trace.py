@@ -16,7 +16,8 @@ File format (``save`` / ``load_trace``), JSON::
 ``save("run.sdtrace.arrow")`` writes the same document as columns instead (``sharddbg.columnar``: an Arrow IPC
 file, for big traces); ``load_trace`` tells the two apart by their first bytes and checks both alike. A trace
 loaded from columns keeps them: its tables are built from the columns, its records made as dicts only when asked
-for (``events(rank)``, ``to_dict()``).
+for (``events(rank)``, ``to_dict()``). So does a big trace given as dicts (a JSON file, ``Trace.from_payloads``: a
+rank of ``RECORDS_AS_COLUMNS_FROM`` records or more), where the columns give every record back as it is.
 
 Every writer (``save``, ``to_perfetto``, ``to_html``) goes through ``write_file_atomically``: the file
 appears whole or not at all. ``load_trace`` refuses, naming the field (and payload, rank, event), a file
@@ -1278,7 +1279,9 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
         ``rank-NNNNN.arrows`` stream per rank, or ``rank-NNNNN.jsonl`` as sharddbg wrote them before). A rank
         whose stream has no end (its process was killed, or ended in a hang) loads up to its last flush,
         incomplete, with the reason; a stream cut mid-batch (mid-line) loads up to its last whole batch (line) and
-        the reason says where it is cut. The events of Arrow streams are kept as columns.
+        the reason says where it is cut. The events of Arrow streams are kept as columns, and so are those of a
+        big JSON file (a rank of ``RECORDS_AS_COLUMNS_FROM`` records or more; its records are made as dicts when
+        asked for, equal to the file's).
     allow_missing_ranks : bool, default False
         For a job folder: load the ranks whose streams are there when some are missing (marked incomplete)
         instead of refusing it.
