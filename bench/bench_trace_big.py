@@ -16,6 +16,8 @@ Measured in one run (wall and CPU seconds of each step; the CPU time is what a s
 - with ``--gather``: a 2-rank cluster whose engines hold ``--gather-ranks`` payloads of ``--gather-events``
   records between them, pulled with ``cl.eval`` (what the recorders' payloads go through) and built into a
   Trace (``Trace.from_payloads``: every payload checked), three times;
+- with ``--json-load FILE``: ``load_trace`` of a JSON trace file and the columnar save of what it gives, in fresh
+  processes, this code's and ``--before-code``'s alternating, and the two saved files compared;
 - with ``--gather-recorded``: the real path, ``cl.trace`` of a cell that records ``--gather-events`` records on
   each rank of a 2-rank cluster (``--recorded-ranks``), and what it takes beyond the cell (the recorders format their records, make
   them columns, the client pulls, checks and builds the Trace); ``--gather`` leaves the formatting out.
@@ -155,6 +157,11 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-old-json", action="store_true", help="leave out the JSON save of before (json.dump: minutes)")
     ap.add_argument("--skip-json-load", action="store_true", help="leave out load_trace of the JSON file (minutes)")
     ap.add_argument("--compare-formats", action="store_true", help="also the table as Arrow IPC against Parquet")
+    ap.add_argument("--json-load", default=None, metavar="FILE",
+                    help="only a JSON trace file FILE (.sdtrace.json): load_trace of it and the columnar save after, each "
+                         "in a fresh process, this code's and --before-code's alternating (--runs each); the two saved "
+                         "files compared")
+    ap.add_argument("--runs", type=int, default=2, help="with --json-load: the runs of each side")
     ap.add_argument("--columnar-only", default=None, metavar="FILE",
                     help="only the columnar file FILE (a .sdtrace.arrow this bench wrote): load it (a fresh process, "
                          "and this one), build its tables, save it again")
@@ -174,6 +181,8 @@ def main(argv=None) -> None:
                          args.source)
     if args.columnar_only:
         return columnar_only(args.columnar_only)
+    if args.json_load:
+        return json_load(args.json_load, args.folder or tempfile.mkdtemp(prefix="sdbench-"), args.before_code, args.runs)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -288,12 +297,66 @@ t = Trace(dict(zip(doc["ranks"], doc["payloads"])), {r: 0 for r in doc["ranks"]}
 wall, cpu = time.perf_counter(), time.process_time()
 t.save(sys.argv[3])
 print(time.perf_counter() - wall, time.process_time() - cpu)
+del t
+wall, cpu = time.perf_counter(), time.process_time()
+t = Trace.from_payloads(doc["payloads"])
+print(time.perf_counter() - wall, time.process_time() - cpu)
+wall, cpu = time.perf_counter(), time.process_time()
+t.save(sys.argv[3])
+print(time.perf_counter() - wall, time.process_time() - cpu)
 """
+
+
+# load_trace of a file, then its columnar save, in a process of its own: wall and CPU seconds of each, the peak
+# resident memory (VmHWM) after the load, and whether the trace holds its records as columns
+_LOAD_AND_SAVE = """
+import sys, time
+import sharddbg
+wall, cpu = time.perf_counter(), time.process_time()
+t = sharddbg.load_trace(sys.argv[1])
+load = (time.perf_counter() - wall, time.process_time() - cpu)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+wall, cpu = time.perf_counter(), time.process_time()
+t.save(sys.argv[2])
+print(*load, peak * 1024, time.perf_counter() - wall, time.process_time() - cpu, getattr(t, "_columns", None) is not None)
+"""
+
+
+def json_load(path: str, folder: str, before_code: Path | None, runs: int) -> None:
+    """``load_trace`` of the JSON trace file ``path`` and the columnar save of the trace it gives, each in a fresh
+    process, this code's and ``before_code``'s alternating (``runs`` of each); then the two saved files compared,
+    byte for byte and as decoded tables."""
+    import pyarrow as pa
+
+    os.makedirs(folder, exist_ok=True)
+    sides = [("after", ROOT)] + ([("before", before_code)] if before_code is not None else [])
+    saved = {}
+    for run in range(runs):
+        for side, code in (sides if run % 2 == 0 else sides[::-1]):
+            saved[side] = os.path.join(folder, f"{side}.sdtrace.arrow")
+            out = subprocess.run([sys.executable, "-c", _LOAD_AND_SAVE, os.path.abspath(path), saved[side]],
+                                 capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(code)), check=True,
+                                 cwd=str(code))
+            load_wall, load_cpu, rss, save_wall, save_cpu, held = out.stdout.split()[-6:]
+            print(f"{side:6s} run {run}: load_trace {float(load_wall):6.2f} s wall {float(load_cpu):6.2f} s CPU, peak RSS "
+                  f"{float(rss) / 2**30:.2f} GiB; then save .sdtrace.arrow {float(save_wall):6.2f} s wall "
+                  f"{float(save_cpu):6.2f} s CPU; held as columns: {held}; load average {os.getloadavg()[0]:.2f}",
+                  flush=True)
+    if len(saved) == 2:
+        with open(saved["after"], "rb") as a, open(saved["before"], "rb") as b:
+            same_bytes = a.read() == b.read()
+        tables = [pa.ipc.open_file(pa.memory_map(saved[side])).read_all() for side in ("after", "before")]
+        decoded = [t.replace_schema_metadata(None).cast(pa.schema([
+            pa.field(f.name, f.type.value_type if pa.types.is_dictionary(f.type) else f.type) for f in t.schema]))
+            for t in tables]
+        print(f"the saved files: the same bytes {same_bytes}; the same header {tables[0].schema.metadata == tables[1].schema.metadata}; "
+              f"the same decoded table {decoded[0].equals(decoded[1])}", flush=True)
 
 
 def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None, source: Path) -> None:
     """The columnar save of ``n_events`` records over ``n_ranks`` ranks: a trace of dicts (``--before-code``'s, in a
-    process of its own, and this code's), and a trace built from the payloads as the engines send them as columns
+    process of its own, and this code's), ``Trace.from_payloads`` of the same dict payloads and the save after it,
+    and a trace built from the payloads as the engines send them as columns
     (``columnar.payload_as_columns`` on each, ``Trace.from_payloads``): wall and CPU seconds of each step."""
     import sharddbg
     from sharddbg import columnar
@@ -308,7 +371,10 @@ def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None
         out = subprocess.run([sys.executable, "-c", _SAVER, str(n_events), str(n_ranks),
                               os.path.join(folder, "before.sdtrace.arrow"), str(ROOT / "bench")],
                              capture_output=True, text=True, env=env, check=True, cwd=str(before_code))
-        note("save columnar, a trace of dicts: the code before", *(float(x) for x in out.stdout.split()[-2:]))
+        times = [float(x) for x in out.stdout.split()[-6:]]
+        note("save columnar, a trace of dicts: the code before", *times[:2])
+        note("Trace.from_payloads of dict payloads: the code before", *times[2:4])
+        note("save columnar, after it: the code before", *times[4:])
     c = Clock()
     doc = big_trace_document(n_events, n_ranks, source)
     note(f"build {n_events} records over {n_ranks} ranks (bench only)", *c.read())
@@ -316,6 +382,13 @@ def save_only(n_events: int, n_ranks: int, folder: str, before_code: Path | None
     c = Clock()
     t.save(os.path.join(folder, "dicts.sdtrace.arrow"))
     note("save columnar, a trace of dicts: this code", *c.read())
+    del t
+    c = Clock()
+    t = Trace.from_payloads(doc["payloads"])
+    note("Trace.from_payloads of dict payloads: this code", *c.read(), f"held as columns: {t._columns is not None}")
+    c = Clock()
+    t.save(os.path.join(folder, "from_payloads.sdtrace.arrow"))
+    note("save columnar, after it: this code", *c.read())
     del t
     c = Clock()
     shipped = [columnar.payload_as_columns(p) for p in doc["payloads"]]

@@ -37,7 +37,7 @@ from typing import Any
 from . import schema
 
 __all__ = ["COLUMNS_VERSION", "LAYOUT", "COLUMNS", "KIND_COLUMNS", "write_document", "read_document", "read_table",
-           "write_table", "cyclic_gc_paused", "table_of_payloads", "table_of_records", "table_of_few_records", "RecordRows", "concat_tables", "file_table", "records_of", "decoded_json", "distinct_json", "EventColumns",
+           "write_table", "cyclic_gc_paused", "table_of_payloads", "table_of_records", "table_holding_records", "table_of_few_records", "RecordRows", "concat_tables", "file_table", "records_of", "decoded_json", "distinct_json", "EventColumns",
            "LazyRecords", "header_of", "EVENTS_AS_COLUMNS", "payload_as_columns", "table_of_stream",
            "ColumnarProblem"]
 
@@ -179,8 +179,6 @@ def table_of_payloads(ranks: list, payloads: list):
     field's text made once per distinct value.
 
     Raises ValueError for a NaN or infinite number, as JSON does."""
-    import pyarrow as pa
-
     with cyclic_gc_paused():
         tables = [table_of_records(rank, schema.current_events(p)) for rank, p in zip(ranks, payloads)
                   if p is not None]
@@ -194,7 +192,7 @@ def concat_tables(tables: list):
     of one chunk per column, their dictionaries unified."""
     import pyarrow as pa
 
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks()
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks(memory_pool=_building_pool(pa))
 
 
 def table_of_records(rank: int, events: list):
@@ -207,6 +205,82 @@ def table_of_records(rank: int, events: list):
 
     with cyclic_gc_paused():
         return _table_of_records(rank, events)
+
+
+def table_holding_records(records_by_rank: list, values_from_json: bool = False) -> Any:
+    """The columns of several ranks' records (``table_of_payloads``' table) when they hold them exactly, else None:
+    ``records_of`` gives back dicts equal to them, each value of its own type (an int stays an int in a float field, a
+    tuple is not made a list, an optional field holding None is not left out), and every record holds its kind's
+    fields. What makes a trace of dicts keep its records as columns (``trace.RECORDS_AS_COLUMNS_FROM``): where this
+    gives None, the records stay dicts and their checks name what is odd, if anything is wrong.
+
+    Parameters
+    ----------
+    records_by_rank : list of (int, list)
+        Each rank (ascending) and its records, as this schema reads them.
+    values_from_json : bool, default False
+        The records are what ``json.loads`` made: their values are of JSON's types only (no tuple, no numpy
+        scalar, no subclass), so that Arrow's reading of a column tells its types apart (an int among floats
+        excepted, looked for apart); else every value's type is looked at.
+
+    Returns
+    -------
+    pyarrow.Table or None
+        Their columns, or None where the columns would not give them back as they are (or cannot be built: a NaN,
+        a value JSON cannot write, a record that is not a dict).
+
+    Examples
+    --------
+    >>> records_of(table_holding_records([(0, [{"kind": "meta", "seq": 0, "name": "cell"}])]))
+    [{'kind': 'meta', 'seq': 0, 'name': 'cell'}]
+    >>> table_holding_records([(0, [{"kind": "meta", "seq": True}])]) is None
+    True
+    """
+    import pyarrow as pa
+
+    with cyclic_gc_paused():
+        try:
+            # a table per rank, put together: each rank's records made into columns while they are in the cache
+            exact = _EXACT_JSON if values_from_json else _EXACT_PYTHON
+            tables = [_table_of_records(rank, records, exact) for rank, records in records_by_rank if records]
+            return concat_tables(tables) if tables else _table_of_records(0, [])
+        except (_NotExact, ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError,
+                pa.ArrowException):
+            return None
+
+
+class _NotExact(Exception):
+    """The columns would not give the records back as they are (``table_holding_records``)."""
+
+
+# how closely a table's build looks at the records it is given (the ``exact`` of ``_table_of_records``): None, not at
+# all (``table_of_records``: the records as this schema reads them, types as they are); where the columns give them
+# back as they are, with values json.loads made (JSON's types only), or with values of any Python type
+_EXACT_JSON = "values from JSON"
+_EXACT_PYTHON = "values of any type"
+
+
+# a column's kind -> the one Python type its values have (besides None) where the column gives them back as they are
+_EXACT_TYPE = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _same_value(made: Any, value: Any) -> bool:
+    """``made`` (a value read back from its JSON text) is ``value``: equal, and of the same types all the way down
+    (1 is not 1.0 nor True, a tuple is not a list, a dict's keys in the same order)."""
+    if type(made) is not type(value):
+        return False
+    if type(value) is list:
+        return len(made) == len(value) and all(map(_same_value, made, value))
+    if type(value) is dict:
+        return list(made) == list(value) and all(map(_same_value, made.values(), value.values()))
+    return made == value
+
+
+def _exact_text(value: Any, text: str) -> str:
+    """``text``, the JSON text of ``value``, where it reads back as ``value`` (``_same_value``); _NotExact else."""
+    if not _same_value(json.loads(text), value):
+        raise _NotExact
+    return text
 
 
 def table_of_few_records(rank: int, records: list) -> Any:
@@ -350,16 +424,21 @@ _KNOWN: dict[Any, frozenset] = {kind: frozenset(KIND_COLUMNS[kind]) | frozenset(
 _KNOWN[None] = frozenset(("kind", "seq"))
 
 
-def _table_of_records(rank: int, events: list):
+def _table_of_records(rank: int, events: list, exact: str | None = None):
+    """``table_of_records``; with ``exact`` (``_EXACT_JSON`` or ``_EXACT_PYTHON``), _NotExact where the columns would
+    not give the records back as they are (``table_holding_records``)."""
     import numpy as np
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     n = len(events)
     try:
         kinds = list(map(itemgetter("kind"), events))
     except (KeyError, TypeError):
+        if exact:
+            raise _NotExact from None
         kinds = [ev.get("kind") for ev in events]
-    parts = []  # one table per record kind: its rows, every column (null where the kind has no such field)
+    parts = []  # one table per record kind: its rows, every column but rank (null where the kind has no such field)
     placed = []  # the rows of each part in ``events``
     kind_array = None
     for kind in dict.fromkeys(kinds):
@@ -372,14 +451,18 @@ def _table_of_records(rank: int, events: list):
             rows = np.flatnonzero(kind_array == kind)
             records = list(map(events.__getitem__, rows.tolist()))
             placed.append(rows)
-        parts.append(_kind_table(rank, kind, records))
+        parts.append(_kind_table(kind, records, exact))
     if not parts:
-        return _kind_table(rank, None, [])
-    if len(parts) == 1:
-        return parts[0]
-    # the parts' rows back in the records' order: one take, in C
-    order = np.argsort(np.concatenate(placed), kind="stable")
-    return pa.concat_tables(parts).combine_chunks().take(order)
+        table = _kind_table(None, [])
+    elif len(parts) == 1:
+        table = parts[0]
+    else:
+        # the parts' rows back in the records' order: one take, in C
+        order = np.argsort(np.concatenate(placed), kind="stable")
+        pool = _building_pool(pa)
+        table = pc.take(pa.concat_tables(parts).combine_chunks(memory_pool=pool), order, memory_pool=pool)
+    return table.add_column(0, pa.field("rank", pa.int64()),
+                            pa.array([rank] * n, pa.int64(), memory_pool=_building_pool(pa)))
 
 
 @contextmanager
@@ -409,19 +492,24 @@ def cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _kind_table(rank: int, kind: Any, records: list):
-    """The columns of ``records``, all of record kind ``kind``."""
+def _kind_table(kind: Any, records: list, exact: str | None = None):
+    """The columns of ``records``, all of record kind ``kind``; with ``exact``, _NotExact where they would not give
+    the records back as they are."""
     import pyarrow as pa
 
+    if exact and type(kind) is not str:
+        raise _NotExact
     n = len(records)
     own = KIND_COLUMNS.get(kind, ("kind", "seq"))
     optional = _OPTIONAL.get(kind, ())
     known = {*own, *optional}
     values: dict[str, list] = {}
     try:  # every record of a known kind holds its fields (as this schema reads it): read in C
-        values.update(zip(own, zip(*map(itemgetter(*own), records))))  # the star reads every record: a KeyError now
+        values.update(zip(own, _fields_of(own, records)))
         complete = True
     except KeyError:  # a record made by hand without some: None for what it lacks
+        if exact:
+            raise _NotExact from None
         values.update((name, [ev.get(name) for ev in records]) for name in own)
         complete = False
     # the records with keys beyond their kind's own (optional fields that say something, a meta record's data)
@@ -432,23 +520,50 @@ def _kind_table(rank: int, kind: Any, records: list):
             if name == "extra":
                 found = [{k: v for k, v in records[i].items() if k not in known} or None for i in odd]
             else:
-                found = [records[i].get(name) for i in odd]
+                found = [records[i].get(name, _ABSENT) for i in odd]
+                if exact and None in found:  # present and None: a column's null reads back as absent
+                    raise _NotExact
+                found = [None if v is _ABSENT else v for v in found]
             if any(v is not None for v in found):
                 column = [None] * n
                 for i, v in zip(odd, found):
                     column[i] = v
                 values[name] = column
-    made = _json_columns(pa, [name for name in own if COLUMNS[name] == "json"], values, n)
-    arrays = [pa.array([rank] * n, pa.int64())]
-    fields = [pa.field("rank", pa.int64())]
+    if exact:
+        for name, column in values.items():
+            column_kind = COLUMNS.get(name, "json")
+            # JSON's values: Arrow's reading tells an int, a bool and a text apart (_arrow_column), not an int from a float
+            if column_kind != "json" and (exact == _EXACT_PYTHON or column_kind == "float"):
+                if not set(map(type, column)) <= {_EXACT_TYPE[column_kind], type(None)}:
+                    raise _NotExact
+    made = _json_columns(pa, [name for name in own if COLUMNS[name] == "json"], values, n, exact)
+    arrays = []
+    fields = []
     for name in (*COLUMNS, "extra"):
         column_kind = "json" if name == "extra" else COLUMNS[name]
-        arrays.append(made[name] if name in made else _arrow_column(pa, name, column_kind, values.get(name), n))
+        arrays.append(made[name] if name in made else
+                      _arrow_column(pa, name, column_kind, values.get(name), n, exact))
         fields.append(pa.field(name, _arrow_type(pa, column_kind)))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-def _json_columns(pa, names: list[str], values: dict, n: int) -> dict:
+# records read at a time by _fields_of: their rows of values stay in the processor's cache while they are turned into
+# columns (a rank's rows at once did not: 0.98 against 0.70 s for 700,000 op records)
+_ROWS_AT_A_TIME = 1024
+
+
+def _fields_of(names: tuple, records: list) -> list[list]:
+    """The values of the fields ``names`` of every record, a list per field (KeyError where a record lacks one):
+    read in C, a block of records at a time."""
+    get = itemgetter(*names)
+    columns: list[list] = [[] for _name in names]
+    for start in range(0, len(records), _ROWS_AT_A_TIME):
+        for column, values in zip(columns, zip(*map(get, records[start:start + _ROWS_AT_A_TIME]))):
+            column.extend(values)
+    return columns
+
+
+def _json_columns(pa, names: list[str], values: dict, n: int, exact: str | None = None) -> dict:
     """The JSON-text columns ``names`` of a kind's records, made together: a record's values of all of them are
     told apart at once (marshal's bytes of the tuple, in C), so that each field's text is made once per distinct
     combination, and the rows of a combination point at it; a trace repeats its shapes and placements, so the
@@ -456,11 +571,15 @@ def _json_columns(pa, names: list[str], values: dict, n: int) -> dict:
     import marshal
     from itertools import repeat
 
+    import pyarrow.compute as pc
+
     if len(names) < 2:
         return {}
+    pool = _building_pool(pa)
     rows = list(zip(*(values[name] for name in names)))
     try:
-        keys = pa.array(list(map(marshal.dumps, rows, repeat(2, n))), pa.binary()).dictionary_encode()
+        keys = pc.dictionary_encode(pa.array(list(map(marshal.dumps, rows, repeat(2, n))), pa.binary(), memory_pool=pool),
+                                    memory_pool=pool)
     except ValueError:  # a value marshal cannot write: each column on its own, whose encoder names it
         return {}
     combinations = [marshal.loads(k) for k in keys.dictionary.to_pylist()]
@@ -480,27 +599,39 @@ def _json_columns(pa, names: list[str], values: dict, n: int) -> dict:
                 place = texts[key] = len(texts)
             places.append(place)
         if not texts:  # null in every row
-            made[name] = pa.nulls(n, _arrow_type(pa, "json"))
+            made[name] = pa.nulls(n, _arrow_type(pa, "json"), memory_pool=pool)
             continue
-        dictionary = pa.array(["".join(encode(marshal.loads(k), 0)) for k in texts], pa.large_string())
-        made[name] = pa.DictionaryArray.from_arrays(pa.array(places, pa.int32()).take(keys.indices), dictionary)
+        text_of = (lambda v: _exact_text(v, "".join(encode(v, 0)))) if exact else (lambda v: "".join(encode(v, 0)))
+        dictionary = pa.array([text_of(marshal.loads(k)) for k in texts], pa.large_string(), memory_pool=pool)
+        indices = pc.take(pa.array(places, pa.int32(), memory_pool=pool), keys.indices, memory_pool=pool)
+        made[name] = pa.DictionaryArray.from_arrays(indices, dictionary)
     return made
 
 
-def _arrow_column(pa, name: str, kind: str, column, n: int):
+def _building_pool(pa) -> Any:
+    """The Arrow memory pool a table built from records is made in: the C library's (malloc). Arrow's default pool
+    (mimalloc) hands each freed block back to the system at once, and building a big table a rank at a time frees and
+    makes many blocks of a few hundred KiB: in a fresh process, the system's time to map them again was 1.2-1.9 s of
+    a million records' 5.6-6.0 s (bench/RESULTS.md, "A big trace of dicts")."""
+    return pa.system_memory_pool()
+
+
+def _arrow_column(pa, name: str, kind: str, column, n: int, exact: str | None = None):
     """The Arrow array of the file's type for one column's values (a sequence, or None: all null)."""
     import marshal
     from itertools import repeat
 
     import pyarrow.compute as pc
 
+    pool = _building_pool(pa)
     if column is None:
-        return pa.nulls(n, _arrow_type(pa, kind))
+        return pa.nulls(n, _arrow_type(pa, kind), memory_pool=pool)
     if kind == "json":
         # a field holding lists or dicts: its JSON text made once per distinct value, told apart by marshal's bytes
         # (made in C, exact: 1, 1.0 and True differ, as their JSON does)
         try:
-            keys = pa.array(list(map(marshal.dumps, column, repeat(2, n))), pa.binary()).dictionary_encode()
+            keys = pc.dictionary_encode(pa.array(list(map(marshal.dumps, column, repeat(2, n))), pa.binary(),
+                                                 memory_pool=pool), memory_pool=pool)
         except ValueError:  # a value marshal cannot write, so neither can JSON: the encoder names it
             encode = _json_encoder()
             for v in column:
@@ -510,15 +641,28 @@ def _arrow_column(pa, name: str, kind: str, column, n: int):
         encode = _json_encoder()
         # None's entry is never pointed at (its rows are made null) but must not be null: dictionaries with a null
         # cannot be unified when the ranks' tables are put together
-        texts = pa.array(["".join(encode(marshal.loads(k), 0)) for k in distinct], pa.large_string())
+        text_of = (lambda v: _exact_text(v, "".join(encode(v, 0)))) if exact else (lambda v: "".join(encode(v, 0)))
+        texts = pa.array([text_of(marshal.loads(k)) for k in distinct], pa.large_string(), memory_pool=pool)
         indices = keys.indices
         if _MARSHAL_NONE in distinct:
             indices = pc.if_else(pc.equal(indices, distinct.index(_MARSHAL_NONE)), pa.scalar(None, pa.int32()),
-                                 indices)
+                                 indices, memory_pool=pool)
         return pa.DictionaryArray.from_arrays(indices, texts)
-    array = pa.array(column, type=_arrow_type(pa, kind, 1))
+    if exact == _EXACT_JSON and kind in ("int", "bool", "str"):
+        # the column's type as Arrow reads it: of JSON's values, only a column of ints reads as int64, of bools as bool,
+        # of texts as string (a float, an int among bools, a list: another type, or ArrowInvalid)
+        array = pa.array(column, memory_pool=pool)
+        if array.null_count == n:
+            return pa.nulls(n, _arrow_type(pa, kind), memory_pool=pool)
+        if kind == "str" and array.type == pa.string():
+            encoded = pc.dictionary_encode(array, memory_pool=pool)
+            return pa.DictionaryArray.from_arrays(encoded.indices, encoded.dictionary.cast(pa.large_string()))
+        if array.type != _arrow_type(pa, kind):
+            raise _NotExact
+        return array
+    array = pa.array(column, type=_arrow_type(pa, kind, 1), memory_pool=pool)
     if kind == "str":
-        return array.dictionary_encode()
+        return pc.dictionary_encode(array, memory_pool=pool)
     if kind == "float" and array.null_count < n and not pc.all(pc.is_finite(array.drop_null())).as_py():
         bad = next(v for v in column if v is not None and v - v != 0.0)
         raise ValueError(f"Out of range float values are not JSON compliant: {bad!r} in field {name!r}")
@@ -526,6 +670,7 @@ def _arrow_column(pa, name: str, kind: str, column, n: int):
 
 
 _MARSHAL_NONE = b"N"  # marshal's bytes of None: a null row
+_ABSENT = object()  # a key a record does not hold
 
 
 # A payload whose records travel as columns (``payload_as_columns``) holds, instead of ``events``, this key: an Arrow

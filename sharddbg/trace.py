@@ -16,7 +16,8 @@ File format (``save`` / ``load_trace``), JSON::
 ``save("run.sdtrace.arrow")`` writes the same document as columns instead (``sharddbg.columnar``: an Arrow IPC
 file, for big traces); ``load_trace`` tells the two apart by their first bytes and checks both alike. A trace
 loaded from columns keeps them: its tables are built from the columns, its records made as dicts only when asked
-for (``events(rank)``, ``to_dict()``).
+for (``events(rank)``, ``to_dict()``). So does a big trace given as dicts (a JSON file, ``Trace.from_payloads``: a
+rank of ``RECORDS_AS_COLUMNS_FROM`` records or more), where the columns give every record back as it is.
 
 Every writer (``save``, ``to_perfetto``, ``to_html``) goes through ``write_file_atomically``: the file
 appears whole or not at all. ``load_trace`` refuses, naming the field (and payload, rank, event), a file
@@ -59,7 +60,7 @@ TRACE_FORMAT = "sharddbg.trace"
 TRACE_VERSION = 1
 
 __all__ = ["Trace", "load_trace", "TRACE_FORMAT", "TRACE_VERSION", "MAX_ABS_INT",
-           "MAX_NESTING"]
+           "MAX_NESTING", "RECORDS_AS_COLUMNS_FROM"]
 
 
 class Trace:
@@ -147,7 +148,11 @@ class Trace:
         as columns (``api.recording_stop(columns_from=...)``: ``columnar.EVENTS_AS_COLUMNS``) make a trace that
         keeps them as one table (as one loaded from a ``.sdtrace.arrow`` file does), checked on whole columns;
         where those checks find anything, the records are made as dicts and checked one by one, so that the
-        error is the one the same records as dicts give.
+        error is the one the same records as dicts give. Payloads of dicts of which some rank holds
+        ``RECORDS_AS_COLUMNS_FROM`` records or more are made into such a table too (the payloads and records given
+        are left as they are; the trace's records are equal to them, made from the columns when asked for), unless
+        the columns would not give every record back as it is (``columnar.table_holding_records``) or their
+        checks find anything: the trace then holds the records given, checked one by one.
 
         Parameters
         ----------
@@ -185,6 +190,9 @@ class Trace:
         by_position = dict(payloads.items() if isinstance(payloads, dict) else enumerate(payloads))
         if any(isinstance(p, dict) and columnar.EVENTS_AS_COLUMNS in p for p in by_position.values()):
             return _trace_of_payloads_as_columns(cls, by_position, clock_offsets_ns, meta, incomplete_ranks)
+        as_columns = _trace_of_big_dict_payloads(cls, by_position, clock_offsets_ns, meta, incomplete_ranks)
+        if as_columns is not None:
+            return as_columns
         items = by_position.items()
         by_rank: dict[int, dict | None] = {}
         incomplete = set(int(r) for r in incomplete_ranks)
@@ -1141,6 +1149,58 @@ _INT_BOUND_TEXT = "integers in a trace lie within +-2**61: times are int64 ns, a
 MAX_NESTING = 64
 
 
+# A trace of which some rank holds this many records or more, given as dicts (a ``.sdtrace.json`` file,
+# ``Trace.from_payloads`` of dict payloads), keeps every rank's records as columns, as one gathered live or loaded
+# from a ``.sdtrace.arrow`` file does: its records are checked on whole columns, its tables built from them and its
+# save as ``.sdtrace.arrow`` is the table's write. The rank's threshold of the gather (``cluster.recording``).
+RECORDS_AS_COLUMNS_FROM = 2000
+
+
+def _columns_of_big_payloads(ranks: list, payloads: list, values_from_json: bool = False) -> Any:
+    """The columns (one table, ranks ascending) of the records of ``payloads`` (one per entry of ``ranks``, distinct
+    integers; None for a rank that sent nothing) where some rank holds ``RECORDS_AS_COLUMNS_FROM`` records or more,
+    each payload is of this schema version (its records are as this schema reads them), the columns give every
+    record back as it is (``columnar.table_holding_records``) and pass the checks of every record
+    (``columnar.plainly_valid``); else None: the records are then checked as dicts, which name what is wrong."""
+    if not any(type(p) is dict and type(p.get("events")) is list and len(p["events"]) >= RECORDS_AS_COLUMNS_FROM
+               for p in payloads):
+        return None
+    records_by_rank = []
+    for rank, p in sorted(zip(ranks, payloads), key=lambda entry: entry[0]):
+        if p is None:
+            continue
+        if (type(p) is not dict or type(p.get("events")) is not list
+                or p.get("schema_version") != schema.SCHEMA_VERSION):
+            return None
+        records_by_rank.append((rank, p["events"]))
+    table = columnar.table_holding_records(records_by_rank, values_from_json)
+    if table is None:
+        return None
+    try:
+        plain = columnar.plainly_valid(table, ranks, payloads, MAX_ABS_INT, MAX_NESTING)
+    except (ValueError, TypeError, OverflowError):
+        plain = False
+    return table if plain else None
+
+
+def _trace_of_big_dict_payloads(cls, payloads: dict, clock_offsets_ns, meta, incomplete_ranks) -> Trace | None:
+    """``Trace.from_payloads`` of dict payloads (position -> payload or None) whose records it keeps as columns
+    (``_columns_of_big_payloads``), their headers checked as the dict path checks them; None where it keeps them as
+    dicts. The caller's payloads are left as they are: the trace holds copies whose records are the columns."""
+    given = [p for p in payloads.values() if p is not None]
+    if not all(type(p) is dict for p in given):
+        return None
+    ranks = [p.get("rank") for p in given]
+    if not all(_is_int(r) for r in ranks) or len(set(ranks)) != len(ranks):
+        return None
+    with _analysis_formatting.cyclic_gc_paused():
+        table = _columns_of_big_payloads(ranks, given)
+        if table is None:
+            return None
+        heads = {pos: None if p is None else dict(p, events=[]) for pos, p in payloads.items()}
+        return _hold_columns(cls.from_payloads(heads, clock_offsets_ns, meta, incomplete_ranks), table)
+
+
 def _trace_of_payloads_as_columns(cls, payloads: dict, clock_offsets_ns, meta, incomplete_ranks) -> Trace:
     """``Trace.from_payloads`` of payloads some of which hold their records as columns: the trace keeps every rank's
     rows as one table, its records checked on whole columns (``columnar.plainly_valid``); where those checks find
@@ -1219,7 +1279,9 @@ def load_trace(path: str | os.PathLike, *, allow_missing_ranks: bool = False) ->
         ``rank-NNNNN.arrows`` stream per rank, or ``rank-NNNNN.jsonl`` as sharddbg wrote them before). A rank
         whose stream has no end (its process was killed, or ended in a hang) loads up to its last flush,
         incomplete, with the reason; a stream cut mid-batch (mid-line) loads up to its last whole batch (line) and
-        the reason says where it is cut. The events of Arrow streams are kept as columns.
+        the reason says where it is cut. The events of Arrow streams are kept as columns, and so are those of a
+        big JSON file (a rank of ``RECORDS_AS_COLUMNS_FROM`` records or more; its records are made as dicts when
+        asked for, equal to the file's).
     allow_missing_ranks : bool, default False
         For a job folder: load the ranks whose streams are there when some are missing (marked incomplete)
         instead of refusing it.
@@ -1297,7 +1359,7 @@ def _trace_of_columnar_file(path: str, raw: bytes) -> Trace:
     except (ValueError, TypeError, OverflowError):  # a text that is not JSON, a value of no known kind
         plain = False
     if not plain:
-        return _trace_of_document(path, _document_of_columnar_file(path, raw))
+        return _trace_of_document(path, _document_of_columnar_file(path, raw), records_as_columns=False)
     d = {k: v for k, v in header.items() if k not in ("layout", "columns")}
     # the header checked as a document whose payloads have no records yet: the columns were checked above
     d["payloads"] = [dict(p, events=[]) if isinstance(p, dict) else p for p in payloads]
@@ -1323,8 +1385,10 @@ def _document_of_columnar_file(path: str, raw: bytes) -> dict:
         raise TraceFileError(f"{path}: corrupt sharddbg trace (columnar file): {e}") from None
 
 
-def _trace_of_document(path: str, d: Any) -> Trace:
-    """The Trace of a trace document (a JSON file's, or a columnar file's turned back into it), checked."""
+def _trace_of_document(path: str, d: Any, records_as_columns: bool = True) -> Trace:
+    """The Trace of a trace document (a JSON file's, or a columnar file's turned back into it), checked. With
+    ``records_as_columns``, a big one keeps its records as columns (``_columns_of_big_payloads``), its header checked
+    as the whole document's would be: its records passed the same checks on columns."""
     if not isinstance(d, dict) or d.get("format") != TRACE_FORMAT:
         raise TraceFileError(f"{path}: not a sharddbg trace (no \"format\": \"{TRACE_FORMAT}\" field)")
     v = d.get("version")
@@ -1337,10 +1401,28 @@ def _trace_of_document(path: str, d: Any) -> Trace:
     if _is_int(sv) and sv > schema.SCHEMA_VERSION:
         raise TraceFileError(f"{path}: its events use schema version {sv!r}; this sharddbg reads up to "
                              f"{schema.SCHEMA_VERSION}: upgrade sharddbg")
+    table = _columns_of_document(d) if records_as_columns else None
     try:
-        return _trace_of_file(d)
+        if table is None:
+            return _trace_of_file(d)
+        header = dict(d, payloads=[dict(p, events=[]) if isinstance(p, dict) else p for p in d["payloads"]])
+        return _hold_columns(_trace_of_file(header), table)
     except _FileProblem as e:
         raise TraceFileError(f"{path}: corrupt sharddbg trace: {e}") from None
+
+
+def _columns_of_document(d: dict) -> Any:
+    """The columns of a trace document's records (``_columns_of_big_payloads``; its values are what json.loads or a
+    columnar file's reading made: JSON's types) where its ``ranks`` and ``payloads`` are what a file holds (distinct
+    ranks, one payload each); else None."""
+    payloads = d.get("payloads")
+    if not isinstance(payloads, list):
+        return None
+    ranks = d["ranks"] if "ranks" in d else list(range(len(payloads)))
+    if (not isinstance(ranks, list) or len(ranks) != len(payloads) or not all(_is_int(r) and r >= 0 for r in ranks)
+            or len(set(ranks)) != len(ranks)):
+        return None
+    return _columns_of_big_payloads(ranks, payloads, values_from_json=True)
 
 
 # An Arrow IPC file starts with these bytes; load_trace reads such a file as the columnar layout, any other as JSON.

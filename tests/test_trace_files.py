@@ -726,3 +726,183 @@ def test_what_is_not_a_regular_file_is_refused_before_reading(tmp_path, path, wh
     path = os.fspath(tmp_path) if path == "<tmp>" else path
     with pytest.raises(TraceFileError, match=f"^{re.escape(path)} is {what}, not a trace file"):
         load_trace(path)
+
+
+# ---- a big trace given as dicts keeps its records as columns ----------------------------------------------
+def current_golden() -> dict:
+    """The golden trace's document with its records as this schema writes them (the file is of schema 4): what a
+    trace file of this sharddbg holds."""
+    d = golden()
+    for p in d["payloads"]:
+        p["events"] = schema.current_events(p)
+        p["schema_version"] = schema.SCHEMA_VERSION
+    d["schema_version"] = schema.SCHEMA_VERSION
+    return d
+
+
+def _records_as_columns_from(monkeypatch, count: int) -> None:
+    """A rank of ``count`` records or more makes the trace's records columns (the golden trace's ranks hold 26)."""
+    from sharddbg import trace as trace_module
+
+    monkeypatch.setattr(trace_module, "RECORDS_AS_COLUMNS_FROM", count)
+
+
+def _as_json(value) -> str:
+    """``value`` as JSON, its objects' keys sorted: equal texts are equal values of the same types (1 is not 1.0)."""
+    return json.dumps(value, sort_keys=True)
+
+
+def test_big_json_trace_keeps_its_records_as_columns_and_saves_the_file_of_its_dicts(tmp_path, monkeypatch):
+    """A JSON trace of which a rank holds RECORDS_AS_COLUMNS_FROM records or more loads holding columns: its records
+    (made when asked for) are the file's, types and all; its tables are those of the same trace held as dicts; saved
+    as columns it writes the bytes the trace of dicts writes, saved as JSON the same document."""
+    path = tmp_path / NAME
+    d = current_golden()
+    path.write_text(json.dumps(d))
+    _records_as_columns_from(monkeypatch, 10**9)
+    as_dicts = load_trace(path)
+    _records_as_columns_from(monkeypatch, 26)
+    as_columns = load_trace(path)
+    assert all(isinstance(as_columns.payloads[r]["events"], columnar.LazyRecords) for r in as_columns.ranks)
+    assert not any(isinstance(as_dicts.payloads[r]["events"], columnar.LazyRecords) for r in as_dicts.ranks)
+    for table in TABLES:
+        pd.testing.assert_frame_equal(getattr(as_dicts, table)(), getattr(as_columns, table)(), obj=table,
+                                      check_exact=True)
+    assert not any(as_columns.payloads[r]["events"].made for r in as_columns.ranks), "a table made the dicts"
+    dicts_file = as_dicts.save(tmp_path / "dicts.sdtrace.arrow")
+    columns_file = as_columns.save(tmp_path / "columns.sdtrace.arrow")
+    assert Path(dicts_file).read_bytes() == Path(columns_file).read_bytes()
+    assert json.loads(Path(as_columns.save(tmp_path / "columns.sdtrace.json")).read_text()) == d
+    for r, p in zip(d["ranks"], d["payloads"]):
+        assert _as_json(as_columns.events(r)) == _as_json(p["events"])
+    _records_as_columns_from(monkeypatch, 27)  # no rank holds 27: every rank's records stay dicts
+    assert not isinstance(load_trace(path).payloads[0]["events"], columnar.LazyRecords)
+
+
+@pytest.mark.parametrize("corrupt, match", CORRUPTIONS, ids=[c.__name__.strip("_") for c, _ in CORRUPTIONS])
+def test_self_contradicting_big_json_file_is_refused_as_its_dicts_are(tmp_path, monkeypatch, corrupt, match):
+    """Every corruption of a file whose records would be held as columns gives the message of the records as dicts."""
+    d = current_golden()
+    event_index = corrupt(d)
+    path = tmp_path / NAME
+    path.write_text(json.dumps(d))
+    messages = []
+    for count in (10**9, 1):
+        _records_as_columns_from(monkeypatch, count)
+        with pytest.raises(TraceFileError) as info:
+            load_trace(path)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    assert re.search(match.format(i=event_index), messages[1]), messages[1]
+
+
+def _set_first_op(**fields):
+    def change(d):
+        i, ev = first_op(d, 1)
+        ev.update(fields)
+        return i
+    return change
+
+
+def _drop_from_first_op(name):
+    def change(d):
+        i, ev = first_op(d, 1)
+        del ev[name]
+        return i
+    return change
+
+
+def _set_first_collective(**fields):
+    def change(d):
+        ev = next(e for e in d["payloads"][2]["events"] if e["kind"] == "collective")
+        ev.update(fields)
+    return change
+
+
+# a record of a big payload that the columns would not give back as it is, or that its checks refuse: (the change,
+# what the message says; None: the file loads, its records as dicts)
+ODD_RECORDS = {
+    "unknown phase": (_set_first_op(phase="sideways"), r"rank 1 event #{i}: unknown phase 'sideways'"),
+    "text in a float field": (_set_first_op(host_ms="fast"), r"field 'host_ms' = 'fast' has type str"),
+    "float in an int field": (_set_first_op(t_start_ns=1.5), r"field 't_start_ns' = 1.5 has type float"),
+    "bool in an int field": (_set_first_op(in_bytes=True), r"field 'in_bytes' = True has type bool"),
+    "int in a bool field": (_set_first_op(fallback=1), r"field 'fallback' = 1 has type int"),
+    "int in a text field": (_set_first_op(dtype=7), r"field 'dtype' = 7 has type int"),
+    "field missing": (_drop_from_first_op("module"), r"missing field\(s\) \['module'\]"),
+    "optional field null": (_set_first_op(spec_mismatches=None), r"field 'spec_mismatches' = None has type NoneType"),
+    "optional item without its fields": (_set_first_op(replicas=[{"key": "w"}]), r"replicas: missing field"),
+    "bad error record": (_set_first_op(error={"exc_type": "E"}), r"error: missing field"),
+    "negative bytes": (_set_first_collective(bytes_sent=-1), r"negative byte count"),
+    "unknown kind": (lambda d: d["payloads"][0]["events"].append({"kind": "mystery", "seq": 10**6}),
+                     r"unknown kind 'mystery'"),
+    "int in a float field": (_set_first_op(host_ms=3), None),
+    "float of an int's value": (_set_first_op(t_end_ns=None, host_ms=2.0), None),
+    "key beyond its kind's": (_set_first_op(note={"by": "hand"}), None),
+    "meta record": (lambda d: d["payloads"][3]["events"].append({"kind": "meta", "seq": 10**6, "name": "cell",
+                                                                   "data": {"a": [1, 2.5, None, True]}}), None),
+}
+
+
+@pytest.mark.parametrize("case", list(ODD_RECORDS))
+def test_odd_record_in_a_big_json_file_reads_as_its_dicts(tmp_path, monkeypatch, case):
+    """A record that the columns would not hold as it is (an int in a float field), or that the checks refuse, in a
+    file whose records would be held as columns: the file is refused with the message of the records as dicts, or
+    loads with the records exactly as written."""
+    change, match = ODD_RECORDS[case]
+    d = current_golden()
+    event_index = change(d)
+    path = tmp_path / NAME
+    path.write_text(json.dumps(d))
+    _records_as_columns_from(monkeypatch, 1)
+    if match is not None:
+        with pytest.raises(TraceFileError) as as_columns:
+            load_trace(path)
+        _records_as_columns_from(monkeypatch, 10**9)
+        with pytest.raises(TraceFileError) as as_dicts:
+            load_trace(path)
+        assert str(as_columns.value) == str(as_dicts.value)
+        assert re.search(match.format(i=event_index), str(as_columns.value)), str(as_columns.value)
+        return
+    t = load_trace(path)
+    for r, p in zip(d["ranks"], d["payloads"]):
+        assert _as_json(t.events(r)) == _as_json(p["events"])
+    _records_as_columns_from(monkeypatch, 10**9)
+    pd.testing.assert_frame_equal(t.get_ops(), load_trace(path).get_ops(), check_exact=True)
+
+
+def test_big_dict_payloads_make_a_trace_of_columns_and_leave_the_callers_alone(monkeypatch):
+    """``Trace.from_payloads`` of big dict payloads: the trace holds columns, its records equal the caller's, the
+    caller's payloads and records are not changed; records the columns would not give back as they are (an int in a
+    float field, a dict of int keys, a tuple, a numpy number) keep the trace of the caller's dicts, whose checks say
+    what is wrong."""
+    np = pytest.importorskip("numpy")
+    d = current_golden()
+    given = json.loads(json.dumps(d["payloads"]))
+    kept = json.dumps(given)
+    _records_as_columns_from(monkeypatch, 26)
+    t = Trace.from_payloads(given, d["clock_offsets_ns"] and {int(k): v for k, v in d["clock_offsets_ns"].items()})
+    assert all(isinstance(t.payloads[r]["events"], columnar.LazyRecords) for r in t.ranks)
+    assert json.dumps(given) == kept and all(type(p["events"]) is list for p in given)
+    assert [_as_json(t.events(r)) for r in t.ranks] == [_as_json(p["events"]) for p in given]
+    _records_as_columns_from(monkeypatch, 10**9)
+    as_dicts = Trace.from_payloads(given, {int(k): v for k, v in d["clock_offsets_ns"].items()})
+    for table in TABLES:
+        pd.testing.assert_frame_equal(getattr(as_dicts, table)(), getattr(t, table)(), obj=table, check_exact=True)
+    _records_as_columns_from(monkeypatch, 26)
+    i, ev = first_op({"payloads": given}, 0)
+    for odd in ({"host_ms": 3}, {"sharding_shapes": {0: [1]}}):
+        changed = json.loads(kept)
+        changed[0]["events"][i] = dict(ev, **odd)
+        t = Trace.from_payloads(changed)
+        assert t.payloads[0]["events"] is changed[0]["events"], odd  # the caller's records, as before
+    for bad in ({"in_bytes": np.int64(5)}, {"fallback": np.bool_(True)}, {"dtype": b"float32"},
+                {"out_local_shape": tuple(ev["out_local_shape"])}):
+        changed = json.loads(kept)
+        changed[0]["events"][i] = dict(ev, **bad)
+        messages = []
+        for count in (26, 10**9):
+            _records_as_columns_from(monkeypatch, count)
+            with pytest.raises(schema.SchemaError) as info:
+                Trace.from_payloads(changed)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1] and "has type" in messages[0], messages
