@@ -888,8 +888,12 @@ def comm_by_rank(colls: pd.DataFrame, ops: pd.DataFrame, ranks=None) -> pd.DataF
     ``comm_wall_ms`` (wall time with at least one of them open: never more than the span), ``span_ms`` (from
     the rank's first recorded event to its last). ``ranks``: every rank to list (a rank without collectives
     has zeros)."""
-    keys = set(int(r) for r in colls["rank"]) | set(int(r) for r in ops["rank"]) | set(int(r) for r in (ranks or ()))
+    keys = set(int(r) for r in colls["rank"].unique()) | set(int(r) for r in ops["rank"].unique()) | \
+        set(int(r) for r in (ranks or ()))
     rows = []
+    # the columns read, then each rank's rows: a mask moves every column it is given (a big trace's cost)
+    colls = colls[["rank", "in_flight", "t_issue_ns", "t_done_ns", "bytes_sent", "bytes_recv", "duration_ms"]]
+    ops = ops[["rank", "t_start_ns", "t_end_ns"]]
     c_rank, o_rank = colls["rank"].to_numpy(), ops["rank"].to_numpy()
     for rank in sorted(keys):
         g = colls[c_rank == rank]

@@ -202,11 +202,12 @@ def _build_tables(trace: Trace) -> _Tables:
     # The summary's calls (get_op_summary: the user's own forward calls, depth 0, and every backward call),
     # its rows in the explorer's order: errors, then fallbacks (as their calls say), each in the summary's order.
     member = (ops["phase"] == "backward") | (ops["depth"] == 0)
-    worst = ops[member].groupby(["op", "path", "phase"])["kind_order"].min()
+    # the columns read, then the rows (a mask moves every column it is given)
+    worst = ops[["op", "path", "phase", "kind_order"]][member].groupby(["op", "path", "phase"])["kind_order"].min()
     order = [int(worst.get((o, p, ph), KIND_ORDER["op"])) for o, p, ph in zip(summary["op"], summary["path"], summary["phase"])]
     kind_of = {v: k for k, v in KIND_ORDER.items()}
     # calls whose result's spec disagrees with its local tensor (the recorder's spec check), per summary row
-    bad_spec = ops[member & ops["spec_mismatch"].notna()].groupby(["op", "path", "phase"]).size()
+    bad_spec = ops[["op", "path", "phase"]][member & ops["spec_mismatch"].notna()].groupby(["op", "path", "phase"]).size()
     summary = summary.assign(kind=[kind_of[o] for o in order], kind_order=order,
                              spec_mismatches=[int(bad_spec.get(k, 0)) for k in
                                               zip(summary["op"], summary["path"], summary["phase"])])
@@ -451,9 +452,12 @@ def sample_calls(calls: pd.DataFrame, trace_total: int, where: str = "") -> tupl
     >>> sample.shown == len(rows)
     True
     """
-    errors = calls[(calls["kind"] == "error").to_numpy()]
-    fallbacks = calls[(calls["kind"] == "fallback").to_numpy()]
-    others = calls[(calls["kind"] == "op").to_numpy()]
+    # the choice reads three columns: each mask and drop below moves only those (the wide rows are taken once, at the end)
+    chosen_from = calls[["kind", "key", "host_ms"]]
+    kind = chosen_from["kind"]
+    errors = chosen_from[(kind == "error").to_numpy()]
+    fallbacks = chosen_from[(kind == "fallback").to_numpy()]
+    others = chosen_from[(kind == "op").to_numpy()]
     keep_errors = errors.index[:BIG_ERRORS]
     keep_fallbacks = fallbacks.index[:BIG_FALLBACKS]
     slowest_keys = others.groupby("key", sort=False)["host_ms"].max().sort_values(ascending=False, kind="stable").index

@@ -146,12 +146,21 @@ def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
     return df.assign(hover=_op_hover(ops))[TIMELINE_COLUMNS]
 
 
+# The columns of get_ops() that an op span (op_span_frame, _lane_depths) and its hover text (_op_hover) read.
+OP_SOURCE_COLUMNS = ["rank", "seq", "parent_seq", "depth", "op", "path", "phase", "autograd_node", "module",
+                     "in_local_shapes", "out_local_shape", "in_bytes", "out_bytes", "t_start_ns", "t_end_ns", "host_ms",
+                     "error", "exc_type"]
+
+
 def _op_spans(trace: Trace, aggregate: bool | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``timeline_frame``'s rows without their hover text (its index: 0, 1, ...), and the rows of
-    ``get_ops()`` they come from, in the same order: a big trace's hover text is written only for what is drawn."""
+    ``get_ops()`` they come from, in the same order, with the columns ``OP_SOURCE_COLUMNS``: a big trace's hover
+    text is written only for what is drawn."""
+    # the columns the spans and their hover text read (a mask below moves each column it is given: a big trace's cost)
     ops = trace.get_ops()
     if ops.empty:
         return pd.DataFrame(columns=[c for c in TIMELINE_COLUMNS if c != "hover"]), ops
+    ops = ops[OP_SOURCE_COLUMNS]
     wide = ops["op"].isin(AUTOGRAD_ENTRY_OPS).to_numpy(dtype=bool)  # is_autograd_wide, on the column
     lane_depth = _lane_depths(ops)
     if aggregate is None:
@@ -464,14 +473,18 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
     collectives: comm time)."""
     import plotly.graph_objects as go
 
-    ov = pd.concat([timeline_overview(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
-                    timeline_overview(ops[ops["lane"] == "ops"], "ops", bins, x0, x1),
+    # each lane's spans taken once, with the columns the bins read
+    binned = ops[["rank", "start_ms", "end_ms", "category", "y"]]
+    lane = ops["lane"].to_numpy(dtype=object)
+    autograd_spans, op_spans = binned[lane == "autograd"], binned[lane == "ops"]
+    ov = pd.concat([timeline_overview(autograd_spans, "autograd", bins, x0, x1),
+                    timeline_overview(op_spans, "ops", bins, x0, x1),
                     timeline_overview(coll, "collectives", bins, x0, x1)])
-    busy = {**_busy_by_bin(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
-            **_busy_by_bin(ops[ops["lane"] == "ops"], "ops", bins, x0, x1),
+    busy = {**_busy_by_bin(autograd_spans, "autograd", bins, x0, x1),
+            **_busy_by_bin(op_spans, "ops", bins, x0, x1),
             **_busy_by_bin(coll, "collectives", bins, x0, x1)}
     op_cats = _op_categories(ops)
-    coll_cats = sorted(set(coll["category"]))
+    coll_cats = sorted(set(coll["category"].unique()))
     cats = op_cats + coll_cats
     colors = {c: _op_color(c) for c in op_cats}
     colors.update(collective_colors(coll_cats))
@@ -555,8 +568,8 @@ def detail_windows(ops: pd.DataFrame, coll: pd.DataFrame, n_windows: int = DETAI
     """
     starts = np.sort(np.concatenate([ops["start_ms"].to_numpy(float), coll["start_ms"].to_numpy(float)]))
     ends = np.sort(np.concatenate([ops["end_ms"].to_numpy(float), coll["end_ms"].to_numpy(float)]))
-    top = ops[ops["lane"] == "ops"] if len(ops) else ops
-    cand = pd.concat([top[["start_ms", "end_ms"]], coll[["start_ms", "end_ms"]]])
+    top = ops[["start_ms", "end_ms"]][(ops["lane"] == "ops").to_numpy(dtype=bool)] if len(ops) else ops[["start_ms", "end_ms"]]
+    cand = pd.concat([top, coll[["start_ms", "end_ms"]]])
     cand = cand.assign(d=cand["end_ms"] - cand["start_ms"]).sort_values("d", ascending=False, kind="stable")
     chosen: list[tuple[float, float]] = []
     for s0, e0, d in cand.head(50 * n_windows).itertuples(index=False, name=None):
@@ -777,7 +790,7 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
         _overview_figure(fig, ops, coll, ranks, bins, float(lo), float(hi))
         windows = detail_windows(ops, coll, DETAIL_WINDOWS, DETAIL_WINDOW_SPANS) \
             if len(ops) + len(coll) > OVERVIEW_ABOVE else []
-        op_cats, coll_cats = _op_categories(ops) if len(ops) else [], sorted(set(coll["category"]))
+        op_cats, coll_cats = _op_categories(ops) if len(ops) else [], sorted(set(coll["category"].unique()))
         colors = {c: _op_color(c) for c in op_cats}
         colors.update(collective_colors(coll_cats))
         zoom = zoom_events(ops, coll, op_cats + coll_cats, colors)
