@@ -676,7 +676,11 @@ def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], co
     name = np.concatenate([ops["op"].to_numpy(dtype=object), coll_names])
     coll_kinds = set(coll["category"].unique()) if len(coll) else set()
     order = np.argsort(start, kind="stable")
-    start, end, y, cat, name = start[order], np.maximum(end[order], start[order]), y[order], cat[order], name[order]
+    # each span's category as its index into ``categories``: looked up once per distinct category, then put in order
+    cat_index = {c: k for k, c in enumerate(categories)}
+    cat_codes, cat_values = pd.factorize(cat, use_na_sentinel=False)
+    cat_code = np.array([cat_index[c] for c in cat_values], dtype=np.int64)[cat_codes][order]
+    start, end, y, name = start[order], np.maximum(end[order], start[order]), y[order], name[order]
     origin = float(start[0])
     # 1 µs (what the hover shows: ms to 3 decimals) unless the trace is longer than 2**32 µs: fewer bits to deflate
     tick = max(float(end.max() - origin) / (2**32 - 2), 1e-3)
@@ -684,10 +688,9 @@ def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], co
     delta = np.diff(ticks, prepend=0).astype(np.uint32)
     duration = np.minimum(np.round((end - start) / tick), 2**32 - 1).astype(np.uint32)
     row_codes, rows = pd.factorize(np.round(y, 6))
-    cat_index = {c: k for k, c in enumerate(categories)}
     name_codes, names = pd.factorize(name)
     payload = b"".join(a.astype(a.dtype.newbyteorder("<")).tobytes() for a in (
-        delta, duration, row_codes.astype(np.uint16), pd.Series(cat).map(cat_index).to_numpy(dtype=np.uint8),
+        delta, duration, row_codes.astype(np.uint16), cat_code.astype(np.uint8),
         name_codes.astype(np.uint16)))
     return {"n": int(n), "origin_ms": origin, "tick_ms": tick, "rows": [float(v) for v in rows],
             "categories": [esc(c.replace("_", " ")) for c in categories],
