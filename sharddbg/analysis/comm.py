@@ -1061,6 +1061,11 @@ def _shard_elems_of(shapes, pls) -> int:
     return int(total)
 
 
+# The columns of get_collectives() that collective_mismatches, _may_mismatch and _mismatch_rows read.
+MISMATCH_COLUMNS_READ = [*MATCH_KEY, "rank", "kind", "mesh_dim", "group_ranks", "dtype", "bytes_sent", "bytes_recv", "root",
+                         "splits_sent", "splits_recv"]
+
+
 def collective_mismatches(colls: pd.DataFrame, traced_ranks=None) -> pd.DataFrame:
     """Collectives that do not line up across the ranks of their group.
 
@@ -1077,6 +1082,8 @@ def collective_mismatches(colls: pd.DataFrame, traced_ranks=None) -> pd.DataFram
     if colls.empty:
         return pd.DataFrame(columns=MISMATCH_COLUMNS)
     traced = None if traced_ranks is None else {int(r) for r in traced_ranks}
+    # the columns read here and in _mismatch_rows, then the sort: it moves every column it is given
+    colls = colls[[c for c in MISMATCH_COLUMNS_READ if c in colls.columns]]
     colls = colls.assign(_match=matched_collectives(colls)).sort_values(MATCH_KEY, kind="stable")
     # groups in order of first appearance (as groupby(sort=False)), each group's rows in the sorted order
     codes = pd.factorize(colls["_match"].to_numpy())[0]
