@@ -482,7 +482,10 @@ def call_chains(colls: pd.DataFrame, ops: pd.DataFrame) -> CallChains:
         last = ~pd.Series(o_key).duplicated(keep="last").to_numpy()
         o_key = o_key[last]
         o_parent = call_keys(ops["rank"], ops["parent_seq"])[last]
-        o_code, o_names = pd.factorize(ops["op"].to_numpy(dtype=object, na_value=None)[last], use_na_sentinel=False)
+        # the names factorized on the whole column (no Python object per row), every missing one as one name: None
+        all_codes, distinct = pd.factorize(ops["op"])
+        o_code = np.where(all_codes < 0, len(distinct), all_codes)[last]
+        o_names = [*np.asarray(distinct, dtype=object), None]
         index = pd.Index(o_key)
     else:
         o_parent, o_code, o_names, index = np.array([], dtype=np.int64), np.array([], dtype=np.int64), [], pd.Index([])

@@ -149,7 +149,7 @@ def table_min_width(columns: list, path_px: int = FLEXIBLE_MIN_PX) -> int:
 @dataclass(frozen=True)
 class _Tables:
     """The explorer's three tables, computed together (each needs the others' numbering)."""
-    calls: pd.DataFrame  # explorer_frame's rows (ROW_FIELDS)
+    calls: pd.DataFrame  # explorer_frame's rows (ROW_FIELDS), with each call's occurrence and CALL_IDENTITY
     summary: pd.DataFrame  # summary_frame
     groups: pd.DataFrame  # call_groups
 
@@ -257,10 +257,12 @@ def _build_tables(trace: Trace) -> _Tables:
                        "device_ms_min": _min(g["device_ms"]), "device_ms_max": _max(g["device_ms"])})
 
     ops["call_start"] = ops.groupby("key")["t_start_ns"].transform("min")  # one call's rows together, rank order
-    # the order found on the sort's columns, then the explorer's columns (ROW_FIELDS: all its readers need) taken once
+    # the order found on the sort's columns, then taken once: the explorer's columns, and what its call groups were
+    # found from (the call's occurrence, every field of CALL_IDENTITY)
     by = ["kind_order", "call_start", "key", "rank", "seq"]
     order = ops[by].reset_index(drop=True).sort_values(by, kind="stable").index.to_numpy()
-    ops = ops[ROW_FIELDS].take(order).reset_index(drop=True)
+    kept = ROW_FIELDS + ["occurrence"] + [f for f in CALL_IDENTITY if f not in ROW_FIELDS]
+    ops = ops[kept].take(order).reset_index(drop=True)
     return _Tables(ops, summary, pd.DataFrame(groups, columns=GROUP_FIELDS))
 
 
