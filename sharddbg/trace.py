@@ -126,6 +126,7 @@ class Trace:
         self._ops: pd.DataFrame | None = None
         self._collectives: pd.DataFrame | None = None
         self._fallbacks: dict[bool, pd.DataFrame] = {}  # get_fallbacks(include_metadata), built once each
+        self._errors: dict[bool, pd.DataFrame] = {}  # get_errors(include_propagated), built once each
         self._findings: list[Finding] | None = None  # worked out once: a trace does not change once built
         self._overview: TraceOverview | None = None
         if self.dropped:
@@ -483,7 +484,10 @@ class Trace:
         >>> t.get_errors()[["rank", "op", "exc_type", "handled", "location"]]
         >>> print(t.get_errors()["traceback"].iloc[0])
         """
-        return _ops.errors(self.get_ops(), include_propagated, self.get_cell_errors())
+        key = bool(include_propagated)
+        if key not in self._errors:  # the findings and the report's error list ask both: the trace does not change
+            self._errors[key] = _ops.errors(self.get_ops(), key, self.get_cell_errors())
+        return self._errors[key].copy()
 
     def get_cell_errors(self) -> pd.DataFrame:
         """The exception that ended the cell on each rank that raised (schema "error" records, since

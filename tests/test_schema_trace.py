@@ -127,6 +127,25 @@ def test_errors_and_promotions():
     assert p["param"].tolist() == ["conv1.weight", "conv1.bias"] and p["shape"].iloc[0] == (4, 3, 3, 3)
 
 
+def test_errors_built_once_per_trace_equal_the_analysis_and_never_another_traces():
+    """get_errors is kept per trace (the findings and the report's error list both ask): each call equals
+    analysis.ops.errors on that trace's tables, a caller changing its copy changes no later answer, and a trace
+    whose errors differ gets its own."""
+    from sharddbg.analysis.ops import errors
+
+    t = small_trace()
+    for propagated in (False, True):
+        expected = errors(t.get_ops(), propagated, t.get_cell_errors())
+        first = t.get_errors(include_propagated=propagated)
+        pd.testing.assert_frame_equal(first, expected)
+        first.loc[:, "message"] = "changed by the caller"
+        pd.testing.assert_frame_equal(t.get_errors(include_propagated=propagated), expected)
+    # another trace: rank 0's raising op left out, so it has no error of its own
+    quiet = Trace.from_payloads([payload(0, [op(1, "torch.conv2d")]), payload(1, [op(1, "torch.conv2d")])])
+    assert len(t.get_errors()) == 1 and quiet.get_errors().empty
+    pd.testing.assert_frame_equal(quiet.get_errors(), errors(quiet.get_ops(), False, quiet.get_cell_errors()))
+
+
 def test_save_load_round_trip(tmp_path):
     t = small_trace()
     path = t.save(tmp_path / "run.sdtrace.json")

@@ -482,7 +482,10 @@ def call_chains(colls: pd.DataFrame, ops: pd.DataFrame) -> CallChains:
         last = ~pd.Series(o_key).duplicated(keep="last").to_numpy()
         o_key = o_key[last]
         o_parent = call_keys(ops["rank"], ops["parent_seq"])[last]
-        o_code, o_names = pd.factorize(ops["op"].to_numpy(dtype=object, na_value=None)[last], use_na_sentinel=False)
+        # the names factorized on the whole column (no Python object per row), every missing one as one name: None
+        all_codes, distinct = pd.factorize(ops["op"])
+        o_code = np.where(all_codes < 0, len(distinct), all_codes)[last]
+        o_names = [*np.asarray(distinct, dtype=object), None]
         index = pd.Index(o_key)
     else:
         o_parent, o_code, o_names, index = np.array([], dtype=np.int64), np.array([], dtype=np.int64), [], pd.Index([])
@@ -888,8 +891,12 @@ def comm_by_rank(colls: pd.DataFrame, ops: pd.DataFrame, ranks=None) -> pd.DataF
     ``comm_wall_ms`` (wall time with at least one of them open: never more than the span), ``span_ms`` (from
     the rank's first recorded event to its last). ``ranks``: every rank to list (a rank without collectives
     has zeros)."""
-    keys = set(int(r) for r in colls["rank"]) | set(int(r) for r in ops["rank"]) | set(int(r) for r in (ranks or ()))
+    keys = set(int(r) for r in colls["rank"].unique()) | set(int(r) for r in ops["rank"].unique()) | \
+        set(int(r) for r in (ranks or ()))
     rows = []
+    # the columns read, then each rank's rows: a mask moves every column it is given (a big trace's cost)
+    colls = colls[["rank", "in_flight", "t_issue_ns", "t_done_ns", "bytes_sent", "bytes_recv", "duration_ms"]]
+    ops = ops[["rank", "t_start_ns", "t_end_ns"]]
     c_rank, o_rank = colls["rank"].to_numpy(), ops["rank"].to_numpy()
     for rank in sorted(keys):
         g = colls[c_rank == rank]
@@ -1057,6 +1064,11 @@ def _shard_elems_of(shapes, pls) -> int:
     return int(total)
 
 
+# The columns of get_collectives() that collective_mismatches, _may_mismatch and _mismatch_rows read.
+MISMATCH_COLUMNS_READ = [*MATCH_KEY, "rank", "kind", "mesh_dim", "group_ranks", "dtype", "bytes_sent", "bytes_recv", "root",
+                         "splits_sent", "splits_recv"]
+
+
 def collective_mismatches(colls: pd.DataFrame, traced_ranks=None) -> pd.DataFrame:
     """Collectives that do not line up across the ranks of their group.
 
@@ -1073,6 +1085,8 @@ def collective_mismatches(colls: pd.DataFrame, traced_ranks=None) -> pd.DataFram
     if colls.empty:
         return pd.DataFrame(columns=MISMATCH_COLUMNS)
     traced = None if traced_ranks is None else {int(r) for r in traced_ranks}
+    # the columns read here and in _mismatch_rows, then the sort: it moves every column it is given
+    colls = colls[[c for c in MISMATCH_COLUMNS_READ if c in colls.columns]]
     colls = colls.assign(_match=matched_collectives(colls)).sort_values(MATCH_KEY, kind="stable")
     # groups in order of first appearance (as groupby(sort=False)), each group's rows in the sorted order
     codes = pd.factorize(colls["_match"].to_numpy())[0]

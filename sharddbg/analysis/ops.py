@@ -573,7 +573,8 @@ def fallbacks(ops: pd.DataFrame, include_metadata: bool = False) -> pd.DataFrame
     """
     if ops.empty:
         return pd.DataFrame(columns=FALLBACK_COLUMNS)
-    fb = ops[is_fallback(ops, include_metadata)]
+    # the columns read, then the rows: a mask moves every column it is given (a big trace's cost)
+    fb = ops[["op", "path", "phase", "rank", "host_ms", "user_frame", "location"]][is_fallback(ops, include_metadata)]
     fwd = fb[fb["phase"] == "forward"].copy()
     bwd = fb[fb["phase"] == "backward"]
     if fwd.empty:

@@ -198,6 +198,12 @@ def _moved_text(moved: pd.DataFrame, calls: int) -> tuple[str, int]:
     return f"{', '.join(parts)} per call ({format_bytes(per_call)} received per call and rank)", per_call
 
 
+# The columns of get_ops() and get_collectives() that classify_calls, _moved and _moved_text read.
+CALL_COLUMNS_READ = ("op", "path", "rank", "seq", "in_placements", "in_global_shapes", "out_global_shape", "placements",
+                     "message", "exc_type")
+COLLECTIVE_COLUMNS_READ = ("rank", "phase", "op_seq", "outer_op_seq", "kind", "bytes_recv")
+
+
 def classified_fallbacks(ops: pd.DataFrame, collectives: pd.DataFrame | None,
                          include_metadata: bool = False) -> pd.DataFrame:
     """``analysis.ops.fallbacks`` with each row's patch family and its evidence (``FAMILY_COLUMNS``):
@@ -209,7 +215,10 @@ def classified_fallbacks(ops: pd.DataFrame, collectives: pd.DataFrame | None,
         out = pd.DataFrame(columns=CLASSIFIED_FALLBACK_COLUMNS)
         out["halo_width"] = out["halo_width"].astype("Int64")
         return out
-    calls_all = ops[is_fallback(ops, include_metadata) & (ops["phase"] == "forward")]
+    # the columns read (classify_calls, _moved, _moved_text), then the rows: a mask moves every column it is given
+    calls_all = ops[list(CALL_COLUMNS_READ)][is_fallback(ops, include_metadata) & (ops["phase"] == "forward")]
+    if collectives is not None and not collectives.empty:
+        collectives = collectives[list(COLLECTIVE_COLUMNS_READ)]
     fits = []
     for row in fb.itertuples(index=False):
         calls = calls_all[(calls_all["op"] == row.op) & (calls_all["path"] == row.path)]

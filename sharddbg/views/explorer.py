@@ -149,7 +149,7 @@ def table_min_width(columns: list, path_px: int = FLEXIBLE_MIN_PX) -> int:
 @dataclass(frozen=True)
 class _Tables:
     """The explorer's three tables, computed together (each needs the others' numbering)."""
-    calls: pd.DataFrame  # explorer_frame's rows, with the working columns
+    calls: pd.DataFrame  # explorer_frame's rows (ROW_FIELDS), with each call's occurrence and CALL_IDENTITY
     summary: pd.DataFrame  # summary_frame
     groups: pd.DataFrame  # call_groups
 
@@ -191,22 +191,32 @@ def _build_tables(trace: Trace) -> _Tables:
         ops = ops.sort_values(["rank", "seq"], kind="stable")  # get_ops() is in this order already: no sort
     ops["occurrence"] = ops.groupby(["rank", "phase", "op"], sort=False).cumcount()
     ops["key"] = ops["phase"] + "|" + ops["op"] + "|" + ops["occurrence"].astype(str)
+    fallback = is_fallback(ops).to_numpy(dtype=bool)
+    # an exception the user's code caught is no failure: only the others lead (handled: True / False / None), asked
+    # of the calls that raised only
+    raised = np.flatnonzero(ops["exc_type"].notna().to_numpy(dtype=bool))
+    handled = ops["error_handled"].to_numpy(dtype=object)[raised]
+    error = np.zeros(len(ops), dtype=bool)
+    error[raised[np.array([h is not True for h in handled], dtype=bool)]] = True
     ops["kind"] = "op"
-    ops.loc[is_fallback(ops), "kind"] = "fallback"
-    # an exception the user's code caught is no failure: only the others lead (handled: True / False / None)
-    ops.loc[ops["exc_type"].notna() & ops["error_handled"].map(lambda h: h is not True), "kind"] = "error"
+    ops.loc[fallback, "kind"] = "fallback"
+    ops.loc[error, "kind"] = "error"
     # the timeline's origin: the trace's first event
     ops["t_start_ms"] = (ops["t_start_ns"] - time_origin_ns(ops, trace.get_collectives())).astype(float) / 1e6
-    ops["kind_order"] = ops["kind"].map(KIND_ORDER)
+    kind_order = np.full(len(ops), KIND_ORDER["op"], dtype=np.int64)  # each call's kind, as KIND_ORDER numbers it
+    kind_order[fallback] = KIND_ORDER["fallback"]
+    kind_order[error] = KIND_ORDER["error"]
+    ops["kind_order"] = kind_order
 
     # The summary's calls (get_op_summary: the user's own forward calls, depth 0, and every backward call),
     # its rows in the explorer's order: errors, then fallbacks (as their calls say), each in the summary's order.
     member = (ops["phase"] == "backward") | (ops["depth"] == 0)
-    worst = ops[member].groupby(["op", "path", "phase"])["kind_order"].min()
+    # the columns read, then the rows (a mask moves every column it is given)
+    worst = ops[["op", "path", "phase", "kind_order"]][member].groupby(["op", "path", "phase"])["kind_order"].min()
     order = [int(worst.get((o, p, ph), KIND_ORDER["op"])) for o, p, ph in zip(summary["op"], summary["path"], summary["phase"])]
     kind_of = {v: k for k, v in KIND_ORDER.items()}
     # calls whose result's spec disagrees with its local tensor (the recorder's spec check), per summary row
-    bad_spec = ops[member & ops["spec_mismatch"].notna()].groupby(["op", "path", "phase"]).size()
+    bad_spec = ops[["op", "path", "phase"]][member & ops["spec_mismatch"].notna()].groupby(["op", "path", "phase"]).size()
     summary = summary.assign(kind=[kind_of[o] for o in order], kind_order=order,
                              spec_mismatches=[int(bad_spec.get(k, 0)) for k in
                                               zip(summary["op"], summary["path"], summary["phase"])])
@@ -214,9 +224,15 @@ def _build_tables(trace: Trace) -> _Tables:
     # each member call's summary row: (op, path, phase) looked up for all calls at once
     rows_index = pd.MultiIndex.from_arrays([summary["op"].astype(object), summary["path"].astype(object),
                                             summary["phase"].astype(object)])
-    at = rows_index.get_indexer(pd.MultiIndex.from_arrays([ops["op"].astype(object), ops["path"].astype(object),
-                                                           ops["phase"].astype(object)])) if len(rows_index) else \
-        np.full(len(ops), -1)
+    if len(rows_index):  # looked up once per distinct (op, path, phase): a million calls hold a few hundred
+        combo = ops.groupby(["op", "path", "phase"], sort=False, dropna=False).ngroup().to_numpy()
+        first = np.unique(combo, return_index=True)[1]
+        distinct = ops[["op", "path", "phase"]].iloc[first]
+        at = rows_index.get_indexer(pd.MultiIndex.from_arrays([distinct["op"].astype(object),
+                                                               distinct["path"].astype(object),
+                                                               distinct["phase"].astype(object)]))[combo]
+    else:
+        at = np.full(len(ops), -1)
     summary_row = pd.array(at, dtype="Int64")
     summary_row[(at < 0) | ~member.to_numpy(dtype=bool)] = pd.NA
     ops["summary_row"] = summary_row
@@ -241,7 +257,12 @@ def _build_tables(trace: Trace) -> _Tables:
                        "device_ms_min": _min(g["device_ms"]), "device_ms_max": _max(g["device_ms"])})
 
     ops["call_start"] = ops.groupby("key")["t_start_ns"].transform("min")  # one call's rows together, rank order
-    ops = ops.sort_values(["kind_order", "call_start", "key", "rank", "seq"], kind="stable").reset_index(drop=True)
+    # the order found on the sort's columns, then taken once: the explorer's columns, and what its call groups were
+    # found from (the call's occurrence, every field of CALL_IDENTITY)
+    by = ["kind_order", "call_start", "key", "rank", "seq"]
+    order = ops[by].reset_index(drop=True).sort_values(by, kind="stable").index.to_numpy()
+    kept = ROW_FIELDS + ["occurrence"] + [f for f in CALL_IDENTITY if f not in ROW_FIELDS]
+    ops = ops[kept].take(order).reset_index(drop=True)
     return _Tables(ops, summary, pd.DataFrame(groups, columns=GROUP_FIELDS))
 
 
@@ -451,9 +472,12 @@ def sample_calls(calls: pd.DataFrame, trace_total: int, where: str = "") -> tupl
     >>> sample.shown == len(rows)
     True
     """
-    errors = calls[(calls["kind"] == "error").to_numpy()]
-    fallbacks = calls[(calls["kind"] == "fallback").to_numpy()]
-    others = calls[(calls["kind"] == "op").to_numpy()]
+    # the choice reads three columns: each mask and drop below moves only those (the wide rows are taken once, at the end)
+    chosen_from = calls[["kind", "key", "host_ms"]]
+    kind = chosen_from["kind"]
+    errors = chosen_from[(kind == "error").to_numpy()]
+    fallbacks = chosen_from[(kind == "fallback").to_numpy()]
+    others = chosen_from[(kind == "op").to_numpy()]
     keep_errors = errors.index[:BIG_ERRORS]
     keep_fallbacks = fallbacks.index[:BIG_FALLBACKS]
     slowest_keys = others.groupby("key", sort=False)["host_ms"].max().sort_values(ascending=False, kind="stable").index

@@ -146,12 +146,21 @@ def timeline_frame(trace: Trace, aggregate: bool | None = None) -> pd.DataFrame:
     return df.assign(hover=_op_hover(ops))[TIMELINE_COLUMNS]
 
 
+# The columns of get_ops() that an op span (op_span_frame, _lane_depths) and its hover text (_op_hover) read.
+OP_SOURCE_COLUMNS = ["rank", "seq", "parent_seq", "depth", "op", "path", "phase", "autograd_node", "module",
+                     "in_local_shapes", "out_local_shape", "in_bytes", "out_bytes", "t_start_ns", "t_end_ns", "host_ms",
+                     "error", "exc_type"]
+
+
 def _op_spans(trace: Trace, aggregate: bool | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``timeline_frame``'s rows without their hover text (its index: 0, 1, ...), and the rows of
-    ``get_ops()`` they come from, in the same order: a big trace's hover text is written only for what is drawn."""
+    ``get_ops()`` they come from, in the same order, with the columns ``OP_SOURCE_COLUMNS``: a big trace's hover
+    text is written only for what is drawn."""
+    # the columns the spans and their hover text read (a mask below moves each column it is given: a big trace's cost)
     ops = trace.get_ops()
     if ops.empty:
         return pd.DataFrame(columns=[c for c in TIMELINE_COLUMNS if c != "hover"]), ops
+    ops = ops[OP_SOURCE_COLUMNS]
     wide = ops["op"].isin(AUTOGRAD_ENTRY_OPS).to_numpy(dtype=bool)  # is_autograd_wide, on the column
     lane_depth = _lane_depths(ops)
     if aggregate is None:
@@ -162,8 +171,8 @@ def _op_spans(trace: Trace, aggregate: bool | None) -> tuple[pd.DataFrame, pd.Da
     df = op_span_frame(ops, _time_origin(trace)).reset_index(drop=True)
     df["lane"] = np.where(wide, "autograd", "ops")
     df["y"] = df["rank"] + np.where(wide, AUTOGRAD_LANE, OP_LANE0 + LANE_STEP * np.minimum(lane_depth, MAX_LANES - 1))
-    labels = {o: esc(_label(o)) for o in df["op"].unique()}  # once per distinct name
-    df["label"] = df["op"].map(labels).tolist()
+    names, distinct = pd.factorize(df["op"], use_na_sentinel=False)  # each label made once per distinct name
+    df["label"] = np.array([esc(_label(o)) for o in distinct], dtype=object)[names].tolist()
     return df, ops
 
 
@@ -240,16 +249,16 @@ def _coll_spans(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame]:
     if df.empty:
         return pd.DataFrame(columns=[c for c in COLLECTIVE_SPAN_COLUMNS if c != "hover"]), colls
     df = df.reset_index(drop=True)
-    # once per distinct group (its ranks' list object and mesh dim): a big trace has a handful
-    texts: dict = {}
-    group = []
-    for g, m in zip(colls["group_ranks"].tolist(), colls["mesh_dim"].tolist()):
-        key = (id(g), m if isinstance(m, str) else None)
-        text = texts.get(key)
-        if text is None:
-            text = texts[key] = _group_text(g if isinstance(g, list) else None, m)
-        group.append(text)
-    df["group"] = group
+    # once per distinct group (its ranks' list object and mesh dim): a big trace has a handful; each row's group found
+    # on whole columns (its list object by its id, its mesh dim by its code), the text made from the group's first row
+    lists = colls["group_ranks"].to_numpy(dtype=object)
+    meshes = colls["mesh_dim"].to_numpy(dtype=object)
+    list_codes = pd.factorize(np.fromiter(map(id, lists), dtype=np.int64, count=len(lists)))[0]
+    mesh_codes = pd.factorize(colls["mesh_dim"])[0] + 1  # 0: missing
+    group = pd.factorize(list_codes * (int(mesh_codes.max()) + 1) + mesh_codes)[0]
+    first = np.unique(group, return_index=True)[1]
+    texts = np.array([_group_text(lists[i] if isinstance(lists[i], list) else None, meshes[i]) for i in first], dtype=object)
+    df["group"] = texts[group].tolist()
     df["group_seq"] = colls["group_seq"].astype(int).values
     df["collective"] = matched_collectives(colls).astype(int).values
     df["y"] = df["rank"] + COLL_LANE
@@ -464,14 +473,18 @@ def _overview_figure(fig, ops: pd.DataFrame, coll: pd.DataFrame, ranks: list[int
     collectives: comm time)."""
     import plotly.graph_objects as go
 
-    ov = pd.concat([timeline_overview(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
-                    timeline_overview(ops[ops["lane"] == "ops"], "ops", bins, x0, x1),
+    # each lane's spans taken once, with the columns the bins read
+    binned = ops[["rank", "start_ms", "end_ms", "category", "y"]]
+    lane = ops["lane"].to_numpy(dtype=object)
+    autograd_spans, op_spans = binned[lane == "autograd"], binned[lane == "ops"]
+    ov = pd.concat([timeline_overview(autograd_spans, "autograd", bins, x0, x1),
+                    timeline_overview(op_spans, "ops", bins, x0, x1),
                     timeline_overview(coll, "collectives", bins, x0, x1)])
-    busy = {**_busy_by_bin(ops[ops["lane"] == "autograd"], "autograd", bins, x0, x1),
-            **_busy_by_bin(ops[ops["lane"] == "ops"], "ops", bins, x0, x1),
+    busy = {**_busy_by_bin(autograd_spans, "autograd", bins, x0, x1),
+            **_busy_by_bin(op_spans, "ops", bins, x0, x1),
             **_busy_by_bin(coll, "collectives", bins, x0, x1)}
     op_cats = _op_categories(ops)
-    coll_cats = sorted(set(coll["category"]))
+    coll_cats = sorted(set(coll["category"].unique()))
     cats = op_cats + coll_cats
     colors = {c: _op_color(c) for c in op_cats}
     colors.update(collective_colors(coll_cats))
@@ -555,8 +568,8 @@ def detail_windows(ops: pd.DataFrame, coll: pd.DataFrame, n_windows: int = DETAI
     """
     starts = np.sort(np.concatenate([ops["start_ms"].to_numpy(float), coll["start_ms"].to_numpy(float)]))
     ends = np.sort(np.concatenate([ops["end_ms"].to_numpy(float), coll["end_ms"].to_numpy(float)]))
-    top = ops[ops["lane"] == "ops"] if len(ops) else ops
-    cand = pd.concat([top[["start_ms", "end_ms"]], coll[["start_ms", "end_ms"]]])
+    top = ops[["start_ms", "end_ms"]][(ops["lane"] == "ops").to_numpy(dtype=bool)] if len(ops) else ops[["start_ms", "end_ms"]]
+    cand = pd.concat([top, coll[["start_ms", "end_ms"]]])
     cand = cand.assign(d=cand["end_ms"] - cand["start_ms"]).sort_values("d", ascending=False, kind="stable")
     chosen: list[tuple[float, float]] = []
     for s0, e0, d in cand.head(50 * n_windows).itertuples(index=False, name=None):
@@ -657,13 +670,18 @@ def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], co
     start = np.concatenate([ops["start_ms"].to_numpy(float), coll["start_ms"].to_numpy(float)])
     end = np.concatenate([ops["end_ms"].to_numpy(float), coll["end_ms"].to_numpy(float)])
     y = np.concatenate([ops["y"].to_numpy(float), coll["y"].to_numpy(float)])
-    cat = np.concatenate([ops["category"].to_numpy(dtype=object), coll["category"].to_numpy(dtype=object)])
-    coll_names = (coll["kind"].astype(str) + " · from " + coll["op"].fillna(NO_OP).astype(str)).to_numpy(dtype=object) \
-        if len(coll) else np.array([], dtype=object)
-    name = np.concatenate([ops["op"].to_numpy(dtype=object), coll_names])
+    coll_names = coll["kind"].astype(str) + " · from " + coll["op"].fillna(NO_OP).astype(str) if len(coll) else \
+        pd.Series([], dtype=object)
     coll_kinds = set(coll["category"].unique()) if len(coll) else set()
     order = np.argsort(start, kind="stable")
-    start, end, y, cat, name = start[order], np.maximum(end[order], start[order]), y[order], cat[order], name[order]
+    # each span's category as its index into ``categories``: looked up once per distinct category
+    cat_codes, cat_values = _factorized_in_order([ops["category"], coll["category"]], order)
+    if (cat_codes < 0).any():
+        raise ValueError("zoom_events: a span without a category")
+    cat_index = {c: k for k, c in enumerate(categories)}
+    cat_code = np.array([cat_index[c] for c in cat_values], dtype=np.int64)[cat_codes]
+    name_codes, names = _factorized_in_order([ops["op"], coll_names], order)
+    start, end, y = start[order], np.maximum(end[order], start[order]), y[order]
     origin = float(start[0])
     # 1 µs (what the hover shows: ms to 3 decimals) unless the trace is longer than 2**32 µs: fewer bits to deflate
     tick = max(float(end.max() - origin) / (2**32 - 2), 1e-3)
@@ -671,10 +689,8 @@ def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], co
     delta = np.diff(ticks, prepend=0).astype(np.uint32)
     duration = np.minimum(np.round((end - start) / tick), 2**32 - 1).astype(np.uint32)
     row_codes, rows = pd.factorize(np.round(y, 6))
-    cat_index = {c: k for k, c in enumerate(categories)}
-    name_codes, names = pd.factorize(name)
     payload = b"".join(a.astype(a.dtype.newbyteorder("<")).tobytes() for a in (
-        delta, duration, row_codes.astype(np.uint16), pd.Series(cat).map(cat_index).to_numpy(dtype=np.uint8),
+        delta, duration, row_codes.astype(np.uint16), cat_code.astype(np.uint8),
         name_codes.astype(np.uint16)))
     return {"n": int(n), "origin_ms": origin, "tick_ms": tick, "rows": [float(v) for v in rows],
             "categories": [esc(c.replace("_", " ")) for c in categories],
@@ -684,6 +700,26 @@ def zoom_events(ops: pd.DataFrame, coll: pd.DataFrame, categories: list[str], co
             "groups": [("coll:" if c in coll_kinds else "op:") + c for c in categories],
             "names": [esc(v) for v in names], "columns": base64.urlsafe_b64encode(zlib.compress(payload, 6)).decode("ascii"),
             "draw_up_to": ZOOM_DRAW_SPANS, "bar_px": [9, 7]}
+
+
+def _factorized_in_order(parts: list[pd.Series], order: np.ndarray) -> tuple[np.ndarray, list]:
+    """What ``pd.factorize`` gives for the values of ``parts``, one part after the other, put in ``order``: each
+    value's code, numbered by first appearance in that order (-1 for a missing value), and the distinct values. Each
+    part is factorized on its own (a column of Arrow strings without a Python object per row), then the codes put in
+    order and numbered again."""
+    distinct: dict = {}
+    codes = []
+    for part in parts:
+        part_codes, part_values = pd.factorize(part)
+        remap = np.array([distinct.setdefault(v, len(distinct)) for v in part_values] + [-1], dtype=np.int64)
+        codes.append(remap[part_codes])  # -1 (missing) takes the last entry: -1
+    code = np.concatenate(codes)[order] if codes else np.array([], dtype=np.int64)
+    out = np.full(len(code), -1, dtype=np.int64)
+    present = code >= 0
+    renumbered, kept = pd.factorize(code[present])
+    out[present] = renumbered
+    values = list(distinct)
+    return out, [values[k] for k in kept]
 
 
 def _link_trace(links: pd.DataFrame, coll: pd.DataFrame, gl: bool):
@@ -777,7 +813,7 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
         _overview_figure(fig, ops, coll, ranks, bins, float(lo), float(hi))
         windows = detail_windows(ops, coll, DETAIL_WINDOWS, DETAIL_WINDOW_SPANS) \
             if len(ops) + len(coll) > OVERVIEW_ABOVE else []
-        op_cats, coll_cats = _op_categories(ops) if len(ops) else [], sorted(set(coll["category"]))
+        op_cats, coll_cats = _op_categories(ops) if len(ops) else [], sorted(set(coll["category"].unique()))
         colors = {c: _op_color(c) for c in op_cats}
         colors.update(collective_colors(coll_cats))
         zoom = zoom_events(ops, coll, op_cats + coll_cats, colors)
@@ -832,7 +868,9 @@ def plot_timeline(trace: Trace, *, aggregate: bool | None = None, time_range: tu
                "showgrid": False, "zeroline": False},
     )
     for r in ranks[1:]:
-        fig.add_hline(y=r - 0.5, line={"color": FIGURE_GRID, "width": 1})
+        # the shape add_hline would add (a line across the x axis's domain), without its look for empty subplots
+        fig.add_shape(type="line", x0=0, x1=1, xref="x domain", y0=r - 0.5, y1=r - 0.5, yref="y",
+                      line={"color": FIGURE_GRID, "width": 1})
     if r_inc := [r for r in ranks if r in trace.incomplete_ranks]:
         fig.add_annotation(text=f"incomplete ranks (timed out or sent nothing): {r_inc}", xref="paper", yref="paper",
                            x=1, y=1.08, showarrow=False, font={"color": FIGURE_ALERT})
