@@ -538,3 +538,45 @@ def test_a_rank_that_never_issued_a_collective_is_named_first():
     assert [f.kind for f in t.findings] == ["collective_missing", "collective_unfinished", "incomplete_ranks"]
     assert t.findings[0].sentence.startswith("rank 1 never issued the all_reduce rank 0 waited in (group_seq 0")
     assert t.findings[0].fix.startswith("the hang follows from it")
+
+
+def test_numpy_huge_page_advice_is_off_inside_the_big_table_blocks_and_put_back_after_the_last():
+    """Blocks on two threads that overlap without nesting: the advice stays off until the last one ends, then is put
+    back as it was (on, then off), never left changed."""
+    import threading
+
+    from sharddbg import columnar
+
+    switch = columnar._madvise_hugepage_switch()
+    assert switch is not None  # the numpy this project pins has it
+
+    def advised() -> bool:
+        was = switch(True)
+        switch(was)
+        return bool(was)
+
+    original = advised()
+    for before in (True, False):
+        switch(before)
+        first_in, second_in, first_may_leave = threading.Event(), threading.Event(), threading.Event()
+        seen = {}
+
+        def first():
+            with columnar.numpy_huge_pages_unadvised():
+                seen["first"] = advised()
+                first_in.set()
+                second_in.wait(10)
+            seen["after first"] = advised()
+            first_may_leave.set()
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        first_in.wait(10)
+        with columnar.numpy_huge_pages_unadvised():
+            second_in.set()
+            first_may_leave.wait(10)  # the first block ended while this one runs
+            seen["second"] = advised()
+        thread.join(10)
+        assert seen == {"first": False, "after first": False, "second": False}
+        assert advised() is before
+    switch(original)

@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 
 from ..schema import COLLECTIVE_FIELDS
-from .formatting import cyclic_gc_paused, format_location
+from .formatting import cyclic_gc_paused, format_location, numpy_huge_pages_unadvised
 from .ops import (NO_OP, arrow_or_json_column, inferred_column, json_column, locations_of_columns,
                   offsets_per_row)
 
@@ -86,7 +86,7 @@ def collectives_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int,
 
     Read a column at a time, as ``ops.ops_frame``: exactly the table ``collectives_frame_by_record`` builds a
     row at a time."""
-    with cyclic_gc_paused():
+    with cyclic_gc_paused(), numpy_huge_pages_unadvised():
         return _collectives_frame(rows_by_rank, offsets_ns)
 
 
@@ -148,7 +148,7 @@ def collectives_frame_from_columns(table: Any, offsets_ns: dict[int, int]) -> pd
         table = table.filter(pa.array(~stopped))
     if not table.num_rows:
         return collectives_frame({}, offsets_ns)
-    with cyclic_gc_paused():
+    with cyclic_gc_paused(), numpy_huge_pages_unadvised():
         columns = COLLECTIVE_COLUMNS + COLLECTIVE_EXTRA_COLUMNS
         n = table.num_rows
         rank = table.column("rank").to_numpy()

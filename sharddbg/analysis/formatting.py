@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from ..columnar import cyclic_gc_paused  # noqa: F401 - the analyses' callers name it here
+from ..columnar import cyclic_gc_paused, numpy_huge_pages_unadvised  # noqa: F401 - the analyses' callers name them here
 
 
 def is_missing(v) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from ..schema import CELL_ERROR_FIELDS, FALLBACK_PATHS, OP_FIELDS
-from .formatting import cyclic_gc_paused, format_location
+from .formatting import cyclic_gc_paused, format_location, numpy_huge_pages_unadvised
 
 # what tables call the place of a collective or an exception outside every recorded op
 NO_OP = "<outside recorded ops>"
@@ -89,7 +89,7 @@ def ops_frame(rows_by_rank: dict[int, list[dict]], offsets_ns: dict[int, int]) -
     records in one pass, what is derived from several fields (the error's parts, the location) is worked out
     once per distinct value, and the times move by the offsets as whole arrays. The table is exactly the one
     ``ops_frame_by_record`` builds a row at a time."""
-    with cyclic_gc_paused():
+    with cyclic_gc_paused(), numpy_huge_pages_unadvised():
         return _ops_frame(rows_by_rank, offsets_ns)
 
 
@@ -167,7 +167,7 @@ def ops_frame_from_columns(table: Any, offsets_ns: dict[int, int]) -> pd.DataFra
     """
     if not table.num_rows:
         return ops_frame({}, offsets_ns)
-    with cyclic_gc_paused():
+    with cyclic_gc_paused(), numpy_huge_pages_unadvised():
         return _ops_frame_from_columns(table, offsets_ns)
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 
+from ..columnar import numpy_huge_pages_unadvised
 from ..files import refuse_folder, write_file_atomically
 from ..views.comm import plot_comm_by_op
 from ..views.common import (FINDING_CATEGORY_TITLES, SEVERITY_MARKS, error_entries, fallback_table, json_for_script, json_text_for_script,
@@ -37,9 +38,14 @@ def to_html(trace: Trace, path: str | os.PathLike, *, title: str | None = None, 
     """Write the report for ``trace`` to ``path`` (one self-contained HTML file). Returns the path. The file
     appears whole or not at all (``sharddbg.files.write_file_atomically``). ``max_rows``: the explorer's calls
     (``views.explorer.explorer_data``: by default all of a small trace's, a bounded sample of a big one's)."""
+    path = refuse_folder(path, "report.html")  # before the seconds spent making the report
+    with numpy_huge_pages_unadvised():  # a big trace's report makes many big arrays: see there
+        return _write_report(trace, path, title, max_rows)
+
+
+def _write_report(trace: Trace, path: str, title: str | None, max_rows: int | None) -> str:
     import plotly.io as pio
 
-    path = refuse_folder(path, "report.html")  # before the seconds spent making the report
     ops = trace.get_ops()
     title = title or "sharddbg trace report"
     figs = [("timeline", plot_timeline(trace)), ("comm", plot_comm_by_op(trace)), ("imbalance", plot_imbalance(trace))]
