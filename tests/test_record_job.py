@@ -159,6 +159,54 @@ def _collective_counts(t) -> pd.DataFrame:
             .sort_index())
 
 
+# ---- a rank whose clock is another: measured ------------------------------------------------------------
+CLOCK_JOB = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.ones(4)
+for _ in range(5):
+    dist.all_reduce(x)
+dist.destroy_process_group()
+"""
+# rank 1 in a time namespace of its own whose monotonic clock is 3 s ahead (util-linux's unshare; needs the right
+# to make namespaces); the others run as they are
+CLOCK_SHIFT_S = 3
+IN_ANOTHER_CLOCK = f"""#!/bin/sh
+if [ "$LOCAL_RANK" = "1" ]; then exec unshare --time --monotonic {CLOCK_SHIFT_S} --fork --kill-child "$@"; fi
+exec "$@"
+"""
+
+
+def test_a_rank_that_reads_another_clock_is_measured_and_lined_up(tmp_path):
+    """Rank 1 runs in another time namespace, its monotonic clock 3 s ahead of the others': it does not read rank 0's
+    clock, so it is measured through the store (the others' offsets are known); its offset is the shift within the
+    measurement's uncertainty, and its collectives line up with the others' once the offsets are taken off."""
+    probe = subprocess.run(["unshare", "--time", "--monotonic", "1", "--fork", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this machine cannot make a time namespace (unshare: {probe.stderr.strip()})")
+    (tmp_path / "clock_job.py").write_text(CLOCK_JOB)
+    wrapper = tmp_path / "in_another_clock.sh"
+    wrapper.write_text(IN_ANOTHER_CLOCK)
+    wrapper.chmod(0o755)
+    folder = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "sharddbg.cli", "record", "--out", str(folder), "--", TORCHRUN, "--standalone",
+         "--nproc-per-node", "3", "--no-python", str(wrapper), sys.executable, str(tmp_path / "clock_job.py")],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=str(tmp_path), stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job = job_files.read_job(str(folder))
+    clocks = {rank: (s.clock_offset_ns, s.clock_uncertainty_ns) for rank, s in job.ranks.items()}
+    assert clocks[0] == clocks[2] == (0, 0), clocks
+    offset, uncertainty = clocks[1]
+    assert 0 < uncertainty < 50_000_000, clocks
+    assert abs(offset - CLOCK_SHIFT_S * 1_000_000_000) <= uncertainty, clocks
+    t = sharddbg.load_trace(folder)
+    raw = {r: [ev["t_done_ns"] for ev in t.events(r) if ev["kind"] == "collective"] for r in t.ranks}
+    assert abs(raw[1][0] - raw[0][0] - CLOCK_SHIFT_S * 1_000_000_000) < 1_000_000_000  # the stamps are 3 s apart
+    done_ns = t.get_collectives().groupby("group_seq")["t_done_ns"]
+    assert len(done_ns) == 5 and (done_ns.max() - done_ns.min()).max() < 200_000_000  # and line up once moved
+
+
 # ---- a window of steps, the same as the notebook ------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -178,9 +226,9 @@ def test_a_window_of_steps_records_what_the_notebook_records_of_the_same_code(wi
         assert events[0] is markers[0]
     job = job_files.read_job(str(window_run.folder))
     assert {s.header["steps"][0] for s in job.ranks.values()} == {2}
-    # the clock: every rank measured against rank 0 through the store (one host: the same monotonic clock)
+    # the clock: every rank reads rank 0's own monotonic clock (one host), so its offset is known, not measured
     for rank, s in job.ranks.items():
-        assert s.clock_uncertainty_ns is not None and abs(s.clock_offset_ns) <= 5_000_000 + s.clock_uncertainty_ns
+        assert (s.clock_offset_ns, s.clock_uncertainty_ns) == (0, 0), (rank, s.clock_offset_ns, s.clock_uncertainty_ns)
     # plain DTensor ops were recorded with their own paths, their collectives attributed to them
     ops = t.get_ops()
     assert {"dtensor_propagation", "dtensor_redistribute"} <= set(ops["path"])

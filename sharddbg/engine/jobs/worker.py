@@ -5,8 +5,9 @@
   job has them (block k is step k: the recording runs from the start of block A to the end of block B). The
   recorder is installed when step A begins and removed when step B ends: outside the window nothing of
   sharddbg runs but one counter per optimizer step.
-- **Clock**: when ``torch.distributed.init_process_group`` returns, each rank measures its clock against rank
-  0's through the group's own store (a few round trips, no collective), and writes it into its stream.
+- **Clock**: when ``torch.distributed.init_process_group`` returns, each rank takes its clock against rank 0's
+  through the group's own store (no collective) and writes it into its stream: known where the two read one
+  monotonic clock (rank 0's host), else measured by a few round trips.
 - **Hangs**: a background thread flushes the stream every ``flush_every_s`` and watches the collectives in
   flight; one not done after ``hang_after_s`` makes the rank write where it is (stack, Flight Recorder,
   groups) and leave a marker in the job's folder, on which every other rank writes where it is too. The job
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import sys
@@ -212,7 +214,11 @@ class JobRecording:
 
     def measure_clock(self, rounds: int = 5, timeout_s: float = 10.0) -> None:
         """This rank's clock against rank 0's through the default group's store, written as a ``clock`` line.
-        Rank 0 answers each rank's pings in rank order; the best round trip of ``rounds`` is kept."""
+
+        Rank 0 says which monotonic clock it reads (``clock.reading()``). A rank that reads the same one (rank 0's
+        host: one boot, one time namespace) knows its offset exactly, what the two sharddbg clocks add to it
+        (uncertainty 0); any other is measured: rank 0 answers each such rank's pings in rank order, and the best
+        round trip of ``rounds`` is kept."""
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -226,12 +232,29 @@ class JobRecording:
         prefix = f"sharddbg/clock/{self.settings.run_id}"
         wait = timedelta(seconds=timeout_s)
         if rank == 0:
+            store.set(f"{prefix}/reference", json.dumps(clock.reading()))
             for other in range(1, world):
+                store.wait([f"{prefix}/{other}/how"], wait)
+                if store.get(f"{prefix}/{other}/how") == b"known":
+                    continue
                 for i in range(rounds):
                     store.wait([f"{prefix}/{other}/ping/{i}"], wait)
                     store.set(f"{prefix}/{other}/pong/{i}", str(clock.now_ns()))
             self.stream.write_lines([{"clock": {"offset_ns": 0, "uncertainty_ns": 0, "reference_rank": 0}}])
             return
+        store.wait([f"{prefix}/reference"], wait)
+        reference = json.loads(store.get(f"{prefix}/reference"))
+        mine = clock.reading()
+        # one clock: the same name, and rank 0's reading (made before this rank read it) not later than this one's
+        if (mine["domain"] is not None and mine["domain"] == reference.get("domain")
+                and int(reference["now_ns"]) - int(reference["injected_offset_ns"])
+                <= mine["now_ns"] - mine["injected_offset_ns"]):
+            store.set(f"{prefix}/{rank}/how", "known")
+            self.stream.write_lines([{"clock": {
+                "offset_ns": mine["injected_offset_ns"] - int(reference["injected_offset_ns"]), "uncertainty_ns": 0,
+                "reference_rank": 0}}])
+            return
+        store.set(f"{prefix}/{rank}/how", "measured")
         best = None
         for i in range(rounds):
             t0 = clock.now_ns()
