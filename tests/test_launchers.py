@@ -111,6 +111,42 @@ def test_mpi_launcher_runs_traces_recovers_and_stops_clean():
     assert not (registry.clusters_dir() / f"{cluster_id}.json").exists()
 
 
+def test_an_engine_that_reads_another_clock_is_measured_and_its_events_lined_up(tmp_path):
+    """mpiexec starts rank 1's engine in a time namespace of its own whose monotonic clock is 3 s ahead (util-linux's
+    unshare, through the launcher's ``remote_python``): rank 0 reads the client's clock and its offset is known;
+    rank 1 does not, and is measured by round trips: 3 s within their uncertainty. A traced cell's collectives, 3 s
+    apart as stamped, line up once the offsets are taken off."""
+    shift_s = 3
+    probe = subprocess.run(["unshare", "--time", "--monotonic", "1", "--fork", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this machine cannot make a time namespace (unshare: {probe.stderr.strip()})")
+    python = tmp_path / "python_in_its_clock"
+    python.write_text(f"""#!/bin/sh
+if [ "$PMI_RANK" = "1" ]; then exec unshare --time --monotonic {shift_s} --fork --kill-child {sys.executable} "$@"; fi
+exec {sys.executable} "$@"
+""")
+    python.chmod(0o755)
+    cl = sharddbg.Cluster(n=2, mesh={"ddp": 1, "domain": 2}, launcher="mpi", timeout=120, start_timeout=300,
+                          launcher_config={"remote_python": str(python)})
+    cl.start()
+    try:
+        assert cl.eval("__import__('time').monotonic()")[1] - time.monotonic() > shift_s - 1
+        offsets = cl.clock_offsets()
+        assert offsets[0] == {"offset_ns": 0, "uncertainty_ns": 0}
+        assert 0 < offsets[1]["uncertainty_ns"] < 50_000_000
+        assert abs(offsets[1]["offset_ns"] - shift_s * 1_000_000_000) <= offsets[1]["uncertainty_ns"]
+        t = cl.trace("x = torch.ones(4)\nfor _ in range(5):\n    dist.all_reduce(x)", display=False)
+        assert t.meta["clock_uncertainty_ns"]["0"] == 0 and t.meta["clock_uncertainty_ns"]["1"] > 0
+        raw = {r: [ev["t_done_ns"] for ev in t.events(r) if ev["kind"] == "collective"] for r in t.ranks}
+        assert abs(raw[1][0] - raw[0][0] - shift_s * 1_000_000_000) < 1_000_000_000  # stamped 3 s apart
+        done_ns = t.get_collectives().groupby("group_seq")["t_done_ns"]
+        assert len(done_ns) == 5 and (done_ns.max() - done_ns.min()).max() < 200_000_000  # lined up
+        pids = processes_of(cl)
+    finally:
+        cl.stop()
+    assert_all_gone(pids)
+
+
 # ------------------------------------------------------------------ ssh to this machine, through its own sshd
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
