@@ -70,8 +70,7 @@ class ControlChannel:
     def _offsets_known(self, ranks: list[int], timeout: float) -> dict[int, dict]:
         """The offsets of the ``ranks`` that read this process's own monotonic clock (see ``clock_offsets``), from
         one request to every rank at once."""
-        here = clock.domain()
-        if here is None:
+        if clock.domain() is None:  # no clock of this process can be named: nothing to ask
             return {}
         t0 = time.monotonic_ns()
         try:
@@ -81,14 +80,8 @@ class ControlChannel:
             raise ClusterError(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} did not answer "
                                f"a clock request within {timeout:g} s") from exc
         t1 = time.monotonic_ns()
-        known = {}
-        for rank, reading in readings.items():
-            added = reading.get("injected_offset_ns")
-            # the reading must fall within the round trip: a clock that says it is this one but is not (a process
-            # that changed its clock some other way) is measured instead
-            if reading.get("domain") == here and type(added) is int and t0 <= int(reading["now_ns"]) - added <= t1:
-                known[rank] = {"offset_ns": added, "uncertainty_ns": 0}
-        return known
+        added = {rank: clock.added_on_this_clock(reading, t0, t1) for rank, reading in readings.items()}
+        return {rank: {"offset_ns": a, "uncertainty_ns": 0} for rank, a in added.items() if a is not None}
 
     # ------------------------------------------------------------------ uses
     def diagnose(self, ranks, timeout: float = 5.0, brief: bool = False) -> dict[int, dict | None]:

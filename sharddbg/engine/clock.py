@@ -66,3 +66,19 @@ def reading() -> dict:
     """This process's clock now, for the client's offset: ``now_ns`` (sharddbg's clock), ``domain`` (``domain()``:
     which monotonic clock it is made from) and ``injected_offset_ns`` (what it adds to that clock)."""
     return {"now_ns": now_ns(), "domain": domain(), "injected_offset_ns": _offset_ns}
+
+
+def added_on_this_clock(other: dict, earliest_ns: int | None, latest_ns: int) -> int | None:
+    """What another process's clock adds to this process's ``time.monotonic_ns``, where the two read one monotonic
+    clock: ``other`` is its ``reading()``, taken between ``earliest_ns`` and ``latest_ns`` of this process's
+    ``time.monotonic_ns`` (``earliest_ns`` None: at any time before ``latest_ns``). None where it reads another
+    clock (another host or time namespace, a name not readable here), or where its reading falls outside that window:
+    a clock that says it is this one but is not (shifted some other way) is measured instead."""
+    here = domain()
+    added = other.get("injected_offset_ns")
+    if here is None or other.get("domain") != here or type(added) is not int:
+        return None
+    monotonic = int(other["now_ns"]) - added
+    if monotonic > latest_ns or (earliest_ns is not None and monotonic < earliest_ns):
+        return None
+    return added

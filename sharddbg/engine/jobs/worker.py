@@ -243,16 +243,13 @@ class JobRecording:
             self.stream.write_lines([{"clock": {"offset_ns": 0, "uncertainty_ns": 0, "reference_rank": 0}}])
             return
         store.wait([f"{prefix}/reference"], wait)
-        reference = json.loads(store.get(f"{prefix}/reference"))
-        mine = clock.reading()
-        # one clock: the same name, and rank 0's reading (made before this rank read it) not later than this one's
-        if (mine["domain"] is not None and mine["domain"] == reference.get("domain")
-                and int(reference["now_ns"]) - int(reference["injected_offset_ns"])
-                <= mine["now_ns"] - mine["injected_offset_ns"]):
+        # rank 0's reading was made before this rank read it
+        reference_added = clock.added_on_this_clock(json.loads(store.get(f"{prefix}/reference")), None,
+                                                    time.monotonic_ns())
+        if reference_added is not None:
             store.set(f"{prefix}/{rank}/how", "known")
-            self.stream.write_lines([{"clock": {
-                "offset_ns": mine["injected_offset_ns"] - int(reference["injected_offset_ns"]), "uncertainty_ns": 0,
-                "reference_rank": 0}}])
+            self.stream.write_lines([{"clock": {"offset_ns": clock.reading()["injected_offset_ns"] - reference_added,
+                                                "uncertainty_ns": 0, "reference_rank": 0}}])
             return
         store.set(f"{prefix}/{rank}/how", "measured")
         best = None
